@@ -5,13 +5,18 @@ a sparse low-rank student (Song & Sun) and deep kernels on probabilistic embeddi
 et al.), as ordinary GPyTorch modules that run on CPU and CUDA.
 """
 
-from gpsd import data
+from gpsd import data, distillation, kernels, linalg, means
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["data"]
+__all__ = ["data", "distillation", "kernels", "linalg", "means"]
 
 # --- self-distillation for regression (issue 2) ---
-# --- classification: likelihood, Laplace, GPC distillation (issue 3) ---
-# --- kernel distillation (issue 4) ---
-# --- DPKL (issue 5) ---
+from gpsd.distillation import DataCentricGPR, DistributionCentricGPR  # noqa: E402
+from gpsd.kernels import PosteriorKernel  # noqa: E402
+from gpsd.means import PosteriorMean  # noqa: E402
+
+__all__ += ["DataCentricGPR", "DistributionCentricGPR", "PosteriorKernel", "PosteriorMean"]
+# --- classification: likelihood, Laplace, GPC distillation (issue 3) ---  (import here, silencing E402, and extend: __all__ += [...])
+# --- kernel distillation (issue 4) ---  (import here, silencing E402, and extend: __all__ += [...])
+# --- DPKL (issue 5) ---  (import here, silencing E402, and extend: __all__ += [...])

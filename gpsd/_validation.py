@@ -32,7 +32,9 @@ def as_float_tensor(
         try:
             tensor = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(f"{name} must be a tensor or array-like of numbers, got {type(value)}") from err
+            raise TypeError(
+                f"{name} must be a tensor or array-like of numbers, got {type(value)}"
+            ) from err
     if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64, torch.bool)):
         raise TypeError(f"{name} must hold real numbers, got dtype {tensor.dtype}")
     if dtype is None:

@@ -39,8 +39,12 @@ def test_raw_shapes_and_labels(name):
 def test_standardisation_uses_train_split_only():
     split = load_dataset("concrete", seed=3)
     assert split.train_x.shape[0] + split.test_x.shape[0] == 1030
-    torch.testing.assert_close(split.train_x.mean(0), torch.zeros(8, dtype=torch.float64), atol=1e-12, rtol=0)
-    torch.testing.assert_close(split.train_y.mean(), torch.tensor(0.0, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        split.train_x.mean(0), torch.zeros(8, dtype=torch.float64), atol=1e-12, rtol=0
+    )
+    torch.testing.assert_close(
+        split.train_y.mean(), torch.tensor(0.0, dtype=torch.float64), atol=1e-12, rtol=0
+    )
     # The test split is standardised with train moments, so its mean is not exactly 0.
     assert abs(float(split.test_y.mean())) > 1e-6
     # rmse is reported in original units.

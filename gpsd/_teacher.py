@@ -1,0 +1,75 @@
+"""A frozen copy of a trained exact GP's posterior: the shared state of PosteriorMean/Kernel."""
+
+from __future__ import annotations
+
+import copy
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.likelihoods import _GaussianLikelihoodBase
+from gpytorch.models import ExactGP
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from torch import Tensor
+
+
+def frozen_copy(module: gpytorch.Module) -> gpytorch.Module:
+    """A deep copy of ``module`` whose parameters do not require gradients."""
+    clone = copy.deepcopy(module)
+    for p in clone.parameters():
+        p.requires_grad_(False)
+    return clone.eval()
+
+
+def teacher_posterior(teacher: ExactGP) -> dict[str, object]:
+    r"""Everything needed to evaluate a trained teacher's posterior at new inputs.
+
+    Returns frozen copies of the teacher's ``mean_module`` and ``covar_module``, its training
+    inputs :math:`\mathbf X`, the Cholesky factor :math:`\mathbf L` of
+    :math:`\mathbf K_{XX} + \boldsymbol\Sigma_\text{noise}` and
+    :math:`\mathbf a = (\mathbf K_{XX} + \boldsymbol\Sigma_\text{noise})^{-1}(\mathbf y - m(\mathbf X))`.
+    """
+    if not isinstance(teacher, ExactGP):
+        raise TypeError(f"teacher must be a gpytorch.models.ExactGP, got {type(teacher).__name__}")
+    if not isinstance(teacher.likelihood, _GaussianLikelihoodBase):
+        raise ValueError(
+            "teacher.likelihood must be a Gaussian likelihood (GaussianLikelihood or "
+            f"FixedNoiseGaussianLikelihood), got {type(teacher.likelihood).__name__}"
+        )
+    if teacher.train_inputs is None or teacher.train_targets is None:
+        raise ValueError("teacher has no training data: call teacher.set_train_data(x, y) first")
+    for name in ("mean_module", "covar_module"):
+        if not isinstance(getattr(teacher, name, None), gpytorch.Module):
+            raise ValueError(f"teacher must define {name} (the GPyTorch convention)")
+    mean_module = frozen_copy(teacher.mean_module)
+    covar_module = frozen_copy(teacher.covar_module)
+    x = teacher.train_inputs[0].detach()
+    y = teacher.train_targets.detach()
+    with torch.no_grad():
+        prior_mean = mean_module(x)
+        prior = MultivariateNormal(prior_mean, covar_module(x))
+        marginal = teacher.likelihood.marginal(prior, x)
+        covariance = marginal.covariance_matrix
+        chol = psd_safe_cholesky(covariance)
+        weights = torch.cholesky_solve((y - prior_mean).unsqueeze(-1), chol).squeeze(-1)
+    return {
+        "mean_module": mean_module,
+        "covar_module": covar_module,
+        "train_inputs": x,
+        "cholesky": chol,
+        "weights": weights,
+    }
+
+
+def check_inputs(x: Tensor, train_inputs: Tensor, name: str = "x") -> None:
+    """Same device and feature dimension as the teacher's training inputs."""
+    if x.device != train_inputs.device:
+        raise ValueError(
+            f"{name} is on {x.device} but the teacher's factorisation is on "
+            f"{train_inputs.device}; move the module with .to(device)"
+        )
+    if x.shape[-1] != train_inputs.shape[-1]:
+        raise ValueError(
+            f"{name} must have {train_inputs.shape[-1]} features like the teacher's training "
+            f"inputs, got shape {tuple(x.shape)}"
+        )

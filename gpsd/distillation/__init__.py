@@ -1,0 +1,11 @@
+"""Self-distillation of GP regression and classification (Borup & Andersen)."""
+
+from gpsd.distillation._common import ExactGPFromModules, RegressionPath
+
+# --- regression (issue 2) ---
+from gpsd.distillation.data_centric_gpr import DataCentricGPR
+from gpsd.distillation.distribution_centric_gpr import DistributionCentricGPR
+
+__all__ = ["DataCentricGPR", "DistributionCentricGPR", "ExactGPFromModules", "RegressionPath"]
+
+# --- classification (issue 3) ---  (import here and extend with: __all__ += [...])

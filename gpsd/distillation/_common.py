@@ -1,0 +1,149 @@
+"""Shared plumbing of the regression distillers: validation, backends, caching."""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.likelihoods import GaussianLikelihood
+from gpytorch.models import ExactGP
+from gpytorch.utils.warnings import NumericalWarning
+from torch import Tensor
+
+from gpsd._validation import as_float_tensor, check_finite, check_matrix, check_vector
+from gpsd.linalg import BACKENDS, KernelSpectrum, ShiftedCholesky, choose_backend
+
+
+class RegressionPath(NamedTuple):
+    """Predictions for every distillation step at once.
+
+    ``mean`` and ``variance`` have shape ``(*batch, T, M)``: one row per step ``t = 1..T``.
+    ``covariance`` (``(*batch, T, M, M)``) is present only when asked for.
+    """
+
+    mean: Tensor
+    variance: Tensor
+    covariance: Tensor | None = None
+
+
+def validate_gamma(gamma: object, like: Tensor, name: str = "gamma") -> Tensor:
+    """A noise schedule as a tensor of shape ``(*s, T)``, strictly positive and finite."""
+    gamma = as_float_tensor(gamma, name, dtype=like.dtype, device=like.device)
+    if gamma.dim() == 0:
+        gamma = gamma.reshape(1)
+    if gamma.numel() == 0:
+        raise ValueError(f"{name} must hold at least one noise value, got an empty schedule")
+    if torch.isnan(gamma).any() or not (gamma > 0).all() or torch.isinf(gamma).any():
+        raise ValueError(f"{name} must be strictly positive and finite, got {gamma.tolist()}")
+    return gamma
+
+
+def validate_training_data(train_x: object, train_y: object) -> tuple[Tensor, Tensor]:
+    """``train_x`` as ``(*b, N, d)`` and ``train_y`` as ``(*b, N)``, finite, matching N."""
+    train_x = as_float_tensor(train_x, "train_x")
+    train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype, device=train_x.device)
+    train_x = check_matrix(train_x, "train_x")
+    train_y = check_vector(train_y, "train_y", n=train_x.shape[-2])
+    return train_x, train_y
+
+
+def validate_test_x(test_x: object, train_x: Tensor) -> Tensor:
+    """``test_x`` as ``(*b, M, d)`` on the training data's device with matching ``d``."""
+    if isinstance(test_x, Tensor) and test_x.device != train_x.device:
+        raise ValueError(
+            f"test_x is on {test_x.device} but the training data is on {train_x.device}; "
+            "move them to the same device"
+        )
+    test_x = as_float_tensor(test_x, "test_x", dtype=train_x.dtype, device=train_x.device)
+    if test_x.dim() == 1 and train_x.shape[-1] == 1:
+        test_x = test_x.unsqueeze(-1)
+    if test_x.dim() < 2 or test_x.shape[-1] != train_x.shape[-1]:
+        raise ValueError(
+            f"test_x must have shape (*batch, M, {train_x.shape[-1]}) to match train_x, "
+            f"got {tuple(test_x.shape)}"
+        )
+    return check_finite(test_x, "test_x")
+
+
+def unpack_teacher(teacher: ExactGP) -> tuple[Tensor, Tensor, Tensor]:
+    """``(train_x, train_y, noise)`` of a trained GPyTorch ``ExactGP`` with a Gaussian likelihood."""
+    if not isinstance(teacher, ExactGP):
+        raise TypeError(f"teacher must be a gpytorch.models.ExactGP, got {type(teacher).__name__}")
+    if not isinstance(teacher.likelihood, GaussianLikelihood):
+        raise ValueError(
+            "teacher.likelihood must be a gpytorch.likelihoods.GaussianLikelihood (homoskedastic "
+            f"Gaussian noise), got {type(teacher.likelihood).__name__}"
+        )
+    if teacher.train_inputs is None or teacher.train_targets is None:
+        raise ValueError("teacher has no training data: call teacher.set_train_data(x, y) first")
+    if len(teacher.train_inputs) != 1:
+        raise ValueError("teacher must have exactly one training input tensor")
+    for name in ("mean_module", "covar_module"):
+        if not hasattr(teacher, name):
+            raise ValueError(f"teacher must define {name} (the GPyTorch convention)")
+    noise = teacher.likelihood.noise.detach().squeeze(-1)
+    return teacher.train_inputs[0], teacher.train_targets, noise
+
+
+def make_engine(
+    kernel_matrix,
+    backend: str,
+    num_factorisations: int,
+    eig_dtype: torch.dtype | None,
+    rank: int,
+    generator_seed: int,
+):
+    """The backend object for a kernel operator: a KernelSpectrum or a ShiftedCholesky."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    n = kernel_matrix.shape[-1]
+    if backend == "auto":
+        backend = choose_backend(n, num_factorisations, kernel_matrix.device)
+    if backend == "cholesky":
+        return ShiftedCholesky(kernel_matrix, dtype=eig_dtype)
+    if backend == "dense":
+        return KernelSpectrum.from_dense(kernel_matrix, dtype=eig_dtype)
+    generator = torch.Generator().manual_seed(generator_seed)
+    return KernelSpectrum.from_lanczos(
+        kernel_matrix,
+        rank=rank,
+        dtype=eig_dtype or kernel_matrix.dtype,
+        generator=generator,
+    )
+
+
+def parameter_key(module: gpytorch.Module) -> tuple:
+    """Identifies the current values of ``module``'s parameters (changes on every update)."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in module.parameters())
+
+
+def nonnegative_variance(variance: Tensor, scale: Tensor) -> Tensor:
+    """Clamp rounding-level negative variances at 0; warn if one is negative beyond rounding."""
+    tol = 1e-6 * scale.abs().clamp_min(1e-30)
+    if (variance < -tol).any():
+        warnings.warn(
+            "a predictive variance came out clearly negative (rounding or an indefinite kernel "
+            "matrix); it was clamped at 0",
+            NumericalWarning,
+            stacklevel=3,
+        )
+    return variance.clamp_min(0.0)
+
+
+class ExactGPFromModules(ExactGP):
+    """An ordinary GPyTorch exact GP assembled from a mean and a kernel module.
+
+    The students of the regression distillers are of this class, so that every GPyTorch tool
+    (``ExactMarginalLogLikelihood``, ``get_fantasy_model``, ``state_dict``) applies to them.
+    """
+
+    def __init__(self, train_x, train_y, likelihood, mean_module, covar_module) -> None:
+        super().__init__(train_x, train_y, likelihood)
+        self.mean_module = mean_module
+        self.covar_module = covar_module
+
+    def forward(self, x: Tensor) -> MultivariateNormal:
+        return MultivariateNormal(self.mean_module(x), self.covar_module(x))

@@ -1,0 +1,248 @@
+"""Distribution-centric self-distillation of GP regression (Borup & Andersen, §3.2)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import Kernel
+from gpytorch.likelihoods import GaussianLikelihood
+from gpytorch.means import Mean, ZeroMean
+from gpytorch.models import ExactGP
+from linear_operator.operators import DiagLinearOperator
+from torch import Tensor
+
+from gpsd.distillation._common import (
+    ExactGPFromModules,
+    RegressionPath,
+    make_engine,
+    nonnegative_variance,
+    parameter_key,
+    unpack_teacher,
+    validate_gamma,
+    validate_test_x,
+    validate_training_data,
+)
+from gpsd.kernels import PosteriorKernel
+from gpsd.linalg import SpectralFilter
+from gpsd.means import PosteriorMean
+
+__all__ = ["DistributionCentricGPR"]
+
+METHODS = ("collapsed", "iterated")
+
+
+class DistributionCentricGPR(gpytorch.Module):
+    r"""Distribution-centric self-distillation of a GP regressor: the posterior becomes the prior.
+
+    Starting from :math:`\mathcal{GP}(m_0, k_0) = \mathcal{GP}(m, k)`, step :math:`t` conditions
+    the current GP on the same data with noise :math:`\gamma_t` (eqs. 6–7):
+
+    .. math::
+        m_{t+1}(x) &= m_t(x) + k_t(x, \mathbf x)[\mathbf K_t + \gamma_t\mathbf I]^{-1}
+        (\mathbf y - m_t(\mathbf x)), \\
+        k_{t+1}(x, x') &= k_t(x, x') - k_t(x, \mathbf x)[\mathbf K_t + \gamma_t\mathbf I]^{-1}
+        k_t(\mathbf x, x').
+
+    By Theorem 3.3, :math:`t` steps with :math:`\gamma_0, \dots, \gamma_{t-1}` equal one ordinary GP
+    with noise
+
+    .. math::
+        \tilde\gamma_t = \Big(\sum_{s=0}^{t-1} 1/\gamma_s\Big)^{-1},
+
+    which for a constant :math:`\gamma` is :math:`\gamma / t`: fitting :math:`t` copies of the data
+    (Corollary 3.4). ``method="collapsed"`` (default) uses this closed form for every
+    :math:`t = 1..T` from one factorisation (see :class:`~gpsd.distillation.DataCentricGPR` for
+    the backends); ``method="iterated"`` runs the recursion literally through
+    :class:`~gpsd.means.PosteriorMean` and :class:`~gpsd.kernels.PosteriorKernel`, one exact GP
+    per step (:math:`\mathcal O(t N^3)`; a reference implementation).
+
+    :param kernel: the prior covariance :math:`k`.
+    :param train_x: training inputs, shape ``(*b, N, d)``.
+    :param train_y: training targets, shape ``(*b, N)``.
+    :param gamma: the schedule :math:`\gamma_0..\gamma_{T-1}`, scalar, list or ``(*s, T)`` tensor.
+    :param mean_module: the prior mean :math:`m` (default zero).
+    :param method: ``"collapsed"`` or ``"iterated"``.
+    :param backend, linalg_dtype, rank, rtol: as in :class:`~gpsd.distillation.DataCentricGPR`.
+    """
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        train_x: Tensor,
+        train_y: Tensor,
+        gamma: object,
+        *,
+        mean_module: Mean | None = None,
+        method: str = "collapsed",
+        backend: str = "auto",
+        linalg_dtype: torch.dtype | None = torch.float64,
+        rank: int = 512,
+        rtol: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if not isinstance(kernel, Kernel):
+            raise TypeError(
+                f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}"
+            )
+        if mean_module is not None and not isinstance(mean_module, Mean):
+            raise TypeError(
+                f"mean_module must be a gpytorch.means.Mean, got {type(mean_module).__name__}"
+            )
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        train_x, train_y = validate_training_data(train_x, train_y)
+        self.kernel = kernel
+        self.mean_module = mean_module if mean_module is not None else ZeroMean()
+        self.register_buffer("train_x", train_x)
+        self.register_buffer("train_y", train_y)
+        self.register_buffer("gamma", validate_gamma(gamma, train_x))
+        self.method = method
+        self.backend = backend
+        self.linalg_dtype = linalg_dtype
+        self.rank = rank
+        self.rtol = rtol
+        self._cache: dict = {}
+
+    @classmethod
+    def from_teacher(
+        cls, teacher: ExactGP, gamma: object = None, num_steps: int | None = None, **kwargs
+    ) -> DistributionCentricGPR:
+        """Distil a trained ``ExactGP`` teacher; ``gamma`` defaults to its noise, ``num_steps`` times."""
+        train_x, train_y, noise = unpack_teacher(teacher)
+        if gamma is None:
+            if num_steps is None or num_steps < 1:
+                raise ValueError("give gamma, or num_steps >= 1 to repeat the teacher's noise")
+            gamma = noise.reshape(-1)[:1].repeat(num_steps)
+        return cls(
+            teacher.covar_module, train_x, train_y, gamma, mean_module=teacher.mean_module, **kwargs
+        )
+
+    @property
+    def num_steps(self) -> int:
+        return self.gamma.shape[-1]
+
+    @property
+    def effective_noise(self) -> Tensor:
+        r""":math:`\tilde\gamma_t = 1 / \sum_{s<t} 1/\gamma_s` for ``t = 1..T``, shape ``(*s, T)``."""
+        return 1.0 / torch.cumsum(1.0 / self.gamma, dim=-1)
+
+    def _state(self) -> dict:
+        key = (parameter_key(self.kernel), parameter_key(self.mean_module), torch.is_grad_enabled())
+        if self._cache.get("key") != key:
+            self._cache = {"key": key}
+            kernel_matrix = self.kernel(self.train_x)
+            prior_mean = self.mean_module(self.train_x)
+            engine = make_engine(
+                kernel_matrix,
+                self.backend,
+                self.gamma[..., 0].numel() * self.num_steps,
+                self.linalg_dtype,
+                self.rank,
+                generator_seed=0,
+            )
+            engine.check_accuracy(float(self.effective_noise.min()), self.rtol)
+            centred = (self.train_y - prior_mean).unsqueeze(-1)
+            self._cache.update(
+                engine=engine,
+                centred=centred,
+                coords=engine.project(centred) if hasattr(engine, "project") else centred,
+            )
+        return self._cache
+
+    def predict(self, test_x: Tensor, full_cov: bool = False) -> RegressionPath:
+        """Means and variances of :math:`\\mathcal{GP}(m_t, k_t)`, ``t = 1..T``, at ``test_x``.
+
+        Shapes ``(*batch, T, M)`` (covariances ``(*batch, T, M, M)`` with ``full_cov=True``).
+        """
+        test_x = validate_test_x(test_x, self.train_x)
+        if self.method == "iterated":
+            return self._predict_iterated(test_x, full_cov)
+        state = self._state()
+        engine = state["engine"]
+        noise = self.effective_noise.to(self.linalg_dtype or self.gamma.dtype)
+        resolvent = SpectralFilter.resolvent(noise)
+        cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
+        mean = engine.cross(resolvent, cross, state["coords"]).squeeze(-1).to(test_x.dtype)
+        mean = mean + self.mean_module(test_x).unsqueeze(-2)
+        prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)
+        reduction = engine.quad_diag(resolvent, cross).to(test_x.dtype)
+        variance = nonnegative_variance(prior_var - reduction, prior_var)
+        covariance = None
+        if full_cov:
+            prior_cov = self.kernel(test_x).to_dense().unsqueeze(-3)
+            covariance = prior_cov - engine.cross(resolvent, cross, cross).to(test_x.dtype)
+        return RegressionPath(mean, variance, covariance)
+
+    def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:
+        """The latent predictive distributions of all steps: batch shape ``(*batch, T)``."""
+        path = self.predict(test_x, full_cov=full_cov)
+        if full_cov:
+            return MultivariateNormal(path.mean, path.covariance)
+        return MultivariateNormal(path.mean, DiagLinearOperator(path.variance))
+
+    # ------------------------------------------------------------------ the literal recursion
+    def iterated_models(self, schedule: tuple[int, ...] = ()) -> list[ExactGP]:
+        """The chain of exact GPs of eqs. 6–7: model ``t`` has prior :math:`(m_{t-1}, k_{t-1})`.
+
+        The posterior of model ``t`` is :math:`\\mathcal{GP}(m_t, k_t)`. ``schedule`` picks one
+        schedule of a batch.
+        """
+        gamma = self.gamma[schedule] if self.gamma.dim() > 1 else self.gamma
+        if gamma.dim() != 1:
+            raise ValueError("schedule must index one schedule of the batch of schedules")
+        mean_module = copy.deepcopy(self.mean_module)
+        covar_module = copy.deepcopy(self.kernel)
+        models = []
+        for g in gamma:
+            likelihood = GaussianLikelihood().to(self.train_x)
+            likelihood.noise = g.detach()
+            model = ExactGPFromModules(
+                self.train_x, self.train_y, likelihood, mean_module, covar_module
+            )
+            model.eval()
+            models.append(model)
+            mean_module, covar_module = PosteriorMean(model), PosteriorKernel(model)
+        return models
+
+    def _predict_iterated(self, test_x: Tensor, full_cov: bool) -> RegressionPath:
+        batch = self.gamma.shape[:-1]
+        means, variances, covs = [], [], []
+        for index in itertools.product(*(range(n) for n in batch)):
+            step_means, step_vars, step_covs = [], [], []
+            for model in self.iterated_models(index):
+                with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+                    post = model(test_x)
+                step_means.append(post.mean)
+                step_vars.append(post.variance)
+                if full_cov:
+                    step_covs.append(post.covariance_matrix)
+            means.append(torch.stack(step_means, dim=-2))
+            variances.append(torch.stack(step_vars, dim=-2))
+            if full_cov:
+                covs.append(torch.stack(step_covs, dim=-3))
+
+        def gather(items):
+            out = torch.stack(items)
+            return out.reshape(*batch, *out.shape[1:])
+
+        return RegressionPath(gather(means), gather(variances), gather(covs) if full_cov else None)
+
+    def student(self, t: int, schedule: tuple[int, ...] = ()) -> ExactGP:
+        r"""A plain ``ExactGP`` equal to step ``t`` by Theorem 3.3: noise :math:`\tilde\gamma_t`."""
+        if not 1 <= t <= self.num_steps:
+            raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
+        noise = self.effective_noise[schedule + (t - 1,)] if self.gamma.dim() > 1 else None
+        noise = self.effective_noise[t - 1] if noise is None else noise
+        likelihood = GaussianLikelihood().to(self.train_x)
+        likelihood.noise = noise.detach()
+        return ExactGPFromModules(
+            self.train_x,
+            self.train_y,
+            likelihood,
+            copy.deepcopy(self.mean_module),
+            copy.deepcopy(self.kernel),
+        ).eval()

@@ -1,0 +1,5 @@
+"""GPyTorch kernels provided by gpsd."""
+
+from gpsd.kernels.posterior_kernel import PosteriorKernel
+
+__all__ = ["PosteriorKernel"]

@@ -1,0 +1,376 @@
+"""A cached (full or truncated) eigendecomposition of a kernel operator."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from gpytorch.utils.warnings import NumericalWarning
+from linear_operator import to_dense
+from linear_operator.operators import LinearOperator
+from torch import Tensor
+
+from gpsd.linalg.spectral_filter import SpectralFilter
+
+__all__ = ["KernelSpectrum", "SpectralCoordinates"]
+
+
+@dataclass
+class SpectralCoordinates:
+    """A right-hand side :math:`\\mathbf B` expressed for a :class:`KernelSpectrum`.
+
+    ``coefficients`` are :math:`\\mathbf V^\\top \\mathbf B` (shape ``(*b, k, r)``); ``krylov``,
+    present only for a truncated spectrum, holds :math:`\\mathbf K_\\perp^j \\mathbf P_\\perp
+    \\mathbf B` for ``j = 0..J`` (shape ``(*b, J + 1, N, r)``).
+    """
+
+    coefficients: Tensor
+    krylov: Tensor | None
+
+
+class KernelSpectrum:
+    r"""The eigendecomposition of a symmetric kernel operator, computed once and reused.
+
+    With the eigenpairs :math:`(d_i, \mathbf v_i)` of :math:`\mathbf K` (shape ``(*b, N, N)``), a
+    :class:`~gpsd.linalg.SpectralFilter` :math:`f` acts as
+
+    .. math::
+        f(\mathbf K)\,\mathbf B = \mathbf V \operatorname{diag}\big(f(\mathbf d)\big)
+        \mathbf V^\top \mathbf B ,
+
+    so that once :math:`\mathbf V, \mathbf d` are known, every filter of a whole batch of
+    distillation schedules costs :math:`\mathcal O(N k)` per right-hand side.
+
+    Two constructors:
+
+    * :meth:`from_dense`: the full eigendecomposition (``torch.linalg.eigh``), exact up to
+      rounding. It runs in float64 by default: in float32 the eigenvalues carry absolute errors of
+      about :math:`10^{-7} \lVert \mathbf K \rVert`, which swamps the small eigenvalues that the
+      filters :math:`d / (d + \gamma)` are most sensitive to when :math:`\gamma` is small.
+    * :meth:`from_lanczos`: matrix-free. Block Lanczos (a randomised block Krylov space with full
+      reorthogonalisation, then Rayleigh–Ritz) resolves the :math:`k` leading eigenpairs using only
+      products :math:`\mathbf K \mathbf X`; the rest of the spectrum, the operator
+      :math:`\mathbf K_\perp = \mathbf P_\perp \mathbf K \mathbf P_\perp` on the orthogonal
+      complement, is handled by the Taylor series of the filter at 0:
+
+      .. math::
+          f(\mathbf K)\mathbf B \approx \mathbf V f(\mathbf D)\mathbf V^\top \mathbf B
+          + \sum_{j=0}^{J} c_j\, \mathbf K_\perp^j \mathbf P_\perp \mathbf B ,
+          \qquad f(d) = \sum_j c_j d^j .
+
+      With :math:`\varepsilon = \lVert \mathbf K_\perp \rVert_2` and the smallest shift
+      :math:`\gamma` of the filters, the relative error of every filter of the data-centric family
+      is about :math:`\rho^{J+1} / (1 - \rho)` with :math:`\rho = \varepsilon / \gamma`, plus
+      :math:`\lVert \mathbf K \mathbf V - \mathbf V \mathbf D \rVert / \gamma` from the Ritz
+      residuals (see :meth:`error_estimate`). Smooth kernels have fast-decaying spectra, so a
+      modest :math:`k` makes :math:`\rho` small.
+
+    Batch dimensions ``*b`` of the operator are kept throughout; filters bring their own batch of
+    schedules ``*s``, which broadcasts against ``*b``.
+
+    :param eigenvalues: shape ``(*b, k)``, descending; columns not resolved are 0.
+    :param eigenvectors: shape ``(*b, N, k)``, orthonormal columns; unresolved columns are 0.
+    :param matmul: ``X -> K X`` (needed only for a truncated spectrum).
+    :param series_order: Taylor order :math:`J` for the complement (truncated spectra only).
+    :param complement_norm: :math:`\varepsilon`, an estimate of :math:`\lVert \mathbf K_\perp \rVert_2`.
+    :param residual_norm: :math:`\max_i \lVert \mathbf K \mathbf v_i - d_i \mathbf v_i\rVert`.
+    :param kernel_trace: :math:`\operatorname{tr}\mathbf K`, shape ``(*b,)`` (truncated spectra).
+    """
+
+    def __init__(
+        self,
+        eigenvalues: Tensor,
+        eigenvectors: Tensor,
+        *,
+        matmul: Callable[[Tensor], Tensor] | None = None,
+        series_order: int = 0,
+        complement_norm: float = 0.0,
+        residual_norm: float = 0.0,
+        kernel_trace: Tensor | None = None,
+    ) -> None:
+        self.eigenvalues = eigenvalues
+        self.eigenvectors = eigenvectors
+        self.is_truncated = matmul is not None
+        self._matmul = matmul
+        self.series_order = series_order
+        self.complement_norm = complement_norm
+        self.residual_norm = residual_norm
+        self.kernel_trace = kernel_trace
+        self.size = eigenvectors.shape[-2]
+        # shape: (*b, k): which columns hold a resolved eigenpair (all of them when dense)
+        self.resolved = eigenvectors.abs().sum(-2) > 0
+        self.num_resolved = self.resolved.sum(-1)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dense(
+        cls, kernel: Tensor | LinearOperator, dtype: torch.dtype | None = torch.float64
+    ) -> KernelSpectrum:
+        """Full eigendecomposition of ``kernel`` (shape ``(*b, N, N)``) in ``dtype``.
+
+        ``dtype=None`` keeps the kernel's dtype. Gradients flow through ``torch.linalg.eigh``.
+        """
+        dense = to_dense(kernel)
+        if dtype is not None:
+            dense = dense.to(dtype)
+        dense = 0.5 * (dense + dense.mT)
+        evals, evecs = torch.linalg.eigh(dense)
+        return cls(evals.flip(-1), evecs.flip(-1))
+
+    @classmethod
+    def from_lanczos(
+        cls,
+        kernel: Tensor | LinearOperator | Callable[[Tensor], Tensor],
+        *,
+        size: int | None = None,
+        batch_shape: torch.Size | None = None,
+        rank: int = 256,
+        block_size: int | None = None,
+        residual_tol: float = 1e-8,
+        series_order: int = 4,
+        kernel_trace: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        generator: torch.Generator | None = None,
+    ) -> KernelSpectrum:
+        r"""Leading eigenpairs of ``kernel`` by block Lanczos, matrix-free.
+
+        :param kernel: a tensor or ``LinearOperator`` of shape ``(*b, N, N)`` (KeOps kernels work:
+            only ``matmul`` is used), or a callable ``X -> K X`` together with ``size``,
+            ``batch_shape``, ``dtype`` and ``device``.
+        :param rank: size of the Krylov basis (rounded up to whole blocks).
+        :param block_size: columns per block (default ``min(64, rank)``).
+        :param residual_tol: Ritz pairs with
+            :math:`\lVert \mathbf K\mathbf v - \theta\mathbf v\rVert \le` ``residual_tol`` are kept
+            as resolved; the rest of the Krylov space joins the complement.
+        :param series_order: Taylor order :math:`J` used on the complement.
+        :param kernel_trace: :math:`\operatorname{tr}\mathbf K` (``(*b,)``), for :meth:`trace`;
+            read off the operator's diagonal when not given.
+        """
+        if isinstance(kernel, (Tensor, LinearOperator)):
+            size = kernel.shape[-1]
+            batch_shape = kernel.shape[:-2]
+            dtype = dtype or kernel.dtype
+            device = device or kernel.device
+            if kernel_trace is None:
+                kernel_trace = kernel.diagonal(dim1=-2, dim2=-1).sum(-1).to(dtype)
+            op = kernel
+
+            def matmul(x: Tensor) -> Tensor:
+                return (op @ x.to(op.dtype)).to(dtype)
+        else:
+            if size is None or dtype is None:
+                raise ValueError("a callable kernel needs size= and dtype= (and batch_shape=)")
+            batch_shape = torch.Size() if batch_shape is None else torch.Size(batch_shape)
+            matmul = kernel
+        if rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {rank}")
+        rank = min(rank, size)
+        block_size = min(block_size or 64, rank)
+        num_blocks = math.ceil(rank / block_size)
+        with torch.no_grad():
+            basis, kbasis = _block_krylov(
+                matmul, size, batch_shape, block_size, num_blocks, dtype, device, generator
+            )
+            # Rayleigh-Ritz in the Krylov space.
+            projected = basis.mT @ kbasis
+            projected = 0.5 * (projected + projected.mT)
+            theta, rotation = torch.linalg.eigh(projected)
+            theta, rotation = theta.flip(-1), rotation.flip(-1)
+            vecs = basis @ rotation  # shape: (*b, N, qb)
+            kvecs = kbasis @ rotation
+            residuals = torch.linalg.vector_norm(kvecs - vecs * theta.unsqueeze(-2), dim=-2)
+            resolved = residuals <= residual_tol  # shape: (*b, qb)
+            evals = torch.where(resolved, theta, torch.zeros_like(theta))
+            evecs = vecs * resolved.unsqueeze(-2)
+            unresolved_theta = torch.where(resolved, torch.zeros_like(theta), theta)
+            res_norm = float(torch.where(resolved, residuals, torch.zeros_like(residuals)).max())
+            spectrum = cls(
+                evals,
+                evecs,
+                matmul=matmul,
+                series_order=series_order,
+                residual_norm=res_norm,
+                kernel_trace=kernel_trace,
+            )
+            # Largest eigenvalue of the complement: the largest unresolved Ritz value, or a few
+            # power iterations on K_perp, whichever is larger.
+            power = spectrum._complement_power_estimate(generator)
+            spectrum.complement_norm = max(float(unresolved_theta.abs().max()), power)
+        return spectrum
+
+    # ------------------------------------------------------------------ core operations
+    def _project_out(self, x: Tensor) -> Tensor:
+        """:math:`\\mathbf P_\\perp \\mathbf x` for ``x`` of shape ``(*b, N, r)``."""
+        v = self.eigenvectors
+        return x - v @ (v.mT @ x)
+
+    def _complement_matmul(self, x: Tensor) -> Tensor:
+        """:math:`\\mathbf K_\\perp \\mathbf x` for ``x`` already in the complement."""
+        return self._project_out(self._matmul(x))
+
+    def _complement_power_estimate(self, generator, iterations: int = 12) -> float:
+        shape = (*self.eigenvectors.shape[:-1], 1)
+        x = torch.randn(shape, generator=generator, dtype=self.eigenvectors.dtype)
+        x = self._project_out(x.to(self.eigenvectors.device))
+        estimate = 0.0
+        for _ in range(iterations):
+            norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min(1e-300)
+            x = x / norm
+            y = self._complement_matmul(x)
+            estimate = float(torch.linalg.vector_norm(y, dim=-2).max())
+            x = y
+        return estimate
+
+    def project(self, rhs: Tensor, num_powers: int | None = None) -> SpectralCoordinates:
+        """Express ``rhs`` (shape ``(*b, N, r)``) for repeated filtering.
+
+        For a truncated spectrum this runs ``num_powers`` (default :math:`J`) products with
+        :math:`\\mathbf K` to build the complement's Krylov vectors.
+        """
+        coefficients = self.eigenvectors.mT @ rhs.to(self.eigenvectors)
+        if not self.is_truncated:
+            return SpectralCoordinates(coefficients, None)
+        num_powers = self.series_order if num_powers is None else num_powers
+        w = self._project_out(rhs.to(self.eigenvectors))
+        krylov = [w]
+        for _ in range(num_powers):
+            w = self._complement_matmul(w)
+            krylov.append(w)
+        return SpectralCoordinates(coefficients, torch.stack(krylov, dim=-3))
+
+    def apply(self, filt: SpectralFilter, rhs: Tensor | SpectralCoordinates) -> Tensor:
+        r""":math:`f_t(\mathbf K)\mathbf B` for every filter of the stack: shape ``(*, F, N, r)``."""
+        coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
+        values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
+        out = self.eigenvectors.unsqueeze(-3) @ (
+            values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3)
+        )
+        if coords.krylov is not None:
+            out = out + self._combine(filt, coords.krylov)
+        return out
+
+    def cross(
+        self, filt: SpectralFilter, left: Tensor, rhs: Tensor | SpectralCoordinates
+    ) -> Tensor:
+        r""":math:`\mathbf C^\top f_t(\mathbf K)\mathbf B` for ``left`` :math:`\mathbf C` of shape
+        ``(*b, N, M)``; returns ``(*, F, M, r)``."""
+        coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
+        left = left.to(self.eigenvectors)
+        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
+        values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
+        out = z.mT.unsqueeze(-3) @ (values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3))
+        if coords.krylov is not None:
+            out = out + self._combine(filt, left.mT.unsqueeze(-3) @ coords.krylov)
+        return out
+
+    def quad_diag(self, filt: SpectralFilter, left: Tensor, num_powers: int = 1) -> Tensor:
+        r""":math:`\operatorname{diag}(\mathbf C^\top f_t(\mathbf K)\mathbf C)`; returns ``(*, F, M)``.
+
+        On a truncated spectrum the complement enters through the series up to order
+        ``2 * num_powers`` (one product with :math:`\mathbf K` per power).
+        """
+        left = left.to(self.eigenvectors)
+        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
+        values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
+        out = values @ z.square()
+        if self.is_truncated:
+            w = [self._project_out(left)]
+            for _ in range(num_powers):
+                w.append(self._complement_matmul(w[-1]))
+            moments = []  # m_j = diag(C^T P K_perp^j P C) = <w_a, w_b> with a + b = j
+            for j in range(2 * num_powers + 1):
+                a = j // 2
+                moments.append((w[a] * w[j - a]).sum(-2))
+            moments = torch.stack(moments, dim=-2)  # shape: (*b, 2p+1, M)
+            series = filt.series(2 * num_powers)  # shape: (*s, F, 2p+1)
+            out = out + series @ moments
+        return out
+
+    def trace(self, filt: SpectralFilter) -> Tensor:
+        r""":math:`\operatorname{tr} f_t(\mathbf K)`; returns ``(*, F)``.
+
+        On a truncated spectrum the complement enters to first order, through
+        :math:`\operatorname{tr}\mathbf K_\perp = \operatorname{tr}\mathbf K - \sum_i d_i`.
+        """
+        values = filt.values(self.eigenvalues) * self.resolved.unsqueeze(-2)
+        out = values.sum(-1)
+        if self.is_truncated:
+            series = filt.series(1)  # shape: (*s, F, 2)
+            n_comp = (self.size - self.num_resolved).to(series)
+            tr_comp = self.kernel_trace.to(series) - self.eigenvalues.sum(-1)
+            out = (
+                out + series[..., 0] * n_comp.unsqueeze(-1) + series[..., 1] * tr_comp.unsqueeze(-1)
+            )
+        return out
+
+    def _combine(self, filt: SpectralFilter, krylov: Tensor) -> Tensor:
+        """:math:`\\sum_j c_{t,j} \\mathbf W_j` for ``krylov`` of shape ``(*b, J+1, ·, r)``."""
+        order = krylov.shape[-3] - 1
+        series = filt.series(order)  # shape: (*s, F, J+1)
+        return torch.einsum("...fj,...jnr->...fnr", series, krylov)
+
+    # ------------------------------------------------------------------ accuracy
+    def error_estimate(self, gamma_min: float) -> float:
+        r"""A posteriori relative error of filters whose smallest shift is ``gamma_min``.
+
+        Zero (rounding aside) for a full decomposition. For a truncated one,
+        :math:`\rho^{J+1} / (1 - \rho) + r / \gamma_{\min}` with
+        :math:`\rho = \varepsilon / \gamma_{\min}` and :math:`r` the largest kept Ritz residual;
+        infinite when :math:`\rho \ge 1` (the series diverges).
+        """
+        if not self.is_truncated:
+            return 0.0
+        rho = self.complement_norm / gamma_min
+        if rho >= 1.0:
+            return math.inf
+        return rho ** (self.series_order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
+
+    def check_accuracy(self, gamma_min: float, rtol: float) -> None:
+        """Warn with a ``NumericalWarning`` if :meth:`error_estimate` exceeds ``rtol``."""
+        err = self.error_estimate(gamma_min)
+        if err > rtol:
+            warnings.warn(
+                f"the truncated spectrum (rank {int(self.num_resolved.max())}, complement norm "
+                f"{self.complement_norm:.3g}) gives an estimated relative error of {err:.3g} for "
+                f"the smallest noise {gamma_min:.3g}; raise rank= or use backend='dense'",
+                NumericalWarning,
+                stacklevel=3,
+            )
+
+
+def _block_krylov(
+    matmul: Callable[[Tensor], Tensor],
+    size: int,
+    batch_shape: torch.Size,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device | None,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """Orthonormal basis ``Q`` of ``[K G, K^2 G, ...]`` and ``K Q``, full reorthogonalisation."""
+    shape = (*batch_shape, size, block_size)
+    start = torch.randn(shape, generator=generator, dtype=dtype)
+    start = start.to(device) if device is not None else start
+    blocks: list[Tensor] = []
+    kblocks: list[Tensor] = []
+    z = matmul(start)
+    for _ in range(num_blocks):
+        if sum(b.shape[-1] for b in blocks) + block_size > size:
+            break
+        for _ in range(2):  # classical Gram-Schmidt, twice
+            for q in blocks:
+                z = z - q @ (q.mT @ z)
+        q_new, _ = torch.linalg.qr(z)
+        for q in blocks:  # guard against rank loss in z: QR may return non-orthogonal directions
+            q_new = q_new - q @ (q.mT @ q_new)
+        q_new, _ = torch.linalg.qr(q_new)
+        blocks.append(q_new)
+        kq = matmul(q_new)
+        kblocks.append(kq)
+        z = kq
+    return torch.cat(blocks, dim=-1), torch.cat(kblocks, dim=-1)

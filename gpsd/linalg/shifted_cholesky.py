@@ -1,0 +1,88 @@
+"""Spectral filters of the data-centric family by a chain of shifted Cholesky solves."""
+
+from __future__ import annotations
+
+import torch
+from linear_operator import to_dense
+from linear_operator.operators import LinearOperator
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from torch import Tensor
+
+from gpsd.linalg._algebra import ShiftedSolveAlgebra
+from gpsd.linalg.spectral_filter import SpectralFilter
+
+__all__ = ["ShiftedCholesky"]
+
+
+class ShiftedCholesky:
+    r"""Applies the filters of :class:`~gpsd.linalg.SpectralFilter` by shifted solves.
+
+    Every factor :math:`1/(d + \gamma)` or :math:`d/(d+\gamma)` of a data-centric filter becomes a
+    solve with :math:`\mathbf K + \gamma\mathbf I = \mathbf L_\gamma \mathbf L_\gamma^\top`:
+
+    .. math::
+        \mathbf K(\mathbf K + \gamma\mathbf I)^{-1}\mathbf a
+        = \mathbf a - \gamma\,(\mathbf K + \gamma\mathbf I)^{-1}\mathbf a .
+
+    Each distinct shift is factored once (:math:`\mathcal O(N^3/3)`) and cached, so ``T`` steps cost
+    ``T`` Cholesky factorisations: cheaper than one eigendecomposition when ``T`` is small, and
+    exact. It offers the same ``apply``/``cross``/``quad_diag``/``trace`` as
+    :class:`~gpsd.linalg.KernelSpectrum`, for the filters it can evaluate.
+
+    :param kernel: :math:`\mathbf K`, shape ``(*b, N, N)``.
+    :param dtype: the dtype of the factorisations (default: the kernel's).
+    """
+
+    is_truncated = False
+
+    def __init__(self, kernel: Tensor | LinearOperator, dtype: torch.dtype | None = None) -> None:
+        dense = to_dense(kernel)
+        self.kernel_matrix = dense if dtype is None else dense.to(dtype)
+        self.size = dense.shape[-1]
+        self._factors: dict[tuple, Tensor] = {}
+        self._last: tuple | None = None
+
+    def factor(self, gamma: Tensor) -> Tensor:
+        """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``."""
+        key = (tuple(gamma.shape), gamma.detach().cpu().numpy().tobytes())
+        if key not in self._factors:
+            eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=gamma.device)
+            shifted = self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
+            self._factors[key] = psd_safe_cholesky(shifted)
+        return self._factors[key]
+
+    def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+        """:math:`(\\mathbf K + \\gamma\\mathbf I)^{-1}` ``rhs``, reusing the previous result."""
+        if self._last is not None and self._last[0] is rhs and self._last[1] is gamma:
+            return self._last[2]
+        out = torch.cholesky_solve(rhs, self.factor(gamma))
+        self._last = (rhs, gamma, out)
+        return out
+
+    def apply(self, filt: SpectralFilter, rhs: Tensor) -> Tensor:
+        """:math:`f_t(\\mathbf K)` ``rhs`` for every filter; returns ``(*, F, N, r)``."""
+        rhs = rhs.to(self.kernel_matrix)
+        gamma = filt.gamma.to(self.kernel_matrix)
+        return SpectralFilter(filt._evaluate, gamma).evaluate(ShiftedSolveAlgebra(rhs, self.solve))
+
+    def cross(self, filt: SpectralFilter, left: Tensor, rhs: Tensor) -> Tensor:
+        """:math:`\\mathbf C^\\top f_t(\\mathbf K)\\mathbf B`; returns ``(*, F, M, r)``."""
+        return left.to(self.kernel_matrix).mT.unsqueeze(-3) @ self.apply(filt, rhs)
+
+    def quad_diag(self, filt: SpectralFilter, left: Tensor, num_powers: int = 1) -> Tensor:
+        """:math:`\\operatorname{diag}(\\mathbf C^\\top f_t(\\mathbf K)\\mathbf C)`; ``(*, F, M)``."""
+        left = left.to(self.kernel_matrix)
+        return (left.unsqueeze(-3) * self.apply(filt, left)).sum(-2)
+
+    def trace(self, filt: SpectralFilter) -> Tensor:
+        """:math:`\\operatorname{tr} f_t(\\mathbf K)` by solves with the identity; ``(*, F)``."""
+        eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
+        eye = eye.expand(*self.kernel_matrix.shape[:-2], self.size, self.size)
+        return self.apply(filt, eye).diagonal(dim1=-2, dim2=-1).sum(-1)
+
+    def error_estimate(self, gamma_min: float) -> float:
+        """Zero: the chain is exact up to rounding."""
+        return 0.0
+
+    def check_accuracy(self, gamma_min: float, rtol: float) -> None:
+        """Nothing to check: the chain is exact."""

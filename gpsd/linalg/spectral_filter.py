@@ -1,0 +1,109 @@
+"""Spectral filters ``f(K)`` of a kernel matrix used by self-distillation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from gpsd.linalg._algebra import EigenvalueAlgebra, PowerSeriesAlgebra
+
+__all__ = ["SpectralFilter"]
+
+
+class SpectralFilter:
+    r"""A stack of scalar functions :math:`f_1, \dots, f_F` applied to a symmetric kernel matrix.
+
+    For :math:`\mathbf K = \mathbf V \operatorname{diag}(\mathbf d) \mathbf V^\top` the filter acts as
+
+    .. math::
+        f(\mathbf K) = \mathbf V \operatorname{diag}\big(f(d_1), \dots, f(d_N)\big) \mathbf V^\top .
+
+    A filter knows two things about each :math:`f`: its values at given eigenvalues
+    (:meth:`values`) and its Taylor coefficients at :math:`d = 0` (:meth:`series`), which the
+    low-rank backends of :class:`~gpsd.linalg.KernelSpectrum` apply to the part of the spectrum they
+    did not resolve.
+
+    The filters of self-distillation are built by the class methods:
+
+    * :meth:`data_centric_targets`: the targets :math:`\mathbf y_t = F_t(\mathbf K)\mathbf y` after
+      :math:`t` data-centric steps (Borup & Andersen, Prop. 3.1, eq. 4), with the optional
+      :math:`\alpha`-mixing of the original targets,
+
+      .. math::
+          F_0 = 1, \qquad F_t(d) = \alpha + (1 - \alpha) \frac{d}{d + \gamma_t} F_{t-1}(d);
+
+    * :meth:`data_centric_weights`: :math:`G_t(d) = F_{t-1}(d) / (d + \gamma_t)`, so that the mean at
+      test inputs after step :math:`t` (eq. 5) is :math:`\mathbf K_{*X} G_t(\mathbf K) \mathbf y`;
+    * :meth:`resolvent`: :math:`R_t(d) = 1 / (d + \gamma_t)`, giving posterior variances.
+
+    The stack has shape ``(*s, T)``: a batch of schedules ``*s`` with ``T`` steps each.
+
+    :param evaluate: maps an :class:`~gpsd.linalg._algebra.EigenvalueAlgebra` or
+        :class:`~gpsd.linalg._algebra.PowerSeriesAlgebra` to the stacked filter, shape ``(*s, T, k)``
+        or ``(*s, T, J + 1)``.
+    :param gamma: the schedule the filter was built from, shape ``(*s, T)``.
+    """
+
+    def __init__(self, evaluate: Callable[[object], Tensor], gamma: Tensor) -> None:
+        self._evaluate = evaluate
+        self.gamma = gamma
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.gamma.shape[:-1]
+
+    @property
+    def num_filters(self) -> int:
+        return self.gamma.shape[-1]
+
+    def evaluate(self, algebra: object) -> Tensor:
+        """Evaluate the stacked filter in ``algebra`` (values, power series or applied vectors)."""
+        return self._evaluate(algebra)
+
+    def values(self, eigenvalues: Tensor) -> Tensor:
+        """Filter values at ``eigenvalues`` of shape ``(*b, k)``; returns ``(*broadcast(s, b), T, k)``."""
+        return self._evaluate(EigenvalueAlgebra(eigenvalues))
+
+    def series(self, order: int) -> Tensor:
+        """Taylor coefficients at 0 up to ``order``; returns ``(*s, T, order + 1)``."""
+        return self._evaluate(PowerSeriesAlgebra(order, self.gamma.dtype, self.gamma.device))
+
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def data_centric_targets(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
+        """:math:`F_t` for ``t = 1..T``: the training targets after each data-centric step."""
+        return cls(lambda alg: _data_centric(alg, gamma, alpha)[0], gamma)
+
+    @classmethod
+    def data_centric_weights(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
+        """:math:`G_t = F_{t-1} / (d + \\gamma_t)` for ``t = 1..T``: weights of the test mean."""
+        return cls(lambda alg: _data_centric(alg, gamma, alpha)[1], gamma)
+
+    @classmethod
+    def resolvent(cls, gamma: Tensor) -> SpectralFilter:
+        """:math:`R_t = 1 / (d + \\gamma_t)` for ``t = 1..T``."""
+
+        def evaluate(alg):
+            one = alg.one(gamma[..., 0])
+            steps = [alg.mul(one, alg.reciprocal(gamma[..., t])) for t in range(gamma.shape[-1])]
+            return alg.stack(steps)
+
+        return cls(evaluate, gamma)
+
+
+def _data_centric(alg, gamma: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """Run the data-centric recurrence in ``alg``; returns ``(F_1..F_T, G_1..G_T)`` stacked on -2."""
+    n_steps = gamma.shape[-1]
+    f_prev = alg.one(gamma[..., 0])
+    targets, weights = [], []
+    for t in range(n_steps):
+        g = gamma[..., t]
+        weights.append(alg.mul(f_prev, alg.reciprocal(g)))
+        f_next = alg.mul(f_prev, alg.ratio(g))
+        if alpha != 0.0:
+            f_next = alg.add_constant((1.0 - alpha) * f_next, alpha)
+        targets.append(f_next)
+        f_prev = f_next
+    return alg.stack(targets), alg.stack(weights)
