@@ -95,6 +95,7 @@ def make_engine(
     eig_dtype: torch.dtype | None,
     rank: int,
     generator_seed: int,
+    residual_tol: float = 1e-8,
 ):
     """The backend object for a kernel operator: a KernelSpectrum or a ShiftedCholesky."""
     if backend not in BACKENDS:
@@ -110,14 +111,37 @@ def make_engine(
     return KernelSpectrum.from_lanczos(
         kernel_matrix,
         rank=rank,
+        residual_tol=residual_tol,
         dtype=eig_dtype or kernel_matrix.dtype,
         generator=generator,
     )
 
 
-def parameter_key(module: gpytorch.Module) -> tuple:
-    """Identifies the current values of ``module``'s parameters (changes on every update)."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in module.parameters())
+class StateSnapshot:
+    """The values of a module's state (parameters and buffers) at one moment.
+
+    The distillers cache their factorisation and compare a snapshot on every call, so that any
+    change (an optimiser step, a hyperparameter set through ``.data``, ``load_state_dict``,
+    ``.to()``) triggers a refactorisation. Comparing is cheap next to the factorisation.
+    """
+
+    def __init__(self, module: gpytorch.Module) -> None:
+        self.grad_enabled = torch.is_grad_enabled()
+        self.values = [t.detach().clone() for t in module.state_dict().values()]
+
+    def matches(self, module: gpytorch.Module) -> bool:
+        current = list(module.state_dict().values())
+        return (
+            self.grad_enabled == torch.is_grad_enabled()
+            and len(current) == len(self.values)
+            and all(
+                a.shape == b.shape
+                and a.dtype == b.dtype
+                and a.device == b.device
+                and torch.equal(a, b)
+                for a, b in zip(self.values, current, strict=True)
+            )
+        )
 
 
 def nonnegative_variance(variance: Tensor, scale: Tensor) -> Tensor:

@@ -17,9 +17,9 @@ from torch import Tensor
 from gpsd.distillation._common import (
     ExactGPFromModules,
     RegressionPath,
+    StateSnapshot,
     make_engine,
     nonnegative_variance,
-    parameter_key,
     unpack_teacher,
     validate_gamma,
     validate_test_x,
@@ -161,9 +161,9 @@ class DataCentricGPR(gpytorch.Module):
     # ------------------------------------------------------------------ cached factorisation
     def _state(self) -> dict:
         """The backend engine and the targets' coordinates, recomputed when parameters change."""
-        key = (parameter_key(self.kernel), parameter_key(self.mean_module), torch.is_grad_enabled())
-        if self._cache.get("key") != key:
-            self._cache = {"key": key}
+        snapshot = self._cache.get("snapshot")
+        if snapshot is None or not snapshot.matches(self):
+            self._cache = {"snapshot": StateSnapshot(self)}
             x = self.train_x
             kernel_matrix = self.kernel(x)
             prior_mean = self.mean_module(x)
@@ -174,6 +174,7 @@ class DataCentricGPR(gpytorch.Module):
                 self.linalg_dtype,
                 self.rank,
                 generator_seed=0,
+                residual_tol=0.1 * self.rtol * float(self.gamma.min()),
             )
             engine.check_accuracy(float(self.gamma.min()), self.rtol)
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)

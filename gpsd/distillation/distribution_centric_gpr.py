@@ -18,9 +18,9 @@ from torch import Tensor
 from gpsd.distillation._common import (
     ExactGPFromModules,
     RegressionPath,
+    StateSnapshot,
     make_engine,
     nonnegative_variance,
-    parameter_key,
     unpack_teacher,
     validate_gamma,
     validate_test_x,
@@ -131,9 +131,9 @@ class DistributionCentricGPR(gpytorch.Module):
         return 1.0 / torch.cumsum(1.0 / self.gamma, dim=-1)
 
     def _state(self) -> dict:
-        key = (parameter_key(self.kernel), parameter_key(self.mean_module), torch.is_grad_enabled())
-        if self._cache.get("key") != key:
-            self._cache = {"key": key}
+        snapshot = self._cache.get("snapshot")
+        if snapshot is None or not snapshot.matches(self):
+            self._cache = {"snapshot": StateSnapshot(self)}
             kernel_matrix = self.kernel(self.train_x)
             prior_mean = self.mean_module(self.train_x)
             engine = make_engine(
@@ -143,6 +143,7 @@ class DistributionCentricGPR(gpytorch.Module):
                 self.linalg_dtype,
                 self.rank,
                 generator_seed=0,
+                residual_tol=0.1 * self.rtol * float(self.effective_noise.min()),
             )
             engine.check_accuracy(float(self.effective_noise.min()), self.rtol)
             centred = (self.train_y - prior_mean).unsqueeze(-1)

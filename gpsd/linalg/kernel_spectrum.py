@@ -142,7 +142,7 @@ class KernelSpectrum:
             only ``matmul`` is used), or a callable ``X -> K X`` together with ``size``,
             ``batch_shape``, ``dtype`` and ``device``.
         :param rank: size of the Krylov basis (rounded up to whole blocks).
-        :param block_size: columns per block (default ``min(64, rank)``).
+        :param block_size: columns per block (default ``rank // 8`` between 4 and 64).
         :param residual_tol: Ritz pairs with
             :math:`\lVert \mathbf K\mathbf v - \theta\mathbf v\rVert \le` ``residual_tol`` are kept
             as resolved; the rest of the Krylov space joins the complement.
@@ -169,7 +169,9 @@ class KernelSpectrum:
         if rank < 1:
             raise ValueError(f"rank must be a positive integer, got {rank}")
         rank = min(rank, size)
-        block_size = min(block_size or 64, rank)
+        if block_size is None:  # deep enough Krylov spaces converge; wide blocks use BLAS-3 well
+            block_size = min(64, max(4, rank // 8))
+        block_size = min(block_size, rank)
         num_blocks = math.ceil(rank / block_size)
         with torch.no_grad():
             basis, kbasis = _block_krylov(
@@ -330,8 +332,14 @@ class KernelSpectrum:
         return rho ** (self.series_order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
 
     def check_accuracy(self, gamma_min: float, rtol: float) -> None:
-        """Warn with a ``NumericalWarning`` if :meth:`error_estimate` exceeds ``rtol``."""
+        """Raise if the complement series diverges; warn (``NumericalWarning``) above ``rtol``."""
         err = self.error_estimate(gamma_min)
+        if math.isinf(err):
+            raise ValueError(
+                f"the truncated spectrum leaves a complement of norm {self.complement_norm:.3g}, "
+                f"not below the smallest noise {gamma_min:.3g}, so its series diverges; raise "
+                "rank= or use backend='dense'"
+            )
         if err > rtol:
             warnings.warn(
                 f"the truncated spectrum (rank {int(self.num_resolved.max())}, complement norm "

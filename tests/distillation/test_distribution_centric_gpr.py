@@ -1,0 +1,114 @@
+import gpytorch
+import pytest
+import torch
+from gpr_reference import PlainGP, exact_settings, rbf_kernel, relative_error
+
+from gpsd import DistributionCentricGPR
+from gpsd.data import xsinx_regression
+
+DTYPE = torch.float64
+
+
+@pytest.fixture
+def problem():
+    x, y = xsinx_regression(n=25, seed=2)
+    return x.unsqueeze(-1), y, torch.linspace(-1.0, 11.0, 19, dtype=DTYPE).unsqueeze(-1)
+
+
+def test_iterated_recursion_equals_theorem_3_3_closed_form(problem):
+    x, y, test_x = problem
+    gammas = torch.tensor([0.3, 0.1, 0.7, 0.2, 1.0], dtype=DTYPE)
+    mean = gpytorch.means.ConstantMean().to(DTYPE)
+    mean.constant.data.fill_(-0.4)
+    kwargs = dict(mean_module=mean)
+    collapsed = DistributionCentricGPR(rbf_kernel(), x, y, gammas, **kwargs)
+    iterated = DistributionCentricGPR(rbf_kernel(), x, y, gammas, method="iterated", **kwargs)
+    with torch.no_grad(), exact_settings():
+        a = collapsed.predict(test_x, full_cov=True)
+        b = iterated.predict(test_x, full_cov=True)
+    assert a.mean.shape == (5, 19) and a.covariance.shape == (5, 19, 19)
+    assert relative_error(a.mean, b.mean) < 1e-8
+    assert relative_error(a.variance, b.variance) < 1e-8
+    assert relative_error(a.covariance, b.covariance) < 1e-8
+
+
+def test_closed_form_is_an_ordinary_gp_with_harmonic_noise(problem):
+    """Theorem 3.3 checked against a GPyTorch GP with noise 1 / sum(1 / gamma_s)."""
+    x, y, test_x = problem
+    gammas = torch.tensor([[0.3, 0.1, 0.7], [0.5, 0.5, 0.5]], dtype=DTYPE)
+    model = DistributionCentricGPR(rbf_kernel(), x, y, gammas, backend="dense")
+    with torch.no_grad():
+        path = model.predict(test_x)
+    for s in range(2):
+        for t in range(3):
+            likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
+            likelihood.noise = 1.0 / (1.0 / gammas[s, : t + 1]).sum()
+            gp = PlainGP(x, y, likelihood, gpytorch.means.ZeroMean(), rbf_kernel()).eval()
+            with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
+                post = gp(test_x)
+            assert relative_error(path.mean[s, t], post.mean) < 1e-9
+            assert relative_error(path.variance[s, t], post.variance) < 1e-9
+
+
+def test_corollary_3_4_data_duplication(problem):
+    """t steps with a constant gamma equal one GP fitted to t copies of the data."""
+    x, y, test_x = problem
+    gamma, t = 0.4, 4
+    model = DistributionCentricGPR(rbf_kernel(), x, y, [gamma] * t, backend="cholesky")
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
+    likelihood.noise = gamma
+    gp = PlainGP(x.repeat(t, 1), y.repeat(t), likelihood, gpytorch.means.ZeroMean(), rbf_kernel())
+    gp.eval()
+    with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
+        post = gp(test_x)
+        path = model.predict(test_x, full_cov=True)
+        # Eq. (12)-(13): the posterior at the duplicated training inputs is block-constant.
+        train_post = gp(x.repeat(t, 1).clone())
+    assert relative_error(path.mean[t - 1], post.mean) < 1e-8
+    assert relative_error(path.covariance[t - 1], post.covariance_matrix) < 1e-8
+    blocks = train_post.covariance_matrix.reshape(t, 25, t, 25)
+    assert relative_error(blocks[0, :, 2, :], blocks[1, :, 1, :]) < 1e-8
+    assert relative_error(train_post.mean[:25], train_post.mean[25:50]) < 1e-8
+
+
+@pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos"])
+def test_backends_agree(problem, backend):
+    x, y, test_x = problem
+    gammas = torch.linspace(0.2, 1.0, 6, dtype=DTYPE)
+    ref = DistributionCentricGPR(rbf_kernel(), x, y, gammas, method="iterated")
+    model = DistributionCentricGPR(rbf_kernel(), x, y, gammas, backend=backend, rank=25)
+    with torch.no_grad(), exact_settings():
+        a, b = model.predict(test_x), ref.predict(test_x)
+    assert relative_error(a.mean, b.mean) < 1e-8
+    assert relative_error(a.variance, b.variance) < 1e-8
+
+
+def test_student_and_effective_noise(problem):
+    x, y, test_x = problem
+    gammas = torch.tensor([0.2, 0.6, 0.3], dtype=DTYPE)
+    model = DistributionCentricGPR(rbf_kernel(), x, y, gammas)
+    expected = torch.tensor([0.2, 1 / (5 + 1 / 0.6), 1 / (5 + 1 / 0.6 + 1 / 0.3)], dtype=DTYPE)
+    torch.testing.assert_close(model.effective_noise, expected)
+    student = model.student(3)
+    assert float(student.likelihood.noise) == pytest.approx(float(expected[2]))
+    with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
+        post = student(test_x)
+        path = model.predict(test_x)
+    assert relative_error(post.mean, path.mean[2]) < 1e-9
+
+
+def test_from_teacher_and_errors(problem):
+    x, y, test_x = problem
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
+    likelihood.noise = 0.3
+    teacher = PlainGP(x, y, likelihood, gpytorch.means.ZeroMean(), rbf_kernel()).eval()
+    model = DistributionCentricGPR.from_teacher(teacher, num_steps=3)
+    torch.testing.assert_close(model.effective_noise, torch.tensor([0.3, 0.15, 0.1], dtype=DTYPE))
+    with pytest.raises(ValueError, match="method"):
+        DistributionCentricGPR(rbf_kernel(), x, y, 0.1, method="lazy")
+    with pytest.raises(ValueError, match="gamma"):
+        DistributionCentricGPR(rbf_kernel(), x, y, [0.1, -0.1])
+    with pytest.raises(ValueError, match="num_steps"):
+        DistributionCentricGPR.from_teacher(teacher)
+    with pytest.raises(ValueError, match="test_x"):
+        model.predict(torch.zeros(3, 4, dtype=DTYPE))

@@ -1,0 +1,59 @@
+"""GPU and KeOps paths of the regression distillers (skipped where CUDA / pykeops are absent)."""
+
+import gpytorch
+import pytest
+import torch
+from gpr_reference import rbf_kernel, relative_error
+
+from gpsd import DataCentricGPR, DistributionCentricGPR
+
+DTYPE = torch.float64
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def data(n=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(x.squeeze(-1)) + 0.2 * torch.randn(n, generator=gen, dtype=DTYPE)
+    return x, y, torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_matches_cpu(backend, dtype):
+    x, y, test_x = data()
+    gammas = torch.linspace(0.1, 1.0, 10, dtype=DTYPE)
+    ref = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense")
+    kernel = rbf_kernel(dtype=dtype).cuda()
+    model = DataCentricGPR(
+        kernel, x.to("cuda", dtype), y.to("cuda", dtype), gammas.to(dtype), backend=backend, rank=64
+    )
+    with torch.no_grad():
+        got = model.predict(test_x.to("cuda", dtype))
+        expected = ref.predict(test_x)
+    assert got.mean.device.type == "cuda"
+    tol = 1e-8 if dtype == torch.float64 else 1e-4
+    assert relative_error(got.mean.cpu().double(), expected.mean) < tol
+    assert relative_error(got.variance.cpu().double(), expected.variance) < tol
+    dist = DistributionCentricGPR(
+        kernel, x.to("cuda", dtype), y.to("cuda", dtype), gammas.to(dtype)
+    )
+    with torch.no_grad():
+        assert dist.predict(test_x.to("cuda", dtype)).mean.device.type == "cuda"
+
+
+def test_keops_lanczos_agrees_with_dense_at_n_2000():
+    pytest.importorskip("pykeops", reason="the matrix-free KeOps path needs pykeops (gpsd[keops])")
+    x, y, test_x = data(n=2000)
+    gammas = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
+    keops_kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.keops.RBFKernel()).to(DTYPE)
+    keops_kernel.base_kernel.lengthscale = 1.5
+    keops_kernel.outputscale = 4.0
+    dense = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense")
+    lanczos = DataCentricGPR(keops_kernel, x, y, gammas, backend="lanczos", rank=128)
+    with torch.no_grad():
+        ref, got = dense.predict(test_x), lanczos.predict(test_x)
+        tol = max(10 * lanczos.error_estimate, 1e-9)
+    assert relative_error(got.mean, ref.mean) < tol
+    assert relative_error(got.variance, ref.variance) < tol

@@ -1,0 +1,123 @@
+import math
+
+import pytest
+import torch
+
+from gpsd.linalg import KernelSpectrum, ShiftedCholesky, SpectralFilter, choose_backend
+
+DTYPE = torch.float64
+
+
+def rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=DTYPE)
+    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
+
+
+def explicit_targets(k, gammas, alpha):
+    """F_t(K) as explicit matrices: F_t = alpha I + (1 - alpha) K (K + g I)^-1 F_{t-1}."""
+    eye = torch.eye(k.shape[-1], dtype=DTYPE)
+    f, out = eye, []
+    for g in gammas:
+        f = alpha * eye + (1 - alpha) * k @ torch.linalg.solve(k + g * eye, f)
+        out.append(f)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.4])
+def test_series_are_the_taylor_coefficients(alpha):
+    """Coefficients at 0 against repeated autograd derivatives of the filter values."""
+    gammas = torch.tensor([0.3, 0.7, 1.1], dtype=DTYPE)
+    for filt in (
+        SpectralFilter.data_centric_targets(gammas, alpha),
+        SpectralFilter.data_centric_weights(gammas, alpha),
+        SpectralFilter.resolvent(gammas),
+    ):
+        series = filt.series(4)  # shape: (3, 5)
+        for t in range(3):
+
+            def f(d, t=t, filt=filt):
+                return filt.values(d.reshape(1))[t, 0]
+
+            d0 = torch.zeros((), dtype=DTYPE, requires_grad=True)
+            derivative = f(d0)
+            for j in range(5):
+                assert float(derivative) == pytest.approx(
+                    float(series[t, j]) * math.factorial(j), rel=1e-10, abs=1e-12
+                )
+                if j < 4:
+                    derivative = torch.autograd.grad(derivative, d0, create_graph=True)[0]
+
+
+def test_dense_and_cholesky_apply_equal_explicit_matrices():
+    k = rbf_matrix(50)
+    gammas = torch.tensor([[0.2, 0.5, 0.5], [1.0, 0.1, 0.3]], dtype=DTYPE)
+    rhs = torch.randn(50, 3, dtype=DTYPE)
+    left = torch.randn(50, 4, dtype=DTYPE)
+    for alpha in (0.0, 0.3):
+        filt = SpectralFilter.data_centric_targets(gammas, alpha)
+        expected = torch.stack([explicit_targets(k, g, alpha) for g in gammas]) @ rhs
+        for engine in (KernelSpectrum.from_dense(k), ShiftedCholesky(k)):
+            got = engine.apply(filt, rhs)
+            assert got.shape == (2, 3, 50, 3)
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+            torch.testing.assert_close(
+                engine.cross(filt, left, rhs), left.T @ expected, rtol=1e-9, atol=1e-10
+            )
+            quad = torch.stack([explicit_targets(k, g, alpha) for g in gammas])
+            expected_diag = (left.unsqueeze(0).unsqueeze(0) * (quad @ left)).sum(-2)
+            torch.testing.assert_close(
+                engine.quad_diag(filt, left), expected_diag, rtol=1e-9, atol=1e-10
+            )
+            torch.testing.assert_close(
+                engine.trace(filt), quad.diagonal(dim1=-2, dim2=-1).sum(-1), rtol=1e-9, atol=1e-9
+            )
+
+
+def test_lanczos_on_a_batch_and_on_a_callable():
+    k = rbf_matrix(200, batch=(2,))
+    gammas = torch.tensor([0.3, 0.6], dtype=DTYPE)
+    rhs = torch.randn(2, 200, 1, dtype=DTYPE)
+    filt = SpectralFilter.data_centric_weights(gammas)
+    dense = KernelSpectrum.from_dense(k)
+    lanczos = KernelSpectrum.from_lanczos(k, rank=64, residual_tol=1e-9)
+    assert lanczos.error_estimate(0.3) < 1e-8
+    torch.testing.assert_close(
+        lanczos.apply(filt, rhs), dense.apply(filt, rhs), rtol=1e-8, atol=1e-9
+    )
+    # The same through a bare matmul closure (how a KeOps or chunked operator plugs in).
+    closure = KernelSpectrum.from_lanczos(
+        lambda v: k @ v,
+        size=200,
+        batch_shape=(2,),
+        dtype=DTYPE,
+        rank=64,
+        kernel_trace=k.diagonal(dim1=-2, dim2=-1).sum(-1),
+    )
+    torch.testing.assert_close(
+        closure.apply(filt, rhs), dense.apply(filt, rhs), rtol=1e-8, atol=1e-9
+    )
+    torch.testing.assert_close(closure.trace(filt), dense.trace(filt), rtol=1e-8, atol=1e-8)
+
+
+def test_lanczos_divergent_complement_raises():
+    k = rbf_matrix(300, lengthscale=0.3)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=8, residual_tol=1e-10)
+    assert math.isinf(spectrum.error_estimate(1e-3))
+    with pytest.raises(ValueError, match="rank"):
+        spectrum.check_accuracy(1e-3, 1e-6)
+    with pytest.raises(ValueError, match="rank"):
+        KernelSpectrum.from_lanczos(k, rank=0)
+
+
+def test_dense_eigendecomposition_runs_in_float64_by_default():
+    k = rbf_matrix(30).float()
+    assert KernelSpectrum.from_dense(k).eigenvalues.dtype == torch.float64
+    assert KernelSpectrum.from_dense(k, dtype=None).eigenvalues.dtype == torch.float32
+
+
+def test_choose_backend():
+    assert choose_backend(1000, 3, "cpu") == "cholesky"
+    assert choose_backend(1000, 100, "cpu") == "dense"
+    assert choose_backend(100_000, 100, "cpu") == "lanczos"
+    assert choose_backend(5000, 20, "cuda") == "cholesky"

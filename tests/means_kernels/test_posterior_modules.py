@@ -1,0 +1,132 @@
+import gpytorch
+import pytest
+import torch
+
+from gpsd import PosteriorKernel, PosteriorMean
+
+DTYPE = torch.float64
+
+
+class GP(gpytorch.models.ExactGP):
+    def __init__(self, x, y, likelihood, mean, kernel):
+        super().__init__(x, y, likelihood)
+        self.mean_module = mean
+        self.covar_module = kernel
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def exact():
+    return gpytorch.settings.fast_computations(False, False, False)
+
+
+@pytest.fixture
+def teacher():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(30, 2, generator=gen, dtype=DTYPE) * 4
+    y = torch.sin(x).sum(-1) + 0.1 * torch.randn(30, generator=gen, dtype=DTYPE)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
+    likelihood.noise = 0.05
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(ard_num_dims=2)).to(DTYPE)
+    kernel.base_kernel.lengthscale = torch.tensor([[0.7, 1.3]], dtype=DTYPE)
+    kernel.outputscale = 1.5
+    mean = gpytorch.means.LinearMean(2).to(DTYPE)
+    mean.weights.data = torch.tensor([[0.3], [-0.2]], dtype=DTYPE)
+    return GP(x, y, likelihood, mean, kernel).eval()
+
+
+def test_equal_the_teachers_posterior(teacher):
+    gen = torch.Generator().manual_seed(1)
+    x1 = torch.rand(11, 2, generator=gen, dtype=DTYPE) * 4
+    x2 = torch.rand(7, 2, generator=gen, dtype=DTYPE) * 4
+    pm, pk = PosteriorMean(teacher), PosteriorKernel(teacher)
+    with torch.no_grad(), exact(), gpytorch.settings.fast_pred_var(False):
+        joint = teacher(torch.cat([x1, x2]))
+        post = teacher(x1)
+        mean = pm(x1)
+        cov = pk(x1).to_dense()
+        cross = pk(x1, x2).to_dense()
+        diag = pk(x1, diag=True)
+    torch.testing.assert_close(mean, post.mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(cov, post.covariance_matrix, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(cross, joint.covariance_matrix[:11, 11:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(diag, post.variance, rtol=1e-10, atol=1e-10)
+
+
+def test_student_on_new_data_equals_fantasy_model(teacher):
+    gen = torch.Generator().manual_seed(2)
+    new_x = torch.rand(9, 2, generator=gen, dtype=DTYPE) * 4
+    new_y = torch.cos(new_x).sum(-1)
+    test_x = torch.rand(13, 2, generator=gen, dtype=DTYPE) * 4
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
+    likelihood.noise = teacher.likelihood.noise
+    student = GP(new_x, new_y, likelihood, PosteriorMean(teacher), PosteriorKernel(teacher)).eval()
+    with torch.no_grad(), exact(), gpytorch.settings.fast_pred_var(False):
+        teacher(test_x)  # populate the prediction cache that get_fantasy_model needs
+        fantasy = teacher.get_fantasy_model(new_x, new_y)
+        expected = fantasy(test_x)
+        got = student(test_x)
+    torch.testing.assert_close(got.mean, expected.mean, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(
+        got.covariance_matrix, expected.covariance_matrix, rtol=1e-8, atol=1e-8
+    )
+
+
+def test_student_with_an_extra_kernel_trains_in_an_ordinary_loop(teacher):
+    gen = torch.Generator().manual_seed(3)
+    new_x = torch.rand(20, 2, generator=gen, dtype=DTYPE) * 4
+    new_y = torch.sin(new_x).sum(-1) + 0.5 * new_x[:, 0]
+    extra = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DTYPE)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
+    student = GP(new_x, new_y, likelihood, PosteriorMean(teacher), PosteriorKernel(teacher) + extra)
+    frozen = [p.clone() for p in student.mean_module.parameters()]
+    assert all(not p.requires_grad for p in student.mean_module.parameters())
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, student)
+    optimizer = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=0.05)
+    student.train()
+    losses = []
+    for _ in range(30):
+        optimizer.zero_grad()
+        loss = -mll(student(new_x), new_y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    # The teacher's copies stay frozen, and train()/eval() of the student leaves the teacher alone.
+    for p, q in zip(frozen, student.mean_module.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    assert not teacher.training
+
+
+def test_state_dict_round_trip_and_dtype(teacher):
+    pk, pm = PosteriorKernel(teacher), PosteriorMean(teacher)
+    state = pk.state_dict()
+    assert "cholesky" in state and "train_inputs" in state
+    other = PosteriorKernel(teacher)
+    other.load_state_dict(state)
+    x = torch.rand(5, 2, dtype=DTYPE)
+    torch.testing.assert_close(other(x).to_dense(), pk(x).to_dense())
+    pk32 = pk.to(torch.float32)
+    assert pk32(x.float()).to_dense().dtype == torch.float32
+    assert pm.to(torch.float32)(x.float()).dtype == torch.float32
+
+
+def test_errors(teacher):
+    pk, pm = PosteriorKernel(teacher), PosteriorMean(teacher)
+    with pytest.raises(ValueError, match="features"):
+        pm(torch.zeros(3, 5, dtype=DTYPE))
+    with pytest.raises(ValueError, match="device"):
+        pk(torch.zeros(3, 2, device="meta")).to_dense()  # kernels evaluate lazily
+    bad = GP(
+        teacher.train_inputs[0],
+        teacher.train_targets,
+        teacher.likelihood,
+        teacher.mean_module,
+        teacher.covar_module,
+    )
+    bad.likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    with pytest.raises(ValueError, match="Gaussian"):
+        PosteriorMean(bad)
+    with pytest.raises(TypeError, match="ExactGP"):
+        PosteriorKernel(teacher.covar_module)
