@@ -93,11 +93,17 @@ def make_engine(
     backend: str,
     num_factorisations: int,
     eig_dtype: torch.dtype | None,
-    rank: int,
+    rank: int | None,
     generator_seed: int,
-    residual_tol: float = 1e-8,
+    gamma_min: float,
+    rtol: float,
 ):
-    """The backend object for a kernel operator: a KernelSpectrum or a ShiftedCholesky."""
+    """The backend object for a kernel operator: a KernelSpectrum or a ShiftedCholesky.
+
+    For the Lanczos backend, Ritz pairs count as resolved when their residual is below
+    ``0.1 * rtol * gamma_min``; ``rank=None`` doubles the Krylov basis from 64 until the
+    error estimate for the smallest shift ``gamma_min`` is below ``rtol``.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     n = kernel_matrix.shape[-1]
@@ -107,14 +113,25 @@ def make_engine(
         return ShiftedCholesky(kernel_matrix, dtype=eig_dtype)
     if backend == "dense":
         return KernelSpectrum.from_dense(kernel_matrix, dtype=eig_dtype)
-    generator = torch.Generator().manual_seed(generator_seed)
-    return KernelSpectrum.from_lanczos(
-        kernel_matrix,
-        rank=rank,
-        residual_tol=residual_tol,
-        dtype=eig_dtype or kernel_matrix.dtype,
-        generator=generator,
-    )
+
+    def lanczos(r: int) -> KernelSpectrum:
+        return KernelSpectrum.from_lanczos(
+            kernel_matrix,
+            rank=r,
+            residual_tol=0.1 * rtol * gamma_min,
+            dtype=eig_dtype or kernel_matrix.dtype,
+            generator=torch.Generator().manual_seed(generator_seed),
+        )
+
+    if rank is not None:
+        return lanczos(rank)
+    # rank=None: grow the Krylov basis geometrically until the complement is small enough.
+    r = min(64, n)
+    while True:
+        spectrum = lanczos(r)
+        if spectrum.error_estimate(gamma_min) <= rtol or 2 * r > n:
+            return spectrum
+        r *= 2
 
 
 class StateSnapshot:

@@ -76,7 +76,8 @@ class DataCentricGPR(gpytorch.Module):
     :param mean_module: the prior mean :math:`m` (default: zero).
     :param backend: ``"auto"``, ``"dense"``, ``"cholesky"`` or ``"lanczos"``.
     :param linalg_dtype: dtype of the factorisation (default float64; ``None`` keeps the data's).
-    :param rank: Krylov basis size of the Lanczos backend.
+    :param rank: Krylov basis size of the Lanczos backend (default: grown from 64 until the
+        error estimate meets ``rtol``).
     :param rtol: accuracy target; the Lanczos backend warns when its estimate exceeds it.
 
     Example:
@@ -98,7 +99,7 @@ class DataCentricGPR(gpytorch.Module):
         mean_module: Mean | None = None,
         backend: str = "auto",
         linalg_dtype: torch.dtype | None = torch.float64,
-        rank: int = 512,
+        rank: int | None = None,
         rtol: float = 1e-6,
     ) -> None:
         super().__init__()
@@ -174,7 +175,8 @@ class DataCentricGPR(gpytorch.Module):
                 self.linalg_dtype,
                 self.rank,
                 generator_seed=0,
-                residual_tol=0.1 * self.rtol * float(self.gamma.min()),
+                gamma_min=float(self.gamma.min()),
+                rtol=self.rtol,
             )
             engine.check_accuracy(float(self.gamma.min()), self.rtol)
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)

@@ -80,7 +80,7 @@ class DistributionCentricGPR(gpytorch.Module):
         method: str = "collapsed",
         backend: str = "auto",
         linalg_dtype: torch.dtype | None = torch.float64,
-        rank: int = 512,
+        rank: int | None = None,
         rtol: float = 1e-6,
     ) -> None:
         super().__init__()
@@ -143,7 +143,8 @@ class DistributionCentricGPR(gpytorch.Module):
                 self.linalg_dtype,
                 self.rank,
                 generator_seed=0,
-                residual_tol=0.1 * self.rtol * float(self.effective_noise.min()),
+                gamma_min=float(self.effective_noise.min()),
+                rtol=self.rtol,
             )
             engine.check_accuracy(float(self.effective_noise.min()), self.rtol)
             centred = (self.train_y - prior_mean).unsqueeze(-1)

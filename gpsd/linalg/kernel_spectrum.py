@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from gpytorch.utils.warnings import NumericalWarning
 from linear_operator import to_dense
-from linear_operator.operators import LinearOperator
+from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
 from gpsd.linalg.spectral_filter import SpectralFilter
@@ -96,6 +96,7 @@ class KernelSpectrum:
         self.is_truncated = matmul is not None
         self._matmul = matmul
         self.series_order = series_order
+        self.max_series_order = series_order
         self.complement_norm = complement_norm
         self.residual_norm = residual_norm
         self.kernel_trace = kernel_trace
@@ -269,12 +270,17 @@ class KernelSpectrum:
             out = out + self._combine(filt, left.mT.unsqueeze(-3) @ coords.krylov)
         return out
 
-    def quad_diag(self, filt: SpectralFilter, left: Tensor, num_powers: int = 1) -> Tensor:
+    def quad_diag(
+        self, filt: SpectralFilter, left: Tensor, num_powers: int | None = None
+    ) -> Tensor:
         r""":math:`\operatorname{diag}(\mathbf C^\top f_t(\mathbf K)\mathbf C)`; returns ``(*, F, M)``.
 
         On a truncated spectrum the complement enters through the series up to order
-        ``2 * num_powers`` (one product with :math:`\mathbf K` per power).
+        ``2 * num_powers`` (one product with :math:`\mathbf K` per power; by default the fewest
+        powers that reach the order :math:`J`).
         """
+        if num_powers is None:
+            num_powers = (self.series_order + 1) // 2
         left = left.to(self.eigenvectors)
         z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
@@ -309,6 +315,23 @@ class KernelSpectrum:
             )
         return out
 
+    def to_linear_operator(self, filt: SpectralFilter) -> LinearOperator:
+        r""":math:`f_t(\mathbf K) = \mathbf V \operatorname{diag}(f_t(\mathbf d))\mathbf V^\top` as a
+        ``LinearOperator`` of shape ``(*, F, N, N)``, never formed densely.
+
+        Only for a full decomposition (:meth:`from_dense`): a truncated spectrum applies the
+        complement through products with the kernel, which :meth:`apply` does.
+        """
+        if self.is_truncated:
+            raise ValueError(
+                "to_linear_operator needs the full eigendecomposition (KernelSpectrum.from_dense); "
+                "use apply()/cross() with a truncated (Lanczos) spectrum"
+            )
+        values = filt.values(self.eigenvalues)  # shape: (*sb, F, N)
+        left = self.eigenvectors.unsqueeze(-3) * values.unsqueeze(-2)  # shape: (*sb, F, N, N)
+        right = self.eigenvectors.mT.unsqueeze(-3).expand_as(left)
+        return MatmulLinearOperator(left, right)
+
     def _combine(self, filt: SpectralFilter, krylov: Tensor) -> Tensor:
         """:math:`\\sum_j c_{t,j} \\mathbf W_j` for ``krylov`` of shape ``(*b, J+1, ·, r)``."""
         order = krylov.shape[-3] - 1
@@ -332,7 +355,18 @@ class KernelSpectrum:
         return rho ** (self.series_order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
 
     def check_accuracy(self, gamma_min: float, rtol: float) -> None:
-        """Raise if the complement series diverges; warn (``NumericalWarning``) above ``rtol``."""
+        r"""Set the Taylor order for filters with smallest shift ``gamma_min``, then check it.
+
+        The order :math:`J` becomes the smallest (up to the constructor's ``series_order``) whose
+        :meth:`error_estimate` is at most ``rtol``: a well-resolved spectrum needs no products with
+        :math:`\mathbf K` at all. Raises a ``ValueError`` if the complement series diverges, and
+        warns with a ``NumericalWarning`` if the estimate still exceeds ``rtol``.
+        """
+        if self.is_truncated:
+            for order in range(self.max_series_order + 1):
+                self.series_order = order
+                if self.error_estimate(gamma_min) <= rtol:
+                    break
         err = self.error_estimate(gamma_min)
         if math.isinf(err):
             raise ValueError(

@@ -121,3 +121,21 @@ def test_choose_backend():
     assert choose_backend(1000, 100, "cpu") == "dense"
     assert choose_backend(100_000, 100, "cpu") == "lanczos"
     assert choose_backend(5000, 20, "cuda") == "cholesky"
+
+
+def test_to_linear_operator_equals_explicit_filter_matrices():
+    k = rbf_matrix(40)
+    gammas = torch.tensor([0.2, 0.7], dtype=DTYPE)
+    op = KernelSpectrum.from_dense(k).to_linear_operator(
+        SpectralFilter.data_centric_targets(gammas)
+    )
+    assert op.shape == (2, 40, 40)
+    torch.testing.assert_close(
+        op.to_dense(), explicit_targets(k, gammas, 0.0), rtol=1e-9, atol=1e-10
+    )
+    rhs = torch.randn(40, 2, dtype=DTYPE)
+    torch.testing.assert_close(
+        op @ rhs, explicit_targets(k, gammas, 0.0) @ rhs, rtol=1e-9, atol=1e-10
+    )
+    with pytest.raises(ValueError, match="full eigendecomposition"):
+        KernelSpectrum.from_lanczos(k, rank=16).to_linear_operator(SpectralFilter.resolvent(gammas))
