@@ -8,13 +8,20 @@ from typing import NamedTuple
 import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
 from gpsd._validation import as_float_tensor, check_finite, check_matrix, check_vector
-from gpsd.linalg import BACKENDS, KernelSpectrum, ShiftedCholesky, choose_backend
+from gpsd.linalg import (
+    BACKENDS,
+    ChunkedKernelOperator,
+    KernelSpectrum,
+    ShiftedCholesky,
+    choose_backend,
+)
 
 
 class RegressionPath(NamedTuple):
@@ -89,7 +96,8 @@ def unpack_teacher(teacher: ExactGP) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def make_engine(
-    kernel_matrix,
+    kernel: Kernel,
+    x: Tensor,
     backend: str,
     num_factorisations: int,
     eig_dtype: torch.dtype | None,
@@ -100,15 +108,24 @@ def make_engine(
 ):
     """The backend object for a kernel operator: a KernelSpectrum or a ShiftedCholesky.
 
-    For the Lanczos backend, Ritz pairs count as resolved when their residual is below
+    The Lanczos backend never forms the kernel matrix: a KeOps kernel's own operator or a
+    :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as resolved when their residual is below
     ``0.1 * rtol * gamma_min``; ``rank=None`` doubles the Krylov basis from 64 until the
     error estimate for the smallest shift ``gamma_min`` is below ``rtol``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    n = kernel_matrix.shape[-1]
+    n = x.shape[-2]
     if backend == "auto":
-        backend = choose_backend(n, num_factorisations, kernel_matrix.device)
+        backend = choose_backend(n, num_factorisations, x.device)
+    if backend == "lanczos":
+        # Matrix-free: KeOps kernels are already; others are evaluated in row chunks.
+        is_keops = type(kernel).__module__.startswith("gpytorch.kernels.keops") or any(
+            type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
+        )
+        kernel_matrix = kernel(x) if is_keops else ChunkedKernelOperator(x, kernel=kernel)
+    else:
+        kernel_matrix = kernel(x)
     if backend == "cholesky":
         return ShiftedCholesky(kernel_matrix, dtype=eig_dtype)
     if backend == "dense":

@@ -4,33 +4,21 @@ from __future__ import annotations
 
 import copy
 
-import gpytorch
 import torch
-from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import GaussianLikelihood
-from gpytorch.means import Mean, ZeroMean
+from gpytorch.means import Mean
 from gpytorch.models import ExactGP
-from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd.distillation._common import (
-    ExactGPFromModules,
-    RegressionPath,
-    StateSnapshot,
-    make_engine,
-    nonnegative_variance,
-    unpack_teacher,
-    validate_gamma,
-    validate_test_x,
-    validate_training_data,
-)
+from gpsd.distillation._common import ExactGPFromModules, validate_test_x
+from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.linalg import SpectralFilter
 
 __all__ = ["DataCentricGPR"]
 
 
-class DataCentricGPR(gpytorch.Module):
+class DataCentricGPR(SpectralGPR):
     r"""Every step of data-centric self-distillation of a GP regressor, from one factorisation.
 
     Step :math:`t` fits a GP with prior :math:`\mathcal{GP}(m, k)` and noise :math:`\gamma_t` to the
@@ -102,137 +90,40 @@ class DataCentricGPR(gpytorch.Module):
         rank: int | None = None,
         rtol: float = 1e-6,
     ) -> None:
-        super().__init__()
-        if not isinstance(kernel, Kernel):
-            raise TypeError(
-                f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}"
-            )
-        if mean_module is not None and not isinstance(mean_module, Mean):
-            raise TypeError(
-                f"mean_module must be a gpytorch.means.Mean, got {type(mean_module).__name__}"
-            )
         alpha = float(alpha)
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha must lie in [0, 1), got {alpha}")
-        train_x, train_y = validate_training_data(train_x, train_y)
-        self.kernel = kernel
-        self.mean_module = mean_module if mean_module is not None else ZeroMean()
-        self.register_buffer("train_x", train_x)
-        self.register_buffer("train_y", train_y)
-        self.register_buffer("gamma", validate_gamma(gamma, train_x))
+        super().__init__(
+            kernel,
+            train_x,
+            train_y,
+            gamma,
+            mean_module=mean_module,
+            backend=backend,
+            linalg_dtype=linalg_dtype,
+            rank=rank,
+            rtol=rtol,
+        )
         self.alpha = alpha
-        self.backend = backend
-        self.linalg_dtype = linalg_dtype
-        self.rank = rank
-        self.rtol = rtol
-        self._cache: dict = {}
 
-    @classmethod
-    def from_teacher(
-        cls, teacher: ExactGP, gamma: object = None, num_steps: int | None = None, **kwargs
-    ) -> DataCentricGPR:
-        """Distil a trained ``ExactGP`` teacher with a ``GaussianLikelihood``.
+    def _smallest_shift(self) -> float:
+        return float(self.gamma.min())
 
-        The teacher's mean and kernel modules are shared, not copied. ``gamma`` defaults to the
-        teacher's noise repeated ``num_steps`` times (the teacher itself is step 1).
-        """
-        train_x, train_y, noise = unpack_teacher(teacher)
-        if gamma is None:
-            if num_steps is None or num_steps < 1:
-                raise ValueError("give gamma, or num_steps >= 1 to repeat the teacher's noise")
-            gamma = noise.reshape(-1)[:1].repeat(num_steps) if noise.dim() <= 1 else noise
-        return cls(
-            teacher.covar_module, train_x, train_y, gamma, mean_module=teacher.mean_module, **kwargs
-        )
+    def _targets_filter(self) -> SpectralFilter:
+        return SpectralFilter.data_centric_targets(self._schedule(self.gamma), self.alpha)
 
-    # ------------------------------------------------------------------ shapes
-    @property
-    def num_steps(self) -> int:
-        """:math:`T`, the number of steps of every schedule."""
-        return self.gamma.shape[-1]
+    def _mean_filter(self) -> SpectralFilter:
+        return SpectralFilter.data_centric_weights(self._schedule(self.gamma), self.alpha)
 
-    def _filters(self) -> tuple[SpectralFilter, SpectralFilter, SpectralFilter]:
-        gamma = self.gamma.to(self.linalg_dtype or self.gamma.dtype)
-        return (
-            SpectralFilter.data_centric_targets(gamma, self.alpha),
-            SpectralFilter.data_centric_weights(gamma, self.alpha),
-            SpectralFilter.resolvent(gamma),
-        )
+    def _variance_filter(self) -> SpectralFilter:
+        return SpectralFilter.resolvent(self._schedule(self.gamma))
 
-    # ------------------------------------------------------------------ cached factorisation
-    def _state(self) -> dict:
-        """The backend engine and the targets' coordinates, recomputed when parameters change."""
-        snapshot = self._cache.get("snapshot")
-        if snapshot is None or not snapshot.matches(self):
-            self._cache = {"snapshot": StateSnapshot(self)}
-            x = self.train_x
-            kernel_matrix = self.kernel(x)
-            prior_mean = self.mean_module(x)
-            engine = make_engine(
-                kernel_matrix,
-                self.backend,
-                self.gamma[..., 0].numel() * self.num_steps,
-                self.linalg_dtype,
-                self.rank,
-                generator_seed=0,
-                gamma_min=float(self.gamma.min()),
-                rtol=self.rtol,
-            )
-            engine.check_accuracy(float(self.gamma.min()), self.rtol)
-            centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
-            self._cache["engine"] = engine
-            self._cache["prior_mean"] = prior_mean
-            self._cache["centred"] = centred
-            self._cache["coords"] = (
-                engine.project(centred) if hasattr(engine, "project") else centred
-            )
-        return self._cache
-
-    @property
-    def error_estimate(self) -> float:
-        """Estimated relative error of the backend (0 for the exact dense and Cholesky ones)."""
-        return self._state()["engine"].error_estimate(float(self.gamma.min()))
-
-    # ------------------------------------------------------------------ results
     def train_targets_path(self) -> Tensor:
         r"""The targets :math:`\mathbf y_1, \dots, \mathbf y_T`, shape ``(*batch, T, N)``."""
         state = self._state()
-        targets = state["engine"].apply(self._filters()[0], state["coords"]).squeeze(-1)
+        targets = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
         out = targets + state["prior_mean"].unsqueeze(-2)
         return out.to(self.train_y.dtype)
-
-    def predict(self, test_x: Tensor, full_cov: bool = False) -> RegressionPath:
-        r"""Predictive means and variances of every step at ``test_x`` (shape ``(*b, M, d)``).
-
-        Returns a :class:`RegressionPath` with ``mean`` and ``variance`` of shape
-        ``(*batch, T, M)``; with ``full_cov=True`` also the ``(*batch, T, M, M)`` covariances.
-        """
-        test_x = validate_test_x(test_x, self.train_x)
-        state = self._state()
-        engine = state["engine"]
-        _, weights, resolvent = self._filters()
-        cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
-        mean = engine.cross(weights, cross, state["coords"]).squeeze(-1)  # shape: (*, T, M)
-        mean = mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
-        prior_var = self.kernel(test_x, diag=True)  # shape: (*b, M)
-        reduction = engine.quad_diag(resolvent, cross).to(test_x.dtype)
-        variance = nonnegative_variance(
-            prior_var.unsqueeze(-2) - reduction, prior_var.unsqueeze(-2)
-        )
-        covariance = None
-        if full_cov:
-            prior_cov = self.kernel(test_x).to_dense()
-            covariance = prior_cov.unsqueeze(-3) - engine.cross(resolvent, cross, cross).to(
-                test_x.dtype
-            )
-        return RegressionPath(mean, variance, covariance)
-
-    def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:
-        """The latent predictive distributions of all steps: batch shape ``(*batch, T)``."""
-        path = self.predict(test_x, full_cov=full_cov)
-        if full_cov:
-            return MultivariateNormal(path.mean, path.covariance)
-        return MultivariateNormal(path.mean, DiagLinearOperator(path.variance))
 
     # ------------------------------------------------------------------ choosing t
     def gcv(self) -> Tensor:
@@ -249,7 +140,7 @@ class DataCentricGPR(gpytorch.Module):
         with :math:`\operatorname{tr}\mathbf S_t` read off the eigenvalues (smaller is better).
         """
         state = self._state()
-        targets_filter = self._filters()[0]
+        targets_filter = self._targets_filter()
         n = self.train_x.shape[-2]
         centred = state["centred"].squeeze(-1)
         targets = state["engine"].apply(targets_filter, state["coords"]).squeeze(-1)

@@ -7,25 +7,14 @@ import itertools
 
 import gpytorch
 import torch
-from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import GaussianLikelihood
-from gpytorch.means import Mean, ZeroMean
+from gpytorch.means import Mean
 from gpytorch.models import ExactGP
-from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd.distillation._common import (
-    ExactGPFromModules,
-    RegressionPath,
-    StateSnapshot,
-    make_engine,
-    nonnegative_variance,
-    unpack_teacher,
-    validate_gamma,
-    validate_test_x,
-    validate_training_data,
-)
+from gpsd.distillation._common import ExactGPFromModules, RegressionPath, validate_test_x
+from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.kernels import PosteriorKernel
 from gpsd.linalg import SpectralFilter
 from gpsd.means import PosteriorMean
@@ -35,7 +24,7 @@ __all__ = ["DistributionCentricGPR"]
 METHODS = ("collapsed", "iterated")
 
 
-class DistributionCentricGPR(gpytorch.Module):
+class DistributionCentricGPR(SpectralGPR):
     r"""Distribution-centric self-distillation of a GP regressor: the posterior becomes the prior.
 
     Starting from :math:`\mathcal{GP}(m_0, k_0) = \mathcal{GP}(m, k)`, step :math:`t` conditions
@@ -83,108 +72,43 @@ class DistributionCentricGPR(gpytorch.Module):
         rank: int | None = None,
         rtol: float = 1e-6,
     ) -> None:
-        super().__init__()
-        if not isinstance(kernel, Kernel):
-            raise TypeError(
-                f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}"
-            )
-        if mean_module is not None and not isinstance(mean_module, Mean):
-            raise TypeError(
-                f"mean_module must be a gpytorch.means.Mean, got {type(mean_module).__name__}"
-            )
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        train_x, train_y = validate_training_data(train_x, train_y)
-        self.kernel = kernel
-        self.mean_module = mean_module if mean_module is not None else ZeroMean()
-        self.register_buffer("train_x", train_x)
-        self.register_buffer("train_y", train_y)
-        self.register_buffer("gamma", validate_gamma(gamma, train_x))
-        self.method = method
-        self.backend = backend
-        self.linalg_dtype = linalg_dtype
-        self.rank = rank
-        self.rtol = rtol
-        self._cache: dict = {}
-
-    @classmethod
-    def from_teacher(
-        cls, teacher: ExactGP, gamma: object = None, num_steps: int | None = None, **kwargs
-    ) -> DistributionCentricGPR:
-        """Distil a trained ``ExactGP`` teacher; ``gamma`` defaults to its noise, ``num_steps`` times."""
-        train_x, train_y, noise = unpack_teacher(teacher)
-        if gamma is None:
-            if num_steps is None or num_steps < 1:
-                raise ValueError("give gamma, or num_steps >= 1 to repeat the teacher's noise")
-            gamma = noise.reshape(-1)[:1].repeat(num_steps)
-        return cls(
-            teacher.covar_module, train_x, train_y, gamma, mean_module=teacher.mean_module, **kwargs
+        super().__init__(
+            kernel,
+            train_x,
+            train_y,
+            gamma,
+            mean_module=mean_module,
+            backend=backend,
+            linalg_dtype=linalg_dtype,
+            rank=rank,
+            rtol=rtol,
         )
-
-    @property
-    def num_steps(self) -> int:
-        return self.gamma.shape[-1]
+        self.method = method
 
     @property
     def effective_noise(self) -> Tensor:
         r""":math:`\tilde\gamma_t = 1 / \sum_{s<t} 1/\gamma_s` for ``t = 1..T``, shape ``(*s, T)``."""
         return 1.0 / torch.cumsum(1.0 / self.gamma, dim=-1)
 
-    def _state(self) -> dict:
-        snapshot = self._cache.get("snapshot")
-        if snapshot is None or not snapshot.matches(self):
-            self._cache = {"snapshot": StateSnapshot(self)}
-            kernel_matrix = self.kernel(self.train_x)
-            prior_mean = self.mean_module(self.train_x)
-            engine = make_engine(
-                kernel_matrix,
-                self.backend,
-                self.gamma[..., 0].numel() * self.num_steps,
-                self.linalg_dtype,
-                self.rank,
-                generator_seed=0,
-                gamma_min=float(self.effective_noise.min()),
-                rtol=self.rtol,
-            )
-            engine.check_accuracy(float(self.effective_noise.min()), self.rtol)
-            centred = (self.train_y - prior_mean).unsqueeze(-1)
-            self._cache.update(
-                engine=engine,
-                centred=centred,
-                coords=engine.project(centred) if hasattr(engine, "project") else centred,
-            )
-        return self._cache
+    def _smallest_shift(self) -> float:
+        return float(self.effective_noise.min())
+
+    def _mean_filter(self) -> SpectralFilter:
+        return SpectralFilter.resolvent(self._schedule(self.effective_noise))
+
+    def _variance_filter(self) -> SpectralFilter:
+        return self._mean_filter()
 
     def predict(self, test_x: Tensor, full_cov: bool = False) -> RegressionPath:
         """Means and variances of :math:`\\mathcal{GP}(m_t, k_t)`, ``t = 1..T``, at ``test_x``.
 
         Shapes ``(*batch, T, M)`` (covariances ``(*batch, T, M, M)`` with ``full_cov=True``).
         """
-        test_x = validate_test_x(test_x, self.train_x)
         if self.method == "iterated":
-            return self._predict_iterated(test_x, full_cov)
-        state = self._state()
-        engine = state["engine"]
-        noise = self.effective_noise.to(self.linalg_dtype or self.gamma.dtype)
-        resolvent = SpectralFilter.resolvent(noise)
-        cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
-        mean = engine.cross(resolvent, cross, state["coords"]).squeeze(-1).to(test_x.dtype)
-        mean = mean + self.mean_module(test_x).unsqueeze(-2)
-        prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)
-        reduction = engine.quad_diag(resolvent, cross).to(test_x.dtype)
-        variance = nonnegative_variance(prior_var - reduction, prior_var)
-        covariance = None
-        if full_cov:
-            prior_cov = self.kernel(test_x).to_dense().unsqueeze(-3)
-            covariance = prior_cov - engine.cross(resolvent, cross, cross).to(test_x.dtype)
-        return RegressionPath(mean, variance, covariance)
-
-    def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:
-        """The latent predictive distributions of all steps: batch shape ``(*batch, T)``."""
-        path = self.predict(test_x, full_cov=full_cov)
-        if full_cov:
-            return MultivariateNormal(path.mean, path.covariance)
-        return MultivariateNormal(path.mean, DiagLinearOperator(path.variance))
+            return self._predict_iterated(validate_test_x(test_x, self.train_x), full_cov)
+        return super().predict(test_x, full_cov)
 
     # ------------------------------------------------------------------ the literal recursion
     def iterated_models(self, schedule: tuple[int, ...] = ()) -> list[ExactGP]:

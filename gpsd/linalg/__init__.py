@@ -1,12 +1,14 @@
 """Spectral filters of kernel operators: eigendecomposition, Cholesky chains, block Lanczos."""
 
 from gpsd.linalg.backend import BACKENDS, choose_backend
+from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum, SpectralCoordinates
 from gpsd.linalg.shifted_cholesky import ShiftedCholesky
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = [
     "BACKENDS",
+    "ChunkedKernelOperator",
     "KernelSpectrum",
     "ShiftedCholesky",
     "SpectralCoordinates",

@@ -314,3 +314,16 @@ def test_bad_input_raises_clear_errors(problem):
         DataCentricGPR.from_teacher(teacher, num_steps=2)
     with pytest.raises(TypeError, match="ExactGP"):
         DataCentricGPR.from_teacher(kernel, num_steps=2)
+
+
+def test_chunked_test_points_equal_one_pass(problem, monkeypatch):
+    from gpsd.distillation import _spectral_gpr
+
+    x, y, test_x = problem
+    model = DataCentricGPR(rbf_kernel(), x, y, [0.2, 0.4], backend="lanczos")
+    with torch.no_grad():
+        whole = model.predict(test_x)
+        monkeypatch.setattr(_spectral_gpr, "TEST_CHUNK_SIZE", 5)
+        chunked = model.predict(test_x)
+    torch.testing.assert_close(chunked.mean, whole.mean)
+    torch.testing.assert_close(chunked.variance, whole.variance)

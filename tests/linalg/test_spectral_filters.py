@@ -139,3 +139,20 @@ def test_to_linear_operator_equals_explicit_filter_matrices():
     )
     with pytest.raises(ValueError, match="full eigendecomposition"):
         KernelSpectrum.from_lanczos(k, rank=16).to_linear_operator(SpectralFilter.resolvent(gammas))
+
+
+def test_chunked_kernel_operator_products_and_diagonal():
+    import gpytorch
+
+    from gpsd.linalg import ChunkedKernelOperator
+
+    x = torch.rand(2, 130, 3, dtype=DTYPE)
+    kernel = gpytorch.kernels.MaternKernel(batch_shape=torch.Size([2])).to(DTYPE)
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32)
+    dense = kernel(x).to_dense().detach()
+    rhs = torch.randn(2, 130, 4, dtype=DTYPE)
+    assert op.shape == (2, 130, 130)
+    torch.testing.assert_close(op @ rhs, dense @ rhs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.diagonal(dim1=-2, dim2=-1), dense.diagonal(dim1=-2, dim2=-1))
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkedKernelOperator(x, kernel=kernel, chunk_size=0)

@@ -1,0 +1,191 @@
+"""The base both regression distillers share: validation, cached factorisation, prediction."""
+
+from __future__ import annotations
+
+import abc
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import Kernel
+from gpytorch.means import Mean, ZeroMean
+from gpytorch.models import ExactGP
+from linear_operator.operators import DiagLinearOperator
+from torch import Tensor
+
+from gpsd.distillation._common import (
+    RegressionPath,
+    StateSnapshot,
+    make_engine,
+    nonnegative_variance,
+    unpack_teacher,
+    validate_gamma,
+    validate_test_x,
+    validate_training_data,
+)
+from gpsd.linalg import SpectralFilter
+
+#: Test inputs are predicted in chunks of this many points, bounding the N x M cross-covariance.
+TEST_CHUNK_SIZE = 4096
+
+
+class SpectralGPR(gpytorch.Module, abc.ABC):
+    """A GP regressor whose predictions for every distillation step are spectral filters of K.
+
+    Subclasses say which filters give the predictive mean (:meth:`_mean_filter`) and the
+    posterior variance reduction (:meth:`_variance_filter`), and the smallest shift those filters
+    use (:meth:`_smallest_shift`).
+    """
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        train_x: Tensor,
+        train_y: Tensor,
+        gamma: object,
+        *,
+        mean_module: Mean | None,
+        backend: str,
+        linalg_dtype: torch.dtype | None,
+        rank: int | None,
+        rtol: float,
+    ) -> None:
+        super().__init__()
+        if not isinstance(kernel, Kernel):
+            raise TypeError(
+                f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}"
+            )
+        if mean_module is not None and not isinstance(mean_module, Mean):
+            raise TypeError(
+                f"mean_module must be a gpytorch.means.Mean, got {type(mean_module).__name__}"
+            )
+        if not rtol > 0:
+            raise ValueError(f"rtol must be positive, got {rtol}")
+        train_x, train_y = validate_training_data(train_x, train_y)
+        self.kernel = kernel
+        self.mean_module = mean_module if mean_module is not None else ZeroMean()
+        self.register_buffer("train_x", train_x)
+        self.register_buffer("train_y", train_y)
+        self.register_buffer("gamma", validate_gamma(gamma, train_x))
+        self.backend = backend
+        self.linalg_dtype = linalg_dtype
+        self.rank = rank
+        self.rtol = rtol
+        self._cache: dict = {}
+
+    @classmethod
+    def from_teacher(
+        cls, teacher: ExactGP, gamma: object = None, num_steps: int | None = None, **kwargs
+    ):
+        """Distil a trained ``ExactGP`` teacher with a ``GaussianLikelihood``.
+
+        The teacher's mean and kernel modules are shared, not copied. ``gamma`` defaults to the
+        teacher's noise repeated ``num_steps`` times (so the teacher itself is step 1).
+        """
+        train_x, train_y, noise = unpack_teacher(teacher)
+        if gamma is None:
+            if num_steps is None or num_steps < 1:
+                raise ValueError("give gamma, or num_steps >= 1 to repeat the teacher's noise")
+            gamma = noise.reshape(-1)[:1].repeat(num_steps)
+        return cls(
+            teacher.covar_module, train_x, train_y, gamma, mean_module=teacher.mean_module, **kwargs
+        )
+
+    @property
+    def num_steps(self) -> int:
+        """:math:`T`, the number of steps of every schedule."""
+        return self.gamma.shape[-1]
+
+    # ------------------------------------------------------------------ for subclasses
+    @abc.abstractmethod
+    def _smallest_shift(self) -> float:
+        """The smallest noise any filter of the model uses (sets the Lanczos accuracy)."""
+
+    @abc.abstractmethod
+    def _mean_filter(self) -> SpectralFilter:
+        """:math:`G_t` with :math:`\\mu_{t,*} = m_* + \\mathbf K_{*X} G_t(\\mathbf K)(\\mathbf y - m)`."""
+
+    @abc.abstractmethod
+    def _variance_filter(self) -> SpectralFilter:
+        """:math:`R_t` with :math:`\\Sigma_{t,*} = \\mathbf K_{**} - \\mathbf K_{*X} R_t(\\mathbf K)\\mathbf K_{X*}`."""
+
+    def _schedule(self, gamma: Tensor) -> Tensor:
+        """A schedule in the factorisation's dtype."""
+        return gamma.to(self.linalg_dtype or gamma.dtype)
+
+    # ------------------------------------------------------------------ cached factorisation
+    def _state(self) -> dict:
+        """The backend engine and the targets' coordinates, recomputed when the state changes."""
+        snapshot = self._cache.get("snapshot")
+        if snapshot is None or not snapshot.matches(self):
+            self._cache = {"snapshot": StateSnapshot(self)}
+            prior_mean = self.mean_module(self.train_x)
+            engine = make_engine(
+                self.kernel,
+                self.train_x,
+                self.backend,
+                self.gamma[..., 0].numel() * self.num_steps,
+                self.linalg_dtype,
+                self.rank,
+                generator_seed=0,
+                gamma_min=self._smallest_shift(),
+                rtol=self.rtol,
+            )
+            engine.check_accuracy(self._smallest_shift(), self.rtol)
+            centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
+            self._cache.update(
+                engine=engine,
+                prior_mean=prior_mean,
+                centred=centred,
+                coords=engine.project(centred) if hasattr(engine, "project") else centred,
+            )
+        return self._cache
+
+    @property
+    def error_estimate(self) -> float:
+        """Estimated relative error of the backend (0 for the exact dense and Cholesky ones)."""
+        return self._state()["engine"].error_estimate(self._smallest_shift())
+
+    # ------------------------------------------------------------------ prediction
+    def predict(self, test_x: Tensor, full_cov: bool = False) -> RegressionPath:
+        r"""Predictive means and variances of every step at ``test_x`` (shape ``(*b, M, d)``).
+
+        Returns a :class:`~gpsd.distillation.RegressionPath` with ``mean`` and ``variance`` of shape
+        ``(*batch, T, M)``; with ``full_cov=True`` also the ``(*batch, T, M, M)`` covariances.
+        Without ``full_cov`` the test points are processed in chunks of
+        :data:`TEST_CHUNK_SIZE`, so memory stays at ``N x TEST_CHUNK_SIZE``.
+        """
+        test_x = validate_test_x(test_x, self.train_x)
+        if full_cov or test_x.shape[-2] <= TEST_CHUNK_SIZE:
+            return self._predict_chunk(test_x, full_cov)
+        parts = [
+            self._predict_chunk(test_x[..., i : i + TEST_CHUNK_SIZE, :], False)
+            for i in range(0, test_x.shape[-2], TEST_CHUNK_SIZE)
+        ]
+        return RegressionPath(
+            torch.cat([p.mean for p in parts], dim=-1),
+            torch.cat([p.variance for p in parts], dim=-1),
+        )
+
+    def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> RegressionPath:
+        state = self._state()
+        engine = state["engine"]
+        mean_filter, variance_filter = self._mean_filter(), self._variance_filter()
+        cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
+        mean = engine.cross(mean_filter, cross, state["coords"]).squeeze(-1)  # shape: (*, T, M)
+        mean = mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
+        prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
+        reduction = engine.quad_diag(variance_filter, cross).to(test_x.dtype)
+        variance = nonnegative_variance(prior_var - reduction, prior_var)
+        covariance = None
+        if full_cov:
+            prior_cov = self.kernel(test_x).to_dense().unsqueeze(-3)
+            covariance = prior_cov - engine.cross(variance_filter, cross, cross).to(test_x.dtype)
+        return RegressionPath(mean, variance, covariance)
+
+    def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:
+        """The latent predictive distributions of all steps: batch shape ``(*batch, T)``."""
+        path = self.predict(test_x, full_cov=full_cov)
+        if full_cov:
+            return MultivariateNormal(path.mean, path.covariance)
+        return MultivariateNormal(path.mean, DiagLinearOperator(path.variance))
