@@ -21,6 +21,23 @@ def frozen_copy(module: gpytorch.Module) -> gpytorch.Module:
     return clone.eval()
 
 
+def validate_teacher(teacher: ExactGP, likelihood_type: type, likelihood_name: str) -> None:
+    """A trained GPyTorch ``ExactGP`` with training data, ``mean_module`` and ``covar_module``."""
+    if not isinstance(teacher, ExactGP):
+        raise TypeError(f"teacher must be a gpytorch.models.ExactGP, got {type(teacher).__name__}")
+    if not isinstance(teacher.likelihood, likelihood_type):
+        raise ValueError(
+            f"teacher.likelihood must be {likelihood_name}, got {type(teacher.likelihood).__name__}"
+        )
+    if teacher.train_inputs is None or teacher.train_targets is None:
+        raise ValueError("teacher has no training data: call teacher.set_train_data(x, y) first")
+    if len(teacher.train_inputs) != 1:
+        raise ValueError("teacher must have exactly one training input tensor")
+    for name in ("mean_module", "covar_module"):
+        if not isinstance(getattr(teacher, name, None), gpytorch.Module):
+            raise ValueError(f"teacher must define {name} (the GPyTorch convention)")
+
+
 def teacher_posterior(teacher: ExactGP) -> dict[str, object]:
     r"""Everything needed to evaluate a trained teacher's posterior at new inputs.
 
@@ -29,18 +46,7 @@ def teacher_posterior(teacher: ExactGP) -> dict[str, object]:
     :math:`\mathbf K_{XX} + \boldsymbol\Sigma_\text{noise}` and
     :math:`\mathbf a = (\mathbf K_{XX} + \boldsymbol\Sigma_\text{noise})^{-1}(\mathbf y - m(\mathbf X))`.
     """
-    if not isinstance(teacher, ExactGP):
-        raise TypeError(f"teacher must be a gpytorch.models.ExactGP, got {type(teacher).__name__}")
-    if not isinstance(teacher.likelihood, _GaussianLikelihoodBase):
-        raise ValueError(
-            "teacher.likelihood must be a Gaussian likelihood (GaussianLikelihood or "
-            f"FixedNoiseGaussianLikelihood), got {type(teacher.likelihood).__name__}"
-        )
-    if teacher.train_inputs is None or teacher.train_targets is None:
-        raise ValueError("teacher has no training data: call teacher.set_train_data(x, y) first")
-    for name in ("mean_module", "covar_module"):
-        if not isinstance(getattr(teacher, name, None), gpytorch.Module):
-            raise ValueError(f"teacher must define {name} (the GPyTorch convention)")
+    validate_teacher(teacher, _GaussianLikelihoodBase, "a Gaussian likelihood")
     mean_module = frozen_copy(teacher.mean_module)
     covar_module = frozen_copy(teacher.covar_module)
     x = teacher.train_inputs[0].detach()

@@ -14,6 +14,7 @@ from gpytorch.models import ExactGP
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
+from gpsd._teacher import validate_teacher
 from gpsd._validation import as_float_tensor, check_finite, check_matrix, check_vector
 from gpsd.linalg import (
     BACKENDS,
@@ -77,20 +78,9 @@ def validate_test_x(test_x: object, train_x: Tensor) -> Tensor:
 
 def unpack_teacher(teacher: ExactGP) -> tuple[Tensor, Tensor, Tensor]:
     """``(train_x, train_y, noise)`` of a trained GPyTorch ``ExactGP`` with a Gaussian likelihood."""
-    if not isinstance(teacher, ExactGP):
-        raise TypeError(f"teacher must be a gpytorch.models.ExactGP, got {type(teacher).__name__}")
-    if not isinstance(teacher.likelihood, GaussianLikelihood):
-        raise ValueError(
-            "teacher.likelihood must be a gpytorch.likelihoods.GaussianLikelihood (homoskedastic "
-            f"Gaussian noise), got {type(teacher.likelihood).__name__}"
-        )
-    if teacher.train_inputs is None or teacher.train_targets is None:
-        raise ValueError("teacher has no training data: call teacher.set_train_data(x, y) first")
-    if len(teacher.train_inputs) != 1:
-        raise ValueError("teacher must have exactly one training input tensor")
-    for name in ("mean_module", "covar_module"):
-        if not hasattr(teacher, name):
-            raise ValueError(f"teacher must define {name} (the GPyTorch convention)")
+    validate_teacher(
+        teacher, GaussianLikelihood, "a gpytorch.likelihoods.GaussianLikelihood (homoskedastic)"
+    )
     noise = teacher.likelihood.noise.detach().squeeze(-1)
     return teacher.train_inputs[0], teacher.train_targets, noise
 
