@@ -116,10 +116,16 @@ def make_engine(
         kernel_matrix = kernel(x) if is_keops else ChunkedKernelOperator(x, kernel=kernel)
     else:
         kernel_matrix = kernel(x)
-    if backend == "cholesky":
-        return ShiftedCholesky(kernel_matrix, dtype=eig_dtype)
-    if backend == "dense":
-        return KernelSpectrum.from_dense(kernel_matrix, dtype=eig_dtype)
+    try:
+        if backend == "cholesky":
+            return ShiftedCholesky(kernel_matrix, dtype=eig_dtype)
+        if backend == "dense":
+            return KernelSpectrum.from_dense(kernel_matrix, dtype=eig_dtype)
+    except torch.OutOfMemoryError as err:
+        raise MemoryError(
+            f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
+            f"{x.device}; use backend='lanczos', which never forms it"
+        ) from err
 
     def lanczos(r: int) -> KernelSpectrum:
         return KernelSpectrum.from_lanczos(

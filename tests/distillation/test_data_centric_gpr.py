@@ -327,3 +327,15 @@ def test_chunked_test_points_equal_one_pass(problem, monkeypatch):
         chunked = model.predict(test_x)
     torch.testing.assert_close(chunked.mean, whole.mean)
     torch.testing.assert_close(chunked.variance, whole.variance)
+
+
+def test_out_of_memory_names_the_backend_to_use(problem, monkeypatch):
+    x, y, test_x = problem
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(torch.linalg, "eigh", no_memory)
+    model = DataCentricGPR(rbf_kernel(), x, y, [0.1] * 50, backend="dense")
+    with pytest.raises(MemoryError, match="backend='lanczos'"):
+        model.predict(test_x)
