@@ -9,3 +9,7 @@ from gpsd.distillation.distribution_centric_gpr import DistributionCentricGPR
 __all__ = ["DataCentricGPR", "DistributionCentricGPR", "ExactGPFromModules", "RegressionPath"]
 
 # --- classification (issue 3) ---  (import here and extend with: __all__ += [...])
+from gpsd.distillation.data_centric_gpc import DataCentricGPC  # noqa: E402
+from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC  # noqa: E402
+
+__all__ += ["DataCentricGPC", "DistributionCentricGPC"]

@@ -1,0 +1,33 @@
+"""Laplace approximation for binary GP classification with any log-concave 1-D likelihood."""
+
+from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
+from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
+from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
+from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
+from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
+from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
+from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
+from gpsd.laplace.newton import LaplaceConvergenceError, LaplaceMode, find_laplace_mode
+from gpsd.laplace.predictive import (
+    gauss_hermite_expectation,
+    laplace_latent_predictive,
+    probit_approximation,
+)
+from gpsd.laplace.resolve import resolve_likelihood_terms
+
+__all__ = [
+    "AutogradLikelihoodTerms",
+    "BernoulliLogitTerms",
+    "BernoulliProbitTerms",
+    "ContinuousBernoulliTerms",
+    "LaplaceConvergenceError",
+    "LaplaceGPClassifier",
+    "LaplaceLikelihoodTerms",
+    "LaplaceMode",
+    "find_laplace_mode",
+    "gauss_hermite_expectation",
+    "laplace_latent_predictive",
+    "laplace_log_marginal_likelihood",
+    "probit_approximation",
+    "resolve_likelihood_terms",
+]

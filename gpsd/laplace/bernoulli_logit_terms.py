@@ -1,0 +1,44 @@
+r"""Bernoulli likelihood with the logistic link for the Laplace engine."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
+
+__all__ = ["BernoulliLogitTerms"]
+
+
+def check_binary_targets(y: Tensor, name: str) -> None:
+    if not torch.isfinite(y).all():
+        raise ValueError(f"{name} must be finite, but it holds NaN or infinite values")
+    if not ((y == 0) | (y == 1)).all():
+        bad = y[(y != 0) & (y != 1)].flatten()[:3].tolist()
+        raise ValueError(f"{name} must hold binary labels in {{0, 1}}, got values such as {bad}")
+
+
+class BernoulliLogitTerms(LaplaceLikelihoodTerms):
+    r"""Bernoulli-logistic likelihood, targets :math:`y \in \{0, 1\}`.
+
+    .. math::
+
+        \log p(y \mid f) = y f - \log(1 + e^f), \quad
+        \partial_f = y - \sigma(f), \quad \partial_f^2 = -\sigma(f)(1 - \sigma(f)).
+    """
+
+    name = "Bernoulli-logistic"
+
+    def log_prob(self, y: Tensor, f: Tensor) -> Tensor:
+        return y * f - F.softplus(f)
+
+    def derivatives(self, y: Tensor, f: Tensor) -> tuple[Tensor, Tensor]:
+        p = torch.sigmoid(f)
+        return y - p, -p * torch.sigmoid(-f)
+
+    def response(self, f: Tensor) -> Tensor:
+        return torch.sigmoid(f)
+
+    def check_targets(self, y: Tensor, name: str = "train_y") -> None:
+        check_binary_targets(y, name)

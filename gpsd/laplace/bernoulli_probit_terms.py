@@ -1,0 +1,43 @@
+r"""Bernoulli likelihood with the probit link for the Laplace engine."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from gpsd.laplace.bernoulli_logit_terms import check_binary_targets
+from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
+
+__all__ = ["BernoulliProbitTerms"]
+
+
+class BernoulliProbitTerms(LaplaceLikelihoodTerms):
+    r"""Bernoulli-probit likelihood, targets :math:`y \in \{0, 1\}` (GPyTorch's ``BernoulliLikelihood``).
+
+    With :math:`s = 2y - 1`, :math:`z = s f` and :math:`r = \mathcal{N}(z) / \Phi(z)` (evaluated
+    through ``log_ndtr`` so that it stays finite in the far tail):
+
+    .. math::
+
+        \log p(y \mid f) = \log \Phi(z), \quad \partial_f = s\, r, \quad \partial_f^2 = -r^2 - z r.
+    """
+
+    name = "Bernoulli-probit"
+
+    def log_prob(self, y: Tensor, f: Tensor) -> Tensor:
+        return torch.special.log_ndtr((2.0 * y - 1.0) * f)
+
+    def derivatives(self, y: Tensor, f: Tensor) -> tuple[Tensor, Tensor]:
+        s = 2.0 * y - 1.0
+        z = s * f
+        log_pdf = -0.5 * z.square() - 0.5 * math.log(2.0 * math.pi)
+        r = torch.exp(log_pdf - torch.special.log_ndtr(z))
+        return s * r, -r.square() - z * r
+
+    def response(self, f: Tensor) -> Tensor:
+        return torch.special.ndtr(f)
+
+    def check_targets(self, y: Tensor, name: str = "train_y") -> None:
+        check_binary_targets(y, name)

@@ -1,0 +1,23 @@
+"""Likelihoods for GP models: the continuous Bernoulli for soft targets in [0, 1]."""
+
+from gpsd.likelihoods.continuous_bernoulli import ContinuousBernoulli
+from gpsd.likelihoods.continuous_bernoulli_likelihood import ContinuousBernoulliLikelihood
+from gpsd.likelihoods.log_normalizer import (
+    cb_log_normalizer,
+    cb_mean,
+    cb_variance,
+    log_cb_normalizing_constant,
+    log_cb_normalizing_constant_grad,
+    log_cb_normalizing_constant_hessian,
+)
+
+__all__ = [
+    "ContinuousBernoulli",
+    "ContinuousBernoulliLikelihood",
+    "cb_log_normalizer",
+    "cb_mean",
+    "cb_variance",
+    "log_cb_normalizing_constant",
+    "log_cb_normalizing_constant_grad",
+    "log_cb_normalizing_constant_hessian",
+]

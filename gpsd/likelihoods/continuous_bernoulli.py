@@ -1,0 +1,116 @@
+r"""A numerically stable continuous Bernoulli distribution parameterised by its logit."""
+
+from __future__ import annotations
+
+from numbers import Number
+
+import torch
+from torch import Tensor
+from torch.distributions import Distribution, constraints
+from torch.distributions.utils import broadcast_all
+
+from gpsd.likelihoods.log_normalizer import cb_log_normalizer, cb_mean, cb_variance
+
+__all__ = ["ContinuousBernoulli"]
+
+_NO_SAMPLE_SHAPE = torch.Size()
+
+
+class ContinuousBernoulli(Distribution):
+    r"""The continuous Bernoulli distribution on :math:`[0, 1]` with logit :math:`f`.
+
+    .. math::
+
+        p(y \mid f) = \exp\bigl(y f - A(f)\bigr), \qquad A(f) = \log \frac{e^f - 1}{f},
+
+    with :math:`\mathbb{E}[y] = A'(f)` and :math:`\operatorname{Var}[y] = A''(f)`. Unlike
+    :class:`torch.distributions.ContinuousBernoulli` nothing is clamped: :math:`A`, :math:`A'` and
+    :math:`A''` are evaluated stably for every finite logit (see :mod:`gpsd.likelihoods.log_normalizer`).
+    In the parameterisation :math:`\lambda = \sigma(f)` this is :math:`C(\lambda)\lambda^y(1-\lambda)^{1-y}`.
+
+    Sampling inverts the CDF :math:`F(y) = (e^{fy} - 1)/(e^f - 1)`; :meth:`rsample` is differentiable
+    in the logits.
+
+    :param logits: The logits :math:`f`, any shape (the batch shape).
+    :param validate_args: Check the support of values passed to :meth:`log_prob`.
+    """
+
+    arg_constraints = {"logits": constraints.real}
+    support = constraints.unit_interval
+    has_rsample = True
+
+    def __init__(self, logits: Tensor | Number, validate_args: bool | None = None) -> None:
+        (self.logits,) = broadcast_all(logits)
+        if not self.logits.is_floating_point():
+            self.logits = self.logits.to(torch.get_default_dtype())
+        super().__init__(batch_shape=self.logits.shape, validate_args=validate_args)
+
+    def expand(self, batch_shape: torch.Size, _instance: ContinuousBernoulli | None = None):
+        new = self._get_checked_instance(ContinuousBernoulli, _instance)
+        new.logits = self.logits.expand(torch.Size(batch_shape))
+        super(ContinuousBernoulli, new).__init__(torch.Size(batch_shape), validate_args=False)
+        new._validate_args = self._validate_args
+        return new
+
+    @property
+    def probs(self) -> Tensor:
+        r""":math:`\lambda = \sigma(f)` (the parameter of Loaiza-Ganem & Cunningham, not the mean)."""
+        return torch.sigmoid(self.logits)
+
+    @property
+    def mean(self) -> Tensor:
+        return cb_mean(self.logits)
+
+    @property
+    def variance(self) -> Tensor:
+        return cb_variance(self.logits)
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
+        return value * self.logits - cb_log_normalizer(self.logits)
+
+    def cdf(self, value: Tensor) -> Tensor:
+        value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
+        f = self.logits
+        small = f.abs() < 1e-6
+        f_safe = torch.where(small, torch.ones_like(f), f)
+        pos = f_safe > 0
+        f_pos = torch.where(pos, f_safe, torch.ones_like(f))
+        f_neg = torch.where(pos, -torch.ones_like(f), f_safe)
+        # F(y) = expm1(f y) / expm1(f), written without overflow for either sign of f
+        log_pos = f_pos * (value - 1.0) + torch.log(-torch.expm1(-f_pos * value))
+        log_pos = log_pos - torch.log(-torch.expm1(-f_pos))
+        log_neg = torch.log(-torch.expm1(f_neg * value)) - torch.log(-torch.expm1(f_neg))
+        out = torch.where(pos, torch.exp(log_pos), torch.exp(log_neg))
+        out = torch.where(small, value + 0.5 * f * value * (value - 1.0), out)
+        return out.clamp(0.0, 1.0)
+
+    def icdf(self, value: Tensor) -> Tensor:
+        value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
+        f = self.logits
+        small = f.abs() < 1e-6
+        f_safe = torch.where(small, torch.ones_like(f), f)
+        pos = f_safe > 0
+        f_pos = torch.where(pos, f_safe, torch.ones_like(f))
+        f_neg = torch.where(pos, -torch.ones_like(f), f_safe)
+        # f < 0: log1p(u expm1(f)) / f ;  f > 0: 1 + log(u + (1 - u) e^{-f}) / f  (no overflow)
+        neg_branch = torch.log1p(value * torch.expm1(f_neg)) / f_neg
+        pos_branch = 1.0 + torch.log(value + (1.0 - value) * torch.exp(-f_pos)) / f_pos
+        out = torch.where(pos, pos_branch, neg_branch)
+        out = torch.where(small, value + 0.5 * f * value * (1.0 - value), out)
+        return out.clamp(0.0, 1.0)
+
+    def rsample(self, sample_shape: torch.Size = _NO_SAMPLE_SHAPE) -> Tensor:
+        shape = self._extended_shape(sample_shape)
+        u = torch.rand(shape, dtype=self.logits.dtype, device=self.logits.device)
+        return self.icdf(u)
+
+    def sample(self, sample_shape: torch.Size = _NO_SAMPLE_SHAPE) -> Tensor:
+        with torch.no_grad():
+            return self.rsample(sample_shape)
+
+    def entropy(self) -> Tensor:
+        r""":math:`H = A(f) - f A'(f)`."""
+        return cb_log_normalizer(self.logits) - self.logits * cb_mean(self.logits)

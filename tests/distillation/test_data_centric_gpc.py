@@ -1,0 +1,171 @@
+"""DataCentricGPC against a naive chain of independent computations."""
+
+import math
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+from scipy import integrate
+
+from gpsd.data.toy import sine_classification
+from gpsd.distillation.data_centric_gpc import DataCentricGPC
+from gpsd.laplace import LaplaceGPClassifier
+
+
+def _kernel(outputscale=3.0, lengthscale=1.0):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    k.outputscale = outputscale
+    k.base_kernel.lengthscale = lengthscale
+    return k
+
+
+@pytest.fixture
+def toy():
+    return sine_classification(30, seed=1)
+
+
+def _soft_targets_dense(k, x, f_hat, noise, continuous):
+    """E_q[sigmoid(f(x_i))] at the training inputs from dense formulas and scipy quadrature."""
+    with torch.no_grad():
+        K = k(x[:, None]).to_dense().numpy()
+    f = f_hat.numpy()
+    Kn = K + noise * np.eye(len(f))
+    if continuous:  # W = A''(f) = 1/f^2 - e^f / (e^f - 1)^2 (no f near 0 here)
+        W = 1 / f**2 - np.exp(f) / np.expm1(f) ** 2
+    else:
+        W = 1 / (1 + np.exp(-f)) * (1 / (1 + np.exp(f)))
+    mean = K @ np.linalg.solve(Kn, f)
+    var = np.diag(K - K @ np.linalg.solve(Kn + np.diag(1 / W), K))
+    out = []
+    for m, v in zip(mean, var, strict=True):
+
+        def integrand(z, m=m, v=v):
+            return (
+                1
+                / (1 + math.exp(-z))
+                * math.exp(-0.5 * (z - m) ** 2 / v)
+                / math.sqrt(2 * math.pi * v)
+            )
+
+        out.append(
+            integrate.quad(integrand, m - 40 * math.sqrt(v), m + 40 * math.sqrt(v), epsabs=1e-13)[0]
+        )
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_step_one_matches_sklearn(toy):
+    from sklearn.gaussian_process import GaussianProcessClassifier
+    from sklearn.gaussian_process.kernels import RBF, ConstantKernel
+
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=1).fit()
+    gpc = GaussianProcessClassifier(ConstantKernel(3.0) * RBF(1.0), optimizer=None).fit(
+        x.numpy()[:, None], y.numpy()
+    )
+    np.testing.assert_allclose(
+        model.latent_modes[0].numpy(), gpc.base_estimator_.f_cached, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("likelihood", ["continuous_bernoulli", "bernoulli"])
+def test_three_steps_match_naive_chain(toy, likelihood):
+    x, y, test_x = toy
+    noise = [0.0, 0.1, 0.3]
+    model = DataCentricGPC(
+        x, y, _kernel(), num_steps=3, noise=noise, soft_target_likelihood=likelihood
+    ).fit()
+    # naive chain: an independent Laplace classifier per step on targets computed densely
+    targets = y
+    f_prev = None
+    for step in range(1, 4):
+        if step > 1:
+            continuous = step > 2 and likelihood == "continuous_bernoulli"
+            targets = _soft_targets_dense(_kernel(), x, f_prev, noise[step - 2], continuous)
+            torch.testing.assert_close(model.step_targets[step - 1], targets, rtol=1e-8, atol=1e-9)
+        lik = (
+            "bernoulli_logit" if step == 1 or likelihood == "bernoulli" else "continuous_bernoulli"
+        )
+        if step > 1 and likelihood == "bernoulli":
+            from gpsd.laplace import BernoulliLogitTerms
+
+            class _SoftLogit(BernoulliLogitTerms):  # the misspecified model accepts soft targets
+                def check_targets(self, y, name="train_y"):
+                    pass
+
+            lik = _SoftLogit()
+        naive = LaplaceGPClassifier(
+            x, targets, _kernel(), likelihood=lik, noise=noise[step - 1]
+        ).fit()
+        torch.testing.assert_close(model.latent_modes[step - 1], naive.mode.f, rtol=1e-7, atol=1e-7)
+        mean, var = model.predict_latent(test_x, step=step)
+        n_mean, n_var = naive.predict_latent(test_x)
+        torch.testing.assert_close(mean, n_mean.detach(), rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(var, n_var.detach(), rtol=1e-7, atol=1e-7)
+        f_prev = naive.mode.f
+
+
+def test_continuous_bernoulli_is_more_extreme_than_misspecified_bernoulli(toy):
+    x, y, test_x = toy
+    cb = DataCentricGPC(x, y, _kernel(), num_steps=2).fit()
+    bern = DataCentricGPC(x, y, _kernel(), num_steps=2, soft_target_likelihood="bernoulli").fit()
+    p_cb, p_b = cb.predict_proba(x), bern.predict_proba(x)
+    assert (p_cb - 0.5).abs().mean() > (p_b - 0.5).abs().mean()
+    # noise on the kernel diagonal regularises the C-GPC (Fig. 5)
+    reg = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=[0.0, 1.0]).fit()
+    assert (reg.predict_proba(x) - 0.5).abs().mean() < (p_cb - 0.5).abs().mean()
+
+
+def test_thresholded_targets_and_warm_start(toy):
+    x, y, _ = toy
+    thr = DataCentricGPC(x, y, _kernel(), num_steps=3, threshold_targets=True).fit()
+    assert set(thr.step_targets[1:].unique().tolist()) <= {0.0, 1.0}
+    warm = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1).fit()
+    cold = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1, warm_start=False).fit()
+    torch.testing.assert_close(warm.latent_modes, cold.latent_modes, rtol=1e-8, atol=1e-8)
+    assert sum(warm.newton_iterations[1:]) < sum(cold.newton_iterations[1:])
+
+
+def test_state_dict_round_trip(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=0.1).fit()
+    probs = model.predict_proba(test_x)
+    other = DataCentricGPC(x, y, _kernel(1.0, 2.0), num_steps=2, noise=0.1)
+    other.load_state_dict(model.state_dict())
+    torch.testing.assert_close(other.predict_proba(test_x), probs)
+
+
+def test_bad_input(toy):
+    x, y, test_x = toy
+    with pytest.raises(ValueError, match="train_y must hold binary labels"):
+        DataCentricGPC(x, y * 0.3, _kernel())
+    nan_y = y.clone()
+    nan_y[2] = float("nan")
+    with pytest.raises(ValueError, match="train_y must be finite"):
+        DataCentricGPC(x, nan_y, _kernel())
+    with pytest.raises(ValueError, match="train_y must have 30 entries"):
+        DataCentricGPC(x, y[:5], _kernel())
+    with pytest.raises(ValueError, match="num_steps"):
+        DataCentricGPC(x, y, _kernel(), num_steps=0)
+    with pytest.raises(ValueError, match="noise must have num_steps=3 entries"):
+        DataCentricGPC(x, y, _kernel(), num_steps=3, noise=[0.1, 0.2])
+    with pytest.raises(ValueError, match="noise must hold finite numbers >= 0"):
+        DataCentricGPC(x, y, _kernel(), num_steps=2, noise=[0.1, -0.2])
+    with pytest.raises(ValueError, match="soft_target_likelihood"):
+        DataCentricGPC(x, y, _kernel(), soft_target_likelihood="beta")
+    model = DataCentricGPC(x, y, _kernel(), num_steps=2)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        model.predict_proba(test_x)
+    model.fit()
+    with pytest.raises(ValueError, match="step must be in 1..2"):
+        model.predict_proba(test_x, step=3)
+
+
+def test_float32_close_to_float64(toy):
+    x, y, test_x = toy
+    ref = DataCentricGPC(x, y, _kernel(), num_steps=3, noise=0.1).fit().predict_proba(test_x)
+    k32 = _kernel().float()
+    model = DataCentricGPC(x.float(), y.float(), k32, num_steps=3, noise=0.1).fit()
+    p32 = model.predict_proba(test_x.float())
+    assert p32.dtype == torch.float32
+    torch.testing.assert_close(p32.double(), ref, rtol=1e-3, atol=1e-3)

@@ -1,0 +1,177 @@
+"""DistributionCentricGPC: the recursion against dense formulas, data duplication, Prop. 4.2."""
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+from scipy import optimize
+
+from gpsd.data.toy import sine_classification
+from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
+from gpsd.laplace import AutogradLikelihoodTerms, LaplaceGPClassifier
+
+
+def _kernel(outputscale=3.0, lengthscale=1.0):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    k.outputscale = outputscale
+    k.base_kernel.lengthscale = lengthscale
+    return k
+
+
+@pytest.fixture
+def toy():
+    return sine_classification(25, seed=2)
+
+
+def _dense_recursion(x, y, test_x, steps):
+    """Eqs. 14-15 on the joint [X; X*] with dense inverses; modes by BFGS (whitened)."""
+    z = torch.cat([x, test_x])[:, None]
+    with torch.no_grad():
+        C = _kernel()(z).to_dense().numpy()
+    n = len(x)
+    mean = np.zeros(len(z))
+    yv = y.numpy()
+    out = []
+    for _ in range(steps):
+        Kt, mt = C[:n, :n], mean[:n]
+        L = np.linalg.cholesky(Kt + 1e-12 * np.eye(n))
+
+        def nlp(u, L=L, mt=mt):
+            f = mt + L @ u
+            val = 0.5 * u @ u - np.sum(yv * f - np.logaddexp(0, f))
+            g = u - L.T @ (yv - 1 / (1 + np.exp(-f)))
+            return val, g
+
+        res = optimize.minimize(nlp, np.zeros(n), jac=True, method="BFGS", options={"gtol": 1e-11})
+        f_hat = mt + L @ res.x
+        W = 1 / (1 + np.exp(-f_hat)) / (1 + np.exp(f_hat))
+        Czx = C[:, :n]
+        # K_t^{-1}(f_hat - m_t) = y - sigmoid(f_hat) at the mode (avoids the ill-conditioned solve)
+        mean = mean + Czx @ (yv - 1 / (1 + np.exp(-f_hat)))
+        C = C - Czx @ np.linalg.solve(Kt + np.diag(1 / W), Czx.T)
+        out.append((mean[n:].copy(), np.diag(C)[n:].copy()))
+    return out
+
+
+def test_iterated_matches_dense_recursion(toy):
+    x, y, test_x = toy
+    test_x = test_x[::9]
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method="iterated").fit()
+    for step, (mean, var) in enumerate(_dense_recursion(x, y, test_x, 3), start=1):
+        m, v = model.predict_latent(test_x, step=step)
+        np.testing.assert_allclose(m.numpy(), mean, atol=1e-6)
+        np.testing.assert_allclose(v.numpy(), var, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
+def test_step_one_is_the_ordinary_gpc(toy, method):
+    from sklearn.gaussian_process import GaussianProcessClassifier
+    from sklearn.gaussian_process.kernels import RBF, ConstantKernel
+
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=1, method=method).fit()
+    base = (
+        GaussianProcessClassifier(ConstantKernel(3.0) * RBF(1.0), optimizer=None)
+        .fit(x.numpy()[:, None], y.numpy())
+        .base_estimator_
+    )
+    mean, var = base.latent_mean_and_variance(test_x.numpy()[:, None])
+    m, v = model.predict_latent(test_x)
+    np.testing.assert_allclose(m.numpy(), mean, atol=1e-6)
+    np.testing.assert_allclose(v.numpy(), var, atol=1e-6)
+
+
+def test_tempered_equals_duplicated_data(toy):
+    x, y, test_x = toy
+    t = 3
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=t, method="tempered").fit()
+    dup = LaplaceGPClassifier(x.repeat(t), y.repeat(t), _kernel()).fit()
+    m, v = model.predict_latent(test_x)
+    dm, dv = dup.predict_latent(test_x)
+    torch.testing.assert_close(m, dm.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v, dv.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_scaled_kernel_keeps_mean_and_scales_variance(toy):
+    x, y, test_x = toy
+    for t in (2, 5):
+        tempered = DistributionCentricGPC(x, y, _kernel(), num_steps=t, method="tempered").fit()
+        scaled = DistributionCentricGPC(x, y, _kernel(), num_steps=t, method="scaled_kernel").fit()
+        torch.testing.assert_close(scaled.latent_modes[-1], tempered.latent_modes[-1])
+        m_t, v_t = tempered.predict_latent(test_x)
+        m_s, v_s = scaled.predict_latent(test_x)
+        torch.testing.assert_close(m_s, m_t, rtol=1e-8, atol=1e-8)
+        torch.testing.assert_close(v_s, t * v_t, rtol=1e-8, atol=1e-8)
+
+
+def test_gaussian_likelihood_iterations_equal_tempering(toy):
+    """For a Gaussian likelihood Laplace is exact, so t iterations = the likelihood to the power t."""
+    x, _, test_x = toy
+    y = torch.sin(x)
+    gaussian = gpytorch.likelihoods.GaussianLikelihood().double()
+    gaussian.noise = 0.3
+    terms = AutogradLikelihoodTerms(gaussian)
+    it = DistributionCentricGPC(x, y, _kernel(), num_steps=4, likelihood=terms).fit()
+    tm = DistributionCentricGPC(x, y, _kernel(), num_steps=4, method="tempered", likelihood=terms)
+    tm.fit()
+    for step in (1, 2, 4):
+        torch.testing.assert_close(
+            it.predict_latent(test_x, step), tm.predict_latent(test_x, step), rtol=1e-7, atol=1e-7
+        )
+
+
+def test_lazy_steps_and_state_dict(toy):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=4, method="scaled_kernel").fit()
+    assert model.computed_steps.tolist() == [False, False, False, True]
+    p2 = model.predict_proba(test_x, step=2)
+    ref = DistributionCentricGPC(x, y, _kernel(), num_steps=2, method="scaled_kernel").fit()
+    torch.testing.assert_close(p2, ref.predict_proba(test_x), rtol=1e-8, atol=1e-8)
+    other = DistributionCentricGPC(x, y, _kernel(1.0, 3.0), num_steps=4, method="scaled_kernel")
+    other.load_state_dict(model.state_dict())
+    torch.testing.assert_close(other.predict_proba(test_x, step=2), p2)
+
+
+def test_bad_input(toy):
+    x, y, test_x = toy
+    with pytest.raises(ValueError, match="method must be one of"):
+        DistributionCentricGPC(x, y, _kernel(), method="duplicated")
+    with pytest.raises(ValueError, match="train_y must hold binary labels"):
+        DistributionCentricGPC(x, y + 0.5, _kernel())
+    with pytest.raises(ValueError, match="num_steps"):
+        DistributionCentricGPC(x, y, _kernel(), num_steps=-1)
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=2)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        model.predict_latent(test_x)
+    with pytest.raises(ValueError, match="test_x must have 1 features"):
+        model.fit().predict_latent(torch.zeros(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("method", ["iterated", "scaled_kernel"])
+def test_store_only_last_step(toy, method):
+    x, y, test_x = toy
+    full = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method).fit()
+    last = DistributionCentricGPC(
+        x, y, _kernel(), num_steps=3, method=method, store_all_steps=False
+    ).fit()
+    assert last.covariance_corrections.shape[0] == 1
+    torch.testing.assert_close(last.predict_latent(test_x), full.predict_latent(test_x))
+    if method == "iterated":
+        with pytest.raises(ValueError, match="store_all_steps=True"):
+            last.predict_latent(test_x, step=2)
+    else:
+        torch.testing.assert_close(
+            last.predict_latent(test_x, step=2), full.predict_latent(test_x, step=2)
+        )
+
+
+@pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
+def test_float32_close_to_float64(toy, method):
+    x, y, test_x = toy
+    ref = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method).fit()
+    model = DistributionCentricGPC(
+        x.float(), y.float(), _kernel().float(), num_steps=3, method=method
+    ).fit()
+    p32 = model.predict_proba(test_x.float())
+    assert p32.dtype == torch.float32
+    torch.testing.assert_close(p32.double(), ref.predict_proba(test_x), rtol=1e-3, atol=1e-3)

@@ -1,0 +1,325 @@
+"""Laplace GP classification against sklearn, a generic optimiser, quadrature and finite differences."""
+
+import math
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+from conftest import requires_cuda
+from scipy import integrate, optimize
+
+from gpsd.data.toy import sine_classification
+from gpsd.laplace import (
+    AutogradLikelihoodTerms,
+    BernoulliLogitTerms,
+    LaplaceConvergenceError,
+    LaplaceGPClassifier,
+    find_laplace_mode,
+    gauss_hermite_expectation,
+)
+from gpsd.likelihoods import ContinuousBernoulliLikelihood
+
+sk_gpc = pytest.importorskip("sklearn.gaussian_process")
+
+
+def _kernel(outputscale=2.0, lengthscale=1.3, dtype=torch.float64):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(dtype)
+    k.outputscale = outputscale
+    k.base_kernel.lengthscale = lengthscale
+    return k
+
+
+@pytest.fixture
+def toy():
+    x, y, test_x = sine_classification(40, seed=3)
+    return x, y, test_x
+
+
+def test_matches_sklearn_gaussian_process_classifier(toy):
+    from sklearn.gaussian_process.kernels import RBF, ConstantKernel
+
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel(2.0, 1.3)).fit()
+    gpc = sk_gpc.GaussianProcessClassifier(
+        ConstantKernel(2.0) * RBF(1.3), optimizer=None, max_iter_predict=200
+    ).fit(x.numpy()[:, None], y.numpy())
+    base = gpc.base_estimator_
+    np.testing.assert_allclose(model.mode.f.numpy(), base.f_cached, atol=1e-6, rtol=0)
+    # sklearn's predictive latent moments (R&W Alg. 3.2) recomputed from its attributes
+    K_star = base.kernel_(base.X_train_, test_x.numpy()[:, None])
+    sk_mean = K_star.T @ (base.y_train_ - base.pi_)
+    v = np.linalg.solve(base.L_, base.W_sr_[:, None] * K_star)
+    sk_var = base.kernel_.diag(test_x.numpy()[:, None]) - (v * v).sum(0)
+    mean, var = model.predict_latent(test_x)
+    np.testing.assert_allclose(mean.detach().numpy(), sk_mean, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(var.detach().numpy(), sk_var, atol=1e-6, rtol=0)
+    assert model.mode.log_marginal_likelihood.item() == pytest.approx(
+        base.log_marginal_likelihood_value_, abs=1e-6
+    )
+    # sklearn's probabilities use an erf-mixture approximation of the same integral
+    probs = model.predict_proba(test_x).detach().numpy()
+    np.testing.assert_allclose(probs, gpc.predict_proba(test_x.numpy()[:, None])[:, 1], atol=5e-4)
+
+
+@pytest.mark.parametrize(
+    "likelihood", ["bernoulli_logit", "bernoulli_probit", "continuous_bernoulli"]
+)
+def test_newton_reaches_mode_of_generic_bfgs(toy, likelihood):
+    x, y, _ = toy
+    if likelihood == "continuous_bernoulli":
+        y = torch.sigmoid(2.0 * torch.sin(x * math.pi / 2.0))
+    model = LaplaceGPClassifier(x, y, _kernel(), likelihood=likelihood, noise=0.05).fit()
+    K = (model.prior_train()[1]).detach().numpy()
+    L = np.linalg.cholesky(K)
+    terms = model.terms
+    yt = y
+
+    # log posterior in whitened coordinates f = L u (well conditioned), by BFGS with exact gradient
+    def negative_log_posterior(u):
+        u_t = torch.tensor(u, dtype=torch.float64, requires_grad=True)
+        f = torch.as_tensor(L) @ u_t
+        val = 0.5 * (u_t * u_t).sum() - terms.log_prob(yt, f).sum()
+        (g,) = torch.autograd.grad(val, u_t)
+        return val.item(), g.numpy()
+
+    res = optimize.minimize(
+        negative_log_posterior,
+        np.zeros(len(y)),
+        jac=True,
+        method="BFGS",
+        options={"gtol": 1e-12, "maxiter": 10000},
+    )
+    assert np.abs(res.jac).max() < 1e-8
+    np.testing.assert_allclose(model.mode.f.numpy(), L @ res.x, atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "likelihood", ["bernoulli_logit", "bernoulli_probit", "continuous_bernoulli"]
+)
+def test_log_marginal_likelihood_gradient_matches_finite_differences(toy, likelihood):
+    x, y, _ = toy
+    if likelihood == "continuous_bernoulli":
+        y = torch.sigmoid(2.0 * torch.sin(x * math.pi / 2.0))
+    mean = gpytorch.means.ConstantMean().double()
+    mean.constant.data.fill_(0.3)
+    model = LaplaceGPClassifier(x, y, _kernel(), likelihood=likelihood, mean_module=mean, noise=0.1)
+    names, params = zip(*model.named_parameters(), strict=True)
+    grads = torch.autograd.grad(model.log_marginal_likelihood(), params)
+    h = 1e-4
+    for name, p, g in zip(names, params, grads, strict=True):
+        with torch.no_grad():
+            p.add_(h)
+            up = model.fit(warm_start=False).mode.log_marginal_likelihood.item()
+            p.sub_(2 * h)
+            down = model.fit(warm_start=False).mode.log_marginal_likelihood.item()
+            p.add_(h)
+        assert g.item() == pytest.approx((up - down) / (2 * h), rel=1e-6, abs=1e-8), name
+
+
+def test_hyperparameters_train_in_a_torch_loop(toy):
+    x, y, _ = toy
+    model = LaplaceGPClassifier(x, y, _kernel(1.0, 0.3))
+    start = model.log_marginal_likelihood().item()
+    history = model.optimize_hyperparameters(num_iter=25, lr=0.1)
+    assert -history[-1] > start + 1.0
+    assert model.log_marginal_likelihood().item() > start
+
+
+def test_gauss_hermite_is_exact_to_order():
+    mean = torch.tensor([-1.0, 0.3, 2.0], dtype=torch.float64)
+    var = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)
+    # exact for a polynomial of degree 2J - 1 = 7 (J = 4): E[f^7] of a Gaussian
+    moments = gauss_hermite_expectation(lambda f: f**7, mean, var, num_points=4)
+    m, s2 = mean, var
+    exact = m**7 + 21 * m**5 * s2 + 105 * m**3 * s2**2 + 105 * m * s2**3
+    torch.testing.assert_close(moments, exact, rtol=1e-12, atol=1e-12)
+    probs = gauss_hermite_expectation(torch.sigmoid, mean, var, num_points=64)
+    for i in range(3):
+        mu, v = m[i].item(), s2[i].item()
+        ref = integrate.quad(
+            lambda f, mu=mu, v=v: (
+                1
+                / (1 + math.exp(-f))
+                * math.exp(-0.5 * (f - mu) ** 2 / v)
+                / math.sqrt(2 * math.pi * v)
+            ),
+            -50,
+            50,
+            epsabs=1e-13,
+        )[0]
+        assert probs[i].item() == pytest.approx(ref, abs=1e-9)
+
+
+def test_probit_link_quadrature_matches_closed_form(toy):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel(), likelihood="probit").fit()
+    mean, var = model.predict_latent(test_x)
+    exact = torch.special.ndtr(mean / torch.sqrt(1 + var))
+    torch.testing.assert_close(
+        model.predict_proba(test_x).detach(), exact.detach(), rtol=1e-8, atol=1e-10
+    )
+
+
+def test_latent_predictive_matches_dense_formula(toy):
+    x, y, test_x = toy
+    k = _kernel()
+    model = LaplaceGPClassifier(
+        x, y, k, likelihood="continuous_bernoulli" if False else "logit", noise=0.2
+    ).fit()
+    with torch.no_grad():
+        K = k(x[:, None]).to_dense() + 0.2 * torch.eye(len(x), dtype=x.dtype)
+        Ks = k(test_x[:, None], x[:, None]).to_dense()
+        Kss = k(test_x[:, None]).to_dense()
+        f = model.mode.f
+        W = torch.sigmoid(f) * torch.sigmoid(-f)
+        mean = Ks @ torch.linalg.solve(K, f)
+        cov = Kss - Ks @ torch.linalg.solve(K + torch.diag(1 / W), Ks.T)
+        dist = model(test_x)
+    torch.testing.assert_close(dist.mean, mean, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(dist.covariance_matrix, cov, rtol=1e-6, atol=1e-7)
+
+
+def test_autograd_terms_match_closed_form(toy):
+    x, y, _ = toy
+
+    class LogitLikelihood(gpytorch.likelihoods.likelihood._OneDimensionalLikelihood):
+        def forward(self, f, *args, **kwargs):
+            return torch.distributions.Bernoulli(logits=f, validate_args=False)
+
+    auto = LaplaceGPClassifier(
+        x, y, _kernel(), likelihood=AutogradLikelihoodTerms(LogitLikelihood())
+    )
+    closed = LaplaceGPClassifier(x, y, _kernel(), likelihood=BernoulliLogitTerms())
+    torch.testing.assert_close(auto.fit().mode.f, closed.fit().mode.f, rtol=1e-10, atol=1e-10)
+    g_auto = torch.autograd.grad(auto.log_marginal_likelihood(), list(auto.parameters()))
+    g_closed = torch.autograd.grad(closed.log_marginal_likelihood(), list(closed.parameters()))
+    for a, b in zip(g_auto, g_closed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_gpytorch_likelihood_objects_are_accepted(toy):
+    x, y, _ = toy
+    soft = torch.sigmoid(torch.sin(x))
+    by_object = LaplaceGPClassifier(x, soft, _kernel(), likelihood=ContinuousBernoulliLikelihood())
+    by_name = LaplaceGPClassifier(x, soft, _kernel(), likelihood="continuous_bernoulli")
+    torch.testing.assert_close(by_object.fit().mode.f, by_name.fit().mode.f)
+    probit = LaplaceGPClassifier(
+        x, y, _kernel(), likelihood=gpytorch.likelihoods.BernoulliLikelihood()
+    )
+    assert probit.terms.name == "Bernoulli-probit"
+
+
+def test_warm_start_uses_fewer_iterations(toy):
+    x, y, _ = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    cold = model.mode.num_iter
+    model.covar_module.outputscale = 2.05
+    warm = model.fit().mode.num_iter
+    assert warm < cold
+
+
+def test_batch_of_problems_matches_separate_fits(toy):
+    x, y, test_x = toy
+    y2 = torch.stack([y, 1 - y, y.flip(0)])
+    batch = LaplaceGPClassifier(x, y2, _kernel()).fit()
+    for i in range(3):
+        single = LaplaceGPClassifier(x, y2[i], _kernel()).fit()
+        torch.testing.assert_close(batch.mode.f[i], single.mode.f, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(
+            batch.predict_proba(test_x)[i], single.predict_proba(test_x), rtol=1e-9, atol=1e-9
+        )
+    assert batch.log_marginal_likelihood().shape == (3,)
+
+
+def test_state_dict_round_trip_and_dtype(toy):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    probs = model.predict_proba(test_x)
+    other = LaplaceGPClassifier(x, y, _kernel(0.5, 0.5))
+    other.load_state_dict(model.state_dict())
+    torch.testing.assert_close(other.predict_proba(test_x), probs)
+    model32 = model.to(torch.float32)
+    p32 = model32.predict_proba(test_x.float())
+    assert p32.dtype == torch.float32
+    torch.testing.assert_close(p32.double(), probs, rtol=1e-4, atol=1e-4)
+
+
+def test_float32_fit():
+    x, y, test_x = sine_classification(40, seed=3, dtype=torch.float32)
+    model = LaplaceGPClassifier(x, y, _kernel(dtype=torch.float32)).fit()
+    ref = LaplaceGPClassifier(x.double(), y.double(), _kernel()).fit()
+    torch.testing.assert_close(model.mode.f.double(), ref.mode.f, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_input(toy):
+    x, y, _ = toy
+    with pytest.raises(ValueError, match=r"train_y must hold binary labels"):
+        LaplaceGPClassifier(x, y * 0.5, _kernel())
+    with pytest.raises(ValueError, match=r"train_y must hold soft targets in \[0, 1\]"):
+        LaplaceGPClassifier(x, y * 1.5, _kernel(), likelihood="continuous_bernoulli")
+    bad = y.clone()
+    bad[0] = float("nan")
+    with pytest.raises(ValueError, match="train_y must be finite"):
+        LaplaceGPClassifier(x, bad, _kernel())
+    with pytest.raises(ValueError, match="train_y must have 40 entries"):
+        LaplaceGPClassifier(x, y[:-1], _kernel())
+    with pytest.raises(ValueError, match="noise must be"):
+        LaplaceGPClassifier(x, y, _kernel(), noise=-1.0)
+    with pytest.raises(ValueError, match="likelihood must be one of"):
+        LaplaceGPClassifier(x, y, _kernel(), likelihood="poisson")
+    with pytest.raises(TypeError, match="covar_module"):
+        LaplaceGPClassifier(x, y, "rbf")
+    model = LaplaceGPClassifier(x, y, _kernel())
+    with pytest.raises(ValueError, match="test_x must have 1 features"):
+        model.predict_proba(torch.zeros(3, 2, dtype=torch.float64))
+
+
+def test_non_convergence_raises(toy):
+    x, y, _ = toy
+    K = _kernel(50.0, 0.5)(x[:, None]).to_dense().detach()
+    with pytest.raises(LaplaceConvergenceError, match="did not converge in max_iter=1"):
+        find_laplace_mode(K, y, BernoulliLogitTerms(), max_iter=1)
+
+
+@requires_cuda
+def test_cuda_matches_cpu(toy):
+    x, y, test_x = toy
+    cpu = LaplaceGPClassifier(x, y, _kernel()).fit()
+    gpu = LaplaceGPClassifier(x.cuda(), y.cuda(), _kernel().cuda()).fit()
+    torch.testing.assert_close(gpu.predict_proba(test_x.cuda()).cpu(), cpu.predict_proba(test_x))
+
+
+def test_gaussian_likelihood_laplace_is_exact_gp_marginal_likelihood(toy):
+    """For a Gaussian likelihood the Laplace evidence is exact: compare with GPyTorch's ExactGP,
+    and the gradient in the likelihood's noise (through the mode) with finite differences."""
+    x, _, _ = toy
+    y = torch.sin(x)
+    gaussian = gpytorch.likelihoods.GaussianLikelihood().double()
+    gaussian.noise = 0.2
+    model = LaplaceGPClassifier(x, y, _kernel(), likelihood=AutogradLikelihoodTerms(gaussian))
+
+    class _Exact(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(x, y, gaussian)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = model.covar_module
+
+        def forward(self, z):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(z), self.covar_module(z)
+            )
+
+    exact = _Exact()
+    exact.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(gaussian, exact)
+    with gpytorch.settings.fast_computations(False, False, False):
+        ref = mll(exact(x), y) * len(y)
+    lml = model.log_marginal_likelihood()
+    assert lml.item() == pytest.approx(ref.item(), abs=1e-8)
+    params = dict(model.named_parameters())
+    assert "likelihood.noise_covar.raw_noise" in params
+    grads = torch.autograd.grad(lml, list(params.values()))
+    ref_grads = torch.autograd.grad(ref, list(params.values()))
+    for name, g, r in zip(params, grads, ref_grads, strict=True):
+        assert g.item() == pytest.approx(r.item(), rel=1e-7, abs=1e-9), name

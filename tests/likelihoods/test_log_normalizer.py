@@ -1,0 +1,134 @@
+"""The continuous-Bernoulli log-normaliser and Prop. 4.1 against mpmath and autograd."""
+
+import math
+
+import mpmath
+import pytest
+import torch
+
+from gpsd.likelihoods import (
+    cb_log_normalizer,
+    cb_mean,
+    cb_variance,
+    log_cb_normalizing_constant,
+    log_cb_normalizing_constant_grad,
+    log_cb_normalizing_constant_hessian,
+)
+
+mpmath.mp.dps = 60
+POINTS = [0.0, 1e-8, -1e-8, 1e-4, -1e-4, 0.01, -0.01, 0.5, -0.5, 0.999, 1.0, -1.0, 1.001, 3.0]
+POINTS += [-3.0, 16.0, -16.0, 36.0, -36.0, 100.0, -100.0, 700.0, -700.0]
+
+
+def _ref_A(f):
+    f = mpmath.mpf(f)
+    return mpmath.mpf(0) if f == 0 else mpmath.log(mpmath.expm1(f) / f)
+
+
+def _ref_mean(f):
+    f = mpmath.mpf(f)
+    return mpmath.mpf(1) / 2 if f == 0 else 1 / (1 - mpmath.exp(-f)) - 1 / f
+
+
+def _ref_var(f):
+    f = mpmath.mpf(f)
+    return mpmath.mpf(1) / 12 if f == 0 else 1 / f**2 - mpmath.exp(f) / mpmath.expm1(f) ** 2
+
+
+def _ref_logC(a):  # log C(lambda) of eq. (20) with lambda = sigmoid(a), from its definition
+    a = mpmath.mpf(a)
+    if a == 0:
+        return mpmath.log(2)
+    lam = 1 / (1 + mpmath.exp(-a))
+    return mpmath.log(2 * mpmath.atanh(1 - 2 * lam) / (1 - 2 * lam))
+
+
+def _ref_dlogC(a):
+    a = mpmath.mpf(a)
+    return mpmath.mpf(0) if a == 0 else 1 / a - 1 / mpmath.sinh(a)
+
+
+def _ref_d2logC(a):
+    a = mpmath.mpf(a)
+    return mpmath.mpf(1) / 6 if a == 0 else -1 / a**2 + mpmath.coth(a) / mpmath.sinh(a)
+
+
+CASES = [
+    (cb_log_normalizer, _ref_A),
+    (cb_mean, _ref_mean),
+    (cb_variance, _ref_var),
+    (log_cb_normalizing_constant, _ref_logC),
+    (log_cb_normalizing_constant_grad, _ref_dlogC),
+    (log_cb_normalizing_constant_hessian, _ref_d2logC),
+]
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("fn,ref", CASES, ids=[c[0].__name__ for c in CASES])
+def test_against_mpmath(fn, ref, dtype, rtol):
+    x = torch.tensor(POINTS, dtype=dtype)
+    values = fn(x)
+    assert values.dtype == dtype
+    assert torch.isfinite(values).all()
+    for point, value in zip(
+        x.tolist(), values.tolist(), strict=True
+    ):  # the point as stored in dtype
+        if fn is log_cb_normalizing_constant and abs(point) > 30:
+            # sigma(a) rounds to 1 at 60 digits: use the equivalent form of Prop. 4.1
+            exact = mpmath.log(point * mpmath.coth(mpmath.mpf(point) / 2))
+        else:
+            exact = ref(point)
+        if exact == 0:
+            assert value == 0
+        else:
+            assert abs(value - float(exact)) <= rtol * abs(float(exact)), (point, value, exact)
+
+
+def test_monotone_and_positive():
+    f = torch.linspace(-800, 800, 20001, dtype=torch.float64)
+    mean, var = cb_mean(f), cb_variance(f)
+    assert (mean > 0).all() and (mean < 1).all()
+    assert (mean.diff() >= 0).all()  # A' increasing because A'' > 0
+    assert (var > 0).all()
+    logc = log_cb_normalizing_constant(f)
+    assert (logc >= math.log(2) - 1e-15).all()
+    assert (log_cb_normalizing_constant_hessian(torch.tensor([0.0, 1e-6], dtype=f.dtype)) > 0).all()
+
+
+def test_relations_between_functions():
+    a = torch.linspace(-50, 50, 1001, dtype=torch.float64)
+    # log C(sigma(a)) = softplus(a) - A(a), and its derivatives
+    torch.testing.assert_close(
+        log_cb_normalizing_constant(a),
+        a.clamp_min(0) + torch.log1p(torch.exp(-a.abs())) - cb_log_normalizer(a),
+        rtol=1e-12,
+        atol=1e-12,
+    )
+    torch.testing.assert_close(
+        log_cb_normalizing_constant_grad(a), torch.sigmoid(a) - cb_mean(a), rtol=1e-9, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_derivatives_by_autograd(dtype):
+    a = torch.tensor(
+        [-40.0, -5.0, -1.2, -0.7, -0.3, -1e-3, 1e-3, 0.2, 0.6, 0.9, 1.1, 4.0, 30.0],
+        dtype=dtype,
+        requires_grad=True,
+    )
+    tol = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    (g,) = torch.autograd.grad(log_cb_normalizing_constant(a).sum(), a, create_graph=True)
+    torch.testing.assert_close(g, log_cb_normalizing_constant_grad(a), **tol)
+    (h,) = torch.autograd.grad(g.sum(), a)
+    torch.testing.assert_close(h, log_cb_normalizing_constant_hessian(a).detach(), **tol)
+    (dA,) = torch.autograd.grad(cb_log_normalizer(a).sum(), a, create_graph=True)
+    torch.testing.assert_close(dA, cb_mean(a), **tol)
+    (d2A,) = torch.autograd.grad(dA.sum(), a)
+    torch.testing.assert_close(d2A, cb_variance(a).detach(), **tol)
+
+
+def test_rejects_non_float():
+    with pytest.raises(TypeError, match="f must be"):
+        cb_log_normalizer(torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="a must be"):
+        log_cb_normalizing_constant([0.1])
