@@ -28,8 +28,11 @@ DATASETS: dict[str, str] = {
     "digits": "multiclass",
 }
 
-# Fixed splits used by the papers: name -> number of training rows (the rest is test).
-_PAPER_SPLITS = {"boston": 455, "pima": 200}
+# The papers' split sizes: name -> (n_train, n_test). Boston's rows are ordered by town, so its
+# 455/51 split is drawn at random (the last 51 rows are one shifted neighbourhood); Pima ships as
+# fixed train and test tables (Pima.tr, Pima.te).
+_PAPER_SIZES = {"boston": (455, 51)}
+_FIXED_SPLITS = {"pima": 200}
 
 
 def _rdataset(package: str, name: str):
@@ -149,7 +152,8 @@ def load_dataset(
     Args:
         name: a key of :data:`DATASETS`.
         n_train: training rows, drawn at random (default: everything not in the test split;
-            ``boston`` and ``pima`` default to the papers' fixed 455/51 and 200/332 splits).
+            ``boston`` defaults to a random 455/51 split as in the kernel-distillation paper and
+            ``pima`` to its fixed 200/332 tables).
         n_test: test rows (default ``test_fraction`` of the rows).
         test_fraction: fraction of rows held out when ``n_test`` is not given.
         seed: seed of the random permutation.
@@ -163,9 +167,11 @@ def load_dataset(
         raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
     x, y = load_arrays(name)
     n = x.shape[0]
-    if name in _PAPER_SPLITS and n_train is None and n_test is None:
-        train_idx = np.arange(_PAPER_SPLITS[name])
-        test_idx = np.arange(_PAPER_SPLITS[name], n)
+    if name in _PAPER_SIZES and n_train is None and n_test is None:
+        n_train, n_test = _PAPER_SIZES[name]
+    if name in _FIXED_SPLITS and n_train is None and n_test is None:
+        train_idx = np.arange(_FIXED_SPLITS[name])
+        test_idx = np.arange(_FIXED_SPLITS[name], n)
     else:
         perm = np.random.default_rng(seed).permutation(n)
         n_te = int(round(test_fraction * n)) if n_test is None else int(n_test)

@@ -57,6 +57,9 @@ def test_standardisation_uses_train_split_only():
 def test_paper_splits():
     boston = load_dataset("boston")
     assert boston.train_x.shape == (455, 13) and boston.test_x.shape == (51, 13)
+    # a random split, not the last 51 rows (one town ordering): test rows vary with the seed
+    other = load_dataset("boston", seed=1)
+    assert not torch.equal(boston.test_y, other.test_y)
     pima = load_dataset("pima")
     assert pima.train_x.shape == (200, 7) and pima.test_x.shape == (332, 7)
 

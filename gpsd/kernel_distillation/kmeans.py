@@ -1,0 +1,94 @@
+"""K-means with k-means++ seeding, batched on the device of the data.
+
+Kernel distillation (Song & Sun, §2 and Algorithm 1) places the ``m`` inducing points at the
+centroids of a K-means clustering of the training inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gpsd._validation import as_float_tensor, check_matrix
+from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points, squared_distances
+
+__all__ = ["kmeans", "kmeans_plus_plus"]
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def kmeans_plus_plus(x: Tensor, num_clusters: int, *, seed: int = 0) -> Tensor:
+    r"""k-means++ seeding (Arthur & Vassilvitskii, 2007).
+
+    The first centre is drawn uniformly; every further centre is drawn with probability
+    proportional to :math:`D(x)^2`, the squared distance to the nearest centre chosen so far.
+
+    :param x: inputs, shape ``(n, d)``.
+    :param num_clusters: number of centres ``k`` (``1 <= k <= n``).
+    :param seed: seed of the device's random generator.
+    :return: the centres, shape ``(k, d)``, rows of ``x``.
+    """
+    x = check_matrix(as_float_tensor(x, "x"), "x")
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape (n, d), got {tuple(x.shape)}")
+    n = x.shape[0]
+    if not 1 <= num_clusters <= n:
+        raise ValueError(f"num_clusters must lie in [1, n={n}], got {num_clusters}")
+    gen = _generator(seed, x.device)
+    first = torch.randint(n, (1,), generator=gen, device=x.device)
+    chosen = [first]
+    d2 = squared_distances(x, x[first]).squeeze(-1)  # shape: (n,)
+    for _ in range(1, num_clusters):
+        total = d2.sum()
+        if total > 0:
+            idx = torch.multinomial(d2 / total, 1, generator=gen)
+        else:  # every point coincides with a centre already: draw uniformly
+            idx = torch.randint(n, (1,), generator=gen, device=x.device)
+        chosen.append(idx)
+        d2 = torch.minimum(d2, squared_distances(x, x[idx]).squeeze(-1))
+    return x[torch.cat(chosen)]
+
+
+def kmeans(
+    x: Tensor,
+    num_clusters: int,
+    *,
+    num_iters: int = 50,
+    tol: float = 1e-6,
+    seed: int = 0,
+    chunk_size: int | None = None,
+) -> Tensor:
+    r"""Lloyd's K-means from a k-means++ start.
+
+    Each iteration assigns every input to its nearest centre (a chunked exact search) and moves each
+    centre to the mean of its inputs. A centre that loses all its inputs is moved to the input
+    farthest from its current centre. Stops after ``num_iters`` iterations or when no centre
+    moves by more than ``tol`` times the inputs' scale.
+
+    :param x: inputs, shape ``(n, d)``.
+    :param num_clusters: number of centroids ``k``.
+    :return: the centroids, shape ``(k, d)``.
+    """
+    centres = kmeans_plus_plus(x, num_clusters, seed=seed)
+    x = check_matrix(as_float_tensor(x, "x"), "x")
+    scale = x.std(0).pow(2).sum().clamp_min(torch.finfo(x.dtype).tiny).sqrt()
+    k = num_clusters
+    for _ in range(num_iters):
+        d2, assign = nearest_inducing_points(x, centres, 1, chunk_size=chunk_size)
+        d2, assign = d2.squeeze(-1), assign.squeeze(-1)
+        sums = torch.zeros_like(centres).index_add_(0, assign, x)
+        counts = torch.zeros(k, dtype=x.dtype, device=x.device).index_add_(
+            0, assign, torch.ones_like(d2)
+        )
+        new = sums / counts.clamp_min(1.0).unsqueeze(-1)
+        empty = counts == 0
+        if bool(empty.any()):
+            far = torch.topk(d2, int(empty.sum())).indices
+            new[empty] = x[far]
+        shift = (new - centres).norm(dim=-1).max()
+        centres = new
+        if shift <= tol * scale:
+            break
+    return centres

@@ -1,0 +1,357 @@
+"""The distilled student of kernel distillation: fast prediction with a sparse low-rank kernel."""
+
+from __future__ import annotations
+
+import copy
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultivariateNormal
+from linear_operator.operators import DiagLinearOperator
+from torch import Tensor
+
+from gpsd._validation import as_float_tensor, check_matrix, check_vector
+from gpsd.kernel_distillation._stationary_kernel import (
+    stationary_kernel_from_squared_distance,
+    stationary_kernel_parameters,
+)
+from gpsd.kernel_distillation.nearest_inducing import squared_distances
+
+__all__ = ["SparseLowRankStudent"]
+
+_DEFAULT_JITTER = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-6,
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-2,
+}
+
+
+class SparseLowRankStudent(gpytorch.Module):
+    r"""A GP regression student whose kernel matrix is :math:`\tilde K = W K_{UU} W^\top`.
+
+    Song & Sun (§2, "Fast prediction"): with the teacher's noise :math:`\sigma^2` and
+    :math:`\tilde K_{XX} = W K_{UU} W^\top` the student stores only the ``m`` inducing points and
+
+    .. math::
+        \tilde\alpha = K_{UU} W^\top (\tilde K_{XX} + \sigma^2 I)^{-1} (y - \mu), \qquad
+        V = K_{UU} W^\top (\tilde K_{XX} + \sigma^2 I)^{-1} W K_{UU},
+
+    an ``m``-vector and an ``m x m`` matrix (plus :math:`K_{UU}`), :math:`O(m^2)` storage. For a
+    test input :math:`x_\star` the sparse row :math:`w_\star` has ``b`` non-zeros at the ``b``
+    nearest inducing points :math:`J_\star`, where it solves the ``b x b`` system
+    :math:`w_\star(J_\star)\, K_{UU}(J_\star, J_\star) = k(x_\star, U_{J_\star})`, and
+
+    .. math::
+        \mathbb E[f_\star] = \mu + w_\star \tilde\alpha, \qquad
+        \operatorname{Var}[f_\star] = k(x_\star, x_\star) - w_\star V w_\star^\top,
+
+    :math:`O(m d + b^3)` per point with the exact neighbour search used here (the paper's KD-tree
+    gives :math:`O(b \log m + b^3)` on a CPU).
+
+    Build one with :meth:`from_sparse_weights` (or :class:`~gpsd.KernelDistillation`); the
+    constructor takes the precomputed quantities, so that a student of the same shapes can be
+    created and filled with :meth:`load_state_dict`.
+
+    The prediction path (:meth:`prediction_module`) exports with ``torch.export`` when the kernel is
+    an RBF or Matérn (:math:`\nu \in \{1/2, 3/2, 5/2\}`) kernel, with one or ARD lengthscales,
+    optionally inside a ``ScaleKernel``: the student then stores its hyperparameters as plain
+    tensors and evaluates it itself. Any other kernel is kept as a GPyTorch module; prediction
+    works, export does not.
+
+    :param kernel: the teacher's (trained) kernel.
+    :param inducing_points: :math:`U`, shape ``(m, d)``.
+    :param inducing_covariance: :math:`K_{UU}`, shape ``(m, m)``.
+    :param predictive_mean_weights: :math:`\tilde\alpha`, shape ``(m,)``.
+    :param predictive_covariance_correction: :math:`V`, shape ``(m, m)``.
+    :param sparsity: ``b``, the non-zeros of :math:`w_\star`.
+    :param noise: the teacher's noise variance :math:`\sigma^2` (kept for predictive ``y``).
+    :param mean_constant: the teacher's constant prior mean :math:`\mu`.
+    :param neighbour_scale: per-dimension scale of the nearest-neighbour metric, shape ``(d,)``
+        (neighbours of :math:`x_\star` are searched among :math:`U` on :math:`x / s`); default 1.
+    :param jitter: relative jitter added to :math:`K_{UU}(J_\star, J_\star)` (times the mean of
+        the diagonal of :math:`K_{UU}`); default ``1e-10`` in float64, ``1e-6`` in float32.
+    """
+
+    def __init__(
+        self,
+        kernel: gpytorch.kernels.Kernel,
+        inducing_points: Tensor,
+        inducing_covariance: Tensor,
+        predictive_mean_weights: Tensor,
+        predictive_covariance_correction: Tensor,
+        *,
+        sparsity: int,
+        noise: float | Tensor,
+        mean_constant: float | Tensor = 0.0,
+        jitter: float | None = None,
+        neighbour_scale: Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(kernel, gpytorch.kernels.Kernel):
+            raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel)}")
+        u = check_matrix(as_float_tensor(inducing_points, "inducing_points"), "inducing_points")
+        m = u.shape[-2]
+        if u.dim() != 2:
+            raise ValueError(f"inducing_points must have shape (m, d), got {tuple(u.shape)}")
+        kuu = as_float_tensor(inducing_covariance, "inducing_covariance", dtype=u.dtype)
+        v = as_float_tensor(
+            predictive_covariance_correction, "predictive_covariance_correction", dtype=u.dtype
+        )
+        for name, mat in (("inducing_covariance", kuu), ("predictive_covariance_correction", v)):
+            if mat.shape != (m, m):
+                raise ValueError(f"{name} must have shape ({m}, {m}), got {tuple(mat.shape)}")
+        alpha = check_vector(
+            as_float_tensor(predictive_mean_weights, "predictive_mean_weights", dtype=u.dtype),
+            "predictive_mean_weights",
+            m,
+        )
+        if not isinstance(sparsity, int) or not 1 <= sparsity <= m:
+            raise ValueError(f"sparsity must be an int in [1, m={m}], got {sparsity!r}")
+        noise_t = as_float_tensor(noise, "noise", dtype=u.dtype).reshape(-1)
+        if noise_t.numel() != 1 or not bool(noise_t > 0):
+            raise ValueError(f"noise must be one positive variance, got {noise!r}")
+        if jitter is not None and jitter < 0:
+            raise ValueError(f"jitter must be non-negative, got {jitter}")
+        self.sparsity = sparsity
+        self.jitter = jitter
+        self.register_buffer("inducing_points", u)
+        if neighbour_scale is None:
+            neighbour_scale = torch.ones(u.shape[-1], dtype=u.dtype, device=u.device)
+        scale = as_float_tensor(neighbour_scale, "neighbour_scale", dtype=u.dtype).reshape(-1).to(u)
+        if scale.shape != (u.shape[-1],) or not bool((scale > 0).all()):
+            raise ValueError(f"neighbour_scale must hold d={u.shape[-1]} positive values")
+        self.register_buffer("neighbour_scale", scale)
+        self.register_buffer("inducing_covariance", kuu.to(u))
+        self.register_buffer("predictive_mean_weights", alpha.to(u))
+        self.register_buffer("predictive_covariance_correction", v.to(u))
+        self.register_buffer("noise", noise_t.to(u).reshape(()))
+        self.register_buffer(
+            "mean_constant",
+            as_float_tensor(mean_constant, "mean_constant", dtype=u.dtype).reshape(()).to(u),
+        )
+        params = stationary_kernel_parameters(kernel)
+        if params is None:
+            self.kernel_type = "generic"
+            self.kernel = copy.deepcopy(kernel)  # frozen copy: the teacher's kernel stays trainable
+            for p in self.kernel.parameters():
+                p.requires_grad_(False)
+        else:
+            self.kernel_type, lengthscale, outputscale = params
+            d = u.shape[-1]
+            if lengthscale.numel() not in (1, d):
+                raise ValueError(
+                    f"kernel has {lengthscale.numel()} lengthscales but inducing_points have d={d}"
+                )
+            self.kernel = None
+            self.register_buffer("kernel_lengthscale", lengthscale.to(u))
+            self.register_buffer("kernel_outputscale", outputscale.to(u))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_sparse_weights(
+        cls,
+        kernel: gpytorch.kernels.Kernel,
+        inducing_points: Tensor,
+        weight_values: Tensor,
+        weight_indices: Tensor,
+        train_y: Tensor,
+        noise: float | Tensor,
+        *,
+        mean_constant: float | Tensor = 0.0,
+        inducing_covariance: Tensor | None = None,
+        sparsity: int | None = None,
+        jitter: float | None = None,
+        neighbour_scale: Tensor | None = None,
+    ) -> SparseLowRankStudent:
+        r"""Precompute :math:`\tilde\alpha` and :math:`V` from a sparse W, :math:`O(n b^2 + m^3)`.
+
+        With :math:`B = W^\top W` and the symmetric square root :math:`K_{UU}^{1/2}` (eigenvalues
+        clamped at 0), the push-through identity
+        :math:`W^\top (W K_{UU} W^\top + \sigma^2 I)^{-1} = (\sigma^2 I + B K_{UU})^{-1} W^\top`
+        gives
+
+        .. math::
+            M = \sigma^2 I + K_{UU}^{1/2} B K_{UU}^{1/2}, \quad
+            \tilde\alpha = K_{UU}^{1/2} M^{-1} K_{UU}^{1/2} W^\top (y - \mu), \quad
+            V = K_{UU} - \sigma^2 K_{UU}^{1/2} M^{-1} K_{UU}^{1/2},
+
+        where :math:`M \succeq \sigma^2 I` is safe to factor; no ``n x n`` matrix is formed.
+
+        :param weight_values: non-zeros of :math:`W`, shape ``(n, b)``.
+        :param weight_indices: their columns (inducing-point indices), shape ``(n, b)``.
+        :param sparsity: ``b`` at prediction (default: ``weight_values.shape[-1]``).
+        :param neighbour_scale: see the class; it must match the metric that chose ``W``'s pattern.
+        """
+        u = check_matrix(as_float_tensor(inducing_points, "inducing_points"), "inducing_points")
+        m = u.shape[0]
+        values = check_matrix(
+            as_float_tensor(weight_values, "weight_values", dtype=u.dtype), "weight_values"
+        )
+        if weight_indices.shape != values.shape:
+            raise ValueError(
+                f"weight_indices must have the shape of weight_values {tuple(values.shape)}, "
+                f"got {tuple(weight_indices.shape)}"
+            )
+        n, b = values.shape
+        y = check_vector(as_float_tensor(train_y, "train_y", dtype=u.dtype), "train_y", n)
+        noise_t = as_float_tensor(noise, "noise", dtype=u.dtype).reshape(-1)
+        if noise_t.numel() != 1 or not bool(noise_t > 0):
+            raise ValueError(f"noise must be one positive variance, got {noise!r}")
+        sigma2 = noise_t.reshape(())
+        mu = as_float_tensor(mean_constant, "mean_constant", dtype=u.dtype).reshape(())
+        if inducing_covariance is None:
+            with torch.no_grad():
+                inducing_covariance = kernel(u, u).to_dense()
+        kuu = inducing_covariance.to(u)
+        idx = weight_indices.to(device=u.device, dtype=torch.long)
+        # B = W^T W, shape: (m, m)
+        outer = values.unsqueeze(-1) * values.unsqueeze(-2)  # shape: (n, b, b)
+        gram = torch.zeros(m * m, dtype=u.dtype, device=u.device)
+        flat = (idx.unsqueeze(-1) * m + idx.unsqueeze(-2)).reshape(-1)
+        gram.index_add_(0, flat, outer.reshape(-1))
+        gram = gram.reshape(m, m)
+        wty = torch.zeros(m, dtype=u.dtype, device=u.device).index_add_(
+            0, idx.reshape(-1), (values * (y - mu).unsqueeze(-1)).reshape(-1)
+        )
+        evals, evecs = torch.linalg.eigh(kuu)
+        root = (evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)) @ evecs.transpose(-1, -2)
+        eye = torch.eye(m, dtype=u.dtype, device=u.device)
+        mat = sigma2 * eye + root @ gram @ root
+        mat = 0.5 * (mat + mat.transpose(-1, -2))
+        chol, info = torch.linalg.cholesky_ex(mat)
+        if int(info) != 0:
+            raise RuntimeError(
+                "kernel distillation: sigma^2 I + K_UU^1/2 W^T W K_UU^1/2 is not positive "
+                "definite; "
+                "the noise is too small for the working precision (try float64)"
+            )
+        minv_root = torch.cholesky_solve(root, chol)  # M^{-1} K^{1/2}, shape: (m, m)
+        alpha = root @ (minv_root @ wty)
+        correction = kuu - sigma2 * (root @ minv_root)
+        correction = 0.5 * (correction + correction.transpose(-1, -2))
+        return cls(
+            kernel,
+            u,
+            kuu,
+            alpha,
+            correction,
+            sparsity=b if sparsity is None else sparsity,
+            noise=sigma2,
+            mean_constant=mu,
+            jitter=jitter,
+            neighbour_scale=neighbour_scale,
+        )
+
+    # ------------------------------------------------------------------ prediction
+    @property
+    def num_inducing(self) -> int:
+        return self.inducing_points.shape[-2]
+
+    @property
+    def exportable(self) -> bool:
+        """Whether :meth:`prediction_module` can be exported (kernel stored as plain tensors)."""
+        return self.kernel_type != "generic"
+
+    def storage_bytes(self) -> int:
+        """Bytes held by the student's tensors (buffers, kernel parameters): :math:`O(m^2)`."""
+        tensors = list(self.buffers()) + list(self.parameters())
+        return int(sum(t.numel() * t.element_size() for t in tensors))
+
+    def _relative_jitter(self) -> float:
+        if self.jitter is not None:
+            return self.jitter
+        return _DEFAULT_JITTER.get(self.inducing_points.dtype, 1e-6)
+
+    def _cross_covariance(self, x: Tensor, neighbours: Tensor) -> tuple[Tensor, Tensor]:
+        """``k(x_p, U_{J_p})`` of shape ``(p, b)`` and ``k(x_p, x_p)`` of shape ``(p,)``."""
+        u_near = self.inducing_points[neighbours]  # shape: (p, b, d)
+        if self.kernel is None:
+            diff = (x.unsqueeze(-2) - u_near) / self.kernel_lengthscale
+            r2 = diff.pow(2).sum(-1)
+            cross = stationary_kernel_from_squared_distance(
+                self.kernel_type, r2, self.kernel_outputscale
+            )
+            diag = self.kernel_outputscale.expand(x.shape[:-1])
+            return cross, diag
+        with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(False):
+            cross = self.kernel(x.unsqueeze(-2), u_near).to_dense().squeeze(-2)
+            diag = self.kernel(x, x, diag=True)
+        return cross, diag
+
+    def interpolation_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The sparse rows :math:`w_\star`: ``(values, indices)``, both of shape ``(p, b)``."""
+        x = self._check_inputs(x)
+        values, indices, _ = self._weights(x)
+        return values, indices
+
+    def _weights(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b = self.sparsity
+        scale = self.neighbour_scale
+        d2 = squared_distances(x / scale, self.inducing_points / scale)  # shape: (p, m)
+        neighbours = torch.topk(d2, b, dim=-1, largest=False).indices  # shape: (p, b)
+        kuu = self.inducing_covariance
+        local = kuu[neighbours.unsqueeze(-1), neighbours.unsqueeze(-2)]  # shape: (p, b, b)
+        scale = self._relative_jitter() * kuu.diagonal().mean()
+        eye = torch.eye(b, dtype=x.dtype, device=x.device)
+        cross, diag = self._cross_covariance(x, neighbours)
+        values = torch.linalg.solve(local + scale * eye, cross.unsqueeze(-1)).squeeze(-1)
+        return values, neighbours, diag
+
+    def _predict(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        values, neighbours, diag = self._weights(x)
+        mean = self.mean_constant + (values * self.predictive_mean_weights[neighbours]).sum(-1)
+        v_local = self.predictive_covariance_correction[
+            neighbours.unsqueeze(-1), neighbours.unsqueeze(-2)
+        ]  # shape: (p, b, b)
+        quad = (values.unsqueeze(-2) @ v_local @ values.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+        variance = (diag - quad).clamp_min(0.0)
+        return mean, variance
+
+    def _check_inputs(self, x: Tensor) -> Tensor:
+        x = as_float_tensor(
+            x, "x", dtype=self.inducing_points.dtype, device=self.inducing_points.device
+        )
+        if x.dim() == 1 and self.inducing_points.shape[-1] == 1:
+            x = x.unsqueeze(-1)
+        if x.dim() != 2 or x.shape[-1] != self.inducing_points.shape[-1]:
+            raise ValueError(
+                f"x must have shape (p, d={self.inducing_points.shape[-1]}) like the inducing "
+                f"points, got {tuple(x.shape)}"
+            )
+        return check_matrix(x, "x")
+
+    def predict(self, x: Tensor, *, include_noise: bool = False) -> tuple[Tensor, Tensor]:
+        r"""Predictive mean and variance of f (of y with ``include_noise``) at ``x``.
+
+        :param x: test inputs, shape ``(p, d)``.
+        :return: ``(mean, variance)``, each of shape ``(p,)``.
+        """
+        x = self._check_inputs(x)
+        with torch.no_grad():
+            mean, variance = self._predict(x)
+        if include_noise:
+            variance = variance + self.noise
+        return mean, variance
+
+    def forward(self, x: Tensor) -> MultivariateNormal:
+        """The latent predictive distribution at ``x`` with a diagonal covariance."""
+        mean, variance = self.predict(x)
+        return MultivariateNormal(mean, DiagLinearOperator(variance))
+
+    def prediction_module(self) -> torch.nn.Module:
+        """A module whose ``forward(x) -> (mean, variance)`` is the bare prediction path.
+
+        It skips input checks (so it can be traced) and shares this student's buffers. Export it
+        with ``torch.export.export(student.prediction_module(), (x,))`` when :attr:`exportable`.
+        """
+        return _StudentPredictor(self)
+
+
+class _StudentPredictor(torch.nn.Module):
+    def __init__(self, student: SparseLowRankStudent) -> None:
+        super().__init__()
+        self.student = student
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.student._predict(x)

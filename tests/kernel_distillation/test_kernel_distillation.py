@@ -1,0 +1,373 @@
+import gpytorch
+import numpy as np
+import pytest
+import torch
+from conftest import requires_cuda
+
+from gpsd.kernel_distillation import KernelDistillation, SparseLowRankStudent
+
+DT = torch.float64
+
+
+def _data(n=120, d=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=DT)
+    y = torch.sin(2 * x).sum(-1) + 0.1 * torch.randn(n, generator=gen, dtype=DT)
+    return x, y
+
+
+def _kernel(d=2):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d)).to(DT)
+    k.base_kernel.lengthscale = torch.linspace(0.7, 1.3, d, dtype=DT)
+    k.outputscale = 1.5
+    return k
+
+
+def _distiller(n=120, m=20, b=5, **kw):
+    x, y = _data(n)
+    return KernelDistillation.from_kernel(_kernel(), x, y, 0.05, m, b, **kw)
+
+
+class _Teacher(gpytorch.models.ExactGP):
+    def __init__(self, x, y, likelihood, mean=None):
+        super().__init__(x, y, likelihood)
+        self.mean_module = mean if mean is not None else gpytorch.means.ZeroMean()
+        self.covar_module = _kernel(x.shape[-1] if x is not None else 2)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _dense_objective(kd, values):
+    x = kd.train_x
+    k_xx = kd.kernel(x, x).to_dense().detach()
+    w = torch.zeros(x.shape[0], kd.num_inducing, dtype=DT).scatter(-1, kd.neighbour_indices, values)
+    return (k_xx - w @ kd.inducing_covariance @ w.T).pow(2).sum()
+
+
+def test_least_squares_init_equals_per_row_lstsq():
+    kd = _distiller()
+    kd.prepare()
+    k_xu = kd.kernel(kd.train_x, kd.inducing_points).to_dense().detach().numpy()
+    kuu = kd.inducing_covariance.numpy()
+    for i in range(kd.train_x.shape[0]):
+        j = kd.neighbour_indices[i].numpy()
+        ref = np.linalg.lstsq(kuu[j].T, k_xu[i], rcond=None)[0]
+        np.testing.assert_allclose(kd.initial_weight_values[i].numpy(), ref, rtol=1e-6, atol=1e-8)
+
+
+def test_gradient_equals_autograd_on_the_pattern():
+    kd = _distiller()
+    kd.prepare()
+    values = kd.weight_values + 0.01 * torch.randn_like(kd.weight_values)
+    obj, grad = kd.objective_and_gradient(values)
+    ref_obj = _dense_objective(kd, values)
+    # autograd of the dense objective w.r.t. a dense W, restricted to the sparsity pattern
+    w_dense = kd.dense_weights(values).requires_grad_(True)
+    k_xx = kd.kernel(kd.train_x, kd.train_x).to_dense().detach()
+    loss = (k_xx - w_dense @ kd.inducing_covariance @ w_dense.T).pow(2).sum()
+    (g_dense,) = torch.autograd.grad(loss, w_dense)
+    torch.testing.assert_close(obj, ref_obj, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        grad, g_dense.gather(-1, kd.neighbour_indices), rtol=1e-8, atol=1e-10
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 1000])
+def test_chunked_and_unchunked_paths_agree(chunk_size):
+    ref = _distiller(chunk_size=10_000)
+    ref.prepare()
+    kd = _distiller(chunk_size=chunk_size)
+    kd.prepare()
+    torch.testing.assert_close(kd.initial_weight_values, ref.initial_weight_values)
+    values = ref.weight_values + 0.01 * torch.randn_like(ref.weight_values)
+    o1, g1 = ref.objective_and_gradient(values)
+    o2, g2 = kd.objective_and_gradient(values)
+    torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+    d = torch.randn_like(values)
+    t1, f1 = ref._line_search(values, d)
+    t2, f2 = kd._line_search(values, d)
+    assert t1 == pytest.approx(t2, rel=1e-8) and f1 == pytest.approx(f2, rel=1e-8)
+    assert ref.frobenius_error(values) == pytest.approx(
+        float(_dense_objective(ref, values).sqrt()), rel=1e-10
+    )
+
+
+def test_line_search_minimises_the_quartic():
+    kd = _distiller()
+    kd.prepare()
+    _, grad = kd.objective_and_gradient(kd.weight_values)
+    t, f_t = kd._line_search(kd.weight_values, grad)
+    f = lambda s: float(_dense_objective(kd, kd.weight_values - s * grad))  # noqa: E731
+    assert t > 0
+    assert f_t == pytest.approx(f(t), rel=1e-8)
+    assert f(t) <= min(f(0.5 * t), f(1.5 * t), f(0.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"step_size": 1e-4}, {"optimizer": lambda p: torch.optim.Adam(p, lr=1e-3)}],
+    ids=["line-search", "fixed-step", "adam"],
+)
+def test_objective_decreases(kwargs):
+    seen = []
+    kd = _distiller(num_steps=6, callback=lambda step, err: seen.append((step, err)), **kwargs)
+    kd.fit()
+    errs = kd.frobenius_errors
+    assert len(errs) == 7 and [s for s, _ in seen] == list(range(6))
+    assert errs[-1] < errs[0]
+    if not kwargs:  # exact line search is monotone
+        assert all(b <= a * (1 + 1e-12) for a, b in zip(errs, errs[1:], strict=False))
+
+
+def _teacher_predictions(teacher, test_x):
+    teacher.eval()
+    teacher.likelihood.eval()
+    with torch.no_grad():
+        post = teacher(test_x)
+    return post.mean, post.variance
+
+
+@pytest.mark.parametrize("mean", ["zero", "constant"])
+def test_u_equals_x_and_b_equals_m_reproduces_the_teacher(mean):
+    # well-separated inputs so that K_XX is well conditioned
+    x = torch.linspace(-4, 4, 15, dtype=DT).unsqueeze(-1)
+    y = torch.sin(x.squeeze(-1))
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(DT)
+    lik.noise = 0.1
+    mean_module = gpytorch.means.ConstantMean().to(DT) if mean == "constant" else None
+    teacher = _Teacher(x, y, lik, mean_module).to(DT)
+    teacher.covar_module.base_kernel.lengthscale = 0.9
+    if mean_module is not None:
+        mean_module.constant.data.fill_(0.3)
+    kd = KernelDistillation(teacher, 15, 15, num_steps=3, inducing_points=x.clone())
+    student = kd.fit()
+    assert max(kd.frobenius_errors) < 1e-8
+    test_x = torch.linspace(-5, 5, 23, dtype=DT).unsqueeze(-1)
+    tm, tv = _teacher_predictions(teacher, test_x)
+    sm, sv = student.predict(test_x)
+    torch.testing.assert_close(sm, tm, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sv, tv, rtol=0, atol=1e-6)
+    mvn = student(test_x)
+    assert isinstance(mvn, gpytorch.distributions.MultivariateNormal)
+    torch.testing.assert_close(mvn.variance, sv)
+    _, sv_y = student.predict(test_x, include_noise=True)
+    torch.testing.assert_close(sv_y, sv + 0.1, rtol=0, atol=1e-6)
+
+
+def test_fast_prediction_equals_the_dense_formula():
+    kd = _distiller(n=90, m=15, b=4, num_steps=2)
+    student = kd.fit()
+    y, sigma2 = kd.train_y, kd.noise
+    w = kd.dense_weights()
+    kuu = kd.inducing_covariance
+    k_tilde = w @ kuu @ w.T
+    test_x = torch.randn(11, 2, dtype=DT)
+    # W_* by a naive loop: b nearest inducing points, b x b solve
+    u = kd.inducing_points
+    w_star = torch.zeros(11, 15, dtype=DT)
+    for p in range(11):
+        ell = kd.kernel.base_kernel.lengthscale.detach()  # neighbours in the kernel's metric
+        j = torch.argsort((((u - test_x[p]) / ell) ** 2).sum(-1))[:4]
+        k_j = kd.kernel(test_x[p : p + 1], u[j]).to_dense().detach().squeeze(0)
+        local = kuu[j][:, j] + student._relative_jitter() * kuu.diagonal().mean() * torch.eye(
+            4, dtype=DT
+        )
+        w_star[p, j] = torch.linalg.solve(local, k_j)
+    k_star_x = w_star @ kuu @ w.T
+    system = k_tilde + sigma2 * torch.eye(90, dtype=DT)
+    mean = k_star_x @ torch.linalg.solve(system, y)
+    var = kd.kernel(test_x, diag=True).detach() - (
+        k_star_x * torch.linalg.solve(system, k_star_x.T).T
+    ).sum(-1)
+    sm, sv = student.predict(test_x)
+    torch.testing.assert_close(sm, mean, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(sv, var, rtol=1e-8, atol=1e-10)
+    values, idx = student.interpolation_weights(test_x)
+    torch.testing.assert_close(torch.zeros(11, 15, dtype=DT).scatter(-1, idx, values), w_star)
+
+
+def test_state_dict_round_trip_and_dtype_move():
+    student = _distiller(num_steps=1).fit()
+    test_x = torch.randn(9, 2, dtype=DT)
+    m0, v0 = student.predict(test_x)
+    m = student.num_inducing
+    blank = SparseLowRankStudent(
+        _kernel(), torch.zeros(m, 2, dtype=DT), torch.eye(m, dtype=DT), torch.zeros(m, dtype=DT),
+        torch.zeros(m, m, dtype=DT), sparsity=5, noise=1.0,
+    )  # fmt: skip
+    blank.load_state_dict(student.state_dict())
+    m1, v1 = blank.predict(test_x)
+    torch.testing.assert_close(m1, m0)
+    torch.testing.assert_close(v1, v0)
+    s32 = student.to(torch.float32)
+    m2, v2 = s32.predict(test_x.float())
+    assert m2.dtype == torch.float32
+    torch.testing.assert_close(m2.double(), m0, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(v2.double(), v0, rtol=1e-3, atol=1e-3)
+    assert student.storage_bytes() == 4 * (2 * m * m + m * 2 + 2 + m + 2 + 2 + 1)
+
+
+def test_export_of_the_prediction_path():
+    student = _distiller(num_steps=1).fit()
+    assert student.exportable
+    test_x = torch.randn(9, 2, dtype=DT)
+    ref = student.predict(test_x)
+    program = torch.export.export(student.prediction_module(), (test_x,))
+    out = program.module()(test_x)
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(out[1], ref[1])
+
+
+@pytest.mark.parametrize("nu", [0.5, 1.5, 2.5])
+def test_plain_matern_evaluation_matches_gpytorch(nu):
+    x, y = _data(60)
+    k = gpytorch.kernels.MaternKernel(nu=nu, ard_num_dims=2).to(DT)
+    k.lengthscale = torch.tensor([0.6, 1.1], dtype=DT)
+    student = KernelDistillation.from_kernel(k, x, y, 0.05, 12, 4, num_steps=1).fit()
+    assert student.kernel_type != "generic"
+    test_x = torch.randn(7, 2, dtype=DT)
+    _, idx = student.interpolation_weights(test_x)
+    cross, diag = student._cross_covariance(test_x, idx)
+    ref = k(test_x.unsqueeze(-2), student.inducing_points[idx]).to_dense().detach().squeeze(-2)
+    torch.testing.assert_close(cross, ref)
+    torch.testing.assert_close(diag, torch.ones(7, dtype=DT))
+
+
+def test_generic_kernel_predicts_but_is_not_exportable():
+    x, y = _data(60)
+    k = (gpytorch.kernels.RBFKernel() + gpytorch.kernels.LinearKernel()).to(DT)
+    student = KernelDistillation.from_kernel(k, x, y, 0.05, 12, 4, num_steps=2).fit()
+    assert not student.exportable
+    assert all(p.requires_grad for p in k.parameters())  # the teacher's kernel is left alone
+    mean, var = student.predict(torch.randn(5, 2, dtype=DT))
+    assert mean.shape == var.shape == (5,) and bool(torch.isfinite(mean).all())
+
+
+def test_clear_errors():
+    x, y = _data(30)
+    k = _kernel()
+    with pytest.raises(ValueError, match="sparsity"):
+        KernelDistillation.from_kernel(k, x, y, 0.1, 5, 6)
+    with pytest.raises(ValueError, match="num_inducing"):
+        KernelDistillation.from_kernel(k, x, y, 0.1, 31, 2)
+    bad = x.clone()
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="train_x must be finite"):
+        KernelDistillation.from_kernel(k, bad, y, 0.1, 5, 2)
+    with pytest.raises(ValueError, match="train_y"):
+        KernelDistillation.from_kernel(k, x, y[:-1], 0.1, 5, 2)
+    with pytest.raises(ValueError, match="noise"):
+        KernelDistillation.from_kernel(k, x, y, -1.0, 5, 2)
+    # untrained teachers: no data, or hyperparameters never moved from their initial values
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(DT)
+    no_data = _Teacher(None, None, lik)
+    with pytest.raises(ValueError, match="no training data"):
+        KernelDistillation(no_data, 5, 2)
+    fresh = _Teacher(x, y, gpytorch.likelihoods.GaussianLikelihood().to(DT))
+    fresh.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    with pytest.raises(ValueError, match="untrained"):
+        KernelDistillation(fresh, 5, 2)
+    KernelDistillation(fresh, 5, 2, require_trained=False)
+    non_gaussian = _Teacher(x, y, gpytorch.likelihoods.GaussianLikelihood().to(DT))
+    non_gaussian.likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    with pytest.raises(TypeError, match="GaussianLikelihood"):
+        KernelDistillation(non_gaussian, 5, 2)
+    fixed = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(torch.full((30,), 0.1, dtype=DT))
+    with pytest.raises(TypeError, match="GaussianLikelihood"):
+        KernelDistillation(_Teacher(x, y, fixed), 5, 2)
+    with pytest.raises(TypeError, match="ExactGP"):
+        KernelDistillation(k, 5, 2)
+    student = KernelDistillation.from_kernel(k, x, y, 0.1, 5, 2, num_steps=0).fit()
+    with pytest.raises(ValueError, match="d=2"):
+        student.predict(torch.randn(4, 3, dtype=DT))
+    with pytest.raises(ValueError, match="finite"):
+        student.predict(torch.full((4, 2), float("inf"), dtype=DT))
+
+
+def test_export_with_a_dynamic_number_of_test_points():
+    student = _distiller(num_steps=1).fit()
+    batch = torch.export.Dim("batch", min=2, max=4096)
+    program = torch.export.export(
+        student.prediction_module(), (torch.randn(9, 2, dtype=DT),), dynamic_shapes=({0: batch},)
+    )
+    test_x = torch.randn(31, 2, dtype=DT)
+    out = program.module()(test_x)
+    ref = student.predict(test_x)
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(out[1], ref[1])
+
+
+def test_float32_distillation_tracks_float64():
+    kd64 = _distiller(num_steps=3)
+    s64 = kd64.fit()
+    x, y = _data(120)
+    k32 = _kernel().float()
+    kd32 = KernelDistillation.from_kernel(
+        k32,
+        x.float(),
+        y.float(),
+        0.05,
+        20,
+        5,
+        num_steps=3,
+        inducing_points=kd64.inducing_points.float(),
+    )
+    s32 = kd32.fit()
+    assert kd32.frobenius_errors[0] == pytest.approx(kd64.frobenius_errors[0], rel=1e-3)
+    test_x = torch.randn(13, 2, dtype=DT)
+    torch.testing.assert_close(
+        s32.predict(test_x.float())[0].double(), s64.predict(test_x)[0], rtol=0, atol=1e-3
+    )
+
+
+@requires_cuda
+def test_cuda_matches_cpu():
+    kd = _distiller(num_steps=2)
+    s_cpu = kd.fit()
+    x, y = _data(120)
+    kd_gpu = KernelDistillation.from_kernel(
+        _kernel().cuda(), x.cuda(), y.cuda(), 0.05, 20, 5, num_steps=2,
+        inducing_points=kd.inducing_points.cuda(),
+    )  # fmt: skip
+    s_gpu = kd_gpu.fit()
+    test_x = torch.randn(13, 2, dtype=DT)
+    torch.testing.assert_close(s_gpu.predict(test_x.cuda())[0].cpu(), s_cpu.predict(test_x)[0])
+    torch.testing.assert_close(
+        s_cpu.cuda().predict(test_x.cuda())[1].cpu(), s_cpu.predict(test_x)[1]
+    )
+
+
+@pytest.mark.parametrize("metric", ["lengthscale", "euclidean"])
+def test_neighbour_metric(metric):
+    x, y = _data(80)
+    k = _kernel()
+    k.base_kernel.lengthscale = torch.tensor([0.2, 5.0], dtype=DT)
+    kd = KernelDistillation.from_kernel(k, x, y, 0.05, 15, 4, num_steps=0, neighbour_metric=metric)
+    student = kd.fit()
+    scale = (
+        torch.tensor([0.2, 5.0], dtype=DT) if metric == "lengthscale" else torch.ones(2, dtype=DT)
+    )
+    u = kd.inducing_points
+    for i in range(80):
+        ref = torch.argsort((((u - x[i]) / scale) ** 2).sum(-1))[:4].sort().values
+        assert torch.equal(kd.neighbour_indices[i], ref)
+    test_x = torch.randn(6, 2, dtype=DT)
+    _, idx = student.interpolation_weights(test_x)
+    for p in range(6):
+        ref = torch.argsort((((u - test_x[p]) / scale) ** 2).sum(-1))[:4]
+        assert set(idx[p].tolist()) == set(ref.tolist())
+
+
+def test_least_squares_init_handles_rank_deficient_rows_like_lstsq():
+    x, y = _data(40)
+    u = torch.cat([x[:6], x[:2]])  # two duplicated inducing points: K_UU(J, :) can be singular
+    kd = KernelDistillation.from_kernel(_kernel(), x, y, 0.05, 8, 4, num_steps=0, inducing_points=u)
+    kd.prepare()
+    k_xu = kd.kernel(x, u).to_dense().detach().numpy()
+    kuu = kd.inducing_covariance.numpy()
+    for i in range(40):
+        j = kd.neighbour_indices[i].numpy()
+        ref = np.linalg.lstsq(kuu[j].T, k_xu[i], rcond=None)[0]  # minimum-norm solution
+        np.testing.assert_allclose(kd.initial_weight_values[i].numpy(), ref, rtol=1e-6, atol=1e-8)

@@ -1,0 +1,61 @@
+import numpy as np
+import pytest
+import torch
+
+from gpsd.kernel_distillation import kmeans, kmeans_plus_plus, nearest_inducing_points
+
+
+def _blobs(n=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.tensor([[0.0, 0.0], [5.0, 5.0], [-5.0, 4.0], [4.0, -5.0]], dtype=torch.float64)
+    labels = torch.randint(4, (n,), generator=gen)
+    return centres[labels] + 0.5 * torch.randn(n, 2, generator=gen, dtype=torch.float64)
+
+
+def test_kmeans_plus_plus_picks_distinct_rows_of_x():
+    x = _blobs()
+    c = kmeans_plus_plus(x, 10, seed=3)
+    assert c.shape == (10, 2)
+    # every centre is a row of x and no row is picked twice
+    d = (c.unsqueeze(1) - x.unsqueeze(0)).abs().sum(-1)
+    assert torch.all(d.min(dim=1).values == 0)
+    assert len({int(i) for i in d.argmin(dim=1)}) == 10
+    torch.testing.assert_close(c, kmeans_plus_plus(x, 10, seed=3))
+
+
+def test_kmeans_is_a_lloyd_fixed_point_and_matches_sklearn_inertia():
+    sklearn_cluster = pytest.importorskip("sklearn.cluster")
+    x = _blobs()
+    c = kmeans(x, 4, num_iters=100, seed=0)
+    # naive loop: every centroid is the mean of the points nearest to it
+    assign = [int(torch.argmin(((c - xi) ** 2).sum(-1))) for xi in x]
+    for j in range(4):
+        members = x[[i for i, a in enumerate(assign) if a == j]]
+        torch.testing.assert_close(c[j], members.mean(0))
+    inertia = sum(float(((x[i] - c[a]) ** 2).sum()) for i, a in enumerate(assign))
+    ref = sklearn_cluster.KMeans(4, n_init=10, random_state=0).fit(x.numpy()).inertia_
+    assert inertia <= 1.001 * ref
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_nearest_inducing_points_matches_argsort(chunk_size):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(53, 3, generator=gen, dtype=torch.float64)
+    u = torch.randn(17, 3, generator=gen, dtype=torch.float64)
+    d2, idx = nearest_inducing_points(x, u, 5, chunk_size=chunk_size)
+    dist = np.linalg.norm(x.numpy()[:, None, :] - u.numpy()[None], axis=-1)
+    ref = np.argsort(dist, axis=1)[:, :5]
+    np.testing.assert_array_equal(idx.numpy(), ref)
+    np.testing.assert_allclose(
+        d2.numpy(), np.take_along_axis(dist, ref, 1) ** 2, rtol=1e-10, atol=1e-12
+    )
+
+
+def test_bad_arguments():
+    x = torch.randn(10, 2)
+    with pytest.raises(ValueError, match="num_clusters"):
+        kmeans_plus_plus(x, 11)
+    with pytest.raises(ValueError, match="k must"):
+        nearest_inducing_points(x, x[:3], 4)
+    with pytest.raises(ValueError, match="share d"):
+        nearest_inducing_points(x, torch.randn(3, 3), 1)
