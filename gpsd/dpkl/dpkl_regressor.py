@@ -1,0 +1,151 @@
+"""DPKL: GP regression on probabilistic embeddings (Mallick et al., 2021)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import gpytorch
+import torch
+from torch import Tensor, nn
+
+from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs
+from gpsd.dpkl.embedding_kernel import ProbabilisticEmbeddingKernel
+from gpsd.dpkl.expected_embedding_kernel import ExpectedEmbeddingKernel
+from gpsd.dpkl.particle_ensemble import ParticleEnsemble
+from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
+
+__all__ = ["DPKLRegressor"]
+
+
+class DPKLRegressor(EmbeddingGPRegressorBase):
+    r"""Deep Probabilistic Kernel Learning regressor (Mallick et al., 2021, §3, Algorithm 1).
+
+    An :class:`~gpytorch.models.ExactGP` whose inputs are the latent distributions
+    :math:`p(\mathbf{Z}\mid\mathbf{x})` given by ``m`` particles of a feature extractor
+    :math:`g_{\mathbf{w}}: \mathbb{R}^D \to \mathbb{R}^d`, with the kernel between distributions
+
+    .. math::
+
+        \hat{K}(\mathbf{x}, \mathbf{x}') = \frac{1}{m^2}\sum_{l,l'}
+        k\big(g_{\mathbf{w}_l}(\mathbf{x}), g_{\mathbf{w}_{l'}}(\mathbf{x}')\big)
+        \approx \bar{\boldsymbol\phi}(\mathbf{x})^\top \bar{\boldsymbol\phi}(\mathbf{x}'),
+
+    (``kernel="rff"``: random Fourier features, or orthogonal ones with ``orthogonal=True``, as a
+    low-rank operator solved by Woodbury in :math:`O(nR^2)`; ``kernel="exact"``: the exact
+    expected kernel, :math:`O(n^2m^2)`). The likelihood is Gaussian with a learned noise; the mean
+    is a learned constant; the base kernel's lengthscale and outputscale are learned. The particles
+    are trained by the functional gradient of the negative log marginal likelihood
+    :math:`\hat{L}` (see :meth:`fit`): ``update="paper"`` is Prop. 1
+    (:math:`\sum_l \kappa(\mathbf{w}, \mathbf{w}_l)\nabla_{\mathbf{w}_l}\hat{L}`), ``update="svgd"``
+    adds SVGD's repulsive term :math:`-\tfrac{1}{m}\sum_l \nabla_{\mathbf{w}_l}\kappa(\mathbf{w}_l,
+    \mathbf{w})` (:class:`~gpsd.dpkl.SteinVariationalGradient` with ``loss_type="joint"``).
+
+    :param train_x: ``(n, D)`` training inputs.
+    :param train_y: ``(n,)`` training targets (standardise them).
+    :param feature_extractor: a network mapping ``(n, D)`` to ``(n, latent_dim)`` (copied and
+        re-initialised per particle) or a callable returning a fresh one.
+    :param num_particles: :math:`m \ge 1`.
+    :param latent_dim: :math:`d`, checked against the network's output width.
+    :param num_random_features: :math:`R \ge 1` (``2R`` features).
+    :param kernel: ``"rff"`` or ``"exact"``.
+    :param orthogonal: orthogonal random features (Yu et al., 2016).
+    :param nu: ``None`` (RBF base kernel) or a Matérn smoothness in {0.5, 1.5, 2.5}.
+    :param update: ``"paper"`` or ``"svgd"``.
+    :param repulsion: weight of the repulsive term (default 0 for ``"paper"``, 1 for ``"svgd"``).
+    :param bandwidth: ``"median"`` (:math:`h = \mathrm{med}^2/\log m`) or a fixed :math:`h`.
+    :param likelihood: a :class:`~gpytorch.likelihoods.GaussianLikelihood` (default: a new one).
+    """
+
+    def __init__(
+        self,
+        train_x: Tensor,
+        train_y: Tensor,
+        feature_extractor: nn.Module | Callable[[], nn.Module],
+        *,
+        num_particles: int = 10,
+        latent_dim: int = 2,
+        num_random_features: int = 100,
+        kernel: Literal["rff", "exact"] = "rff",
+        orthogonal: bool = False,
+        nu: float | None = None,
+        update: Literal["paper", "svgd"] = "paper",
+        repulsion: float | None = None,
+        bandwidth: float | Literal["median"] = "median",
+        likelihood: gpytorch.likelihoods.GaussianLikelihood | None = None,
+    ) -> None:
+        train_x = check_inputs(train_x, "train_x")
+        super().__init__(train_x, train_y, likelihood)
+        if isinstance(latent_dim, bool) or not isinstance(latent_dim, int) or latent_dim < 1:
+            raise ValueError(f"latent_dim must be an int >= 1, got {latent_dim!r}")
+        if kernel not in ("rff", "exact"):
+            raise ValueError(f"kernel must be 'rff' or 'exact', got {kernel!r}")
+        if update not in ("paper", "svgd"):
+            raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
+        ensemble = ParticleEnsemble(feature_extractor, num_particles).to(train_x)
+        with torch.no_grad():
+            width = ensemble(train_x[:1]).shape[-1]
+        if width != latent_dim:
+            raise ValueError(
+                f"the feature extractor maps to {width} dimensions but latent_dim is {latent_dim}"
+            )
+        if kernel == "rff":
+            random_features = RandomFeatureKernel(
+                num_random_features, latent_dim, nu=nu, orthogonal=orthogonal
+            )
+            self.covar_module = ProbabilisticEmbeddingKernel(ensemble, random_features)
+        else:
+            base = (
+                gpytorch.kernels.RBFKernel() if nu is None else gpytorch.kernels.MaternKernel(nu=nu)
+            )
+            self.covar_module = ExpectedEmbeddingKernel(
+                ensemble, gpytorch.kernels.ScaleKernel(base), latent_dim=latent_dim
+            )
+        self.to(train_x)
+        self.kernel_type = kernel
+        self.update = update
+        self.repulsion = float(
+            repulsion if repulsion is not None else (1.0 if update == "svgd" else 0.0)
+        )
+        self.bandwidth = bandwidth
+
+    @property
+    def num_particles(self) -> int:
+        return self.covar_module.feature_extractor.num_particles
+
+    @torch.no_grad()
+    def embed(self, x: Tensor) -> Tensor:
+        """Latent embeddings of ``x`` by every particle: ``(m, n, latent_dim)``."""
+        x = check_inputs(x, "x", self.train_inputs[0].shape[-1], like=self.train_inputs[0])
+        return self.covar_module.latent_embeddings(x)
+
+    def latent_posterior_variance(self, x: Tensor) -> Tensor:
+        r"""Posterior variance of the latent :math:`f` at ``x`` given the training data, with grad.
+
+        .. math::
+
+            \sigma^2(\mathbf{x}) = k_{\star\star} - \mathbf{k}_\star^\top(\hat{\mathbf K} +
+            \sigma_\eta^2\mathbf I)^{-1}\mathbf{k}_\star
+            = \sigma_\eta^2\, \bar{\boldsymbol\phi}^\top (\bar{\boldsymbol\Phi}^\top
+            \bar{\boldsymbol\Phi} + \sigma_\eta^2 \mathbf I)^{-1} \bar{\boldsymbol\phi}
+
+        with the prior variance :math:`k_{\star\star} = \lVert\bar{\boldsymbol\phi}(\mathbf{x})
+        \rVert^2` (the second form, by Woodbury, for ``kernel="rff"``: :math:`O(nR^2)`).
+        """
+        train_x = self.train_inputs[0]
+        x = check_inputs(x, "x", train_x.shape[-1], like=train_x)
+        noise = self.likelihood.noise.squeeze(-1)
+        if self.kernel_type == "rff":
+            phi = self.covar_module.mean_features(train_x)  # shape: (n, 2R)
+            phi_x = self.covar_module.mean_features(x)  # shape: (n_x, 2R)
+            a = phi.mT @ phi + noise * torch.eye(phi.shape[-1], dtype=phi.dtype, device=phi.device)
+            chol = torch.linalg.cholesky(a)
+            v = torch.linalg.solve_triangular(chol, phi_x.mT, upper=False)  # shape: (2R, n_x)
+            return noise * v.pow(2).sum(0)
+        k_xx = self.covar_module(x, diag=True)
+        k_xt = self.covar_module(x, train_x).to_dense()  # shape: (n_x, n)
+        k_tt = self.covar_module(train_x).to_dense()
+        k_tt = k_tt + noise * torch.eye(k_tt.shape[-1], dtype=k_tt.dtype, device=k_tt.device)
+        chol = torch.linalg.cholesky(k_tt)
+        v = torch.linalg.solve_triangular(chol, k_xt.mT, upper=False)
+        return k_xx - v.pow(2).sum(0)

@@ -1,0 +1,91 @@
+"""The random-feature kernel between latent distributions of a particle ensemble (eq. 6)."""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.kernels import Kernel
+from gpytorch.models.exact_prediction_strategies import LinearPredictionStrategy
+from torch import Tensor
+
+from gpsd.dpkl.particle_ensemble import ParticleEnsemble
+from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
+
+__all__ = ["ProbabilisticEmbeddingKernel"]
+
+
+class ProbabilisticEmbeddingKernel(Kernel):
+    r"""Kernel between the latent distributions :math:`p(\mathbf{Z}\mid\mathbf{x})` of an ensemble.
+
+    Each input :math:`\mathbf{x}` is mapped by the particles to :math:`\mathbf{z}_l =
+    g_{\mathbf{w}_l}(\mathbf{x})`, :math:`l = 1, \dots, m`, and the expected kernel (eq. 2 of
+    Mallick et al.) is approximated with random features :math:`\mathbf{f}` (eq. 4-6):
+
+    .. math::
+
+        \hat{K}(\mathbf{x}, \mathbf{x}') = \frac{1}{m^2} \sum_{l, l'=1}^m
+            \mathbf{f}(\mathbf{z}_l)^\top \mathbf{f}(\mathbf{z}'_{l'})
+          = \bar{\boldsymbol{\phi}}(\mathbf{x})^\top \bar{\boldsymbol{\phi}}(\mathbf{x}'),
+        \qquad
+        \bar{\boldsymbol{\phi}}(\mathbf{x}) = \frac{1}{m} \sum_{l=1}^m
+            \mathbf{f}(g_{\mathbf{w}_l}(\mathbf{x})) \in \mathbb{R}^{2R}.
+
+    So :math:`\hat{\mathbf{K}} = \bar{\boldsymbol{\Phi}} \bar{\boldsymbol{\Phi}}^\top` has rank at
+    most :math:`2R` and is returned as a
+    :class:`~linear_operator.operators.LowRankRootLinearOperator` (when :math:`2R < n`): with the
+    Gaussian noise added, GPyTorch's exact marginal log likelihood and predictions cost
+    :math:`O(n R^2)` through the Woodbury identity. The lengthscale and outputscale live in
+    ``random_features``; the prior variance is :math:`\lVert\bar{\boldsymbol{\phi}}(\mathbf{x})
+    \rVert^2 \le s`.
+
+    :param feature_extractor: the particles :math:`g_{\mathbf{w}_1}, \dots, g_{\mathbf{w}_m}`.
+    :param random_features: the feature map :math:`\mathbf{f}` on the latent space; its
+        ``num_dims`` must equal the output width of the feature extractor.
+    """
+
+    def __init__(
+        self, feature_extractor: ParticleEnsemble, random_features: RandomFeatureKernel, **kwargs
+    ) -> None:
+        if not isinstance(feature_extractor, ParticleEnsemble):
+            raise TypeError(
+                "feature_extractor must be a ParticleEnsemble, got "
+                f"{type(feature_extractor).__name__}"
+            )
+        if not isinstance(random_features, RandomFeatureKernel):
+            raise TypeError(
+                "random_features must be a RandomFeatureKernel, got "
+                f"{type(random_features).__name__}"
+            )
+        super().__init__(**kwargs)
+        self.feature_extractor = feature_extractor
+        self.random_features = random_features
+
+    @property
+    def latent_dim(self) -> int:
+        return self.random_features.num_dims
+
+    def latent_embeddings(self, x: Tensor) -> Tensor:
+        """The particles' embeddings of ``x``: shape ``(m, *batch, n, latent_dim)``."""
+        z = self.feature_extractor(x)
+        if z.shape[-1] != self.latent_dim:
+            raise ValueError(
+                f"the feature extractor maps to {z.shape[-1]} dimensions but the latent dimension "
+                f"(random_features.num_dims) is {self.latent_dim}"
+            )
+        return z
+
+    def mean_features(self, x: Tensor) -> Tensor:
+        r""":math:`\bar{\boldsymbol{\Phi}}(\mathbf{X})`: shape ``(*batch, n, 2R)``."""
+        return self.random_features.featurize(self.latent_embeddings(x)).mean(0)
+
+    def forward(
+        self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
+    ):
+        if last_dim_is_batch:
+            raise NotImplementedError("last_dim_is_batch is not supported")
+        phi1 = self.mean_features(x1)
+        if torch.equal(x1, x2):
+            return RandomFeatureKernel.features_to_operator(phi1, None, diag)
+        return RandomFeatureKernel.features_to_operator(phi1, self.mean_features(x2), diag)
+
+    def prediction_strategy(self, train_inputs, train_prior_dist, train_labels, likelihood):
+        return LinearPredictionStrategy(train_inputs, train_prior_dist, train_labels, likelihood)

@@ -1,0 +1,139 @@
+"""An ensemble of ``m`` copies of one ``torch.nn.Module`` evaluated in a single batched call."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, stack_module_state, vmap
+
+__all__ = ["ParticleEnsemble"]
+
+_SEP = "__"
+
+
+def _reinitialise(module: nn.Module) -> None:
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+class ParticleEnsemble(nn.Module):
+    r"""``m`` particles :math:`\mathbf{w}_1, \dots, \mathbf{w}_m` of one network architecture.
+
+    The parameters of the ``m`` copies are stacked along a leading particle dimension (with
+    :func:`torch.func.stack_module_state`) and the copies are evaluated together with
+    :func:`torch.func.vmap` over :func:`torch.func.functional_call`:
+
+    .. math::
+
+        \mathbf{Z}_{l} = g_{\mathbf{w}_l}(\mathbf{X}), \qquad l = 1, \dots, m,
+
+    so ``ensemble(x)`` has shape ``(m, *x.shape[:-1], d_out)``. The stacked parameters are ordinary
+    :class:`torch.nn.Parameter` objects of shape ``(m, *p.shape)``: any ``torch.optim`` optimiser
+    steps all particles at once, and :class:`~gpsd.dpkl.SteinVariationalGradient` rewrites their
+    ``.grad`` beforehand.
+
+    :param module: a network (deep-copied ``m`` times, each copy re-initialised by calling
+        ``reset_parameters()`` on every submodule that has one) or a zero-argument callable that
+        returns a freshly initialised network (called ``m`` times).
+    :param num_particles: the number of particles ``m >= 1``.
+    :param reinitialise: when ``module`` is a network, re-initialise the copies (default) or keep
+        ``m`` identical copies.
+
+    Modules whose forward pass updates buffers in place (``BatchNorm`` in training mode) are not
+    supported. Dropout draws different masks for different particles.
+
+    Example:
+
+        >>> net = lambda: torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(),
+        ...                                   torch.nn.Linear(16, 2))
+        >>> ensemble = ParticleEnsemble(net, num_particles=10)
+        >>> ensemble(torch.randn(7, 5)).shape
+        torch.Size([10, 7, 2])
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | Callable[[], nn.Module],
+        num_particles: int,
+        *,
+        reinitialise: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(num_particles, bool) or not isinstance(num_particles, int):
+            raise TypeError(f"num_particles must be an int, got {type(num_particles).__name__}")
+        if num_particles < 1:
+            raise ValueError(f"num_particles must be at least 1, got {num_particles}")
+        if isinstance(module, nn.Module):
+            copies = [copy.deepcopy(module) for _ in range(num_particles)]
+            if reinitialise and num_particles > 1:
+                for c in copies:
+                    _reinitialise(c)
+        elif callable(module):
+            copies = [module() for _ in range(num_particles)]
+            if not all(isinstance(c, nn.Module) for c in copies):
+                raise TypeError("module must be a torch.nn.Module or a callable returning one")
+        else:
+            raise TypeError(
+                f"module must be a torch.nn.Module or a callable returning one, got {type(module)}"
+            )
+        self.num_particles = num_particles
+        params, buffers = stack_module_state(copies)
+        self._param_names = list(params)
+        self._buffer_names = list(buffers)
+        self.particle_parameters = nn.ParameterDict(
+            {k.replace(".", _SEP): nn.Parameter(v.detach().clone()) for k, v in params.items()}
+        )
+        for k, v in buffers.items():
+            self.register_buffer("particle_buffer" + _SEP + k.replace(".", _SEP), v.clone())
+        # The architecture, kept on the meta device and outside the module tree so that it holds no
+        # memory, is not in state_dict() and does not follow .to().
+        skeleton = copy.deepcopy(copies[0]).to("meta")
+        object.__setattr__(self, "_skeleton", skeleton)
+
+    # ------------------------------------------------------------------ parameter access
+    def stacked_parameters(self) -> dict[str, Tensor]:
+        """The stacked parameters by their name in the base network, each ``(m, *shape)``."""
+        return {k: self.particle_parameters[k.replace(".", _SEP)] for k in self._param_names}
+
+    def stacked_buffers(self) -> dict[str, Tensor]:
+        """The stacked buffers by their name in the base network, each ``(m, *shape)``."""
+        return {
+            k: getattr(self, "particle_buffer" + _SEP + k.replace(".", _SEP))
+            for k in self._buffer_names
+        }
+
+    def flat_parameters(self) -> Tensor:
+        """All parameters of each particle flattened into one row: shape ``(m, P)``."""
+        return torch.cat(
+            [p.reshape(self.num_particles, -1) for p in self.particle_parameters.values()], -1
+        )
+
+    def particle_module(self, index: int) -> nn.Module:
+        """A stand-alone copy of particle ``index`` (detached parameters), e.g. for inspection."""
+        if not -self.num_particles <= index < self.num_particles:
+            raise IndexError(f"index must lie in [0, {self.num_particles}), got {index}")
+        module = copy.deepcopy(self._skeleton)
+        state = {k: v[index].detach().clone() for k, v in self.stacked_parameters().items()}
+        state.update({k: v[index].detach().clone() for k, v in self.stacked_buffers().items()})
+        module.load_state_dict(state, assign=True)
+        return module
+
+    # ------------------------------------------------------------------ forward
+    def _call_one(self, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(self._skeleton, (params, buffers), (x,))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Evaluate every particle on ``x``: returns shape ``(m, *x.shape[:-1], d_out)``."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        return vmap(self._call_one, in_dims=(0, 0, None), randomness="different")(
+            self.stacked_parameters(), self.stacked_buffers(), x
+        )
+
+    def extra_repr(self) -> str:
+        return f"num_particles={self.num_particles}, base={self._skeleton.__class__.__name__}"
