@@ -18,5 +18,39 @@ from gpsd.means import PosteriorMean  # noqa: E402
 
 __all__ += ["DataCentricGPR", "DistributionCentricGPR", "PosteriorKernel", "PosteriorMean"]
 # --- classification: likelihood, Laplace, GPC distillation (issue 3) ---  (import here, silencing E402, and extend: __all__ += [...])
+from gpsd import laplace, likelihoods  # noqa: E402
+from gpsd.distillation import DataCentricGPC, DistributionCentricGPC  # noqa: E402
+from gpsd.laplace import LaplaceGPClassifier  # noqa: E402
+from gpsd.likelihoods import ContinuousBernoulliLikelihood  # noqa: E402
+
+__all__ += [
+    "ContinuousBernoulliLikelihood",
+    "DataCentricGPC",
+    "DistributionCentricGPC",
+    "LaplaceGPClassifier",
+    "laplace",
+    "likelihoods",
+]
 # --- kernel distillation (issue 4) ---  (import here, silencing E402, and extend: __all__ += [...])
+from gpsd import kernel_distillation  # noqa: E402
+from gpsd.kernel_distillation import KernelDistillation, SparseLowRankStudent  # noqa: E402
+
+__all__ += ["KernelDistillation", "SparseLowRankStudent", "kernel_distillation"]
 # --- DPKL (issue 5) ---  (import here, silencing E402, and extend: __all__ += [...])
+from gpsd import dpkl  # noqa: E402
+from gpsd.dpkl import (  # noqa: E402
+    ARDGPRegressor,
+    DKLRegressor,
+    DPKLClassifier,
+    DPKLRegressor,
+    SSDPKLRegressor,
+)
+
+__all__ += [
+    "ARDGPRegressor",
+    "DKLRegressor",
+    "DPKLClassifier",
+    "DPKLRegressor",
+    "SSDPKLRegressor",
+    "dpkl",
+]

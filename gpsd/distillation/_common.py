@@ -96,55 +96,66 @@ def make_engine(
     gamma_min: float,
     rtol: float,
 ):
-    """The backend object for a kernel operator: a KernelSpectrum or a ShiftedCholesky.
+    """The backend object for a kernel: a :class:`KernelSpectrum` or a :class:`ShiftedCholesky`.
 
     The Lanczos backend never forms the kernel matrix: a KeOps kernel's own operator or a
-    :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as resolved when their residual is below
-    ``0.1 * rtol * gamma_min``; ``rank=None`` doubles the Krylov basis from 64 until the
-    error estimate for the smallest shift ``gamma_min`` is below ``rtol``.
+    :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as
+    resolved when their residual is below ``0.1 * rtol * gamma_min``; without a ``rank`` the
+    Krylov basis doubles from 64 until the error estimate for the smallest shift ``gamma_min`` is
+    below ``rtol``.
+
+    ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
+    eigendecomposition and no gradient is needed, it first tries Lanczos with a rank budget of
+    ``N / 8`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than ``eigh``) and
+    falls back to the dense decomposition if the budget does not reach ``rtol``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     n = x.shape[-2]
+
+    def lanczos(r: int) -> KernelSpectrum:
+        return KernelSpectrum.from_lanczos(
+            _matrix_free(kernel, x),
+            rank=r,
+            residual_tol=0.1 * rtol * gamma_min,
+            dtype=eig_dtype or x.dtype,
+            generator=torch.Generator().manual_seed(generator_seed),
+        )
+
+    def grow_lanczos(max_rank: int) -> KernelSpectrum:
+        r = min(64, n)
+        spectrum = lanczos(r)
+        while spectrum.error_estimate(gamma_min) > rtol and 2 * r <= max_rank:
+            r *= 2
+            spectrum = lanczos(r)
+        return spectrum
+
     if backend == "auto":
         backend = choose_backend(n, num_factorisations, x.device)
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in kernel.parameters())
+        if backend == "dense" and not needs_grad:
+            spectrum = grow_lanczos(rank or n // 8)
+            if spectrum.error_estimate(gamma_min) <= rtol:
+                return spectrum
     if backend == "lanczos":
-        # Matrix-free: KeOps kernels are already; others are evaluated in row chunks.
-        is_keops = type(kernel).__module__.startswith("gpytorch.kernels.keops") or any(
-            type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
-        )
-        kernel_matrix = kernel(x) if is_keops else ChunkedKernelOperator(x, kernel=kernel)
-    else:
-        kernel_matrix = kernel(x)
+        return lanczos(rank) if rank is not None else grow_lanczos(n)
     try:
         if backend == "cholesky":
-            return ShiftedCholesky(kernel_matrix, dtype=eig_dtype)
-        if backend == "dense":
-            return KernelSpectrum.from_dense(kernel_matrix, dtype=eig_dtype)
+            return ShiftedCholesky(kernel(x), dtype=eig_dtype)
+        return KernelSpectrum.from_dense(kernel(x), dtype=eig_dtype)
     except torch.OutOfMemoryError as err:
         raise MemoryError(
             f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
             f"{x.device}; use backend='lanczos', which never forms it"
         ) from err
 
-    def lanczos(r: int) -> KernelSpectrum:
-        return KernelSpectrum.from_lanczos(
-            kernel_matrix,
-            rank=r,
-            residual_tol=0.1 * rtol * gamma_min,
-            dtype=eig_dtype or kernel_matrix.dtype,
-            generator=torch.Generator().manual_seed(generator_seed),
-        )
 
-    if rank is not None:
-        return lanczos(rank)
-    # rank=None: grow the Krylov basis geometrically until the complement is small enough.
-    r = min(64, n)
-    while True:
-        spectrum = lanczos(r)
-        if spectrum.error_estimate(gamma_min) <= rtol or 2 * r > n:
-            return spectrum
-        r *= 2
+def _matrix_free(kernel: Kernel, x: Tensor):
+    """The kernel matrix as an operator that is never formed (KeOps, or row chunks)."""
+    is_keops = any(
+        type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
+    )
+    return kernel(x) if is_keops else ChunkedKernelOperator(x, kernel=kernel)
 
 
 class StateSnapshot:

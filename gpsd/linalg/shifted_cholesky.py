@@ -72,6 +72,13 @@ class ShiftedCholesky:
     def quad_diag(self, filt: SpectralFilter, left: Tensor, num_powers: int = 1) -> Tensor:
         """:math:`\\operatorname{diag}(\\mathbf C^\\top f_t(\\mathbf K)\\mathbf C)`; ``(*, F, M)``."""
         left = left.to(self.kernel_matrix)
+        if filt.is_resolvent:  # diag(C^T (L L^T)^-1 C) = column norms of L^-1 C: one solve
+            gamma = filt.gamma.to(self.kernel_matrix)
+            steps = []
+            for t in range(gamma.shape[-1]):
+                half = torch.linalg.solve_triangular(self.factor(gamma[..., t]), left, upper=False)
+                steps.append(half.square().sum(-2))
+            return torch.stack(steps, dim=-2)
         return (left.unsqueeze(-3) * self.apply(filt, left)).sum(-2)
 
     def trace(self, filt: SpectralFilter) -> Tensor:

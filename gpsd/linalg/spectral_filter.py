@@ -46,9 +46,13 @@ class SpectralFilter:
     :param gamma: the schedule the filter was built from, shape ``(*s, T)``.
     """
 
-    def __init__(self, evaluate: Callable[[object], Tensor], gamma: Tensor) -> None:
+    def __init__(
+        self, evaluate: Callable[[object], Tensor], gamma: Tensor, is_resolvent: bool = False
+    ) -> None:
         self._evaluate = evaluate
         self.gamma = gamma
+        #: ``True`` for :meth:`resolvent` filters, which shifted-solve backends apply specially.
+        self.is_resolvent = is_resolvent
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -90,7 +94,7 @@ class SpectralFilter:
             steps = [alg.mul(one, alg.reciprocal(gamma[..., t])) for t in range(gamma.shape[-1])]
             return alg.stack(steps)
 
-        return cls(evaluate, gamma)
+        return cls(evaluate, gamma, is_resolvent=True)
 
 
 def _data_centric(alg, gamma: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
