@@ -59,3 +59,19 @@ def test_bad_arguments():
         nearest_inducing_points(x, x[:3], 4)
     with pytest.raises(ValueError, match="share d"):
         nearest_inducing_points(x, torch.randn(3, 3), 1)
+
+
+def test_keops_neighbours_equal_the_dense_search():
+    pytest.importorskip("pykeops", reason="the KeOps search needs pykeops (gpsd[keops])")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(300, 3, generator=gen, dtype=torch.float64)
+    u = torch.randn(40, 3, generator=gen, dtype=torch.float64)
+    d_dense, i_dense = nearest_inducing_points(x, u, 6, backend="dense")
+    d_keops, i_keops = nearest_inducing_points(x, u, 6, backend="keops")
+    torch.testing.assert_close(d_keops, d_dense)
+    assert torch.equal(i_keops, i_dense)
+
+
+def test_neighbour_backend_is_validated():
+    with pytest.raises(ValueError, match="backend"):
+        nearest_inducing_points(torch.zeros(3, 2), torch.zeros(4, 2), 2, backend="kdtree")
