@@ -11,6 +11,7 @@ from torch import Tensor
 
 __all__ = [
     "as_float_tensor",
+    "check_test_inputs",
     "check_finite",
     "check_matrix",
     "check_same_device",
@@ -78,3 +79,15 @@ def check_same_device(reference: Tensor, tensor: Tensor, name: str, ref_name: st
             f"{name} is on {tensor.device} but {ref_name} is on {reference.device}; "
             f"move them to the same device with .to(device)"
         )
+
+
+def check_test_inputs(x: object, train_inputs: Tensor, name: str = "test_x") -> Tensor:
+    """Test inputs as ``(*batch, M, d)`` in the training inputs' dtype, device and width ``d``."""
+    x = check_matrix(as_float_tensor(x, name, dtype=train_inputs.dtype), name)
+    check_same_device(train_inputs, x, name, "train_x")
+    if x.shape[-1] != train_inputs.shape[-1]:
+        raise ValueError(
+            f"{name} must have {train_inputs.shape[-1]} features (as train_x), "
+            f"got shape {tuple(x.shape)}"
+        )
+    return x

@@ -10,7 +10,13 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_matrix, check_same_device, check_vector
+from gpsd._validation import (
+    as_float_tensor,
+    check_matrix,
+    check_same_device,
+    check_test_inputs,
+    check_vector,
+)
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -207,14 +213,7 @@ class DataCentricGPC(gpytorch.Module):
         return step, self._modes[step - 1]
 
     def _test_inputs(self, x: Tensor) -> Tensor:
-        x = check_matrix(as_float_tensor(x, "test_x", dtype=self.train_inputs.dtype), "test_x")
-        check_same_device(self.train_inputs, x, "test_x", "train_x")
-        if x.shape[-1] != self.train_inputs.shape[-1]:
-            raise ValueError(
-                f"test_x must have {self.train_inputs.shape[-1]} features (as train_x), "
-                f"got shape {tuple(x.shape)}"
-            )
-        return x
+        return check_test_inputs(x, self.train_inputs)
 
     def predict_latent(self, x: Tensor, step: int | None = None) -> tuple[Tensor, Tensor]:
         """Latent predictive mean and variance of step ``step`` (default: the last) at ``x``."""

@@ -8,7 +8,13 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_matrix, check_same_device, check_vector
+from gpsd._validation import (
+    as_float_tensor,
+    check_matrix,
+    check_same_device,
+    check_test_inputs,
+    check_vector,
+)
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import gauss_hermite_expectation, probit_approximation
 from gpsd.laplace.resolve import resolve_likelihood_terms
@@ -237,14 +243,7 @@ class DistributionCentricGPC(gpytorch.Module):
         return scale, self._scratch[2], self._scratch[3]
 
     def _test_inputs(self, x: Tensor) -> Tensor:
-        x = check_matrix(as_float_tensor(x, "test_x", dtype=self.train_inputs.dtype), "test_x")
-        check_same_device(self.train_inputs, x, "test_x", "train_x")
-        if x.shape[-1] != self.train_inputs.shape[-1]:
-            raise ValueError(
-                f"test_x must have {self.train_inputs.shape[-1]} features (as train_x), "
-                f"got shape {tuple(x.shape)}"
-            )
-        return x
+        return check_test_inputs(x, self.train_inputs)
 
     def predict_latent(self, x: Tensor, step: int | None = None) -> tuple[Tensor, Tensor]:
         r"""Latent mean and variance of the posterior after ``step`` steps (default: the last)."""

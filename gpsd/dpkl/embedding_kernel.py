@@ -81,7 +81,7 @@ class ProbabilisticEmbeddingKernel(Kernel):
         self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
     ):
         if last_dim_is_batch:
-            raise NotImplementedError("last_dim_is_batch is not supported")
+            raise ValueError("last_dim_is_batch is not supported")
         phi1 = self.mean_features(x1)
         if torch.equal(x1, x2):
             return RandomFeatureKernel.features_to_operator(phi1, None, diag)

@@ -65,7 +65,7 @@ class ExpectedEmbeddingKernel(Kernel):
         self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
     ):
         if last_dim_is_batch:
-            raise NotImplementedError("last_dim_is_batch is not supported")
+            raise ValueError("last_dim_is_batch is not supported")
         z1 = self.latent_embeddings(x1)  # shape: (m, *batch, n1, d)
         z2 = z1 if torch.equal(x1, x2) else self.latent_embeddings(x2)  # shape: (m, *batch, n2, d)
         m = z1.shape[0]

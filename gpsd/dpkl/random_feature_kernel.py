@@ -191,7 +191,7 @@ class RandomFeatureKernel(Kernel):
         self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
     ):
         if last_dim_is_batch:
-            raise NotImplementedError("last_dim_is_batch is not supported by RandomFeatureKernel")
+            raise ValueError("last_dim_is_batch is not supported by RandomFeatureKernel")
         phi1 = self.featurize(x1)
         if torch.equal(x1, x2):
             return self.features_to_operator(phi1, None, diag)

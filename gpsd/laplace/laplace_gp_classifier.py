@@ -9,7 +9,13 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_matrix, check_same_device, check_vector
+from gpsd._validation import (
+    as_float_tensor,
+    check_matrix,
+    check_same_device,
+    check_test_inputs,
+    check_vector,
+)
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
@@ -182,14 +188,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         )
 
     def _test_inputs(self, x: Tensor) -> Tensor:
-        x = check_matrix(as_float_tensor(x, "test_x", dtype=self.train_inputs.dtype), "test_x")
-        check_same_device(self.train_inputs, x, "test_x", "train_x")
-        if x.shape[-1] != self.train_inputs.shape[-1]:
-            raise ValueError(
-                f"test_x must have {self.train_inputs.shape[-1]} features (as train_x), "
-                f"got shape {tuple(x.shape)}"
-            )
-        return x
+        return check_test_inputs(x, self.train_inputs)
 
     def forward(self, x: Tensor) -> MultivariateNormal:
         """The latent predictive distribution at ``x`` (full covariance)."""
