@@ -8,13 +8,19 @@ a warm-up) and peak device memory (``torch.cuda.max_memory_allocated``) for:
 * data-centric GPR for T = 1, 10, 100 with each backend (dense, cholesky, lanczos) and the
   distribution-centric closed form, with the relative error of the Lanczos path against the dense
   one where both run;
+* kernel distillation: distil (K-means, neighbours, least squares, 2 line-search steps) and
+  predict 10,000 points, against exact-GP and SGPR prediction of the same points;
 * the dense factorisations' achieved fraction of the GPU's measured matmul rate.
+
+DPKL training steps per second against a per-particle loop on the GPU come from
+``python benchmarks/bench_dpkl.py --skip-accuracy --device cuda``.
 
 A cell that runs out of memory reads "OOM"; larger sizes of that method are skipped.
 
 Usage::
 
     python benchmarks/bench_gpu.py --dtype float32 --out benchmarks/results/gpu_float32.md
+    python benchmarks/bench_gpu.py --device cpu --max-n 1024 --kd-m 64 --kd-test 1000  # smoke run
     python benchmarks/bench_gpu.py --dtype float64 --max-n 65536
 """
 
@@ -24,11 +30,15 @@ import argparse
 import platform
 import statistics
 import sys
+import time
 
 import gpytorch
 import torch
 
-from gpsd import DataCentricGPR, DistributionCentricGPR
+from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
+
+#: The device every table runs on (``--device``).
+DEVICE = torch.device("cuda")
 
 
 def cuda_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -47,8 +57,29 @@ def cuda_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def host_time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time in seconds on the CPU (used by ``--device cpu`` smoke runs)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def timer(fn, repeats: int) -> float:
+    return cuda_time(fn, repeats) if DEVICE.type == "cuda" else host_time(fn, repeats)
+
+
 def measure(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak GiB) of ``fn``, or raises ``torch.OutOfMemoryError``/``MemoryError``."""
+    """(median seconds, peak GiB) of ``fn``, or raises ``torch.OutOfMemoryError``/``MemoryError``.
+
+    The peak is ``torch.cuda.max_memory_allocated``; on the CPU it reads as 0.
+    """
+    if DEVICE.type != "cuda":
+        return host_time(fn, repeats), 0.0
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     seconds = cuda_time(fn, repeats)
@@ -57,22 +88,22 @@ def measure(fn, repeats: int) -> tuple[float, float]:
 
 def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
     """Measured dense matmul rate in FLOP/s (random operands)."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    seconds = cuda_time(lambda: a @ b, repeats=10, warmup=3)
+    a = torch.randn(n, n, device=DEVICE, dtype=dtype)
+    b = torch.randn(n, n, device=DEVICE, dtype=dtype)
+    seconds = timer(lambda: a @ b, 10)
     return 2 * n**3 / seconds
 
 
 def problem(n: int, m: int, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = 10 * torch.rand(n, 2, generator=gen, device="cuda", dtype=dtype)
-    y = torch.sin(x).sum(-1) + 0.3 * torch.randn(n, generator=gen, device="cuda", dtype=dtype)
-    test_x = 10 * torch.rand(m, 2, generator=gen, device="cuda", dtype=dtype)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = 10 * torch.rand(n, 2, generator=gen, device=DEVICE, dtype=dtype)
+    y = torch.sin(x).sum(-1) + 0.3 * torch.randn(n, generator=gen, device=DEVICE, dtype=dtype)
+    test_x = 10 * torch.rand(m, 2, generator=gen, device=DEVICE, dtype=dtype)
     return x, y, test_x
 
 
 def rbf(dtype: torch.dtype) -> gpytorch.kernels.Kernel:
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to("cuda", dtype)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DEVICE, dtype)
     kernel.base_kernel.lengthscale = 1.0
     return kernel
 
@@ -126,7 +157,7 @@ def regression_table(args, dtype: torch.dtype) -> str:
                 fn = exact_gp(x, y, test_x)
             else:
                 kind, t = method.rsplit(" T=", 1)
-                gammas = torch.linspace(0.1, 1.0, int(t), device="cuda", dtype=dtype)
+                gammas = torch.linspace(0.1, 1.0, int(t), device=DEVICE, dtype=dtype)
                 cls = DistributionCentricGPR if kind == "distribution-centric" else DataCentricGPR
                 backend = "auto" if kind == "distribution-centric" else kind
 
@@ -153,6 +184,77 @@ def regression_table(args, dtype: torch.dtype) -> str:
     return "\n".join(rows)
 
 
+def sgpr_predictor(x, y, test_x, inducing):
+    """GPyTorch SGPR/FITC (``InducingPointKernel``) with the distiller's inducing points."""
+
+    class SGPR(gpytorch.models.ExactGP):
+        def __init__(self):
+            likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x)
+            likelihood.noise = 0.1
+            super().__init__(x, y, likelihood)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.InducingPointKernel(
+                rbf(x.dtype), inducing_points=inducing.clone(), likelihood=likelihood
+            )
+
+        def forward(self, z):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(z), self.covar_module(z)
+            )
+
+    model = SGPR().eval()
+
+    def run():
+        with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+            post = model(test_x)
+            return post.mean, post.variance
+
+    return run
+
+
+def kernel_distillation_table(args, dtype: torch.dtype) -> str:
+    rows = [
+        f"m = {args.kd_m} inducing points, b = {args.kd_b}, 2 line-search steps; "
+        f"{args.kd_test} test points; times in seconds, peak in GiB.",
+        "",
+        "| N | distil (s) | student predict (s) | SGPR predict (s) | exact predict (s) | "
+        "student vs SGPR | peak distil (GiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    n = max(args.min_n, 4 * args.kd_m)
+    exact_ok = True
+    while n <= args.kd_max_n:
+        x, y, test_x = problem(n, args.kd_test, dtype)
+        kernel = rbf(dtype)
+        holder = {}
+
+        def distil(x=x, y=y, kernel=kernel, holder=holder):
+            kd = KernelDistillation.from_kernel(
+                kernel, x, y, 0.1, args.kd_m, args.kd_b, num_steps=2
+            )
+            holder["student"], holder["inducing"] = kd.fit(), kd.inducing_points
+
+        t_distil, peak = measure(distil, 1)
+        student = holder["student"]
+        t_student = timer(lambda student=student, test_x=test_x: student.predict(test_x), 5)
+        sgpr = sgpr_predictor(x, y, test_x, holder["inducing"])
+        t_sgpr = timer(sgpr, 5)
+        t_exact = float("nan")
+        if exact_ok:
+            try:
+                t_exact = timer(exact_gp(x, y, test_x), 3)
+            except (torch.OutOfMemoryError, MemoryError):
+                exact_ok = False
+        exact_cell = "OOM" if t_exact != t_exact else f"{t_exact:.4f}"
+        rows.append(
+            f"| {n} | {t_distil:.3f} | {t_student:.4f} | {t_sgpr:.4f} | {exact_cell} | "
+            f"{t_sgpr / t_student:.1f}x | {peak:.2f} |"
+        )
+        print(rows[-1], flush=True)
+        n *= 2
+    return "\n".join(rows)
+
+
 def factorisation_rate_table(args, dtype: torch.dtype, rate: float) -> str:
     """Achieved FLOP/s of the dense factorisations: eigh (about 9 N^3) and Cholesky (N^3 / 3)."""
     rows = [
@@ -162,9 +264,9 @@ def factorisation_rate_table(args, dtype: torch.dtype, rate: float) -> str:
     n = args.min_n
     while n <= min(args.max_n, args.max_dense_n):
         x, _, _ = problem(n, 1, dtype)
-        k = rbf(dtype)(x).to_dense().detach() + 0.1 * torch.eye(n, device="cuda", dtype=dtype)
-        t_eigh = cuda_time(lambda k=k: torch.linalg.eigh(k), repeats=3)
-        t_chol = cuda_time(lambda k=k: torch.linalg.cholesky(k), repeats=3)
+        k = rbf(dtype)(x).to_dense().detach() + 0.1 * torch.eye(n, device=DEVICE, dtype=dtype)
+        t_eigh = timer(lambda k=k: torch.linalg.eigh(k), 3)
+        t_chol = timer(lambda k=k: torch.linalg.cholesky(k), 3)
         rows.append(
             f"| {n} | {t_eigh:.4f} | {9 * n**3 / t_eigh / rate:.3f} | {t_chol:.4f} | "
             f"{n**3 / 3 / t_chol / rate:.3f} |"
@@ -182,33 +284,52 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=10000, help="test points")
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--kd-m", type=int, default=1000, help="kernel distillation: inducing points"
+    )
+    parser.add_argument("--kd-b", type=int, default=30, help="kernel distillation: sparsity")
+    parser.add_argument(
+        "--kd-test", type=int, default=10000, help="kernel distillation: test points"
+    )
+    parser.add_argument("--kd-max-n", type=int, default=65536)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["regression", "kd", "rate"])
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (the point of this suite) or cpu for a smoke run"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; nothing to measure (skipped).")
         return
     dtype = getattr(torch, args.dtype)
-    rate = matmul_rate(dtype)
+    rate = matmul_rate(dtype, 8192 if DEVICE.type == "cuda" else 1024)
     header = "\n".join(
         [
             f"# GPU benchmark ({args.dtype})",
             "",
             f"- command: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`",
-            f"- device: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, "
+            f"- device: {torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu'}, "
+            f"CUDA {torch.version.cuda}, "
             f"torch {torch.__version__}, gpytorch {gpytorch.__version__}, "
             f"Python {platform.python_version()}",
-            f"- measured {args.dtype} matmul rate: {rate / 1e12:.1f} TFLOP/s (8192^3, random)",
+            f"- measured {args.dtype} matmul rate: {rate / 1e12:.2f} TFLOP/s (random operands)",
             "",
         ]
     )
     print(header, flush=True)
-    parts = [header, "## Self-distillation for regression", "", regression_table(args, dtype)]
-    parts += [
-        "",
-        "## Dense factorisations against the matmul rate",
-        "",
-        factorisation_rate_table(args, dtype, rate),
-    ]
+    parts = [header]
+    if "regression" not in args.skip:
+        parts += ["## Self-distillation for regression", "", regression_table(args, dtype), ""]
+    if "kd" not in args.skip:
+        parts += ["## Kernel distillation", "", kernel_distillation_table(args, dtype), ""]
+    if "rate" not in args.skip:
+        parts += [
+            "## Dense factorisations against the matmul rate",
+            "",
+            factorisation_rate_table(args, dtype, rate),
+        ]
     text = "\n".join(parts)
     print(text)
     if args.out:
