@@ -11,6 +11,7 @@ from torch import Tensor
 
 __all__ = [
     "as_float_tensor",
+    "check_gp_modules",
     "check_test_inputs",
     "check_finite",
     "check_matrix",
@@ -41,6 +42,23 @@ def as_float_tensor(
     if dtype is None:
         dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
     return tensor.to(dtype=dtype, device=device if device is not None else tensor.device)
+
+
+def check_gp_modules(
+    kernel: object, mean_module: object, kernel_name: str = "covar_module"
+) -> None:
+    """A GPyTorch ``Kernel`` and an optional GPyTorch ``Mean``, or a ``TypeError`` naming which."""
+    from gpytorch.kernels import Kernel
+    from gpytorch.means import Mean
+
+    if not isinstance(kernel, Kernel):
+        raise TypeError(
+            f"{kernel_name} must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}"
+        )
+    if mean_module is not None and not isinstance(mean_module, Mean):
+        raise TypeError(
+            f"mean_module must be a gpytorch.means.Mean or None, got {type(mean_module).__name__}"
+        )
 
 
 def check_finite(tensor: Tensor, name: str) -> Tensor:

@@ -13,6 +13,7 @@ from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
+from gpsd._validation import check_gp_modules
 from gpsd.distillation._common import (
     RegressionPath,
     StateSnapshot,
@@ -51,14 +52,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         rtol: float,
     ) -> None:
         super().__init__()
-        if not isinstance(kernel, Kernel):
-            raise TypeError(
-                f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}"
-            )
-        if mean_module is not None and not isinstance(mean_module, Mean):
-            raise TypeError(
-                f"mean_module must be a gpytorch.means.Mean, got {type(mean_module).__name__}"
-            )
+        check_gp_modules(kernel, mean_module, "kernel")
         if not rtol > 0:
             raise ValueError(f"rtol must be positive, got {rtol}")
         train_x, train_y = validate_training_data(train_x, train_y)

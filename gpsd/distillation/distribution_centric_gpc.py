@@ -10,6 +10,7 @@ from torch import Tensor
 
 from gpsd._validation import (
     as_float_tensor,
+    check_gp_modules,
     check_matrix,
     check_same_device,
     check_test_inputs,
@@ -80,10 +81,7 @@ class DistributionCentricGPC(gpytorch.Module):
         store_all_steps: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(covar_module, Kernel):
-            raise TypeError(f"covar_module must be a gpytorch Kernel, got {type(covar_module)}")
-        if mean_module is not None and not isinstance(mean_module, Mean):
-            raise TypeError(f"mean_module must be a gpytorch Mean or None, got {type(mean_module)}")
+        check_gp_modules(covar_module, mean_module)
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         if method not in _METHODS:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gpsd._validation import (
     as_float_tensor,
+    check_gp_modules,
     check_matrix,
     check_same_device,
     check_test_inputs,
@@ -92,10 +93,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         max_iter: int = 100,
     ) -> None:
         super().__init__()
-        if not isinstance(covar_module, Kernel):
-            raise TypeError(f"covar_module must be a gpytorch Kernel, got {type(covar_module)}")
-        if mean_module is not None and not isinstance(mean_module, Mean):
-            raise TypeError(f"mean_module must be a gpytorch Mean or None, got {type(mean_module)}")
+        check_gp_modules(covar_module, mean_module)
         train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")
         train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype)
         check_same_device(train_x, train_y, "train_y", "train_x")
