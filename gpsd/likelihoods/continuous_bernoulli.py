@@ -74,11 +74,7 @@ class ContinuousBernoulli(Distribution):
     def cdf(self, value: Tensor) -> Tensor:
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
         f = self.logits
-        small = f.abs() < 1e-6
-        f_safe = torch.where(small, torch.ones_like(f), f)
-        pos = f_safe > 0
-        f_pos = torch.where(pos, f_safe, torch.ones_like(f))
-        f_neg = torch.where(pos, -torch.ones_like(f), f_safe)
+        small, pos, f_pos, f_neg = _logit_branches(f)
         # F(y) = expm1(f y) / expm1(f), written without overflow for either sign of f
         log_pos = f_pos * (value - 1.0) + torch.log(-torch.expm1(-f_pos * value))
         log_pos = log_pos - torch.log(-torch.expm1(-f_pos))
@@ -90,11 +86,7 @@ class ContinuousBernoulli(Distribution):
     def icdf(self, value: Tensor) -> Tensor:
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
         f = self.logits
-        small = f.abs() < 1e-6
-        f_safe = torch.where(small, torch.ones_like(f), f)
-        pos = f_safe > 0
-        f_pos = torch.where(pos, f_safe, torch.ones_like(f))
-        f_neg = torch.where(pos, -torch.ones_like(f), f_safe)
+        small, pos, f_pos, f_neg = _logit_branches(f)
         # f < 0: log1p(u expm1(f)) / f ;  f > 0: 1 + log(u + (1 - u) e^{-f}) / f  (no overflow)
         neg_branch = torch.log1p(value * torch.expm1(f_neg)) / f_neg
         pos_branch = 1.0 + torch.log(value + (1.0 - value) * torch.exp(-f_pos)) / f_pos
@@ -114,3 +106,18 @@ class ContinuousBernoulli(Distribution):
     def entropy(self) -> Tensor:
         r""":math:`H = A(f) - f A'(f)`."""
         return cb_log_normalizer(self.logits) - self.logits * cb_mean(self.logits)
+
+
+def _logit_branches(f: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Masks and safe logits for formulas with separate branches for ``f > 0`` and ``f < 0``.
+
+    Returns ``(small, pos, f_pos, f_neg)``: ``|f| < 1e-6`` (where a series is used instead),
+    ``f > 0``, and ``f`` on its own branch with a harmless placeholder (1 or -1) elsewhere, so both
+    branches stay finite (and their gradients too) when evaluated with ``torch.where``.
+    """
+    small = f.abs() < 1e-6
+    f_safe = torch.where(small, torch.ones_like(f), f)
+    pos = f_safe > 0
+    f_pos = torch.where(pos, f_safe, torch.ones_like(f))
+    f_neg = torch.where(pos, -torch.ones_like(f), f_safe)
+    return small, pos, f_pos, f_neg
