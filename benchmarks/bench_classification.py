@@ -24,36 +24,18 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import gpytorch
 import numpy as np
 import torch
+from _timing import median_time
 
 from gpsd import DataCentricGPC, DistributionCentricGPC, LaplaceGPClassifier
 from gpsd.data.toy import sine_classification
 
 OUTPUTSCALE, LENGTHSCALE = 2.0, 1.0
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def kernel(device: torch.device, dtype: torch.dtype) -> gpytorch.kernels.Kernel:

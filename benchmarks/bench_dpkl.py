@@ -28,6 +28,7 @@ from pathlib import Path
 import gpytorch
 import numpy as np
 import torch
+from _timing import median_time
 from linear_operator.operators import LowRankRootLinearOperator
 from torch import nn
 
@@ -177,23 +178,6 @@ class LoopEnsemble(nn.Module):
         return torch.stack([net(x) for net in self.nets])
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_call(fn, device, repeats):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def timing_tables(args, dtype, device):
     lines = []
     d, n, R = 30, 500, args.features
@@ -258,9 +242,9 @@ def timing_tables(args, dtype, device):
                     p.grad.copy_(new[i, off : off + p.numel()].view_as(p))
                     off += p.numel()
 
-        tv = time_call(step_vmap, device, args.repeats)
-        tl = time_call(step_loop, device, args.repeats)
-        tm = time_call(step_model, device, args.repeats)
+        tv = median_time(step_vmap, args.repeats, device)
+        tl = median_time(step_loop, args.repeats, device)
+        tm = median_time(step_model, args.repeats, device)
         lines.append(f"| {m} | {1e3 * tv:.2f} | {1e3 * tl:.2f} | {tl / tv:.2f} | {1e3 * tm:.2f} |")
 
     lines.append(
@@ -287,7 +271,7 @@ def timing_tables(args, dtype, device):
             a = torch.cholesky_solve(y2.unsqueeze(-1), chol)
             (0.5 * (y2 @ a.squeeze(-1)) + torch.log(torch.diagonal(chol)).sum()).backward()
 
-        tw, td = time_call(wood, device, args.repeats), time_call(dense, device, args.repeats)
+        tw, td = median_time(wood, args.repeats, device), median_time(dense, args.repeats, device)
         lines.append(f"| {n2} | {1e3 * tw:.2f} | {1e3 * td:.2f} | {td / tw:.1f} |")
     return lines
 
@@ -345,7 +329,11 @@ def main():
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: much faster on a shared CPU)"
     )
-    parser.add_argument("--out", default=str(RESULTS / "dpkl.md"))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"write the tables (and a PNG beside them) to this file, e.g. {RESULTS / 'dpkl.md'}",
+    )
     args = parser.parse_args()
     if args.trials is None:
         args.trials = 1 if args.quick else 5
@@ -375,16 +363,18 @@ def main():
     if not args.skip_accuracy:
         acc_lines, plot_data = accuracy_tables(args, dtype, device)
         lines += ["", "## Accuracy (small-data protocol of Appendix C.1)"] + acc_lines
-        png = Path(args.out).with_suffix(".png")
-        plot(plot_data, png)
-        lines.append(f"\n![RMSE and NLL vs n]({png.name})")
+        if args.out:
+            png = Path(args.out).with_suffix(".png")
+            plot(plot_data, png)
+            lines.append(f"\n![RMSE and NLL vs n]({png.name})")
     if not args.skip_timing:
         lines += ["", "## Timing"] + timing_tables(args, dtype, device)
     header.append(f"- total wall time: {time.perf_counter() - t0:.0f} s")
     text = "\n".join(header + lines) + "\n"
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":

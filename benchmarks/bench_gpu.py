@@ -30,10 +30,10 @@ import argparse
 import platform
 import statistics
 import sys
-import time
 
 import gpytorch
 import torch
+from _timing import median_time
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 
@@ -57,20 +57,8 @@ def cuda_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def host_time(fn, repeats: int, warmup: int = 1) -> float:
-    """Median wall time in seconds on the CPU (used by ``--device cpu`` smoke runs)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def timer(fn, repeats: int) -> float:
-    return cuda_time(fn, repeats) if DEVICE.type == "cuda" else host_time(fn, repeats)
+    return cuda_time(fn, repeats) if DEVICE.type == "cuda" else median_time(fn, repeats, DEVICE)
 
 
 def measure(fn, repeats: int) -> tuple[float, float]:
@@ -79,7 +67,7 @@ def measure(fn, repeats: int) -> tuple[float, float]:
     The peak is ``torch.cuda.max_memory_allocated``; on the CPU it reads as 0.
     """
     if DEVICE.type != "cuda":
-        return host_time(fn, repeats), 0.0
+        return median_time(fn, repeats, DEVICE), 0.0
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     seconds = cuda_time(fn, repeats)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import math
 import platform
-import statistics
 import sys
 import time
 import warnings
 
 import gpytorch
 import torch
+from _timing import median_time
 
 from gpsd.data import load_dataset
 from gpsd.kernel_distillation import KernelDistillation
@@ -64,23 +64,6 @@ def stage(msg: str) -> None:
     print(
         f"[{time.strftime('%H:%M:%S')}] {msg} (peak RSS {rss:.1f} GiB)", file=sys.stderr, flush=True
     )
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_time(fn, device, repeats: int) -> float:
-    fn()  # warm-up (also builds prediction caches)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fit_hyperparameters(model, likelihood, x, y, iters: int, lr: float = 0.1) -> None:
@@ -144,7 +127,7 @@ def run_dataset(name, args, device, dtype, curve_bs):
         rows["exact GP"] = dict(
             smse=smse(em, ty),
             var_rmse=0.0,
-            time=median_time(lambda: predict(teacher, lik, timing_x), device, args.repeats),
+            time=median_time(lambda: predict(teacher, lik, timing_x), args.repeats, device),
             storage=(n * d + n + n * n) * x.element_size(),
         )
 
@@ -160,7 +143,7 @@ def run_dataset(name, args, device, dtype, curve_bs):
     rows["distillation"] = dict(
         smse=smse(sm, ty),
         var_rmse=float((sv - ev).pow(2).mean().sqrt()),
-        time=median_time(lambda: student.predict(timing_x), device, args.repeats),
+        time=median_time(lambda: student.predict(timing_x), args.repeats, device),
         storage=student.storage_bytes(),
     )
     u = kd.inducing_points
@@ -177,7 +160,7 @@ def run_dataset(name, args, device, dtype, curve_bs):
     rows["SGPR/FITC (same U)"] = dict(
         smse=smse(pm, ty),
         var_rmse=float((pv - ev).pow(2).mean().sqrt()),
-        time=median_time(lambda: predict(sgpr, lik, timing_x), device, args.repeats),
+        time=median_time(lambda: predict(sgpr, lik, timing_x), args.repeats, device),
         storage=(n * m + m * m + m * d) * x.element_size(),
     )
 
@@ -203,7 +186,7 @@ def run_dataset(name, args, device, dtype, curve_bs):
             info["kiss_train_s"] = time.perf_counter() - t0
             km, kv = predict(kiss, kiss_lik, ptx, fast_var=True)
             kiss_time = median_time(
-                lambda: predict(kiss, kiss_lik, ptim, fast_var=True), device, args.repeats
+                lambda: predict(kiss, kiss_lik, ptim, fast_var=True), args.repeats, device
             )
         rows[f"KISS-GP (2-D, {grid}x{grid} grid)"] = dict(
             smse=smse(km, ty),

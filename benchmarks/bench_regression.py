@@ -25,14 +25,13 @@ import argparse
 import json
 import platform
 import resource
-import statistics
 import subprocess
 import sys
-import time
 
 import gpytorch
 import numpy as np
 import torch
+from _timing import median_time
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import load_dataset
@@ -51,24 +50,6 @@ def make_data(name: str, n: int, m: int, seed: int = 0) -> tuple[np.ndarray, ...
         return x, y, test_x
     split = load_dataset(name, n_train=n, n_test=m, seed=seed)
     return split.train_x.numpy(), split.train_y.numpy(), split.test_x.numpy()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn, repeats: int, device: torch.device, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------- methods
