@@ -113,36 +113,44 @@ def make_engine(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     n = x.shape[-2]
 
-    def lanczos(r: int) -> KernelSpectrum:
+    def lanczos(operator, r: int) -> KernelSpectrum:
         return KernelSpectrum.from_lanczos(
-            _matrix_free(kernel, x),
+            operator,
             rank=r,
             residual_tol=0.1 * rtol * gamma_min,
             dtype=eig_dtype or x.dtype,
             generator=torch.Generator().manual_seed(generator_seed),
         )
 
-    def grow_lanczos(max_rank: int) -> KernelSpectrum:
+    def grow_lanczos(operator, max_rank: int) -> KernelSpectrum:
         r = min(64, n)
-        spectrum = lanczos(r)
+        spectrum = lanczos(operator, r)
         while spectrum.error_estimate(gamma_min) > rtol and 2 * r <= max_rank:
             r *= 2
-            spectrum = lanczos(r)
+            spectrum = lanczos(operator, r)
         return spectrum
 
+    if backend == "lanczos":
+        operator = _matrix_free(kernel, x, eig_dtype)
+        return lanczos(operator, rank) if rank is not None else grow_lanczos(operator, n)
+    try_lanczos_first = False
     if backend == "auto":
         backend = choose_backend(n, num_factorisations, x.device)
         needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in kernel.parameters())
-        if backend == "dense" and not needs_grad:
-            spectrum = grow_lanczos(rank or n // 8)
-            if spectrum.error_estimate(gamma_min) <= rtol:
-                return spectrum
-    if backend == "lanczos":
-        return lanczos(rank) if rank is not None else grow_lanczos(n)
+        try_lanczos_first = backend == "dense" and not needs_grad
     try:
         if backend == "cholesky":
             return ShiftedCholesky(kernel(x), dtype=eig_dtype)
-        return KernelSpectrum.from_dense(kernel(x), dtype=eig_dtype)
+        if backend == "lanczos":  # chosen by choose_backend: N beyond a dense matrix
+            return grow_lanczos(_matrix_free(kernel, x, eig_dtype), n)
+        # The matrix fits: evaluate it once, for the Lanczos attempt and the fallback alike.
+        dense = kernel(x).to_dense()
+        dense = dense if eig_dtype is None else dense.to(eig_dtype)
+        if try_lanczos_first:
+            spectrum = grow_lanczos(dense, rank or n // 8)
+            if spectrum.error_estimate(gamma_min) <= rtol:
+                return spectrum
+        return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
     except torch.OutOfMemoryError as err:
         raise MemoryError(
             f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
@@ -150,12 +158,18 @@ def make_engine(
         ) from err
 
 
-def _matrix_free(kernel: Kernel, x: Tensor):
-    """The kernel matrix as an operator that is never formed (KeOps, or row chunks)."""
+def _matrix_free(kernel: Kernel, x: Tensor, dtype: torch.dtype | None):
+    """The kernel matrix as an operator that is never formed (KeOps, or row chunks).
+
+    Row chunks are evaluated from inputs in ``dtype`` (the factorisation's), so that the Krylov
+    products, and with them the Ritz residuals, reach that precision even for float32 data.
+    """
     is_keops = any(
         type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
     )
-    return kernel(x) if is_keops else ChunkedKernelOperator(x, kernel=kernel)
+    if is_keops:
+        return kernel(x)
+    return ChunkedKernelOperator(x if dtype is None else x.to(dtype), kernel=kernel)
 
 
 class StateSnapshot:

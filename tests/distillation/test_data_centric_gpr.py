@@ -339,3 +339,17 @@ def test_out_of_memory_names_the_backend_to_use(problem, monkeypatch):
     model = DataCentricGPR(rbf_kernel(), x, y, [0.1] * 50, backend="dense")
     with pytest.raises(MemoryError, match="backend='lanczos'"):
         model.predict(test_x)
+
+
+def test_lanczos_with_float32_data_reaches_the_float64_factorisation():
+    """Matrix-free products run in the factorisation's dtype, so Ritz pairs converge for float32."""
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(300, 2, generator=gen)
+    y = torch.sin(x).sum(-1)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, dtype=torch.float32)
+    with torch.no_grad():
+        got = DataCentricGPR(kernel, x, y, [0.1], backend="lanczos").predict(x[:40])
+        ref = DataCentricGPR(kernel, x, y, [0.1], backend="dense").predict(x[:40])
+    assert got.mean.dtype == torch.float32
+    assert relative_error(got.mean, ref.mean) < 1e-5
+    assert relative_error(got.variance, ref.variance) < 1e-4
