@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=1000)
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 2, 5, 10, 20, 50, 100])
     parser.add_argument("--naive-max-steps", type=int, default=100)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[250, 500, 1000, 2000, 4000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[250, 500, 1000, 2000, 4000, 5000])
     parser.add_argument("--scaling-steps", type=int, default=100)
     parser.add_argument("--cholesky-max-n", type=int, default=1000)
     parser.add_argument(
