@@ -5,9 +5,9 @@ largest size that fits), prints Markdown tables of wall time (CUDA events, media
 a warm-up) and peak device memory (``torch.cuda.max_memory_allocated``) for:
 
 * one plain GPyTorch ``ExactGP`` fit + prediction (fixed hyperparameters);
-* data-centric GPR for T = 1, 10, 100 with each backend (dense, cholesky, lanczos) and the
-  distribution-centric closed form, with the relative error of the Lanczos path against the dense
-  one where both run;
+* data-centric GPR for T = 1, 10, 100 with each backend (dense, cholesky, lanczos, cg) and the
+  distribution-centric closed form, with the relative errors of the matrix-free paths' means and
+  variances against the dense path where both run;
 * kernel distillation: distil (K-means, neighbours, least squares, 2 line-search steps) and
   predict 10,000 points, against exact-GP and SGPR prediction of the same points;
 * the dense factorisations' achieved fraction of the GPU's measured matmul rate.
@@ -15,7 +15,10 @@ a warm-up) and peak device memory (``torch.cuda.max_memory_allocated``) for:
 DPKL training steps per second against a per-particle loop on the GPU come from
 ``python benchmarks/bench_dpkl.py --skip-accuracy --device cuda``.
 
-A cell that runs out of memory reads "OOM"; larger sizes of that method are skipped.
+A cell that runs out of memory reads "OOM", and one slower than ``--max-seconds`` is the last size
+of its method (the next doubling costs at least twice as much); larger sizes of either are skipped.
+``--lengthscale`` sets the RBF lengthscale on inputs in [0, 10]^2: the default 1.0 gives a fast
+decaying spectrum (Lanczos resolves it), 0.1 a slowly decaying one (deflated CG's case).
 
 Usage::
 
@@ -90,9 +93,13 @@ def problem(n: int, m: int, dtype: torch.dtype, seed: int = 0):
     return x, y, test_x
 
 
+#: RBF lengthscale of every table (``--lengthscale``).
+LENGTHSCALE = 1.0
+
+
 def rbf(dtype: torch.dtype) -> gpytorch.kernels.Kernel:
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DEVICE, dtype)
-    kernel.base_kernel.lengthscale = 1.0
+    kernel.base_kernel.lengthscale = LENGTHSCALE
     return kernel
 
 
@@ -126,13 +133,13 @@ def exact_gp(x, y, test_x):
 def regression_table(args, dtype: torch.dtype) -> str:
     methods = (
         ["gpytorch ExactGP"]
-        + [f"{kind} T={t}" for kind in ("dense", "cholesky", "lanczos") for t in args.steps]
+        + [f"{kind} T={t}" for kind in ("dense", "cholesky", "lanczos", "cg") for t in args.steps]
         + [f"distribution-centric T={max(args.steps)}"]
     )
     failed: set[str] = set()
     rows = [
-        "| N | method | time (s) | peak (GiB) | rel. err vs dense |",
-        "|---:|---|---:|---:|---:|",
+        "| N | method | time (s) | peak (GiB) | mean rel. err vs dense | variance rel. err |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
     n = args.min_n
     while n <= args.max_n:
@@ -158,15 +165,21 @@ def regression_table(args, dtype: torch.dtype) -> str:
                 seconds, peak = measure(fn, args.repeats)
             except (torch.OutOfMemoryError, MemoryError):
                 failed.add(method)
-                rows.append(f"| {n} | {method} | OOM | — | — |")
+                rows.append(f"| {n} | {method} | OOM | — | — | — |")
                 continue
-            err = "—"
+            if seconds > args.max_seconds:
+                failed.add(method)
+            errs = ["—", "—"]
+            steps = method.split(" T=")[-1]
             if method.startswith("dense"):
-                dense_out[method.split(" T=")[1]] = fn()
-            if method.startswith("lanczos") and method.split(" T=")[1] in dense_out:
-                ref, got = dense_out[method.split(" T=")[1]], fn()
-                err = f"{float((got.mean - ref.mean).abs().max() / ref.mean.abs().max()):.1e}"
-            rows.append(f"| {n} | {method} | {seconds:.4f} | {peak:.2f} | {err} |")
+                dense_out[steps] = fn()
+            if method.startswith(("lanczos", "cg")) and steps in dense_out:
+                ref, got = dense_out[steps], fn()
+                errs = [
+                    f"{float((a - b).abs().max() / b.abs().max()):.1e}"
+                    for a, b in ((got.mean, ref.mean), (got.variance, ref.variance))
+                ]
+            rows.append(f"| {n} | {method} | {seconds:.4f} | {peak:.2f} | {errs[0]} | {errs[1]} |")
             print(rows[-1], flush=True)
         n *= 2
     return "\n".join(rows)
@@ -273,6 +286,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--max-seconds", type=float, default=30.0, help="a method slower than this stops growing N"
+    )
+    parser.add_argument("--lengthscale", type=float, default=1.0, help="RBF lengthscale")
+    parser.add_argument(
         "--kd-m", type=int, default=1000, help="kernel distillation: inducing points"
     )
     parser.add_argument("--kd-b", type=int, default=30, help="kernel distillation: sparsity")
@@ -286,8 +303,9 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    global DEVICE
+    global DEVICE, LENGTHSCALE
     DEVICE = torch.device(args.device)
+    LENGTHSCALE = args.lengthscale
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; nothing to measure (skipped).")
         return
@@ -303,6 +321,8 @@ def main() -> None:
             f"torch {torch.__version__}, gpytorch {gpytorch.__version__}, "
             f"Python {platform.python_version()}",
             f"- measured {args.dtype} matmul rate: {rate / 1e12:.2f} TFLOP/s (random operands)",
+            f"- data: inputs uniform on [0, 10]^2, RBF lengthscale {args.lengthscale}, noise "
+            "schedule linspace(0.1, 1, T); gpsd factorisations in float64",
             "",
         ]
     )

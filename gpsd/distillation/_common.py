@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import NamedTuple
 
@@ -20,9 +21,15 @@ from gpsd.linalg import (
     BACKENDS,
     ChunkedKernelOperator,
     KernelSpectrum,
+    ShiftedCG,
     ShiftedCholesky,
     choose_backend,
 )
+
+#: Lanczos rank whose Ritz pairs deflate the CG backend, unless ``rank`` is given.
+CG_DEFLATION_RANK = 256
+#: Largest Lanczos rank ``backend="auto"`` grows to before it switches to deflated CG.
+AUTO_MAX_RANK = 1024
 
 
 class RegressionPath(NamedTuple):
@@ -96,18 +103,22 @@ def make_engine(
     gamma_min: float,
     rtol: float,
 ):
-    """The backend object for a kernel: a :class:`KernelSpectrum` or a :class:`ShiftedCholesky`.
+    """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
+    :class:`ShiftedCG`.
 
-    The Lanczos backend never forms the kernel matrix: a KeOps kernel's own operator or a
+    The Lanczos and CG backends never form the kernel matrix: a KeOps kernel's own operator or a
     :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as
     resolved when their residual is below ``0.1 * rtol * gamma_min``; without a ``rank`` the
     Krylov basis doubles from 64 until the error estimate for the smallest shift ``gamma_min`` is
-    below ``rtol``.
+    below ``rtol``. The CG backend deflates the Ritz pairs of a rank-``rank`` (default
+    :data:`CG_DEFLATION_RANK`) Lanczos run and solves to relative residual ``rtol``.
 
     ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
     eigendecomposition and no gradient is needed, it first tries Lanczos with a rank budget of
     ``N / 8`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than ``eigh``) and
-    falls back to the dense decomposition if the budget does not reach ``rtol``.
+    falls back to the dense decomposition if the budget does not reach ``rtol``. Beyond the size
+    of a dense decomposition it grows Lanczos up to :data:`AUTO_MAX_RANK` and, if that does not
+    reach ``rtol``, solves by CG deflated with the Ritz pairs it found.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -130,9 +141,18 @@ def make_engine(
             spectrum = lanczos(operator, r)
         return spectrum
 
-    if backend == "lanczos":
+    if backend in ("lanczos", "cg"):
         operator = _matrix_free(kernel, x, eig_dtype)
-        return lanczos(operator, rank) if rank is not None else grow_lanczos(operator, n)
+        try:
+            if backend == "lanczos":
+                return lanczos(operator, rank) if rank is not None else grow_lanczos(operator, n)
+            spectrum = lanczos(operator, rank if rank is not None else min(n, CG_DEFLATION_RANK))
+            return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
+        except torch.OutOfMemoryError as err:
+            raise MemoryError(
+                f"backend={backend!r} ran out of memory holding an {n}-row Krylov basis on "
+                f"{x.device}; pass a smaller rank= (now {rank}), or a KeOps kernel"
+            ) from err
     try_lanczos_first = False
     if backend == "auto":
         backend = choose_backend(n, num_factorisations, x.device)
@@ -142,7 +162,11 @@ def make_engine(
         if backend == "cholesky":
             return ShiftedCholesky(kernel(x), dtype=eig_dtype)
         if backend == "lanczos":  # chosen by choose_backend: N beyond a dense matrix
-            return grow_lanczos(_matrix_free(kernel, x, eig_dtype), n)
+            operator = _matrix_free(kernel, x, eig_dtype)
+            spectrum = grow_lanczos(operator, min(n, AUTO_MAX_RANK))
+            if spectrum.error_estimate(gamma_min) <= rtol:
+                return spectrum
+            return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
         # The matrix fits: evaluate it once, for the Lanczos attempt and the fallback alike.
         dense = kernel(x).to_dense()
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
@@ -154,20 +178,23 @@ def make_engine(
     except torch.OutOfMemoryError as err:
         raise MemoryError(
             f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
-            f"{x.device}; use backend='lanczos', which never forms it"
+            f"{x.device}; use backend='lanczos' or backend='cg', which never form it"
         ) from err
 
 
 def _matrix_free(kernel: Kernel, x: Tensor, dtype: torch.dtype | None):
     """The kernel matrix as an operator that is never formed (KeOps, or row chunks).
 
-    Row chunks are evaluated from inputs in ``dtype`` (the factorisation's), so that the Krylov
-    products, and with them the Ritz residuals, reach that precision even for float32 data.
+    The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
+    residuals and the CG residuals reach that precision even for float32 data; a KeOps kernel is
+    copied into ``dtype`` for that.
     """
     is_keops = any(
         type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
     )
     if is_keops:
+        if dtype is not None and dtype != x.dtype:
+            kernel, x = copy.deepcopy(kernel).to(dtype), x.to(dtype)
         return kernel(x)
     return ChunkedKernelOperator(x if dtype is None else x.to(dtype), kernel=kernel)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import gpytorch
 import torch
@@ -24,7 +25,7 @@ from gpsd.distillation._common import (
     validate_test_x,
     validate_training_data,
 )
-from gpsd.linalg import SpectralFilter
+from gpsd.linalg import ShiftedCG, SpectralFilter
 
 #: Test inputs are predicted in chunks of this many points, bounding the N x M cross-covariance.
 TEST_CHUNK_SIZE = 4096
@@ -161,20 +162,56 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             torch.cat([p.variance for p in parts], dim=-1),
         )
 
-    def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> RegressionPath:
+    def _mean_weights(self) -> Tensor:
+        r""":math:`G_t(\mathbf K)(\mathbf y - m)` for every step, ``(*, T, N, 1)``, computed once."""
         state = self._state()
-        engine = state["engine"]
-        mean_filter, variance_filter = self._mean_filter(), self._variance_filter()
-        cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
-        mean = engine.cross(mean_filter, cross, state["coords"]).squeeze(-1)  # shape: (*, T, M)
-        mean = mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
-        prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
-        reduction = engine.quad_diag(variance_filter, cross).to(test_x.dtype)
-        variance = nonnegative_variance(prior_var - reduction, prior_var)
-        covariance = None
-        if full_cov:
-            prior_cov = self.kernel(test_x).to_dense().unsqueeze(-3)
-            covariance = prior_cov - engine.cross(variance_filter, cross, cross).to(test_x.dtype)
+        if "mean_weights" not in state:
+            state["mean_weights"] = state["engine"].apply(self._mean_filter(), state["coords"])
+        return state["mean_weights"]
+
+    def predict_mean(self, test_x: Tensor) -> Tensor:
+        """Predictive means of every step at ``test_x``, shape ``(*batch, T, M)``.
+
+        :meth:`predict` without the variances: one product with cached weights per chunk of
+        :data:`TEST_CHUNK_SIZE` test points. With ``backend="cg"`` this skips the variance solves,
+        which have one right-hand side per test point.
+        """
+        test_x = validate_test_x(test_x, self.train_x)
+        starts = range(0, max(test_x.shape[-2], 1), TEST_CHUNK_SIZE)
+        with self._autograd_context():
+            means = [self._mean_chunk(test_x[..., i : i + TEST_CHUNK_SIZE, :]) for i in starts]
+        return torch.cat(means, dim=-1)
+
+    def _autograd_context(self):
+        """``torch.no_grad()`` for the matrix-free backends, which carry no autograd graph (a
+        partial graph, through the cross-covariance alone, would give wrong gradients)."""
+        engine = self._state()["engine"]
+        if isinstance(engine, ShiftedCG) or engine.is_truncated:
+            return torch.no_grad()
+        return contextlib.nullcontext()
+
+    def _mean_chunk(self, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
+        """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
+        if cross is None:
+            cross = self.kernel(self.train_x, test_x).to_dense()
+        weights = self._mean_weights()  # shape: (*, T, N, 1)
+        mean = (cross.to(weights).mT.unsqueeze(-3) @ weights).squeeze(-1)  # shape: (*, T, M)
+        return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
+
+    def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> RegressionPath:
+        with self._autograd_context():
+            engine = self._state()["engine"]
+            variance_filter = self._variance_filter()
+            cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
+            mean = self._mean_chunk(test_x, cross)
+            prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
+            reduction = engine.quad_diag(variance_filter, cross).to(test_x.dtype)
+            variance = nonnegative_variance(prior_var - reduction, prior_var)
+            covariance = None
+            if full_cov:
+                prior_cov = self.kernel(test_x).to_dense().unsqueeze(-3)
+                reduction = engine.cross(variance_filter, cross, cross).to(test_x.dtype)
+                covariance = prior_cov - reduction
         return RegressionPath(mean, variance, covariance)
 
     def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:

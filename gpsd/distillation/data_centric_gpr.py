@@ -49,11 +49,17 @@ class DataCentricGPR(SpectralGPR):
     * ``backend="lanczos"``: matrix-free block Lanczos on the kernel operator (KeOps kernels work)
       with a Taylor correction for the unresolved spectrum; :attr:`error_estimate` states its
       accuracy.
+    * ``backend="cg"``: matrix-free conjugate gradients for every step's solve with
+      :math:`\mathbf K + \gamma_t\mathbf I`, deflated by the Ritz pairs of a rank-``rank``
+      Lanczos run (:class:`~gpsd.linalg.ShiftedCG`); each solve reaches relative residual
+      ``rtol`` whatever the spectrum, at the price of iterations per step. No :meth:`gcv`.
     * ``backend="auto"``: chosen by :func:`~gpsd.linalg.choose_backend` from N, the number of steps
-      and the device.
+      and the device; beyond a dense matrix, Lanczos, or deflated CG where Lanczos cannot reach
+      ``rtol``.
 
     The factorisation is cached and recomputed when the kernel's or the mean's parameters change.
-    Gradients flow to the hyperparameters through the dense and Cholesky backends.
+    Gradients flow to the hyperparameters through the dense and Cholesky backends; the
+    matrix-free backends return predictions without an autograd graph.
 
     :param kernel: the prior covariance :math:`k` (a GPyTorch kernel, trained or not).
     :param train_x: training inputs, shape ``(*b, N, d)`` (or ``(N,)``).
@@ -62,11 +68,12 @@ class DataCentricGPR(SpectralGPR):
         tensor of shape ``(*s, T)`` holding a batch of schedules.
     :param alpha: weight :math:`\alpha \in [0, 1)` of the original targets in every step.
     :param mean_module: the prior mean :math:`m` (default: zero).
-    :param backend: ``"auto"``, ``"dense"``, ``"cholesky"`` or ``"lanczos"``.
+    :param backend: ``"auto"``, ``"dense"``, ``"cholesky"``, ``"lanczos"`` or ``"cg"``.
     :param linalg_dtype: dtype of the factorisation (default float64; ``None`` keeps the data's).
     :param rank: Krylov basis size of the Lanczos backend (default: grown from 64 until the
-        error estimate meets ``rtol``).
-    :param rtol: accuracy target; the Lanczos backend warns when its estimate exceeds it.
+        error estimate meets ``rtol``), or of the run that deflates CG (default 256).
+    :param rtol: accuracy target; the Lanczos backend warns when its estimate exceeds it, the CG
+        backend's solves stop at this relative residual.
 
     Example:
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
@@ -158,7 +165,7 @@ class DataCentricGPR(SpectralGPR):
                 f"val_y must have {val_x.shape[-2]} entries (one per row of val_x), "
                 f"got shape {tuple(val_y.shape)}"
             )
-        mean = self.predict(val_x).mean
+        mean = self.predict_mean(val_x)
         return (mean - val_y.unsqueeze(-2)).square().mean(-1)
 
     # ------------------------------------------------------------------ students

@@ -110,6 +110,12 @@ class DistributionCentricGPR(SpectralGPR):
             return self._predict_iterated(validate_test_x(test_x, self.train_x), full_cov)
         return super().predict(test_x, full_cov)
 
+    def predict_mean(self, test_x: Tensor) -> Tensor:
+        """Means of :math:`\\mathcal{GP}(m_t, k_t)`, ``t = 1..T``, at ``test_x``: ``(*batch, T, M)``."""
+        if self.method == "iterated":
+            return self.predict(test_x).mean
+        return super().predict_mean(test_x)
+
     # ------------------------------------------------------------------ the literal recursion
     def iterated_models(self, schedule: tuple[int, ...] = ()) -> list[ExactGP]:
         """The chain of exact GPs of eqs. 6–7: model ``t`` has prior :math:`(m_{t-1}, k_{t-1})`.

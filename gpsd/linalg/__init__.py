@@ -1,8 +1,9 @@
-"""Spectral filters of kernel operators: eigendecomposition, Cholesky chains, block Lanczos."""
+"""Spectral filters of kernel operators: eigendecomposition, Cholesky chains, block Lanczos, deflated CG."""
 
 from gpsd.linalg.backend import BACKENDS, choose_backend
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum, SpectralCoordinates
+from gpsd.linalg.shifted_cg import ShiftedCG
 from gpsd.linalg.shifted_cholesky import ShiftedCholesky
 from gpsd.linalg.spectral_filter import SpectralFilter
 
@@ -10,6 +11,7 @@ __all__ = [
     "BACKENDS",
     "ChunkedKernelOperator",
     "KernelSpectrum",
+    "ShiftedCG",
     "ShiftedCholesky",
     "SpectralCoordinates",
     "SpectralFilter",

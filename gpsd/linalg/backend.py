@@ -8,7 +8,7 @@ __all__ = ["BACKENDS", "choose_backend"]
 
 #: The backends of :class:`~gpsd.distillation.DataCentricGPR` and
 #: :class:`~gpsd.distillation.DistributionCentricGPR`.
-BACKENDS = ("auto", "dense", "cholesky", "lanczos")
+BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 
 # Measured cost of one float64 ``eigh`` in units of one Cholesky factorisation of the same N
 # (benchmarks/results/regression.md: about 13 on the 2-core CPU of this project at N = 2000).
@@ -24,7 +24,8 @@ def choose_backend(n: int, num_factorisations: int, device: torch.device | str) 
     ``num_factorisations`` is the number of distinct shifted Cholesky factorisations the chain
     would need (steps times schedules). The chain wins while it is cheaper than one
     eigendecomposition; beyond the size where an ``n x n`` eigendecomposition is practical, the
-    matrix-free Lanczos backend is used.
+    matrix-free Lanczos backend is used (the regressors switch to deflated CG, ``"cg"``, when
+    Lanczos does not reach their accuracy).
     """
     kind = torch.device(device).type
     kind = kind if kind in _EIGH_OVER_CHOLESKY else "cpu"

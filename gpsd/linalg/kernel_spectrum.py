@@ -101,6 +101,10 @@ class KernelSpectrum:
         self.residual_norm = residual_norm
         self.kernel_trace = kernel_trace
         self.size = eigenvectors.shape[-2]
+        #: All Ritz values ``(*b, q)`` and vectors ``(*b, N, q)`` of :meth:`from_lanczos`, the
+        #: unresolved ones included (``None`` for other spectra).
+        self.ritz_values: Tensor | None = None
+        self.ritz_vectors: Tensor | None = None
         # shape: (*b, k): which columns hold a resolved eigenpair (all of them when dense)
         self.resolved = eigenvectors.abs().sum(-2) > 0
         self.num_resolved = self.resolved.sum(-1)
@@ -199,6 +203,8 @@ class KernelSpectrum:
                 residual_norm=res_norm,
                 kernel_trace=kernel_trace,
             )
+            # Every Ritz pair, resolved or not: a deflation preconditioner needs no accuracy.
+            spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
             # Largest eigenvalue of the complement: the largest unresolved Ritz value, or a few
             # power iterations on K_perp, whichever is larger.
             power = spectrum._complement_power_estimate(generator)

@@ -8,13 +8,13 @@ from linear_operator.operators import LinearOperator
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
-from gpsd.linalg._algebra import ShiftedSolveAlgebra
+from gpsd.linalg._shifted_solve import ShiftedSolveEngine
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["ShiftedCholesky"]
 
 
-class ShiftedCholesky:
+class ShiftedCholesky(ShiftedSolveEngine):
     r"""Applies the filters of :class:`~gpsd.linalg.SpectralFilter` by shifted solves.
 
     Every factor :math:`1/(d + \gamma)` or :math:`d/(d+\gamma)` of a data-centric filter becomes a
@@ -33,11 +33,10 @@ class ShiftedCholesky:
     :param dtype: the dtype of the factorisations (default: the kernel's).
     """
 
-    is_truncated = False
-
     def __init__(self, kernel: Tensor | LinearOperator, dtype: torch.dtype | None = None) -> None:
         dense = to_dense(kernel)
         self.kernel_matrix = dense if dtype is None else dense.to(dtype)
+        self.dtype = self.kernel_matrix.dtype
         self.size = dense.shape[-1]
         self._factors: dict[tuple, Tensor] = {}
         self._last: tuple | None = None
@@ -59,37 +58,13 @@ class ShiftedCholesky:
         self._last = (rhs, gamma, out)
         return out
 
-    def apply(self, filt: SpectralFilter, rhs: Tensor) -> Tensor:
-        """:math:`f_t(\\mathbf K)` ``rhs`` for every filter; returns ``(*, F, N, r)``."""
-        rhs = rhs.to(self.kernel_matrix)
-        gamma = filt.gamma.to(self.kernel_matrix)
-        return SpectralFilter(filt._evaluate, gamma).evaluate(ShiftedSolveAlgebra(rhs, self.solve))
-
-    def cross(self, filt: SpectralFilter, left: Tensor, rhs: Tensor) -> Tensor:
-        """:math:`\\mathbf C^\\top f_t(\\mathbf K)\\mathbf B`; returns ``(*, F, M, r)``."""
-        return left.to(self.kernel_matrix).mT.unsqueeze(-3) @ self.apply(filt, rhs)
-
-    def quad_diag(self, filt: SpectralFilter, left: Tensor, num_powers: int = 1) -> Tensor:
-        """:math:`\\operatorname{diag}(\\mathbf C^\\top f_t(\\mathbf K)\\mathbf C)`; ``(*, F, M)``."""
-        left = left.to(self.kernel_matrix)
-        if filt.is_resolvent:  # diag(C^T (L L^T)^-1 C) = column norms of L^-1 C: one solve
-            gamma = filt.gamma.to(self.kernel_matrix)
-            steps = []
-            for t in range(gamma.shape[-1]):
-                half = torch.linalg.solve_triangular(self.factor(gamma[..., t]), left, upper=False)
-                steps.append(half.square().sum(-2))
-            return torch.stack(steps, dim=-2)
-        return (left.unsqueeze(-3) * self.apply(filt, left)).sum(-2)
+    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
+        """Column norms of :math:`\\mathbf L_\\gamma^{-1}\\mathbf C`: one triangular solve."""
+        half = torch.linalg.solve_triangular(self.factor(gamma), left, upper=False)
+        return half.square().sum(-2)
 
     def trace(self, filt: SpectralFilter) -> Tensor:
         """:math:`\\operatorname{tr} f_t(\\mathbf K)` by solves with the identity; ``(*, F)``."""
         eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
         eye = eye.expand(*self.kernel_matrix.shape[:-2], self.size, self.size)
         return self.apply(filt, eye).diagonal(dim1=-2, dim2=-1).sum(-1)
-
-    def error_estimate(self, gamma_min: float) -> float:
-        """Zero: the chain is exact up to rounding."""
-        return 0.0
-
-    def check_accuracy(self, gamma_min: float, rtol: float) -> None:
-        """Nothing to check: the chain is exact."""

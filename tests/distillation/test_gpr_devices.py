@@ -1,9 +1,12 @@
 """GPU and KeOps paths of the regression distillers (skipped where CUDA / pykeops are absent)."""
 
+import warnings
+
 import gpytorch
 import pytest
 import torch
 from gpr_reference import rbf_kernel, relative_error
+from gpytorch.utils.warnings import NumericalWarning
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 
@@ -19,15 +22,22 @@ def data(n=300, seed=0):
 
 
 @cuda
-@pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos"])
+@pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos", "cg"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_matches_cpu(backend, dtype):
     x, y, test_x = data()
     gammas = torch.linspace(0.1, 1.0, 10, dtype=DTYPE)
     ref = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense")
     kernel = rbf_kernel(dtype=dtype).cuda()
+    options = {"rtol": 1e-12} if backend == "cg" else {}
     model = DataCentricGPR(
-        kernel, x.to("cuda", dtype), y.to("cuda", dtype), gammas.to(dtype), backend=backend, rank=64
+        kernel,
+        x.to("cuda", dtype),
+        y.to("cuda", dtype),
+        gammas.to(dtype),
+        backend=backend,
+        rank=64,
+        **options,
     )
     with torch.no_grad():
         got = model.predict(test_x.to("cuda", dtype))
@@ -43,7 +53,7 @@ def test_cuda_matches_cpu(backend, dtype):
         assert dist.predict(test_x.to("cuda", dtype)).mean.device.type == "cuda"
 
 
-def test_keops_lanczos_agrees_with_dense_at_n_2000():
+def test_keops_lanczos_and_cg_agree_with_dense_at_n_2000():
     pytest.importorskip("pykeops", reason="the matrix-free KeOps path needs pykeops (gpsd[keops])")
     x, y, test_x = data(n=2000)
     gammas = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
@@ -57,3 +67,25 @@ def test_keops_lanczos_agrees_with_dense_at_n_2000():
         tol = max(10 * lanczos.error_estimate, 1e-9)
     assert relative_error(got.mean, ref.mean) < tol
     assert relative_error(got.variance, ref.variance) < tol
+    cg = DataCentricGPR(keops_kernel, x, y, gammas, backend="cg", rank=16, rtol=1e-10)
+    with torch.no_grad():
+        got = cg.predict(test_x)
+    assert relative_error(got.mean, ref.mean) < 1e-7
+    assert relative_error(got.variance, ref.variance) < 1e-7
+    # float32 data: the KeOps products still run in the float64 of the factorisation, so CG
+    # reaches a residual that float32 products (rounding ~1e-7 per product) could not.
+    cg = DataCentricGPR(
+        keops_kernel.float(),
+        x.float(),
+        y.float(),
+        gammas.float(),
+        backend="cg",
+        rank=16,
+        rtol=1e-10,
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        cg.predict(test_x.float())
+        engine = cg._state()["engine"]
+    assert engine.kernel.dtype == torch.float64
+    assert 0 < engine.max_relative_residual < 1e-9

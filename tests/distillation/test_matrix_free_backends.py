@@ -1,0 +1,107 @@
+"""The matrix-free backends (Lanczos, deflated CG) inside the regression distillers."""
+
+import pytest
+import torch
+from gpr_reference import rbf_kernel, relative_error
+
+import gpsd.distillation._common as common
+import gpsd.linalg.backend as backend_module
+from gpsd import DataCentricGPR, DistributionCentricGPR
+from gpsd.linalg import KernelSpectrum, ShiftedCG
+
+DTYPE = torch.float64
+
+
+def wiggly_data(n=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(3 * x.squeeze(-1)) + 0.05 * torch.randn(n, generator=gen, dtype=DTYPE)
+    return x, y, torch.linspace(0, 10, 77, dtype=DTYPE).unsqueeze(-1)
+
+
+@pytest.fixture
+def small_dense_limit(monkeypatch):
+    """Pretend N = 300 is beyond a dense decomposition, and cap Lanczos at rank 32."""
+    monkeypatch.setattr(backend_module, "_DENSE_MAX_N", {"cpu": 100, "cuda": 100})
+    monkeypatch.setattr(common, "AUTO_MAX_RANK", 32)
+
+
+def test_auto_beyond_dense_size_switches_to_deflated_cg_and_stays_exact(small_dense_limit):
+    x, y, test_x = wiggly_data()
+    gammas = torch.full((14,), 1e-2, dtype=DTYPE)  # 14 > 12 factorisations: no Cholesky chain
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
+    auto = DataCentricGPR(kernel, x, y, gammas, rtol=1e-10)
+    dense = DataCentricGPR(kernel, x, y, gammas, backend="dense")
+    with torch.no_grad():
+        got, ref = auto.predict(test_x), dense.predict(test_x)
+        assert isinstance(auto._state()["engine"], ShiftedCG)
+        got_targets, ref_targets = auto.train_targets_path(), dense.train_targets_path()
+    assert relative_error(got.mean, ref.mean) < 1e-7
+    assert relative_error(got.variance, ref.variance) < 1e-7
+    assert relative_error(got_targets, ref_targets) < 1e-7
+
+
+def test_auto_beyond_dense_size_keeps_lanczos_for_a_smooth_kernel(small_dense_limit):
+    x, y, test_x = wiggly_data()
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=3.0)
+    auto = DataCentricGPR(kernel, x, y, torch.full((30,), 0.1, dtype=DTYPE))
+    with torch.no_grad():
+        auto.predict(test_x)
+        engine = auto._state()["engine"]
+    assert isinstance(engine, KernelSpectrum) and engine.is_truncated
+
+
+@pytest.mark.parametrize("backend", ["lanczos", "cg"])
+def test_matrix_free_predictions_carry_no_partial_gradient(backend):
+    x, y, test_x = wiggly_data(n=200)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=2.0)
+    model = DataCentricGPR(kernel, x, y, [0.1, 0.1], backend=backend, rank=64)
+    assert not model.predict(test_x).mean.requires_grad
+    dense = DataCentricGPR(kernel, x, y, [0.1, 0.1], backend="dense")
+    assert dense.predict(test_x).mean.requires_grad
+
+
+def test_distribution_centric_cg_matches_dense_on_a_hard_spectrum():
+    x, y, test_x = wiggly_data()
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
+    gammas = torch.linspace(0.01, 0.1, 4, dtype=DTYPE)
+    cg = DistributionCentricGPR(kernel, x, y, gammas, backend="cg", rank=16, rtol=1e-11)
+    dense = DistributionCentricGPR(kernel, x, y, gammas, backend="dense")
+    with torch.no_grad():
+        got, ref = cg.predict(test_x), dense.predict(test_x)
+    assert relative_error(got.mean, ref.mean) < 1e-7
+    assert relative_error(got.variance, ref.variance) < 1e-7
+
+
+def test_cg_gcv_and_out_of_memory_name_the_way_out(monkeypatch):
+    x, y, _ = wiggly_data(n=100)
+    model = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], backend="cg", rank=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="gcv"):
+        model.gcv()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(KernelSpectrum, "from_lanczos", out_of_memory)
+    model = DataCentricGPR(rbf_kernel(), x, y, [0.1], backend="cg", rank=8)
+    with torch.no_grad(), pytest.raises(MemoryError, match="smaller rank="):
+        model.predict(x[:5])
+
+
+@pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos", "cg"])
+def test_predict_mean_equals_the_mean_of_predict_across_chunks(backend, monkeypatch):
+    import gpsd.distillation._spectral_gpr as spectral_gpr
+
+    monkeypatch.setattr(spectral_gpr, "TEST_CHUNK_SIZE", 30)  # 77 test points: three chunks
+    x, y, test_x = wiggly_data(n=200)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
+    model = DataCentricGPR(kernel, x, y, [0.05, 0.1, 0.2], backend=backend, rank=32, rtol=1e-10)
+    dist = DistributionCentricGPR(kernel, x, y, [0.05, 0.1], backend=backend, rank=32, rtol=1e-10)
+    with torch.no_grad():
+        for m in (model, dist):
+            means = m.predict_mean(test_x)
+            assert means.shape == (m.num_steps, 77)
+            assert relative_error(means, m.predict(test_x).mean) < 1e-12
+        val_y = torch.sin(3 * test_x.squeeze(-1))
+        expected = (model.predict(test_x).mean - val_y).square().mean(-1)
+        assert relative_error(model.validation_mse(test_x, val_y), expected) < 1e-12

@@ -1,0 +1,127 @@
+"""Deflated conjugate gradients against dense solves and the Cholesky chain."""
+
+import pytest
+import torch
+from gpytorch.utils.warnings import NumericalWarning
+
+from gpsd.linalg import ChunkedKernelOperator, KernelSpectrum, ShiftedCG, ShiftedCholesky
+from gpsd.linalg import SpectralFilter as SF
+
+DTYPE = torch.float64
+
+
+def rbf_matrix(x, lengthscale):
+    return torch.exp(-0.5 * torch.cdist(x, x).square() / lengthscale**2)
+
+
+def no_deflation(kernel, **kwargs):
+    n = kernel.shape[-1]
+    empty_values = torch.zeros(*kernel.shape[:-2], 0, dtype=DTYPE)
+    empty_vectors = torch.zeros(*kernel.shape[:-2], n, 0, dtype=DTYPE)
+    return ShiftedCG(kernel, empty_values, empty_vectors, **kwargs)
+
+
+def test_solves_equal_dense_solves_for_a_batch_of_shifts_and_kernels():
+    gen = torch.Generator().manual_seed(0)
+    x = 5 * torch.rand(2, 300, 2, generator=gen, dtype=DTYPE)  # a kernel batch of 2
+    k = rbf_matrix(x, 0.4)
+    rhs = torch.randn(2, 300, 3, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([[1e-3], [1e-2], [0.5]], dtype=DTYPE)  # shape (3, 1): a schedule batch
+    spectrum = KernelSpectrum.from_lanczos(k, rank=48, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-12)
+    got = cg.solve(gamma.squeeze(-1)[:, None], rhs)  # shape (3, 2, 300, 3)
+    eye = torch.eye(300, dtype=DTYPE)
+    expected = torch.linalg.solve(k + gamma[..., None, None] * eye, rhs)
+    assert got.shape == (3, 2, 300, 3)
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
+    assert cg.max_relative_residual <= 10 * 1e-12
+
+
+def test_deflation_cuts_iterations_where_the_series_would_diverge():
+    gen = torch.Generator().manual_seed(1)
+    x = 5 * torch.rand(1500, 1, generator=gen, dtype=DTYPE)
+    k = rbf_matrix(x, 0.2)
+    gamma = torch.tensor(1e-4, dtype=DTYPE)
+    rhs = torch.randn(1500, 2, generator=gen, dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=32, generator=gen)
+    with pytest.raises(ValueError, match="diverges"):  # the Taylor complement cannot serve here
+        spectrum.check_accuracy(1e-4, 1e-6)
+    plain, deflated = (
+        no_deflation(k, tol=1e-10, max_iter=5000),
+        ShiftedCG.from_spectrum(k, spectrum, tol=1e-10),
+    )
+    a, b = plain.solve(gamma, rhs), deflated.solve(gamma, rhs)
+    expected = torch.linalg.solve(k + gamma * torch.eye(1500, dtype=DTYPE), rhs)
+    for got in (a, b):
+        assert float((got - expected).abs().max() / expected.abs().max()) < 1e-7
+    assert deflated.last_iterations < plain.last_iterations / 3
+
+
+def test_filters_equal_the_cholesky_chain():
+    gen = torch.Generator().manual_seed(2)
+    x = 5 * torch.rand(250, 3, generator=gen, dtype=DTYPE)
+    k = rbf_matrix(x, 0.7)
+    rhs = torch.randn(250, 2, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([[0.01, 0.02, 0.05], [0.1, 0.1, 0.1]], dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=16, generator=gen)
+    cg, chol = ShiftedCG.from_spectrum(k, spectrum, tol=1e-13), ShiftedCholesky(k)
+    for filt in (SF.data_centric_targets(gamma, 0.3), SF.data_centric_weights(gamma, 0.0)):
+        expected = chol.apply(filt, rhs)
+        assert float((cg.apply(filt, rhs) - expected).abs().max() / expected.abs().max()) < 1e-9
+    resolvent = SF.resolvent(gamma)
+    expected = chol.quad_diag(resolvent, rhs)
+    got = cg.quad_diag(resolvent, rhs)
+    assert got.shape == (2, 3, 2)
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
+
+
+def test_chunked_operator_gives_the_same_solves():
+    import gpytorch
+
+    gen = torch.Generator().manual_seed(3)
+    x = 5 * torch.rand(200, 2, generator=gen, dtype=DTYPE)
+    kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
+    kernel.lengthscale = 0.5
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=64)
+    dense = kernel(x).to_dense().detach()
+    rhs = torch.randn(200, 1, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor(0.01, dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(op, rank=16, generator=gen)
+    got = ShiftedCG.from_spectrum(op, spectrum, tol=1e-12).solve(gamma, rhs)
+    expected = torch.linalg.solve(dense + gamma * torch.eye(200, dtype=DTYPE), rhs)
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
+
+
+def test_zero_right_hand_side_columns_stay_zero():
+    k = rbf_matrix(torch.linspace(0, 3, 50, dtype=DTYPE).unsqueeze(-1), 0.5)
+    rhs = torch.zeros(50, 2, dtype=DTYPE)
+    rhs[:, 1] = 1.0
+    got = no_deflation(k, tol=1e-12).solve(torch.tensor(0.1, dtype=DTYPE), rhs)
+    assert torch.isfinite(got).all() and float(got[:, 0].abs().max()) == 0.0
+
+
+def test_warns_when_it_does_not_converge_and_raises_on_nan():
+    gen = torch.Generator().manual_seed(4)
+    x = 5 * torch.rand(300, 2, generator=gen, dtype=DTYPE)
+    k = rbf_matrix(x, 0.5)
+    rhs = torch.randn(300, 1, generator=gen, dtype=DTYPE)
+    with pytest.warns(NumericalWarning, match="raise rank="):
+        no_deflation(k, tol=1e-12, max_iter=3).solve(torch.tensor(1e-3, dtype=DTYPE), rhs)
+    bad = k.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        no_deflation(bad).solve(torch.tensor(0.1, dtype=DTYPE), rhs)
+
+
+def test_bad_arguments_and_trace_raise_clear_errors():
+    k = rbf_matrix(torch.linspace(0, 3, 20, dtype=DTYPE).unsqueeze(-1), 0.5)
+    with pytest.raises(ValueError, match="tol must be positive"):
+        no_deflation(k, tol=0.0)
+    with pytest.raises(ValueError, match="max_iter"):
+        no_deflation(k, max_iter=0)
+    with pytest.raises(ValueError, match="ritz_vectors must have 20 rows"):
+        ShiftedCG(k, torch.zeros(1, dtype=DTYPE), torch.zeros(19, 1, dtype=DTYPE))
+    with pytest.raises(ValueError, match="from_lanczos"):
+        ShiftedCG.from_spectrum(k, KernelSpectrum.from_dense(k))
+    with pytest.raises(ValueError, match="gcv"):
+        no_deflation(k).trace(SF.resolvent(torch.tensor([0.1], dtype=DTYPE)))
