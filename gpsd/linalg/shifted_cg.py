@@ -56,6 +56,9 @@ class ShiftedCG(ShiftedSolveEngine):
         (only ``matmul`` is used).
     :param ritz_values: :math:`\boldsymbol\Theta`, shape ``(*b, q)`` (negative rounding is clipped).
     :param ritz_vectors: :math:`\mathbf V`, shape ``(*b, N, q)`` with orthonormal columns.
+    :param resolved: ``(*b, q)``, which pairs are eigenpairs to the accuracy wanted (their
+        residuals are below ``tol`` times the smallest shift); :meth:`quad_diag` splits them off
+        exactly. Default: none.
     :param tol: relative residual at which a column stops.
     :param max_iter: iterations per solve before it warns.
     :param dtype: dtype of the iterations (default: the Ritz vectors').
@@ -67,6 +70,7 @@ class ShiftedCG(ShiftedSolveEngine):
         ritz_values: Tensor,
         ritz_vectors: Tensor,
         *,
+        resolved: Tensor | None = None,
         tol: float = 1e-8,
         max_iter: int = 1000,
         dtype: torch.dtype | None = None,
@@ -86,6 +90,10 @@ class ShiftedCG(ShiftedSolveEngine):
         self.batch_shape = kernel.shape[:-2]
         self.ritz_values = ritz_values.to(self.dtype).clamp_min(0.0)
         self.ritz_vectors = ritz_vectors.to(self.dtype)
+        if resolved is None:
+            resolved = torch.zeros(ritz_values.shape, dtype=torch.bool, device=ritz_values.device)
+        #: Ritz pairs accurate enough to split off exactly in the multi-shift variances.
+        self.resolved = resolved
         self.tol = tol
         self.max_iter = max_iter
         #: Iterations of the most recent solve.
@@ -108,7 +116,14 @@ class ShiftedCG(ShiftedSolveEngine):
             raise ValueError(
                 "spectrum must come from KernelSpectrum.from_lanczos (it has Ritz pairs)"
             )
-        return cls(kernel, spectrum.ritz_values, spectrum.ritz_vectors, tol=tol, max_iter=max_iter)
+        return cls(
+            kernel,
+            spectrum.ritz_values,
+            spectrum.ritz_vectors,
+            resolved=spectrum.resolved,
+            tol=tol,
+            max_iter=max_iter,
+        )
 
     # ------------------------------------------------------------------ products
     def _kernel_matmul(self, x: Tensor) -> Tensor:
@@ -199,6 +214,111 @@ class ShiftedCG(ShiftedSolveEngine):
                 stacklevel=4,
             )
         return x
+
+    # ------------------------------------------------------------------ variances, all shifts at once
+    def quad_diag(self, filt: SpectralFilter, left: Tensor) -> Tensor:
+        r""":math:`\operatorname{diag}(\mathbf C^\top f_t(\mathbf K)\mathbf C)`; ``(*, F, M)``.
+
+        A resolvent with several distinct shifts (the variances of a changing noise schedule)
+        goes through :meth:`multishift_quad_diag`: one Krylov run serves every shift.
+        """
+        if filt.is_resolvent and torch.unique(filt.gamma).numel() > 1:
+            return self.multishift_quad_diag(filt.gamma.to(self.dtype), left.to(self.dtype))
+        return super().quad_diag(filt, left)
+
+    def multishift_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
+        r""":math:`\mathbf c^\top(\mathbf K + \gamma_t\mathbf I)^{-1}\mathbf c` for every shift and
+        column, by one CG run and Gauss quadrature.
+
+        The resolved Ritz pairs :math:`(d_i, \mathbf v_i)` split off exactly; on the complement
+        :math:`\mathbf c_\perp = (\mathbf I - \mathbf V\mathbf V^\top)\mathbf c`, CG on
+        :math:`\mathbf K_\perp + \gamma_0\mathbf I` with the smallest shift :math:`\gamma_0`
+        yields the Lanczos tridiagonal :math:`\mathbf T_k` (from its step sizes :math:`\alpha_j`
+        and :math:`\beta_j`), and since Krylov spaces do not change under shifts,
+
+        .. math::
+            \mathbf c^\top(\mathbf K + \gamma\mathbf I)^{-1}\mathbf c \approx
+            \sum_i \frac{(\mathbf v_i^\top\mathbf c)^2}{d_i + \gamma}
+            + \lVert\mathbf c_\perp\rVert^2\,
+            \mathbf e_1^\top\big(\mathbf T_k + (\gamma - \gamma_0)\mathbf I\big)^{-1}\mathbf e_1 ,
+
+        the last term a continued fraction. Each column stops when its residual for
+        :math:`\gamma_0` is below ``tol`` :math:`\lVert\mathbf c_\perp\rVert`; the quadrature
+        error is then at most :math:`\text{tol}^2\lVert\mathbf c_\perp\rVert^2/\gamma_0` for
+        every :math:`\gamma \ge \gamma_0`. Memory stays at a few ``N x M`` blocks, whatever the
+        number of shifts.
+
+        :param gamma: shifts, shape ``(*s, T)``.
+        :param left: :math:`\mathbf C`, shape ``(*b, N, M)``.
+        :return: shape ``(*broadcast(s, b), T, M)``.
+        """
+        v = self.ritz_vectors * self.resolved.unsqueeze(-2)  # shape: (*b, N, q)
+        d = self.ritz_values * self.resolved  # shape: (*b, q)
+        with torch.no_grad():
+            z = v.mT @ left  # shape: (*b, q, M)
+            shifts = gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
+            exact = (z.square().unsqueeze(-3) / (d[..., None, :, None] + shifts)).sum(-2)
+            alphas, betas, actives, norm2 = self._complement_cg(left - v @ z, v, gamma.min())
+            delta = (gamma - gamma.min())[..., :, None]  # shape: (*s, T, 1)
+            fraction = torch.ones_like(exact)
+            for j in range(len(alphas) - 1, -1, -1):  # continued fraction, from the bottom
+                alpha, active = alphas[j], actives[j]
+                safe = alpha.where(active, 1.0)
+                diag = 1.0 / safe
+                if j > 0:
+                    diag = diag + betas[j - 1] / alphas[j - 1].where(actives[j - 1], 1.0)
+                diag = diag.where(active, 1.0).unsqueeze(-2) + delta  # shape: (*, T, M)
+                if j + 1 < len(alphas):
+                    couple = (betas[j] / safe.square()).where(actives[j + 1], 0.0)
+                    diag = diag - couple.unsqueeze(-2) / fraction
+                fraction = diag
+            complement = norm2.unsqueeze(-2) / fraction if alphas else torch.zeros_like(exact)
+        return exact + complement
+
+    def _complement_cg(self, b: Tensor, v: Tensor, gamma0: Tensor):
+        r"""CG on :math:`(\mathbf K_\perp + \gamma_0\mathbf I)\mathbf x = \mathbf b`; returns the
+        step sizes, the activity masks per iteration and :math:`\lVert\mathbf b\rVert^2`."""
+
+        def shifted(x: Tensor) -> Tensor:
+            kx = self._kernel_matmul(x)
+            return kx - v @ (v.mT @ kx) + gamma0 * x
+
+        norm2 = (b * b).sum(-2)  # shape: (*b, M)
+        threshold = self.tol**2 * norm2
+        r, p, rr = b, b, norm2
+        alphas, betas, actives = [], [], []
+        while len(alphas) < self.max_iter:
+            active = rr > threshold
+            if not bool(active.any()):
+                break
+            q = shifted(p)
+            pq = (p * q).sum(-2)
+            active = active & (pq > 0)
+            alpha = torch.where(active, rr / pq.where(pq > 0, 1.0), 0.0)
+            r = r - alpha.unsqueeze(-2) * q
+            rr_new = (r * r).sum(-2)
+            beta = torch.where(active, rr_new / rr.where(rr > 0, 1.0), 0.0)
+            p = r + beta.unsqueeze(-2) * p
+            alphas.append(alpha)
+            betas.append(beta)
+            actives.append(active)
+            rr = rr_new
+        self.last_iterations = len(alphas)
+        unconverged = rr > threshold
+        if bool(unconverged.any()):
+            worst = float((rr / norm2.clamp_min(torch.finfo(self.dtype).tiny)).max().sqrt())
+            if not math.isfinite(worst):
+                raise ValueError(
+                    "conjugate gradients produced a non-finite residual: the kernel operator "
+                    "returned NaN or inf, or K + gamma I is not positive definite"
+                )
+            warnings.warn(
+                f"multi-shift conjugate gradients reached a relative residual of {worst:.3g} after "
+                f"{len(alphas)} iterations, above tol={self.tol:.3g}; raise rank= or max_iter",
+                NumericalWarning,
+                stacklevel=5,
+            )
+        return alphas, betas, actives, norm2
 
     # ------------------------------------------------------------------ interface
     def trace(self, filt: SpectralFilter) -> Tensor:

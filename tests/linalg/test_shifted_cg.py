@@ -125,3 +125,35 @@ def test_bad_arguments_and_trace_raise_clear_errors():
         ShiftedCG.from_spectrum(k, KernelSpectrum.from_dense(k))
     with pytest.raises(ValueError, match="gcv"):
         no_deflation(k).trace(SF.resolvent(torch.tensor([0.1], dtype=DTYPE)))
+
+
+@pytest.mark.parametrize("lengthscale, rank", [(0.5, 32), (1.0, 64)])
+def test_multishift_variances_equal_dense_quadratic_forms(lengthscale, rank):
+    gen = torch.Generator().manual_seed(5)
+    x = 5 * torch.rand(300, 2, generator=gen, dtype=DTYPE)
+    k = rbf_matrix(x, lengthscale)
+    left = torch.randn(300, 6, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([[1e-3, 1e-2, 0.1, 1.0], [0.05, 0.2, 0.3, 0.4]], dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=rank, residual_tol=1e-9, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10)
+    got = cg.quad_diag(SF.resolvent(gamma), left)
+    eye = torch.eye(300, dtype=DTYPE)
+    expected = torch.stack(
+        [
+            torch.stack([(left * torch.linalg.solve(k + g * eye, left)).sum(0) for g in row])
+            for row in gamma
+        ]
+    )
+    assert got.shape == (2, 4, 6)
+    assert float(((got - expected).abs() / expected).max()) < 1e-9
+    if lengthscale == 1.0:  # smooth enough that some pairs are split off exactly
+        assert int(spectrum.resolved.sum()) > 0
+
+
+def test_multishift_warns_when_it_does_not_converge():
+    gen = torch.Generator().manual_seed(6)
+    k = rbf_matrix(5 * torch.rand(200, 2, generator=gen, dtype=DTYPE), 0.5)
+    left = torch.randn(200, 2, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([1e-3, 1e-2], dtype=DTYPE)
+    with pytest.warns(NumericalWarning, match="multi-shift"):
+        no_deflation(k, tol=1e-12, max_iter=3).quad_diag(SF.resolvent(gamma), left)
