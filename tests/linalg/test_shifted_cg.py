@@ -157,3 +157,36 @@ def test_multishift_warns_when_it_does_not_converge():
     gamma = torch.tensor([1e-3, 1e-2], dtype=DTYPE)
     with pytest.warns(NumericalWarning, match="multi-shift"):
         no_deflation(k, tol=1e-12, max_iter=3).quad_diag(SF.resolvent(gamma), left)
+
+
+@pytest.mark.parametrize("lengthscale, rank", [(0.5, 32), (1.0, 64)])
+def test_multishift_solves_equal_dense_solves(lengthscale, rank):
+    gen = torch.Generator().manual_seed(7)
+    x = 5 * torch.rand(300, 2, generator=gen, dtype=DTYPE)
+    k = rbf_matrix(x, lengthscale)
+    rhs = torch.randn(300, 2, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([[1e-3, 1e-2, 0.1, 1.0], [0.05, 0.2, 0.3, 0.4]], dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=rank, residual_tol=1e-9, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-11)
+    got = cg.apply(SF.resolvent(gamma), rhs)
+    eye = torch.eye(300, dtype=DTYPE)
+    expected = torch.stack(
+        [torch.stack([torch.linalg.solve(k + g * eye, rhs) for g in row]) for row in gamma]
+    )
+    assert got.shape == (2, 4, 300, 2)
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
+    # one Krylov run for all eight shifts: no more iterations than the hardest single solve
+    single = ShiftedCG(k, spectrum.ritz_values[:0], spectrum.ritz_vectors[:, :0], tol=1e-11)
+    single.solve(gamma.min(), rhs)
+    assert cg.last_iterations <= single.last_iterations + 5
+
+
+def test_multishift_paths_raise_on_nan_instead_of_returning_it():
+    k = rbf_matrix(torch.linspace(0, 3, 40, dtype=DTYPE).unsqueeze(-1), 0.5)
+    k[3, 3] = float("nan")
+    left = torch.randn(40, 2, dtype=DTYPE)
+    resolvent = SF.resolvent(torch.tensor([0.1, 0.2], dtype=DTYPE))
+    with pytest.raises(ValueError, match="non-finite"):
+        no_deflation(k).quad_diag(resolvent, left)
+    with pytest.raises(ValueError, match="non-finite"):
+        no_deflation(k).apply(resolvent, left)
