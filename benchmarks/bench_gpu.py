@@ -167,6 +167,11 @@ def regression_table(args, dtype: torch.dtype) -> str:
                 failed.add(method)
                 rows.append(f"| {n} | {method} | OOM | — | — | — |")
                 continue
+            except ValueError as err:  # e.g. a Lanczos complement series that diverges
+                failed.add(method)
+                rows.append(f"| {n} | {method} | failed: {str(err).split(';')[0]} | — | — | — |")
+                print(rows[-1], flush=True)
+                continue
             if seconds > args.max_seconds:
                 failed.add(method)
             errs = ["—", "—"]

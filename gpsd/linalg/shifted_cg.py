@@ -45,7 +45,9 @@ class ShiftedCG(ShiftedSolveEngine):
     **Many shifts at once.** A resolvent with several distinct shifts (the variances of a
     changing noise schedule, the distribution-centric means) needs no solve per shift:
     :meth:`multishift_solve` and :meth:`multishift_quad_diag` run one CG for the smallest shift
-    on the complement of the resolved Ritz pairs and read every other shift off it. The
+    on the complement of the resolved Ritz pairs and read every other shift off it (as it splits
+    off only the resolved pairs, it takes about :math:`\sqrt{1 + \lambda_{r+1}/\gamma_0}`
+    iterations for :math:`r` resolved pairs and the smallest shift :math:`\gamma_0`). The
     data-centric chain itself (each step's right-hand side is the previous step's output) stays
     one solve per step.
 
