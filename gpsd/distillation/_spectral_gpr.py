@@ -25,10 +25,21 @@ from gpsd.distillation._common import (
     validate_test_x,
     validate_training_data,
 )
-from gpsd.linalg import ShiftedCG, SpectralFilter
+from gpsd.linalg import SpectralFilter
 
 #: Test inputs are predicted in chunks of this many points, bounding the N x M cross-covariance.
 TEST_CHUNK_SIZE = 4096
+
+
+def autograd_context(state: dict):
+    """``torch.no_grad()`` where the cached engine carries no autograd graph (the matrix-free
+    backends): their results then carry none at all, rather than a partial graph through the
+    cross-covariance or the prior mean alone, which would give wrong gradients.
+
+    The state is read once, outside the context, so that switching the grad mode does not make
+    the cache look stale.
+    """
+    return contextlib.nullcontext() if state["engine"].supports_autograd else torch.no_grad()
 
 
 class SpectralGPR(gpytorch.Module, abc.ABC):
@@ -162,9 +173,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             torch.cat([p.variance for p in parts], dim=-1),
         )
 
-    def _mean_weights(self) -> Tensor:
+    def _mean_weights(self, state: dict) -> Tensor:
         r""":math:`G_t(\mathbf K)(\mathbf y - m)` for every step, ``(*, T, N, 1)``, computed once."""
-        state = self._state()
         if "mean_weights" not in state:
             state["mean_weights"] = state["engine"].apply(self._mean_filter(), state["coords"])
         return state["mean_weights"]
@@ -177,33 +187,27 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         which have one right-hand side per test point.
         """
         test_x = validate_test_x(test_x, self.train_x)
+        state = self._state()
         starts = range(0, max(test_x.shape[-2], 1), TEST_CHUNK_SIZE)
-        with self._autograd_context():
-            means = [self._mean_chunk(test_x[..., i : i + TEST_CHUNK_SIZE, :]) for i in starts]
-        return torch.cat(means, dim=-1)
+        with autograd_context(state):
+            chunks = [test_x[..., i : i + TEST_CHUNK_SIZE, :] for i in starts]
+            return torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
 
-    def _autograd_context(self):
-        """``torch.no_grad()`` for the matrix-free backends, which carry no autograd graph (a
-        partial graph, through the cross-covariance alone, would give wrong gradients)."""
-        engine = self._state()["engine"]
-        if isinstance(engine, ShiftedCG) or engine.is_truncated:
-            return torch.no_grad()
-        return contextlib.nullcontext()
-
-    def _mean_chunk(self, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
+    def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
         if cross is None:
             cross = self.kernel(self.train_x, test_x).to_dense()
-        weights = self._mean_weights()  # shape: (*, T, N, 1)
+        weights = self._mean_weights(state)  # shape: (*, T, N, 1)
         mean = (cross.to(weights).mT.unsqueeze(-3) @ weights).squeeze(-1)  # shape: (*, T, M)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
 
     def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> RegressionPath:
-        with self._autograd_context():
-            engine = self._state()["engine"]
+        state = self._state()
+        engine = state["engine"]
+        with autograd_context(state):
             variance_filter = self._variance_filter()
             cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
-            mean = self._mean_chunk(test_x, cross)
+            mean = self._mean_chunk(state, test_x, cross)
             prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(test_x.dtype)
             variance = nonnegative_variance(prior_var - reduction, prior_var)

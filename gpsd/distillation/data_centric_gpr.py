@@ -12,7 +12,7 @@ from gpytorch.models import ExactGP
 from torch import Tensor
 
 from gpsd.distillation._common import ExactGPFromModules, validate_test_x
-from gpsd.distillation._spectral_gpr import SpectralGPR
+from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
 from gpsd.linalg import SpectralFilter
 
 __all__ = ["DataCentricGPR"]
@@ -128,8 +128,9 @@ class DataCentricGPR(SpectralGPR):
     def train_targets_path(self) -> Tensor:
         r"""The targets :math:`\mathbf y_1, \dots, \mathbf y_T`, shape ``(*batch, T, N)``."""
         state = self._state()
-        targets = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
-        out = targets + state["prior_mean"].unsqueeze(-2)
+        with autograd_context(state):
+            targets = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
+            out = targets + state["prior_mean"].unsqueeze(-2)
         return out.to(self.train_y.dtype)
 
     # ------------------------------------------------------------------ choosing t
@@ -149,12 +150,13 @@ class DataCentricGPR(SpectralGPR):
         state = self._state()
         targets_filter = self._targets_filter()
         n = self.train_x.shape[-2]
-        centred = state["centred"].squeeze(-1)
-        targets = state["engine"].apply(targets_filter, state["coords"]).squeeze(-1)
-        fitted = (targets - self.alpha * centred.unsqueeze(-2).to(targets)) / (1.0 - self.alpha)
-        rss = (centred.unsqueeze(-2).to(fitted) - fitted).square().sum(-1)
-        trace = (state["engine"].trace(targets_filter) - self.alpha * n) / (1.0 - self.alpha)
-        return (n * rss / (n - trace).square()).to(self.train_y.dtype)
+        with autograd_context(state):
+            centred = state["centred"].squeeze(-1)
+            targets = state["engine"].apply(targets_filter, state["coords"]).squeeze(-1)
+            fitted = (targets - self.alpha * centred.unsqueeze(-2).to(targets)) / (1.0 - self.alpha)
+            rss = (centred.unsqueeze(-2).to(fitted) - fitted).square().sum(-1)
+            trace = (state["engine"].trace(targets_filter) - self.alpha * n) / (1.0 - self.alpha)
+            return (n * rss / (n - trace).square()).to(self.train_y.dtype)
 
     def validation_mse(self, val_x: Tensor, val_y: Tensor) -> Tensor:
         """Mean squared error of every step's predictive mean on a validation set, ``(*batch, T)``."""

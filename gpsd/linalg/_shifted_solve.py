@@ -21,6 +21,8 @@ class ShiftedSolveEngine(abc.ABC):
     """
 
     is_truncated = False
+    #: Whether results carry an autograd graph to the kernel's hyperparameters.
+    supports_autograd = True
     #: dtype of the solves.
     dtype: torch.dtype
 

@@ -109,6 +109,11 @@ class KernelSpectrum:
         self.resolved = eigenvectors.abs().sum(-2) > 0
         self.num_resolved = self.resolved.sum(-1)
 
+    @property
+    def supports_autograd(self) -> bool:
+        """Whether results carry an autograd graph (only a full :meth:`from_dense` spectrum)."""
+        return not self.is_truncated
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_dense(

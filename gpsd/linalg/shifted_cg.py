@@ -73,6 +73,8 @@ class ShiftedCG(ShiftedSolveEngine):
     :param dtype: dtype of the iterations (default: the Ritz vectors').
     """
 
+    supports_autograd = False
+
     def __init__(
         self,
         kernel: Tensor | LinearOperator,

@@ -105,3 +105,26 @@ def test_predict_mean_equals_the_mean_of_predict_across_chunks(backend, monkeypa
         val_y = torch.sin(3 * test_x.squeeze(-1))
         expected = (model.predict(test_x).mean - val_y).square().mean(-1)
         assert relative_error(model.validation_mse(test_x, val_y), expected) < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["lanczos", "cg"])
+def test_grad_mode_does_not_make_the_matrix_free_cache_stale(backend, monkeypatch):
+    """With grad enabled (no ``torch.no_grad()``), the factorisation is built once, and no output
+    carries a partial graph, not even through a trainable prior mean."""
+    import gpytorch
+
+    import gpsd.distillation._spectral_gpr as spectral_gpr
+
+    builds = []
+    make_engine = spectral_gpr.make_engine
+    monkeypatch.setattr(
+        spectral_gpr, "make_engine", lambda *a, **k: builds.append(1) or make_engine(*a, **k)
+    )
+    x, y, test_x = wiggly_data(n=200)
+    mean = gpytorch.means.ConstantMean().to(DTYPE)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=2.0)
+    model = DataCentricGPR(kernel, x, y, [0.1, 0.2], mean_module=mean, backend=backend, rank=64)
+    outputs = [model.predict(test_x).mean, model.predict_mean(test_x), model.train_targets_path()]
+    outputs.append(model.predict(test_x).variance)
+    assert len(builds) == 1
+    assert not any(out.requires_grad for out in outputs)
