@@ -250,8 +250,7 @@ class ShiftedCG(ShiftedSolveEngine):
         :param rhs: :math:`\mathbf B`, shape ``(*b, N, r)``.
         :return: shape ``(*broadcast(s, b), T, N, r)``.
         """
-        v = self.ritz_vectors * self.resolved.unsqueeze(-2)  # shape: (*b, N, q)
-        d = self.ritz_values * self.resolved  # shape: (*b, q)
+        d, v = self._resolved_pairs()
         gamma0 = gamma.min()
         with torch.no_grad():
             z = v.mT @ rhs  # shape: (*b, q, r)
@@ -259,11 +258,7 @@ class ShiftedCG(ShiftedSolveEngine):
             exact = v.unsqueeze(-3) @ (z.unsqueeze(-3) / (d[..., None, :, None] + shifts))
             b = rhs - v @ z  # the complement's right-hand side, shape (*b, N, r)
             delta = shifts - gamma0  # shape: (*s, T, 1, 1)
-
-            def shifted(x: Tensor) -> Tensor:
-                kx = self._kernel_matmul(x)
-                return kx - v @ (v.mT @ kx) + gamma0 * x
-
+            shifted = self._complement_operator(v, gamma0)
             norm2 = (b * b).sum(-2, keepdim=True)  # shape: (*b, 1, r)
             threshold = self.tol**2 * norm2
             r, p, rr = b, b, norm2
@@ -343,8 +338,7 @@ class ShiftedCG(ShiftedSolveEngine):
         :param left: :math:`\mathbf C`, shape ``(*b, N, M)``.
         :return: shape ``(*broadcast(s, b), T, M)``.
         """
-        v = self.ritz_vectors * self.resolved.unsqueeze(-2)  # shape: (*b, N, q)
-        d = self.ritz_values * self.resolved  # shape: (*b, q)
+        d, v = self._resolved_pairs()
         with torch.no_grad():
             z = v.mT @ left  # shape: (*b, q, M)
             shifts = gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
@@ -369,11 +363,7 @@ class ShiftedCG(ShiftedSolveEngine):
     def _complement_cg(self, b: Tensor, v: Tensor, gamma0: Tensor):
         r"""CG on :math:`(\mathbf K_\perp + \gamma_0\mathbf I)\mathbf x = \mathbf b`; returns the
         step sizes, the activity masks per iteration and :math:`\lVert\mathbf b\rVert^2`."""
-
-        def shifted(x: Tensor) -> Tensor:
-            kx = self._kernel_matmul(x)
-            return kx - v @ (v.mT @ kx) + gamma0 * x
-
+        shifted = self._complement_operator(v, gamma0)
         norm2 = (b * b).sum(-2)  # shape: (*b, M)
         threshold = self.tol**2 * norm2
         r, p, rr = b, b, norm2
@@ -397,6 +387,20 @@ class ShiftedCG(ShiftedSolveEngine):
         self.last_iterations = len(alphas)
         self._check_multishift(rr, norm2)
         return alphas, betas, actives, norm2
+
+    def _resolved_pairs(self) -> tuple[Tensor, Tensor]:
+        """The resolved Ritz values ``(*b, q)`` and vectors ``(*b, N, q)``; the others zeroed."""
+        return self.ritz_values * self.resolved, self.ritz_vectors * self.resolved.unsqueeze(-2)
+
+    def _complement_operator(self, v: Tensor, gamma0: Tensor):
+        """``x -> (P K + gamma0 I) x`` with :math:`\\mathbf P = \\mathbf I - \\mathbf V\\mathbf V^\\top`,
+        which is :math:`\\mathbf K_\\perp + \\gamma_0\\mathbf I` on the complement of ``v``."""
+
+        def shifted(x: Tensor) -> Tensor:
+            kx = self._kernel_matmul(x)
+            return kx - v @ (v.mT @ kx) + gamma0 * x
+
+        return shifted
 
     def _check_multishift(self, rr: Tensor, norm2: Tensor) -> None:
         """Raise on a non-finite residual; warn if the base system stopped above ``tol``."""
