@@ -26,9 +26,24 @@ class ShiftedSolveEngine(abc.ABC):
     #: dtype of the solves.
     dtype: torch.dtype
 
-    @abc.abstractmethod
+    #: ``(rhs, gamma, result)`` of the latest solve: a data-centric step asks for the same solve
+    #: twice (once for its weights, once for its targets).
+    _last: tuple | None = None
+
     def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
-        r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``."""
+        r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
+
+        The previous result is reused when the same ``rhs`` and ``gamma`` objects come again.
+        """
+        if self._last is not None and self._last[0] is rhs and self._last[1] is gamma:
+            return self._last[2]
+        out = self._solve(gamma, rhs)
+        self._last = (rhs, gamma, out)
+        return out
+
+    @abc.abstractmethod
+    def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+        """The solve itself, without the reuse of :meth:`solve`."""
 
     def apply(self, filt: SpectralFilter, rhs: Tensor) -> Tensor:
         """:math:`f_t(\\mathbf K)` ``rhs`` for every filter; returns ``(*, F, N, r)``."""

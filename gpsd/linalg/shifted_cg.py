@@ -111,7 +111,6 @@ class ShiftedCG(ShiftedSolveEngine):
         self.last_iterations = 0
         #: Largest true relative residual of any solve so far.
         self.max_relative_residual = 0.0
-        self._last: tuple | None = None
 
     @classmethod
     def from_spectrum(
@@ -158,20 +157,12 @@ class ShiftedCG(ShiftedSolveEngine):
         return v @ (scale.unsqueeze(-1) * (v.mT @ r)) + r / gamma
 
     # ------------------------------------------------------------------ the solve
-    def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
-        """:math:`(\\mathbf K + \\gamma\\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
-
-        Columns are independent CG runs that stop on their own; the previous result is reused
-        when the same ``rhs`` and ``gamma`` come again.
-        """
-        if self._last is not None and self._last[0] is rhs and self._last[1] is gamma:
-            return self._last[2]
-        with torch.no_grad():
-            out = self._solve(gamma.to(self.dtype), rhs.to(self.dtype))
-        self._last = (rhs, gamma, out)
-        return out
-
     def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+        """Preconditioned CG, one independent run per column, each stopping on its own."""
+        with torch.no_grad():
+            return self._conjugate_gradients(gamma.to(self.dtype), rhs.to(self.dtype))
+
+    def _conjugate_gradients(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         shape = torch.broadcast_shapes(gamma.shape, rhs.shape[:-2], self.batch_shape)
         b = rhs.expand(*shape, *rhs.shape[-2:])
         g = gamma.expand(shape)[..., None, None]  # shape: (*shape, 1, 1)
@@ -207,11 +198,7 @@ class ShiftedCG(ShiftedSolveEngine):
         relative = true_residual / b_norm.clamp_min(torch.finfo(self.dtype).tiny)
         worst = float(relative.max()) if relative.numel() else 0.0
         self.max_relative_residual = max(self.max_relative_residual, worst)
-        if not math.isfinite(worst):
-            raise ValueError(
-                "conjugate gradients produced a non-finite residual: the kernel operator returned "
-                "NaN or inf, or K + gamma I is not positive definite"
-            )
+        _raise_if_not_finite(relative)
         if worst > 10 * self.tol:
             advice = (
                 "raise rank= (a stronger preconditioner) or max_iter"
@@ -404,11 +391,7 @@ class ShiftedCG(ShiftedSolveEngine):
 
     def _check_multishift(self, rr: Tensor, norm2: Tensor) -> None:
         """Raise on a non-finite residual; warn if the base system stopped above ``tol``."""
-        if not bool(torch.isfinite(rr).all()):
-            raise ValueError(
-                "conjugate gradients produced a non-finite residual: the kernel operator "
-                "returned NaN or inf, or K + gamma I is not positive definite"
-            )
+        _raise_if_not_finite(rr)
         relative = (rr / norm2.clamp_min(torch.finfo(self.dtype).tiny)).sqrt()
         worst = float(relative.max()) if relative.numel() else 0.0
         if worst > self.tol:
@@ -431,3 +414,12 @@ class ShiftedCG(ShiftedSolveEngine):
     def error_estimate(self, gamma_min: float) -> float:
         """The relative residual every solve is run to (see the class docstring for its meaning)."""
         return max(self.tol, self.max_relative_residual)
+
+
+def _raise_if_not_finite(residual: Tensor) -> None:
+    """A NaN or inf residual means the answer is worthless: raise rather than return it."""
+    if not bool(torch.isfinite(residual).all()):
+        raise ValueError(
+            "conjugate gradients produced a non-finite residual: the kernel operator returned "
+            "NaN or inf, or K + gamma I is not positive definite"
+        )

@@ -39,7 +39,6 @@ class ShiftedCholesky(ShiftedSolveEngine):
         self.dtype = self.kernel_matrix.dtype
         self.size = dense.shape[-1]
         self._factors: dict[tuple, Tensor] = {}
-        self._last: tuple | None = None
 
     def factor(self, gamma: Tensor) -> Tensor:
         """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``."""
@@ -50,13 +49,8 @@ class ShiftedCholesky(ShiftedSolveEngine):
             self._factors[key] = psd_safe_cholesky(shifted)
         return self._factors[key]
 
-    def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
-        """:math:`(\\mathbf K + \\gamma\\mathbf I)^{-1}` ``rhs``, reusing the previous result."""
-        if self._last is not None and self._last[0] is rhs and self._last[1] is gamma:
-            return self._last[2]
-        out = torch.cholesky_solve(rhs, self.factor(gamma))
-        self._last = (rhs, gamma, out)
-        return out
+    def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+        return torch.cholesky_solve(rhs, self.factor(gamma))
 
     def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
         """Column norms of :math:`\\mathbf L_\\gamma^{-1}\\mathbf C`: one triangular solve."""
