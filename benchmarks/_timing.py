@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -13,6 +14,19 @@ def sync(device: torch.device) -> None:
     """Wait for queued CUDA work, so that a host clock measures it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set in KiB (``VmHWM``: unlike ``ru_maxrss``, which Linux
+    carries over from the parent across ``fork``/``exec``, it starts afresh in a new process)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def median_time(

@@ -21,24 +21,16 @@ import time
 
 import gpytorch
 import torch
+from _timing import peak_rss_kib, sync
 
 from gpsd import KernelDistillation
 
 
 def peak_gib(device: torch.device) -> float:
-    """Peak memory so far: CUDA allocator, or this process's ``VmHWM`` on the CPU."""
+    """Peak memory so far: CUDA allocator, or this process's peak resident set on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return peak_rss_kib() / 2**20
 
 
 def main() -> None:

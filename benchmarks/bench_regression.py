@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 
 import gpytorch
 import numpy as np
 import torch
-from _timing import median_time
+from _timing import median_time, peak_rss_kib
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import load_dataset
@@ -194,19 +193,6 @@ def fig15_table(args, device, dtype) -> str:
             + " |"
         )
     return "\n".join(rows)
-
-
-def peak_rss_kib() -> int:
-    """This process's peak resident set in KiB (``VmHWM``: unlike ``ru_maxrss``, which Linux
-    carries over from the parent across ``fork``/``exec``, it starts afresh in a new process)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def worker(spec: dict) -> dict:
