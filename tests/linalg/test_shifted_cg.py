@@ -14,6 +14,13 @@ def rbf_matrix(x, lengthscale):
     return torch.exp(-0.5 * torch.cdist(x, x).square() / lengthscale**2)
 
 
+def dense_solves(k, gamma, rhs):
+    """``(K + g I)^-1 rhs`` for every entry ``g`` of ``gamma``, by dense solves: ``(*s, T, N, r)``."""
+    eye = torch.eye(k.shape[-1], dtype=DTYPE)
+    solves = [torch.linalg.solve(k + g * eye, rhs) for g in gamma.reshape(-1)]
+    return torch.stack(solves).reshape(*gamma.shape, *rhs.shape)
+
+
 def no_deflation(kernel, **kwargs):
     n = kernel.shape[-1]
     empty_values = torch.zeros(*kernel.shape[:-2], 0, dtype=DTYPE)
@@ -137,13 +144,7 @@ def test_multishift_variances_equal_dense_quadratic_forms(lengthscale, rank):
     spectrum = KernelSpectrum.from_lanczos(k, rank=rank, residual_tol=1e-9, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10)
     got = cg.quad_diag(SF.resolvent(gamma), left)
-    eye = torch.eye(300, dtype=DTYPE)
-    expected = torch.stack(
-        [
-            torch.stack([(left * torch.linalg.solve(k + g * eye, left)).sum(0) for g in row])
-            for row in gamma
-        ]
-    )
+    expected = (left * dense_solves(k, gamma, left)).sum(-2)
     assert got.shape == (2, 4, 6)
     assert float(((got - expected).abs() / expected).max()) < 1e-9
     if lengthscale == 1.0:  # smooth enough that some pairs are split off exactly
@@ -169,10 +170,7 @@ def test_multishift_solves_equal_dense_solves(lengthscale, rank):
     spectrum = KernelSpectrum.from_lanczos(k, rank=rank, residual_tol=1e-9, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-11)
     got = cg.apply(SF.resolvent(gamma), rhs)
-    eye = torch.eye(300, dtype=DTYPE)
-    expected = torch.stack(
-        [torch.stack([torch.linalg.solve(k + g * eye, rhs) for g in row]) for row in gamma]
-    )
+    expected = dense_solves(k, gamma, rhs)
     assert got.shape == (2, 4, 300, 2)
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
     # one Krylov run for all eight shifts: no more iterations than the hardest single solve
