@@ -28,8 +28,9 @@ from gpsd.linalg import (
 
 #: Lanczos rank whose Ritz pairs deflate the CG backend, unless ``rank`` is given.
 CG_DEFLATION_RANK = 256
-#: Largest Lanczos rank ``backend="auto"`` grows to before it switches to deflated CG.
-AUTO_MAX_RANK = 1024
+#: Largest rank Lanczos grows to without a ``rank=``: there ``backend="auto"`` switches to
+#: deflated CG, and ``backend="lanczos"`` stops (its accuracy check then warns or raises).
+MAX_GROWN_RANK = 1024
 
 
 class RegressionPath(NamedTuple):
@@ -110,14 +111,15 @@ def make_engine(
     :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as
     resolved when their residual is below ``0.1 * rtol * gamma_min``; without a ``rank`` the
     Krylov basis doubles from 64 until the error estimate for the smallest shift ``gamma_min`` is
-    below ``rtol``. The CG backend deflates the Ritz pairs of a rank-``rank`` (default
+    below ``rtol``, up to :data:`MAX_GROWN_RANK` (a basis of N columns would cost more than the
+    dense decomposition it avoids). The CG backend deflates the Ritz pairs of a rank-``rank`` (default
     :data:`CG_DEFLATION_RANK`) Lanczos run and solves to relative residual ``rtol``.
 
     ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
     eigendecomposition and no gradient is needed, it first tries Lanczos with a rank budget of
     ``N / 8`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than ``eigh``) and
     falls back to the dense decomposition if the budget does not reach ``rtol``. Beyond the size
-    of a dense decomposition it grows Lanczos up to :data:`AUTO_MAX_RANK` and, if that does not
+    of a dense decomposition it grows Lanczos up to :data:`MAX_GROWN_RANK` and, if that does not
     reach ``rtol``, solves by CG deflated with the Ritz pairs it found.
     """
     if backend not in BACKENDS:
@@ -134,7 +136,7 @@ def make_engine(
         )
 
     def grow_lanczos(operator, max_rank: int) -> KernelSpectrum:
-        r = min(64, n)
+        r = max(1, min(64, max_rank))
         spectrum = lanczos(operator, r)
         while spectrum.error_estimate(gamma_min) > rtol and 2 * r <= max_rank:
             r *= 2
@@ -145,7 +147,9 @@ def make_engine(
         operator = _matrix_free(kernel, x, eig_dtype)
         try:
             if backend == "lanczos":
-                return lanczos(operator, rank) if rank is not None else grow_lanczos(operator, n)
+                if rank is not None:
+                    return lanczos(operator, rank)
+                return grow_lanczos(operator, min(n, MAX_GROWN_RANK))
             spectrum = lanczos(operator, rank if rank is not None else min(n, CG_DEFLATION_RANK))
             return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
         except torch.OutOfMemoryError as err:
@@ -163,7 +167,7 @@ def make_engine(
             return ShiftedCholesky(kernel(x), dtype=eig_dtype)
         if backend == "lanczos":  # chosen by choose_backend: N beyond a dense matrix
             operator = _matrix_free(kernel, x, eig_dtype)
-            spectrum = grow_lanczos(operator, min(n, AUTO_MAX_RANK))
+            spectrum = grow_lanczos(operator, min(n, MAX_GROWN_RANK))
             if spectrum.error_estimate(gamma_min) <= rtol:
                 return spectrum
             return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)

@@ -383,13 +383,14 @@ class KernelSpectrum:
             raise ValueError(
                 f"the truncated spectrum leaves a complement of norm {self.complement_norm:.3g}, "
                 f"not below the smallest noise {gamma_min:.3g}, so its series diverges; raise "
-                "rank= or use backend='dense'"
+                "rank=, or use backend='cg' (matrix-free) or backend='dense'"
             )
         if err > rtol:
             warnings.warn(
                 f"the truncated spectrum (rank {int(self.num_resolved.max())}, complement norm "
                 f"{self.complement_norm:.3g}) gives an estimated relative error of {err:.3g} for "
-                f"the smallest noise {gamma_min:.3g}; raise rank= or use backend='dense'",
+                f"the smallest noise {gamma_min:.3g}; raise rank=, or use backend='cg' "
+                "(matrix-free) or backend='dense'",
                 NumericalWarning,
                 stacklevel=3,
             )

@@ -23,7 +23,7 @@ def wiggly_data(n=300, seed=0):
 def small_dense_limit(monkeypatch):
     """Pretend N = 300 is beyond a dense decomposition, and cap Lanczos at rank 32."""
     monkeypatch.setattr(backend_module, "_DENSE_MAX_N", {"cpu": 100, "cuda": 100})
-    monkeypatch.setattr(common, "AUTO_MAX_RANK", 32)
+    monkeypatch.setattr(common, "MAX_GROWN_RANK", 32)
 
 
 def test_auto_beyond_dense_size_switches_to_deflated_cg_and_stays_exact(small_dense_limit):
@@ -128,3 +128,37 @@ def test_grad_mode_does_not_make_the_matrix_free_cache_stale(backend, monkeypatc
     outputs.append(model.predict(test_x).variance)
     assert len(builds) == 1
     assert not any(out.requires_grad for out in outputs)
+
+
+def test_explicit_lanczos_stops_growing_and_names_the_matrix_free_way_out(
+    small_dense_limit, monkeypatch
+):
+    ranks = []
+    original = KernelSpectrum.from_lanczos
+
+    def spy(*args, **kwargs):
+        ranks.append(kwargs["rank"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(KernelSpectrum, "from_lanczos", spy)
+    x, y, test_x = wiggly_data()
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)  # flat spectrum: rank 32 cannot do
+    model = DataCentricGPR(kernel, x, y, [1e-2, 1e-2], backend="lanczos")
+    with torch.no_grad(), pytest.raises(ValueError, match="backend='cg'"):
+        model.predict(test_x)
+    assert max(ranks) == 32  # the cap, not N = 300
+
+
+def test_cg_long_chain_matches_dense_on_a_hard_spectrum():
+    x, y, test_x = wiggly_data()
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
+    gammas = torch.full((40,), 1e-2, dtype=DTYPE)
+    cg = DataCentricGPR(kernel, x, y, gammas, alpha=0.2, backend="cg", rank=16, rtol=1e-10)
+    dense = DataCentricGPR(kernel, x, y, gammas, alpha=0.2, backend="dense")
+    with torch.no_grad():
+        got, ref = cg.predict_mean(test_x), dense.predict_mean(test_x)
+        got_targets, ref_targets = cg.train_targets_path(), dense.train_targets_path()
+        engine = cg._state()["engine"]
+    assert relative_error(got, ref) < 1e-8
+    assert relative_error(got_targets, ref_targets) < 1e-8
+    assert 0 < engine.krylov_error_estimate <= 1e-10  # the one-run Krylov path served the chain

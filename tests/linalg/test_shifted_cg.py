@@ -6,6 +6,7 @@ from gpytorch.utils.warnings import NumericalWarning
 
 from gpsd.linalg import ChunkedKernelOperator, KernelSpectrum, ShiftedCG, ShiftedCholesky
 from gpsd.linalg import SpectralFilter as SF
+from gpsd.linalg._shifted_solve import ShiftedSolveEngine
 
 DTYPE = torch.float64
 
@@ -188,3 +189,139 @@ def test_multishift_paths_raise_on_nan_instead_of_returning_it():
         no_deflation(k).quad_diag(resolvent, left)
     with pytest.raises(ValueError, match="non-finite"):
         no_deflation(k).apply(resolvent, left)
+
+
+# ---------------------------------------------------------------- the data-centric chain
+class CountingKernel:
+    """A kernel matrix that counts the products ``K @ X`` asked of it."""
+
+    def __init__(self, k):
+        self.k, self.shape, self.dtype, self.products = k, k.shape, k.dtype, 0
+
+    def __matmul__(self, x):
+        self.products += 1
+        return self.k @ x
+
+
+def naive_chain(k, gamma, alpha, rhs):
+    """Targets ``y_t`` and weights ``w_t = (K + g_t I)^-1 y_(t-1)`` by refitting, step by step:
+    each ``(*s, T, N, r)`` for ``gamma`` of shape ``(*s, T)``."""
+    eye = torch.eye(k.shape[-1], dtype=DTYPE)
+    targets, weights = [], []
+    for schedule in gamma.reshape(-1, gamma.shape[-1]):
+        y, ys, ws = rhs, [], []
+        for g in schedule:
+            w = torch.linalg.solve(k + g * eye, y)
+            y = alpha * rhs + (1 - alpha) * (k @ w)
+            ys.append(y)
+            ws.append(w)
+        targets.append(torch.stack(ys, dim=-3))
+        weights.append(torch.stack(ws, dim=-3))
+    shape = (*gamma.shape[:-1], *targets[0].shape)
+    return torch.stack(targets).reshape(shape), torch.stack(weights).reshape(shape)
+
+
+def relative_error(got, expected):
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("lengthscale, alpha", [(0.3, 0.0), (1.0, 0.3)])
+def test_krylov_chain_equals_a_naive_refit_loop(lengthscale, alpha):
+    gen = torch.Generator().manual_seed(8)
+    x = 5 * torch.rand(2, 300, 2, generator=gen, dtype=DTYPE)  # a kernel batch of 2
+    k = rbf_matrix(x, lengthscale)
+    rhs = torch.randn(2, 300, 2, generator=gen, dtype=DTYPE)
+    steps = torch.arange(6, dtype=DTYPE)
+    gamma = torch.stack([torch.full((6,), 0.01), 0.05 * 1.3**steps, 0.2 / (1 + steps)])
+    gamma = gamma.to(DTYPE)[:, None, :]  # shape (3, 1, 6): a schedule batch against the kernels
+    spectrum = KernelSpectrum.from_lanczos(k, rank=48, residual_tol=1e-10, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-11)
+    targets, weights = naive_chain(k, gamma.squeeze(1), alpha, rhs)  # (3, 2, 6, 300, 2)
+    got_targets = cg.krylov_apply(SF.data_centric_targets(gamma, alpha), rhs)
+    got_weights = cg.krylov_apply(SF.data_centric_weights(gamma, alpha), rhs)
+    assert got_weights.shape == weights.shape == (3, 2, 6, 300, 2)
+    assert relative_error(got_targets, targets) < 1e-9
+    assert relative_error(got_weights, weights) < 1e-9
+    assert cg.krylov_error_estimate <= 1e-11
+    if lengthscale == 1.0:  # smooth enough that some pairs split off exactly
+        assert int(spectrum.resolved.sum()) > 0
+
+
+def hard_chain_problem(n=500):
+    gen = torch.Generator().manual_seed(9)
+    k = rbf_matrix(5 * torch.rand(n, 1, generator=gen, dtype=DTYPE), 0.1)
+    rhs = torch.randn(n, 1, generator=gen, dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=16, generator=gen)
+    return k, rhs, spectrum
+
+
+def test_krylov_chain_takes_one_run_whatever_the_number_of_steps():
+    k, rhs, spectrum = hard_chain_problem()
+    products = {}
+    for steps in (3, 30):
+        gamma = torch.full((steps,), 1e-3, dtype=DTYPE)
+        counting = CountingKernel(k)
+        got = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10).krylov_apply(
+            SF.data_centric_weights(gamma), rhs
+        )
+        assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
+        products[steps] = counting.products
+    # ten times the steps, about the same Krylov run
+    assert products[30] <= 1.5 * products[3]
+    chain = CountingKernel(k)
+    cg = ShiftedCG.from_spectrum(chain, spectrum, tol=1e-10)
+    ShiftedSolveEngine.apply(cg, SF.data_centric_weights(torch.full((30,), 1e-3, dtype=DTYPE)), rhs)
+    assert products[30] < chain.products / 5
+
+
+def test_apply_takes_the_cheaper_of_the_krylov_run_and_the_chain():
+    # A hard spectrum and a long chain: one Krylov run.
+    k, rhs, spectrum = hard_chain_problem()
+    gamma = torch.full((30,), 1e-3, dtype=DTYPE)
+    counting, chain = CountingKernel(k), CountingKernel(k)
+    got = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10).apply(
+        SF.data_centric_weights(gamma), rhs
+    )
+    cg = ShiftedCG.from_spectrum(chain, spectrum, tol=1e-10)
+    ShiftedSolveEngine.apply(cg, SF.data_centric_weights(gamma), rhs)
+    assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
+    assert counting.products < chain.products / 3
+    # A well-deflated spectrum and a short chain: the solves are cheap, so step by step.
+    gen = torch.Generator().manual_seed(10)
+    k = rbf_matrix(5 * torch.rand(300, 2, generator=gen, dtype=DTYPE), 1.0)
+    rhs = torch.randn(300, 1, generator=gen, dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=128, generator=gen)
+    gamma = torch.tensor([0.01, 0.02, 0.03], dtype=DTYPE)
+    counting, chain = CountingKernel(k), CountingKernel(k)
+    got = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10).apply(
+        SF.data_centric_targets(gamma, 0.2), rhs
+    )
+    cg = ShiftedCG.from_spectrum(chain, spectrum, tol=1e-10)
+    ShiftedSolveEngine.apply(cg, SF.data_centric_targets(gamma, 0.2), rhs)
+    assert relative_error(got, naive_chain(k, gamma, 0.2, rhs)[0]) < 1e-8
+    assert counting.products <= 1.5 * chain.products + 2
+
+
+def test_krylov_chain_is_exact_once_its_krylov_space_is_exhausted():
+    gen = torch.Generator().manual_seed(11)
+    factor = torch.randn(60, 5, generator=gen, dtype=DTYPE)
+    k = factor @ factor.mT  # rank 5: every Krylov space has at most 6 dimensions
+    rhs = torch.randn(60, 1, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([0.1, 0.1, 0.1, 0.1], dtype=DTYPE)
+    cg = no_deflation(k, tol=1e-14)
+    got = cg.krylov_apply(SF.data_centric_targets(gamma), rhs)
+    assert cg.last_iterations <= 8
+    assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[0]) < 1e-12
+
+
+def test_krylov_chain_warns_when_it_does_not_converge_and_raises_on_nan():
+    k, rhs, _ = hard_chain_problem(200)
+    gamma = torch.full((5,), 1e-3, dtype=DTYPE)
+    cg = no_deflation(k, tol=1e-12, max_iter=10)
+    with pytest.warns(NumericalWarning, match="raise max_iter"):
+        cg.krylov_apply(SF.data_centric_weights(gamma), rhs)
+    assert cg.error_estimate(1e-3) > 1e-12
+    bad = k.clone()
+    bad[5, 5] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        no_deflation(bad).krylov_apply(SF.data_centric_weights(gamma), rhs)
