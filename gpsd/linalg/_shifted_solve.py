@@ -26,19 +26,24 @@ class ShiftedSolveEngine(abc.ABC):
     #: dtype of the solves.
     dtype: torch.dtype
 
-    #: ``(rhs, gamma, result)`` of the latest solve: a data-centric step asks for the same solve
-    #: twice (once for its weights, once for its targets).
+    #: ``(rhs, its version counter, gamma, result)`` of the latest solve: a data-centric step asks
+    #: for the same solve twice (once for its weights, once for its targets).
     _last: tuple | None = None
 
     def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
 
-        The previous result is reused when the same ``rhs`` and ``gamma`` objects come again.
+        The previous result is reused when the same right-hand side (the same tensor, or a view of
+        the same unmodified memory with the same shape) comes again with equal shifts.
         """
-        if self._last is not None and self._last[0] is rhs and self._last[1] is gamma:
-            return self._last[2]
+        if self._last is not None and _same_rhs(self._last[0], self._last[1], rhs):
+            last_gamma = self._last[2]
+            if last_gamma is gamma or (
+                last_gamma.shape == gamma.shape and bool(torch.equal(last_gamma, gamma))
+            ):
+                return self._last[3]
         out = self._solve(gamma, rhs)
-        self._last = (rhs, gamma, out)
+        self._last = (rhs, rhs._version, gamma, out)
         return out
 
     @abc.abstractmethod
@@ -81,3 +86,19 @@ class ShiftedSolveEngine(abc.ABC):
 
     def check_accuracy(self, gamma_min: float, rtol: float) -> None:  # noqa: B027
         """Nothing to check before solving (iterative subclasses check every solve)."""
+
+
+def _same_rhs(a: Tensor, version: int, b: Tensor) -> bool:
+    """Whether ``b`` holds the values ``a`` held when its version counter read ``version``: the
+    same memory, shape and strides, and nothing written to it since (views share the counter),
+    and the same autograd history (a detached view must not take a result with a graph)."""
+    return (
+        a.grad_fn is b.grad_fn
+        and a.requires_grad == b.requires_grad
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and b._version == version
+    )

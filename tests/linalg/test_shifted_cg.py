@@ -325,3 +325,21 @@ def test_krylov_chain_warns_when_it_does_not_converge_and_raises_on_nan():
     bad[5, 5] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         no_deflation(bad).krylov_apply(SF.data_centric_weights(gamma), rhs)
+
+
+def test_a_short_chain_reuses_the_probe_solve_and_a_written_rhs_is_solved_again():
+    gen = torch.Generator().manual_seed(12)
+    k = rbf_matrix(5 * torch.rand(200, 2, generator=gen, dtype=DTYPE), 1.0)
+    rhs = torch.randn(200, 1, generator=gen, dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
+    gamma = torch.tensor([0.01, 0.02], dtype=DTYPE)
+    probed, chain = CountingKernel(k), CountingKernel(k)
+    ShiftedCG.from_spectrum(probed, spectrum, tol=1e-10).apply(SF.data_centric_weights(gamma), rhs)
+    cg = ShiftedCG.from_spectrum(chain, spectrum, tol=1e-10)
+    ShiftedSolveEngine.apply(cg, SF.data_centric_weights(gamma), rhs)
+    assert probed.products == chain.products  # the probe is the chain's first solve
+    # Writing into the right-hand side invalidates the reuse.
+    g = torch.tensor(0.01, dtype=DTYPE)
+    first = cg.solve(g, rhs).clone()
+    rhs.mul_(2.0)
+    assert relative_error(cg.solve(g, rhs), 2 * first) < 1e-8
