@@ -43,3 +43,11 @@ def median_time(
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def write_report(text: str, out: str | None) -> None:
+    """Print a Markdown report and, given a path ``out``, also write it there."""
+    print(text)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text + "\n")

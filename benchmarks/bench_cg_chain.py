@@ -28,7 +28,7 @@ import sys
 
 import gpytorch
 import torch
-from _timing import median_time
+from _timing import median_time, write_report
 
 from gpsd.data import load_dataset
 from gpsd.linalg import ChunkedKernelOperator, KernelSpectrum, ShiftedCG
@@ -164,11 +164,7 @@ def main() -> None:
                 print(lines[-1], flush=True)
             previous = {**times, "steps": steps}
         lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

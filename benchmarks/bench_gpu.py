@@ -36,7 +36,7 @@ import sys
 
 import gpytorch
 import torch
-from _timing import median_time
+from _timing import median_time, write_report
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 
@@ -343,11 +343,7 @@ def main() -> None:
             "",
             factorisation_rate_table(args, dtype, rate),
         ]
-    text = "\n".join(parts)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    write_report("\n".join(parts), args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 
 import gpytorch
 import torch
-from _timing import peak_rss_kib, sync
+from _timing import peak_rss_kib, sync, write_report
 
 from gpsd import KernelDistillation
 
@@ -80,11 +80,7 @@ def main() -> None:
         f"| {args.n} | {args.m} | {args.b} | {t_distil:.1f} | {t_predict:.3f} ({args.test}) | "
         f"{peak_gib(device):.2f} | {k_xx_gib:.1f} | {finite} |",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

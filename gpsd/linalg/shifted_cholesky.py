@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+
 import torch
 from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
@@ -24,30 +27,51 @@ class ShiftedCholesky(ShiftedSolveEngine):
         \mathbf K(\mathbf K + \gamma\mathbf I)^{-1}\mathbf a
         = \mathbf a - \gamma\,(\mathbf K + \gamma\mathbf I)^{-1}\mathbf a .
 
-    Each distinct shift is factored once (:math:`\mathcal O(N^3/3)`) and cached, so ``T`` steps cost
-    ``T`` Cholesky factorisations: cheaper than one eigendecomposition when ``T`` is small, and
-    exact. It offers the same ``apply``/``cross``/``quad_diag``/``trace`` as
+    Each distinct shift is factored once (:math:`\mathcal O(N^3/3)`), so ``T`` steps cost ``T``
+    Cholesky factorisations: cheaper than one eigendecomposition when ``T`` is small, and exact.
+    It offers the same ``apply``/``cross``/``quad_diag``/``trace`` as
     :class:`~gpsd.linalg.KernelSpectrum`, for the filters it can evaluate.
+
+    **Memory.** Each factor is as large as :math:`\mathbf K`. The factors are kept for reuse (the
+    variances need them again after the means) up to ``max_cached_bytes``, the least recently
+    used one dropped first; one that was dropped is factored again when needed.
 
     :param kernel: :math:`\mathbf K`, shape ``(*b, N, N)``.
     :param dtype: the dtype of the factorisations (default: the kernel's).
+    :param max_cached_bytes: memory for cached factors (at least one is always kept). Default:
+        half the memory free on the kernel's device when the first factor is made.
     """
 
-    def __init__(self, kernel: Tensor | LinearOperator, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        kernel: Tensor | LinearOperator,
+        dtype: torch.dtype | None = None,
+        max_cached_bytes: int | None = None,
+    ) -> None:
         dense = to_dense(kernel)
         self.kernel_matrix = dense if dtype is None else dense.to(dtype)
         self.dtype = self.kernel_matrix.dtype
         self.size = dense.shape[-1]
-        self._factors: dict[tuple, Tensor] = {}
+        self.max_cached_bytes = max_cached_bytes
+        self._factors: OrderedDict[tuple, Tensor] = OrderedDict()
 
     def factor(self, gamma: Tensor) -> Tensor:
         """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``."""
         key = (tuple(gamma.shape), gamma.detach().cpu().numpy().tobytes())
-        if key not in self._factors:
-            eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=gamma.device)
-            shifted = self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
-            self._factors[key] = psd_safe_cholesky(shifted)
-        return self._factors[key]
+        if key in self._factors:
+            self._factors.move_to_end(key)
+            return self._factors[key]
+        eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=gamma.device)
+        shifted = self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
+        factor = psd_safe_cholesky(shifted)
+        del shifted
+        if self.max_cached_bytes is None:
+            self.max_cached_bytes = free_memory_bytes(factor.device) // 2
+        size = factor.numel() * factor.element_size()
+        while self._factors and size * (len(self._factors) + 1) > self.max_cached_bytes:
+            self._factors.popitem(last=False)
+        self._factors[key] = factor
+        return factor
 
     def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         return torch.cholesky_solve(rhs, self.factor(gamma))
@@ -62,3 +86,20 @@ class ShiftedCholesky(ShiftedSolveEngine):
         eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
         eye = eye.expand(*self.kernel_matrix.shape[:-2], self.size, self.size)
         return self.apply(filt, eye).diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on ``device``: the CUDA allocator's view, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2**32  # 4 GiB where the platform does not say

@@ -9,6 +9,8 @@ from gpr_reference import rbf_kernel, relative_error
 from gpytorch.utils.warnings import NumericalWarning
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
+from gpsd.linalg import SpectralFilter
+from gpsd.linalg._shifted_solve import ShiftedSolveEngine
 
 DTYPE = torch.float64
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -70,8 +72,14 @@ def test_keops_lanczos_and_cg_agree_with_dense_at_n_2000():
     cg = DataCentricGPR(keops_kernel, x, y, gammas, backend="cg", rank=16, rtol=1e-10)
     with torch.no_grad():
         got = cg.predict(test_x)
+        # the one-run Krylov chain on KeOps products, against the step-by-step chain
+        engine, centred = cg._state()["engine"], cg._state()["centred"]
+        weights = SpectralFilter.data_centric_weights(gammas)
+        one_run = engine.krylov_apply(weights, centred)
+        step_by_step = ShiftedSolveEngine.apply(engine, weights, centred)
     assert relative_error(got.mean, ref.mean) < 1e-7
     assert relative_error(got.variance, ref.variance) < 1e-7
+    assert relative_error(one_run, step_by_step) < 1e-8
     # float32 data: the KeOps products still run in the float64 of the factorisation, so CG
     # reaches a residual that float32 products (rounding ~1e-7 per product) could not.
     cg = DataCentricGPR(

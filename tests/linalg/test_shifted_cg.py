@@ -343,3 +343,20 @@ def test_a_short_chain_reuses_the_probe_solve_and_a_written_rhs_is_solved_again(
     first = cg.solve(g, rhs).clone()
     rhs.mul_(2.0)
     assert relative_error(cg.solve(g, rhs), 2 * first) < 1e-8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_krylov_chain_on_cuda_matches_the_cpu():
+    k, rhs, spectrum = hard_chain_problem(300)
+    gamma = torch.full((2, 20), 1e-3, dtype=DTYPE)
+    filt = SF.data_centric_targets(gamma, 0.1)
+    cpu = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10).krylov_apply(filt, rhs)
+    cuda = ShiftedCG(
+        k.cuda(),
+        spectrum.ritz_values.cuda(),
+        spectrum.ritz_vectors.cuda(),
+        resolved=spectrum.resolved.cuda(),
+        tol=1e-10,
+    ).krylov_apply(SF.data_centric_targets(gamma.cuda(), 0.1), rhs.cuda())
+    assert cuda.device.type == "cuda"
+    assert relative_error(cuda.cpu(), cpu) < 1e-8

@@ -156,3 +156,26 @@ def test_chunked_kernel_operator_products_and_diagonal():
     torch.testing.assert_close(op.diagonal(dim1=-2, dim2=-1), dense.diagonal(dim1=-2, dim2=-1))
     with pytest.raises(ValueError, match="chunk_size"):
         ChunkedKernelOperator(x, kernel=kernel, chunk_size=0)
+
+
+def test_cholesky_keeps_its_factors_within_the_memory_it_is_given():
+    k = rbf_matrix(60, lengthscale=0.5)
+    gammas = torch.linspace(0.1, 1.0, 6, dtype=DTYPE)
+    rhs = torch.randn(60, 2, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+    left = torch.randn(60, 4, generator=torch.Generator().manual_seed(2), dtype=DTYPE)
+    factor_bytes = 60 * 60 * 8
+    small = ShiftedCholesky(k, max_cached_bytes=2 * factor_bytes)
+    filt = SpectralFilter.data_centric_targets(gammas, 0.2)
+    expected = explicit_targets(k, gammas, 0.2) @ rhs
+    torch.testing.assert_close(small.apply(filt, rhs), expected, rtol=1e-9, atol=1e-10)
+    assert len(small._factors) == 2  # six shifts factored, two kept
+    resolvent = SpectralFilter.resolvent(gammas)
+    eye = torch.eye(60, dtype=DTYPE)
+    solves = torch.stack([torch.linalg.solve(k + g * eye, left) for g in gammas])
+    torch.testing.assert_close(
+        small.quad_diag(resolvent, left), (left * solves).sum(-2), rtol=1e-9, atol=1e-10
+    )
+    assert len(small._factors) == 2
+    default = ShiftedCholesky(k)  # half the free memory: all six fit
+    default.apply(filt, rhs)
+    assert len(default._factors) == 6 and default.max_cached_bytes > 6 * factor_bytes
