@@ -94,13 +94,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[3, 10, 30, 100])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-seconds", type=float, default=300.0)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     lines = [
-        "# The data-centric chain on the CG backend (float64, CPU)",
+        f"# The data-centric chain on the CG backend (float64, {device.type})",
         "",
-        f"- command: `python benchmarks/{' '.join(sys.argv)}`",
+        f"- command: `python {' '.join(sys.argv)}`",
         f"- machine: {platform.machine()}, {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}, gpytorch {gpytorch.__version__}, Python {platform.python_version()}",
         f"- noise {NOISE} at every step, rtol {RTOL}, deflation by a rank-{DEFLATION_RANK} "
@@ -108,13 +109,19 @@ def main() -> None:
         f"{args.repeats} run(s) after a warm-up",
         "",
     ]
+    if device.type == "cuda":
+        lines.insert(
+            4, f"- device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
+        )
     for name, x, lengthscale in problems(args.n):
         kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
         kernel.lengthscale = lengthscale
         kernel.requires_grad_(False)
+        kernel, x = kernel.to(device), x.to(device)
         operator = ChunkedKernelOperator(x, kernel=kernel)
         dense = kernel(x).to_dense()
         y = torch.randn(x.shape[0], 1, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+        y = y.to(device)
         spectrum = KernelSpectrum.from_lanczos(
             operator,
             rank=DEFLATION_RANK,
