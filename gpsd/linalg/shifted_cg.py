@@ -117,6 +117,7 @@ class ShiftedCG(ShiftedSolveEngine):
         self.max_relative_residual = 0.0
         #: Largest a posteriori relative error of any :meth:`krylov_apply` so far.
         self.krylov_error_estimate = 0.0
+        self._solve_iterations = 0  # iterations of the latest CG solve (not the Krylov runs)
 
     @classmethod
     def from_spectrum(
@@ -199,7 +200,7 @@ class ShiftedCG(ShiftedSolveEngine):
             p = z + beta.unsqueeze(-2) * p
             rz = rz_new
             iterations += 1
-        self.last_iterations = iterations
+        self.last_iterations = self._solve_iterations = iterations
         true_residual = torch.linalg.vector_norm(b - shifted(x), dim=-2)
         relative = true_residual / b_norm.clamp_min(torch.finfo(self.dtype).tiny)
         worst = float(relative.max()) if relative.numel() else 0.0
@@ -237,7 +238,8 @@ class ShiftedCG(ShiftedSolveEngine):
             return super().apply(filt, rhs)
         if filt.num_filters > 1:
             self.solve(filt.gamma.min().to(self.dtype), rhs.to(self.dtype))
-            budget = (filt.num_filters - 1) * self.last_iterations // 2
+            # the timed solve's iterations, also when it came from the reuse cache
+            budget = (filt.num_filters - 1) * self._solve_iterations // 2
             if budget >= 2 * _FIRST_CHECK:  # the stopping rule needs two checkpoints
                 out, estimate = self._krylov_apply(filt, rhs, budget)
                 if estimate <= self.tol:

@@ -360,3 +360,17 @@ def test_krylov_chain_on_cuda_matches_the_cpu():
     ).krylov_apply(SF.data_centric_targets(gamma.cuda(), 0.1), rhs.cuda())
     assert cuda.device.type == "cuda"
     assert relative_error(cuda.cpu(), cpu) < 1e-8
+
+
+def test_a_second_filter_on_the_same_rhs_reuses_the_timed_solve():
+    k, rhs, spectrum = hard_chain_problem(300)
+    gamma = torch.full((10,), 1e-3, dtype=DTYPE)
+    counting = CountingKernel(k)
+    cg = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10)
+    cg.apply(SF.data_centric_targets(gamma), rhs)
+    first, timed, krylov = counting.products, cg._solve_iterations, cg.last_iterations
+    assert krylov != timed and cg.krylov_error_estimate > 0  # the Krylov run served the chain
+    got = cg.apply(SF.data_centric_weights(gamma), rhs)
+    # no second timed solve: only the Krylov run
+    assert counting.products - first == krylov
+    assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
