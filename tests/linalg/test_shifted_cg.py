@@ -135,15 +135,21 @@ def test_bad_arguments_and_trace_raise_clear_errors():
         no_deflation(k).trace(SF.resolvent(torch.tensor([0.1], dtype=DTYPE)))
 
 
-@pytest.mark.parametrize("lengthscale, rank", [(0.5, 32), (1.0, 64)])
-def test_multishift_variances_equal_dense_quadratic_forms(lengthscale, rank):
-    gen = torch.Generator().manual_seed(5)
+def multishift_problem(seed, lengthscale, rank, columns, tol):
+    """A 300-point kernel, ``columns`` random right-hand sides, a 2 x 4 batch of distinct
+    shifts, and a CG engine deflated by a rank-``rank`` Lanczos run."""
+    gen = torch.Generator().manual_seed(seed)
     x = 5 * torch.rand(300, 2, generator=gen, dtype=DTYPE)
     k = rbf_matrix(x, lengthscale)
-    left = torch.randn(300, 6, generator=gen, dtype=DTYPE)
+    rhs = torch.randn(300, columns, generator=gen, dtype=DTYPE)
     gamma = torch.tensor([[1e-3, 1e-2, 0.1, 1.0], [0.05, 0.2, 0.3, 0.4]], dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=rank, residual_tol=1e-9, generator=gen)
-    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10)
+    return k, rhs, gamma, spectrum, ShiftedCG.from_spectrum(k, spectrum, tol=tol)
+
+
+@pytest.mark.parametrize("lengthscale, rank", [(0.5, 32), (1.0, 64)])
+def test_multishift_variances_equal_dense_quadratic_forms(lengthscale, rank):
+    k, left, gamma, spectrum, cg = multishift_problem(5, lengthscale, rank, 6, 1e-10)
     got = cg.quad_diag(SF.resolvent(gamma), left)
     expected = (left * dense_solves(k, gamma, left)).sum(-2)
     assert got.shape == (2, 4, 6)
@@ -163,13 +169,7 @@ def test_multishift_warns_when_it_does_not_converge():
 
 @pytest.mark.parametrize("lengthscale, rank", [(0.5, 32), (1.0, 64)])
 def test_multishift_solves_equal_dense_solves(lengthscale, rank):
-    gen = torch.Generator().manual_seed(7)
-    x = 5 * torch.rand(300, 2, generator=gen, dtype=DTYPE)
-    k = rbf_matrix(x, lengthscale)
-    rhs = torch.randn(300, 2, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([[1e-3, 1e-2, 0.1, 1.0], [0.05, 0.2, 0.3, 0.4]], dtype=DTYPE)
-    spectrum = KernelSpectrum.from_lanczos(k, rank=rank, residual_tol=1e-9, generator=gen)
-    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-11)
+    k, rhs, gamma, spectrum, cg = multishift_problem(7, lengthscale, rank, 2, 1e-11)
     got = cg.apply(SF.resolvent(gamma), rhs)
     expected = dense_solves(k, gamma, rhs)
     assert got.shape == (2, 4, 300, 2)
