@@ -304,14 +304,11 @@ class ShiftedCG(ShiftedSolveEngine):
         self, filt: SpectralFilter, rhs: Tensor, max_iter: int
     ) -> tuple[Tensor, float]:
         """:meth:`krylov_apply` within ``max_iter`` iterations; also returns its error estimate."""
-        d, v = self._resolved_pairs()
-        rhs = rhs.to(self.dtype)
         with torch.no_grad():
-            z = v.mT @ rhs  # shape: (*kb, q, r)
+            d, v, z, b = self._split_resolved(rhs.to(self.dtype))
             # shape: (*bc, T, N, r) with *bc the schedules' batch broadcast against *kb
             exact = v.unsqueeze(-3) @ (filt.values(d).unsqueeze(-1) * z.unsqueeze(-3))
-            # Each column becomes a leading batch entry: shape (r, *kb, N, 1).
-            b = (rhs - v @ z).movedim(-1, 0).unsqueeze(-1)
+            b = b.movedim(-1, 0).unsqueeze(-1)  # each column a batch entry: (r, *kb, N, 1)
             basis, coefficients, estimate = self._lanczos(b, v, filt, exact, max_iter)
             basis = _columns_before_schedules(basis, filt, 2)  # shape: (r, *1, *kb, N, k)
             # shape: (r, *bc, T, N) -> (*bc, T, N, r)
@@ -413,13 +410,11 @@ class ShiftedCG(ShiftedSolveEngine):
         :param rhs: :math:`\mathbf B`, shape ``(*b, N, r)``.
         :return: shape ``(*broadcast(s, b), T, N, r)``.
         """
-        d, v = self._resolved_pairs()
         gamma0 = gamma.min()
         with torch.no_grad():
-            z = v.mT @ rhs  # shape: (*b, q, r)
+            d, v, z, b = self._split_resolved(rhs)
             shifts = gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
             exact = v.unsqueeze(-3) @ (z.unsqueeze(-3) / (d[..., None, :, None] + shifts))
-            b = rhs - v @ z  # the complement's right-hand side, shape (*b, N, r)
             delta = shifts - gamma0  # shape: (*s, T, 1, 1)
             shifted = self._complement_operator(v, gamma0)
             norm2 = (b * b).sum(-2, keepdim=True)  # shape: (*b, 1, r)
@@ -501,12 +496,11 @@ class ShiftedCG(ShiftedSolveEngine):
         :param left: :math:`\mathbf C`, shape ``(*b, N, M)``.
         :return: shape ``(*broadcast(s, b), T, M)``.
         """
-        d, v = self._resolved_pairs()
         with torch.no_grad():
-            z = v.mT @ left  # shape: (*b, q, M)
+            d, v, z, complement = self._split_resolved(left)
             shifts = gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
             exact = (z.square().unsqueeze(-3) / (d[..., None, :, None] + shifts)).sum(-2)
-            alphas, betas, actives, norm2 = self._complement_cg(left - v @ z, v, gamma.min())
+            alphas, betas, actives, norm2 = self._complement_cg(complement, v, gamma.min())
             delta = (gamma - gamma.min())[..., :, None]  # shape: (*s, T, 1)
             fraction = torch.ones_like(exact)
             for j in range(len(alphas) - 1, -1, -1):  # continued fraction, from the bottom
@@ -551,9 +545,13 @@ class ShiftedCG(ShiftedSolveEngine):
         self._check_multishift(rr, norm2)
         return alphas, betas, actives, norm2
 
-    def _resolved_pairs(self) -> tuple[Tensor, Tensor]:
-        """The resolved Ritz values ``(*b, q)`` and vectors ``(*b, N, q)``; the others zeroed."""
-        return self.ritz_values * self.resolved, self.ritz_vectors * self.resolved.unsqueeze(-2)
+    def _split_resolved(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The resolved Ritz values ``d`` ``(*b, q)`` and vectors ``V`` ``(*b, N, q)`` (the others
+        zeroed), ``V^T x`` and the complement ``x - V V^T x`` of ``x`` ``(*b, N, r)``."""
+        d = self.ritz_values * self.resolved
+        v = self.ritz_vectors * self.resolved.unsqueeze(-2)
+        z = v.mT @ x  # shape: (*b, q, r)
+        return d, v, z, x - v @ z
 
     def _complement_operator(self, v: Tensor, gamma0: Tensor):
         """``x -> (P K + gamma0 I) x`` with :math:`\\mathbf P = \\mathbf I - \\mathbf V\\mathbf V^\\top`,
