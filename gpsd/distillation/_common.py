@@ -97,7 +97,8 @@ def make_engine(
     kernel: Kernel,
     x: Tensor,
     backend: str,
-    num_factorisations: int,
+    num_schedules: int,
+    num_steps: int,
     eig_dtype: torch.dtype | None,
     rank: int | None,
     generator_seed: int,
@@ -119,8 +120,9 @@ def make_engine(
     eigendecomposition and no gradient is needed, it first tries Lanczos with a rank budget of
     ``N / 8`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than ``eigh``) and
     falls back to the dense decomposition if the budget does not reach ``rtol``. Beyond the size
-    of a dense decomposition it grows Lanczos up to :data:`MAX_GROWN_RANK` and, if that does not
-    reach ``rtol``, solves by CG deflated with the Ritz pairs it found.
+    of a dense decomposition, or where it would not fit in the device's free memory, it grows
+    Lanczos up to :data:`MAX_GROWN_RANK` and, if that does not reach ``rtol``, solves by CG
+    deflated with the Ritz pairs it found.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -159,13 +161,21 @@ def make_engine(
             ) from err
     try_lanczos_first = False
     if backend == "auto":
-        backend = choose_backend(n, num_factorisations, x.device)
+        batch_size = x.shape[:-2].numel()
+        backend = choose_backend(
+            n,
+            num_schedules * num_steps,
+            x.device,
+            dtype=eig_dtype or x.dtype,
+            batch_size=batch_size,
+            num_schedules=num_schedules,
+        )
         needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in kernel.parameters())
         try_lanczos_first = backend == "dense" and not needs_grad
     try:
         if backend == "cholesky":
             return ShiftedCholesky(kernel(x), dtype=eig_dtype)
-        if backend == "lanczos":  # chosen by choose_backend: N beyond a dense matrix
+        if backend == "lanczos":  # chosen by choose_backend: no dense matrix (N or memory)
             operator = _matrix_free(kernel, x, eig_dtype)
             spectrum = grow_lanczos(operator, min(n, MAX_GROWN_RANK))
             if spectrum.error_estimate(gamma_min) <= rtol:

@@ -54,8 +54,8 @@ class DataCentricGPR(SpectralGPR):
       Lanczos run (:class:`~gpsd.linalg.ShiftedCG`); each solve reaches relative residual
       ``rtol`` whatever the spectrum, at the price of iterations per step. No :meth:`gcv`.
     * ``backend="auto"``: chosen by :func:`~gpsd.linalg.choose_backend` from N, the number of steps
-      and the device; beyond a dense matrix, Lanczos, or deflated CG where Lanczos cannot reach
-      ``rtol``.
+      and the device's free memory; beyond a dense matrix that fits, Lanczos, or deflated CG
+      where Lanczos cannot reach ``rtol``.
 
     The factorisation is cached and recomputed when the kernel's or the mean's parameters change.
     Gradients flow to the hyperparameters through the dense and Cholesky backends; the

@@ -1,6 +1,6 @@
 """Spectral filters of kernel operators: eigendecomposition, Cholesky chains, block Lanczos, deflated CG."""
 
-from gpsd.linalg.backend import BACKENDS, choose_backend
+from gpsd.linalg.backend import BACKENDS, choose_backend, free_memory_bytes
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum, SpectralCoordinates
 from gpsd.linalg.shifted_cg import ShiftedCG
@@ -16,4 +16,5 @@ __all__ = [
     "SpectralCoordinates",
     "SpectralFilter",
     "choose_backend",
+    "free_memory_bytes",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
@@ -12,6 +11,7 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine
+from gpsd.linalg.backend import free_memory_bytes
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["ShiftedCholesky"]
@@ -86,20 +86,3 @@ class ShiftedCholesky(ShiftedSolveEngine):
         eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
         eye = eye.expand(*self.kernel_matrix.shape[:-2], self.size, self.size)
         return self.apply(filt, eye).diagonal(dim1=-2, dim2=-1).sum(-1)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory free on ``device``: the CUDA allocator's view, or the host's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 2**32  # 4 GiB where the platform does not say

@@ -51,6 +51,21 @@ def test_auto_beyond_dense_size_keeps_lanczos_for_a_smooth_kernel(small_dense_li
     assert isinstance(engine, KernelSpectrum) and engine.is_truncated
 
 
+def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch):
+    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device: 2**20)  # 1 MiB
+    monkeypatch.setattr(common, "MAX_GROWN_RANK", 32)
+    x, y, test_x = wiggly_data()  # one 300 x 300 float64 matrix: 0.7 MiB
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
+    gammas = torch.full((3,), 1e-2, dtype=DTYPE)  # few steps: the Cholesky chain if it fitted
+    auto = DataCentricGPR(kernel, x, y, gammas, rtol=1e-10)
+    dense = DataCentricGPR(kernel, x, y, gammas, backend="dense")
+    with torch.no_grad():
+        got, ref = auto.predict(test_x), dense.predict(test_x)
+        assert isinstance(auto._state()["engine"], ShiftedCG)
+    assert relative_error(got.mean, ref.mean) < 1e-7
+    assert relative_error(got.variance, ref.variance) < 1e-7
+
+
 @pytest.mark.parametrize("backend", ["lanczos", "cg"])
 def test_matrix_free_predictions_carry_no_partial_gradient(backend):
     x, y, test_x = wiggly_data(n=200)

@@ -3,7 +3,13 @@ import math
 import pytest
 import torch
 
-from gpsd.linalg import KernelSpectrum, ShiftedCholesky, SpectralFilter, choose_backend
+from gpsd.linalg import (
+    KernelSpectrum,
+    ShiftedCholesky,
+    SpectralFilter,
+    choose_backend,
+    free_memory_bytes,
+)
 
 DTYPE = torch.float64
 
@@ -117,10 +123,42 @@ def test_dense_eigendecomposition_runs_in_float64_by_default():
 
 
 def test_choose_backend():
-    assert choose_backend(1000, 3, "cpu") == "cholesky"
-    assert choose_backend(1000, 100, "cpu") == "dense"
-    assert choose_backend(100_000, 100, "cpu") == "lanczos"
-    assert choose_backend(5000, 20, "cuda") == "cholesky"
+    plenty = 2**50
+    assert choose_backend(1000, 3, "cpu", free_bytes=plenty) == "cholesky"
+    assert choose_backend(1000, 100, "cpu", free_bytes=plenty) == "dense"
+    assert choose_backend(100_000, 100, "cpu", free_bytes=plenty) == "lanczos"
+    assert choose_backend(5000, 20, "cuda", free_bytes=plenty) == "cholesky"
+
+
+def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory():
+    n, gib = 20_000, 2**30
+    matrix = n * n * 8  # one float64 N x N matrix: 3.2 GB
+    # eigh needs 4 matrices, the chain 1 + 3 per schedule; 80 % of the free memory may be used.
+    assert choose_backend(n, 100, "cuda", free_bytes=80 * gib) == "dense"
+    assert choose_backend(n, 100, "cuda", free_bytes=int(4 * matrix / 0.8) - 1) == "lanczos"
+    assert choose_backend(n, 100, "cuda", free_bytes=int(4 * matrix / 0.8) + 1) == "dense"
+    assert choose_backend(n, 4, "cuda", free_bytes=int(4 * matrix / 0.8) + 1) == "cholesky"
+    # Four schedules in one factor: 1 + 3 * 4 matrices do not fit where 4 did; eigh still does.
+    assert choose_backend(n, 4, "cuda", num_schedules=4, free_bytes=20 * gib) == "dense"
+    # float32 halves the footprint; a batch of 4 kernel matrices quadruples it.
+    assert choose_backend(n, 100, "cuda", torch.float32, free_bytes=8 * gib) == "dense"
+    assert choose_backend(n, 100, "cuda", torch.float64, free_bytes=8 * gib) == "lanczos"
+    assert choose_backend(n, 100, "cuda", batch_size=4, free_bytes=50 * gib) == "lanczos"
+
+
+def test_free_memory_bytes_is_positive_on_the_cpu():
+    free = free_memory_bytes("cpu")
+    assert isinstance(free, int) and free > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_free_memory_bytes_counts_the_allocators_unused_cache():
+    device = torch.device("cuda")
+    block = torch.empty(2**28, dtype=torch.uint8, device=device)  # 256 MiB
+    before = free_memory_bytes(device)
+    del block  # returns to PyTorch's cache, not to the driver
+    after = free_memory_bytes(device)
+    assert after - before >= 2**28 - 2**21
 
 
 def test_to_linear_operator_equals_explicit_filter_matrices():
