@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -12,10 +13,14 @@ __all__ = ["BACKENDS", "choose_backend", "free_memory_bytes"]
 #: :class:`~gpsd.distillation.DistributionCentricGPR`.
 BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 
-# Measured cost of one float64 ``eigh`` in units of one Cholesky factorisation of the same N
-# (benchmarks/results/regression.md: about 13 on the 2-core CPU of this project at N = 2000).
-# On CUDA, eigh is comparatively slower still (see the design notes); 30 is conservative.
-_EIGH_OVER_CHOLESKY = {"cpu": 12.0, "cuda": 30.0}
+# Most Cholesky factorisations for which the chain is chosen over the dense eigendecomposition.
+# CPU: measured end to end (fit, then every step's means and variances at 1000 test points) in
+# benchmarks/results/backend_choice_cpu.md: at N = 1024 the chain and the dense path are even at
+# T = 3, at N = 2048 and 4096 the chain is twice as fast at T = 3 and the dense path (or auto's
+# Lanczos attempt inside it) faster from T = 5 on. The bare float64 eigh costs 5 to 13 Cholesky
+# factorisations there, but each step of the chain also solves with the test points. CUDA: not
+# measured yet; eigh is comparatively slower on GPUs (see the design notes), and 30 is a guess.
+_MAX_CHAIN_FACTORISATIONS = {"cpu": 3, "cuda": 30}
 # Largest N for which a dense N x N eigendecomposition is attempted automatically.
 _DENSE_MAX_N = {"cpu": 12_000, "cuda": 30_000}
 # Peak memory of the dense eigendecomposition in N x N matrices of the factorisation dtype: the
@@ -60,17 +65,20 @@ def choose_backend(
     r"""Pick ``"cholesky"``, ``"dense"`` or ``"lanczos"`` for an ``n``-point problem.
 
     ``num_factorisations`` is the number of distinct shifted Cholesky factorisations the chain
-    would need (steps times schedules). The chain wins while it is cheaper than one
-    eigendecomposition; beyond the size where an ``n x n`` eigendecomposition is practical, the
-    matrix-free Lanczos backend is used (the regressors switch to deflated CG, ``"cg"``, when
-    Lanczos does not reach their accuracy).
+    would need (steps times schedules). The chain is chosen while it is measured to be cheaper
+    than one eigendecomposition (up to 3 factorisations on the CPU); beyond the size where an
+    ``n x n`` eigendecomposition is practical, the matrix-free Lanczos backend is used (the
+    regressors switch to deflated CG, ``"cg"``, when Lanczos does not reach their accuracy).
 
-    A dense backend is chosen only if its peak memory fits in 80 % of ``free_bytes`` (default:
-    :func:`free_memory_bytes` of ``device``). With :math:`s` the size of one ``n x n`` matrix of
-    ``dtype`` times ``batch_size``, the eigendecomposition is taken to need :math:`4s` (matrix,
-    eigenvectors, workspace) and the Cholesky chain :math:`s + 3ps` with
-    :math:`p = \max(1, \texttt{num\_schedules} / \texttt{batch\_size})` (matrix, a cached factor,
-    the shifted copy and the new factor, each for every schedule).
+    Memory decides too (``free_bytes``, default: :func:`free_memory_bytes` of ``device``). Let
+    :math:`s` be the size of the kernel matrices (``batch_size`` of them, ``n x n`` in ``dtype``)
+    and :math:`f = s\max(1, \texttt{num\_schedules}/\texttt{batch\_size})` that of one Cholesky
+    factor, which covers every schedule. The eigendecomposition is chosen only if :math:`4s`
+    (matrix, eigenvectors, workspace) fits in 80 % of the free memory. The chain is chosen only if
+    all its :math:`T` factors fit in the cache of :class:`~gpsd.linalg.ShiftedCholesky`, half the
+    memory left beside the matrix and one more factor:
+    :math:`T f \le (\text{free} - s - f)/2`; otherwise the variances would factor every shift
+    again (for every chunk of test points), and the chain would lose its edge.
 
     :param n: number of training points :math:`N`.
     :param num_factorisations: Cholesky factorisations the chain needs.
@@ -81,16 +89,17 @@ def choose_backend(
     :param free_bytes: memory available; measured on ``device`` when not given.
     """
     kind = torch.device(device).type
-    kind = kind if kind in _EIGH_OVER_CHOLESKY else "cpu"
+    kind = kind if kind in _MAX_CHAIN_FACTORISATIONS else "cpu"
     if free_bytes is None:
         free_bytes = free_memory_bytes(device)
     budget = _MEMORY_FRACTION * free_bytes
     matrix_bytes = batch_size * n * n * (torch.finfo(dtype).bits // 8)
-    per_factor = max(1.0, num_schedules / batch_size)
-    chain_fits = (1 + 3 * per_factor) * matrix_bytes <= budget
+    factor_bytes = max(1.0, num_schedules / batch_size) * matrix_bytes
+    num_factors = math.ceil(num_factorisations / num_schedules)
+    chain_fits = num_factors * factor_bytes <= (free_bytes - matrix_bytes - factor_bytes) / 2
     eigh_fits = _EIGH_MATRICES * matrix_bytes <= budget
     if (
-        num_factorisations <= _EIGH_OVER_CHOLESKY[kind]
+        num_factorisations <= _MAX_CHAIN_FACTORISATIONS[kind]
         and n <= 2 * _DENSE_MAX_N[kind]
         and chain_fits
     ):

@@ -28,7 +28,7 @@ def small_dense_limit(monkeypatch):
 
 def test_auto_beyond_dense_size_switches_to_deflated_cg_and_stays_exact(small_dense_limit):
     x, y, test_x = wiggly_data()
-    gammas = torch.full((14,), 1e-2, dtype=DTYPE)  # 14 > 12 factorisations: no Cholesky chain
+    gammas = torch.full((14,), 1e-2, dtype=DTYPE)  # 14 > 3 factorisations: no Cholesky chain
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
     auto = DataCentricGPR(kernel, x, y, gammas, rtol=1e-10)
     dense = DataCentricGPR(kernel, x, y, gammas, backend="dense")

@@ -133,13 +133,17 @@ def test_choose_backend():
 def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory():
     n, gib = 20_000, 2**30
     matrix = n * n * 8  # one float64 N x N matrix: 3.2 GB
-    # eigh needs 4 matrices, the chain 1 + 3 per schedule; 80 % of the free memory may be used.
+    # eigh needs 4 matrices within 80 % of the free memory.
     assert choose_backend(n, 100, "cuda", free_bytes=80 * gib) == "dense"
     assert choose_backend(n, 100, "cuda", free_bytes=int(4 * matrix / 0.8) - 1) == "lanczos"
     assert choose_backend(n, 100, "cuda", free_bytes=int(4 * matrix / 0.8) + 1) == "dense"
-    assert choose_backend(n, 4, "cuda", free_bytes=int(4 * matrix / 0.8) + 1) == "cholesky"
-    # Four schedules in one factor: 1 + 3 * 4 matrices do not fit where 4 did; eigh still does.
-    assert choose_backend(n, 4, "cuda", num_schedules=4, free_bytes=20 * gib) == "dense"
+    # The chain's T = 4 factors must fit in half of what the matrix and one more factor leave:
+    # 4 <= (free - 2) / 2 matrices, so free >= 10 matrices.
+    assert choose_backend(n, 4, "cuda", free_bytes=10 * matrix) == "cholesky"
+    assert choose_backend(n, 4, "cuda", free_bytes=10 * matrix - 1) == "dense"
+    # Four schedules: one step's factor holds four matrices; 1 + 4 + 2 * 4 = 13 do not fit.
+    assert choose_backend(n, 4, "cuda", num_schedules=4, free_bytes=12 * matrix) == "dense"
+    assert choose_backend(n, 4, "cuda", num_schedules=4, free_bytes=13 * matrix) == "cholesky"
     # float32 halves the footprint; a batch of 4 kernel matrices quadruples it.
     assert choose_backend(n, 100, "cuda", torch.float32, free_bytes=8 * gib) == "dense"
     assert choose_backend(n, 100, "cuda", torch.float64, free_bytes=8 * gib) == "lanczos"
