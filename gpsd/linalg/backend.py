@@ -16,9 +16,10 @@ BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 # Most Cholesky factorisations for which the chain is chosen over the dense eigendecomposition.
 # CPU: measured end to end (fit, then every step's means and variances at 1000 test points) in
 # benchmarks/results/backend_choice_cpu.md: at N = 1024 the chain and the dense path are even at
-# T = 3, at N = 2048 and 4096 the chain is twice as fast at T = 3 and the dense path (or auto's
-# Lanczos attempt inside it) faster from T = 5 on. The bare float64 eigh costs 5 to 13 Cholesky
-# factorisations there, but each step of the chain also solves with the test points. CUDA: not
+# T = 3, at N = 2048 and 4096 the chain is 1.8 times as fast at T = 3 and the dense path (or
+# auto's Lanczos attempt inside it) as fast or faster from T = 5 on. The bare float64 eigh costs
+# 4 to 11 Cholesky factorisations there, but each step of the chain also solves with the test
+# points. CUDA: not
 # measured yet; eigh is comparatively slower on GPUs (see the design notes), and 30 is a guess.
 _MAX_CHAIN_FACTORISATIONS = {"cpu": 3, "cuda": 30}
 # Largest N for which a dense N x N eigendecomposition is attempted automatically.
@@ -88,6 +89,14 @@ def choose_backend(
     :param num_schedules: number of noise schedules (each Cholesky factor covers all of them).
     :param free_bytes: memory available; measured on ``device`` when not given.
     """
+    for name, value in (
+        ("n", n),
+        ("num_factorisations", num_factorisations),
+        ("batch_size", batch_size),
+        ("num_schedules", num_schedules),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     kind = torch.device(device).type
     kind = kind if kind in _MAX_CHAIN_FACTORISATIONS else "cpu"
     if free_bytes is None:

@@ -150,6 +150,14 @@ def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory():
     assert choose_backend(n, 100, "cuda", batch_size=4, free_bytes=50 * gib) == "lanczos"
 
 
+@pytest.mark.parametrize("argument", ["n", "num_factorisations", "batch_size", "num_schedules"])
+def test_choose_backend_names_a_bad_count(argument):
+    kwargs = {"n": 100, "num_factorisations": 3, "batch_size": 1, "num_schedules": 1}
+    kwargs[argument] = 0
+    with pytest.raises(ValueError, match=argument):
+        choose_backend(device="cpu", **kwargs)
+
+
 def test_free_memory_bytes_is_positive_on_the_cpu():
     free = free_memory_bytes("cpu")
     assert isinstance(free, int) and free > 0
