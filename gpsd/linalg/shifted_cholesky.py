@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
 from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
 from linear_operator.utils.cholesky import psd_safe_cholesky
+from linear_operator.utils.warnings import PerformanceWarning
 from torch import Tensor
 
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine
@@ -34,7 +36,8 @@ class ShiftedCholesky(ShiftedSolveEngine):
 
     **Memory.** Each factor is as large as :math:`\mathbf K`. The factors are kept for reuse (the
     variances need them again after the means) up to ``max_cached_bytes``, the least recently
-    used one dropped first; one that was dropped is factored again when needed.
+    used one dropped first; one that was dropped is factored again when needed, with a
+    ``PerformanceWarning`` the first time.
 
     :param kernel: :math:`\mathbf K`, shape ``(*b, N, N)``.
     :param dtype: the dtype of the factorisations (default: the kernel's).
@@ -54,6 +57,8 @@ class ShiftedCholesky(ShiftedSolveEngine):
         self.size = dense.shape[-1]
         self.max_cached_bytes = max_cached_bytes
         self._factors: OrderedDict[tuple, Tensor] = OrderedDict()
+        self._dropped: set[tuple] = set()  # keys of factors dropped from the cache
+        self._warned = False
 
     def factor(self, gamma: Tensor) -> Tensor:
         """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``."""
@@ -61,6 +66,17 @@ class ShiftedCholesky(ShiftedSolveEngine):
         if key in self._factors:
             self._factors.move_to_end(key)
             return self._factors[key]
+        if key in self._dropped and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"ShiftedCholesky factors a shift again that it dropped from its cache "
+                f"(max_cached_bytes={self.max_cached_bytes} holds {len(self._factors)} factors); "
+                "every later pass over the shifts (the variances of each chunk of test points) "
+                "refactors them all. Use backend='dense' (one eigendecomposition for any number "
+                "of steps) or a matrix-free backend ('lanczos', 'cg'), or raise max_cached_bytes",
+                PerformanceWarning,
+                stacklevel=2,
+            )
         eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=gamma.device)
         shifted = self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
         factor = psd_safe_cholesky(shifted)
@@ -69,7 +85,7 @@ class ShiftedCholesky(ShiftedSolveEngine):
             self.max_cached_bytes = free_memory_bytes(factor.device) // 2
         size = factor.numel() * factor.element_size()
         while self._factors and size * (len(self._factors) + 1) > self.max_cached_bytes:
-            self._factors.popitem(last=False)
+            self._dropped.add(self._factors.popitem(last=False)[0])
         self._factors[key] = factor
         return factor
 
