@@ -159,6 +159,9 @@ def make_engine(
                 f"backend={backend!r} ran out of memory holding an {n}-row Krylov basis on "
                 f"{x.device}; pass a smaller rank= (now {rank}), or a KeOps kernel"
             ) from err
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in kernel.parameters())
+    )
     try_lanczos_first = False
     if backend == "auto":
         batch_size = x.shape[:-2].numel()
@@ -170,11 +173,13 @@ def make_engine(
             batch_size=batch_size,
             num_schedules=num_schedules,
         )
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in kernel.parameters())
         try_lanczos_first = backend == "dense" and not needs_grad
+    # Without a graph to keep, K is evaluated in the factorisation's dtype, as the matrix-free
+    # backends do; with one, in the data's dtype (a copy of the kernel would cut the graph).
+    dense_kernel, dense_x = (kernel, x) if needs_grad else _in_dtype(kernel, x, eig_dtype)
     try:
         if backend == "cholesky":
-            return ShiftedCholesky(kernel(x), dtype=eig_dtype)
+            return ShiftedCholesky(dense_kernel(dense_x), dtype=eig_dtype)
         if backend == "lanczos":  # chosen by choose_backend: no dense matrix (N or memory)
             operator = _matrix_free(kernel, x, eig_dtype)
             spectrum = grow_lanczos(operator, min(n, MAX_GROWN_RANK))
@@ -182,7 +187,7 @@ def make_engine(
                 return spectrum
             return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
         # The matrix fits: evaluate it once, for the Lanczos attempt and the fallback alike.
-        dense = kernel(x).to_dense()
+        dense = dense_kernel(dense_x).to_dense()
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
         if try_lanczos_first:
             spectrum = grow_lanczos(dense, rank or n // 8)
@@ -200,17 +205,23 @@ def _matrix_free(kernel: Kernel, x: Tensor, dtype: torch.dtype | None):
     """The kernel matrix as an operator that is never formed (KeOps, or row chunks).
 
     The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
-    residuals and the CG residuals reach that precision even for float32 data; a KeOps kernel is
-    copied into ``dtype`` for that.
+    residuals and the CG residuals reach that precision even for float32 data; the kernel is
+    copied into ``dtype`` for that (these backends keep no graph).
     """
+    kernel, x = _in_dtype(kernel, x, dtype)
     is_keops = any(
         type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
     )
-    if is_keops:
-        if dtype is not None and dtype != x.dtype:
-            kernel, x = copy.deepcopy(kernel).to(dtype), x.to(dtype)
-        return kernel(x)
-    return ChunkedKernelOperator(x if dtype is None else x.to(dtype), kernel=kernel)
+    return kernel(x) if is_keops else ChunkedKernelOperator(x, kernel=kernel)
+
+
+def _in_dtype(kernel: Kernel, x: Tensor, dtype: torch.dtype | None) -> tuple[Kernel, Tensor]:
+    """``kernel`` and ``x`` in ``dtype`` (``None``: unchanged). A kernel in another dtype is a
+    copy, so that every parameter and buffer matches the inputs (mixed dtypes fail in some
+    GPyTorch kernels, e.g. ``PolynomialKernel``); the copy carries no graph to the original."""
+    if dtype is None or dtype == x.dtype:
+        return kernel, x
+    return copy.deepcopy(kernel).to(dtype), x.to(dtype)
 
 
 class StateSnapshot:
