@@ -1,7 +1,10 @@
 """Independent references for the regression distillers: refitted GPyTorch GPs, dense algebra."""
 
+import warnings
+
 import gpytorch
 import torch
+from gpytorch.utils.warnings import GPInputWarning
 
 
 class PlainGP(gpytorch.models.ExactGP):
@@ -30,9 +33,16 @@ def naive_data_centric(kernel, mean, x, y, gammas, test_x, alpha=0.0):
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x)
         likelihood.noise = g
         model = PlainGP(x, prev, likelihood, mean, kernel).eval()
-        with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
+        with (
+            torch.no_grad(),
+            exact_settings(),
+            gpytorch.settings.fast_pred_var(False),
+            warnings.catch_warnings(),
+        ):
+            # Predicting at the training inputs is the point here: the next step's targets.
+            warnings.simplefilter("ignore", GPInputWarning)
             test_post = model(test_x)
-            train_post = model(x.clone())  # a copy, so GPyTorch does not warn about train inputs
+            train_post = model(x)
         means.append(test_post.mean)
         variances.append(test_post.variance)
         train_vars.append(train_post.variance)
@@ -50,4 +60,5 @@ def rbf_kernel(outputscale=4.0, lengthscale=1.5, dtype=torch.float64, **kwargs):
 
 
 def relative_error(a, b):
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max())
