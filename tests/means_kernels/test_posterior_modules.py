@@ -82,7 +82,7 @@ def test_student_with_an_extra_kernel_trains_in_an_ordinary_loop(teacher):
         loss = -mll(student(new_x), new_y)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0]
     # The teacher's copies stay frozen, and train()/eval() of the student leaves the teacher alone.
     for p, q in zip(frozen, student.mean_module.parameters(), strict=True):
