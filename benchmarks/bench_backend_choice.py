@@ -31,26 +31,14 @@ import time
 
 import gpytorch
 import torch
+from _problems import rbf_kernel as rbf
+from _problems import uniform_square_problem as problem
 from _timing import sync, write_report
 
 from gpsd import DataCentricGPR
 from gpsd.linalg import KernelSpectrum, ShiftedCG, ShiftedCholesky
 
 BACKENDS = ("dense", "cholesky", "lanczos", "cg")
-
-
-def problem(n: int, m: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = 10 * torch.rand(n, 2, generator=gen, dtype=torch.float64)
-    y = torch.sin(x).sum(-1) + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)
-    test_x = 10 * torch.rand(m, 2, generator=gen, dtype=torch.float64)
-    return (t.to(device, dtype) for t in (x, y, test_x))
-
-
-def rbf(lengthscale: float, device: torch.device, dtype: torch.dtype) -> gpytorch.kernels.Kernel:
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(device, dtype)
-    kernel.base_kernel.lengthscale = lengthscale
-    return kernel
 
 
 def seconds(fn, repeats: int, device: torch.device) -> tuple[float, object]:

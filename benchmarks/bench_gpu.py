@@ -36,6 +36,7 @@ import sys
 
 import gpytorch
 import torch
+from _problems import rbf_kernel, uniform_square_problem
 from _timing import median_time, write_report
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
@@ -86,11 +87,7 @@ def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
 
 
 def problem(n: int, m: int, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = 10 * torch.rand(n, 2, generator=gen, device=DEVICE, dtype=dtype)
-    y = torch.sin(x).sum(-1) + 0.3 * torch.randn(n, generator=gen, device=DEVICE, dtype=dtype)
-    test_x = 10 * torch.rand(m, 2, generator=gen, device=DEVICE, dtype=dtype)
-    return x, y, test_x
+    return uniform_square_problem(n, m, DEVICE, dtype, seed)
 
 
 #: RBF lengthscale of every table (``--lengthscale``).
@@ -98,9 +95,7 @@ LENGTHSCALE = 1.0
 
 
 def rbf(dtype: torch.dtype) -> gpytorch.kernels.Kernel:
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DEVICE, dtype)
-    kernel.base_kernel.lengthscale = LENGTHSCALE
-    return kernel
+    return rbf_kernel(LENGTHSCALE, DEVICE, dtype)
 
 
 def exact_gp(x, y, test_x):

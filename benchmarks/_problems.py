@@ -1,0 +1,28 @@
+"""The synthetic regression problem shared by the large-N benchmarks."""
+
+from __future__ import annotations
+
+import gpytorch
+import torch
+
+
+def uniform_square_problem(
+    n: int, m: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` inputs uniform on [0, 10]^2, targets sin(x1) + sin(x2) + N(0, 0.3^2) noise, and
+    ``m`` test inputs. Drawn on the CPU in float64, then moved, so every device and dtype sees
+    the same points."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 2, generator=gen, dtype=torch.float64)
+    y = torch.sin(x).sum(-1) + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)
+    test_x = 10 * torch.rand(m, 2, generator=gen, dtype=torch.float64)
+    return x.to(device, dtype), y.to(device, dtype), test_x.to(device, dtype)
+
+
+def rbf_kernel(
+    lengthscale: float, device: torch.device, dtype: torch.dtype
+) -> gpytorch.kernels.Kernel:
+    """A scaled RBF kernel (outputscale 1) with the given lengthscale."""
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(device, dtype)
+    kernel.base_kernel.lengthscale = lengthscale
+    return kernel
