@@ -110,7 +110,9 @@ def make_engine(
 
     The Lanczos and CG backends never form the kernel matrix: a KeOps kernel's own operator or a
     :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as
-    resolved when their residual is below ``0.1 * rtol * gamma_min``; without a ``rank`` the
+    resolved when their residual is below ``0.1 * rtol * gamma_min``, and the trace bound on the
+    complement norm is taken without power iterations when it is below ``0.5 * rtol * gamma_min``
+    (both then keep the error estimate under ``rtol``); without a ``rank`` the
     Krylov basis doubles from 64 until the error estimate for the smallest shift ``gamma_min`` is
     below ``rtol``, up to :data:`MAX_GROWN_RANK` (a basis of N columns would cost more than the
     dense decomposition it avoids). The CG backend deflates the Ritz pairs of a rank-``rank`` (default
@@ -133,6 +135,7 @@ def make_engine(
             operator,
             rank=r,
             residual_tol=0.1 * rtol * gamma_min,
+            complement_tol=0.5 * rtol * gamma_min,
             dtype=eig_dtype or x.dtype,
             generator=torch.Generator().manual_seed(generator_seed),
         )
@@ -140,7 +143,7 @@ def make_engine(
     def grow_lanczos(operator, max_rank: int) -> KernelSpectrum:
         r = max(1, min(64, max_rank))
         spectrum = lanczos(operator, r)
-        while spectrum.error_estimate(gamma_min) > rtol and 2 * r <= max_rank:
+        while 2 * r <= max_rank and not spectrum.meets(gamma_min, rtol):
             r *= 2
             spectrum = lanczos(operator, r)
         return spectrum
@@ -183,7 +186,7 @@ def make_engine(
         if backend == "lanczos":  # chosen by choose_backend: no dense matrix (N or memory)
             operator = _matrix_free(kernel, x, eig_dtype)
             spectrum = grow_lanczos(operator, min(n, MAX_GROWN_RANK))
-            if spectrum.error_estimate(gamma_min) <= rtol:
+            if spectrum.meets(gamma_min, rtol):
                 return spectrum
             return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
         # The matrix fits: evaluate it once, for the Lanczos attempt and the fallback alike.
@@ -191,7 +194,7 @@ def make_engine(
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
         if try_lanczos_first:
             spectrum = grow_lanczos(dense, rank or n // 8)
-            if spectrum.error_estimate(gamma_min) <= rtol:
+            if spectrum.meets(gamma_min, rtol):
                 return spectrum
         return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
     except torch.OutOfMemoryError as err:

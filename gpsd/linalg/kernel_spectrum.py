@@ -68,6 +68,18 @@ class KernelSpectrum:
       residuals (see :meth:`error_estimate`). Smooth kernels have fast-decaying spectra, so a
       modest :math:`k` makes :math:`\rho` small.
 
+      :math:`\varepsilon` is bracketed without products with :math:`\mathbf K`: the largest
+      unresolved Ritz value is a lower bound, and since :math:`\mathbf K_\perp` is positive
+      semi-definite and :math:`\mathbf V^\top\mathbf K\mathbf V = \mathbf D`,
+
+      .. math::
+          \lVert \mathbf K_\perp \rVert_2 \le \operatorname{tr}\mathbf K_\perp
+          = \operatorname{tr}\mathbf K - \textstyle\sum_i d_i
+
+      is an upper bound. Where the upper bound is already small enough (``complement_tol``) it is
+      taken; otherwise power iterations on :math:`\mathbf K_\perp` sharpen the lower bound, run
+      only when :attr:`complement_norm` is first read.
+
     Batch dimensions ``*b`` of the operator are kept throughout; filters bring their own batch of
     schedules ``*s``, which broadcasts against ``*b``.
 
@@ -75,7 +87,8 @@ class KernelSpectrum:
     :param eigenvectors: shape ``(*b, N, k)``, orthonormal columns; unresolved columns are 0.
     :param matmul: ``X -> K X`` (needed only for a truncated spectrum).
     :param series_order: Taylor order :math:`J` for the complement (truncated spectra only).
-    :param complement_norm: :math:`\varepsilon`, an estimate of :math:`\lVert \mathbf K_\perp \rVert_2`.
+    :param complement_norm: :math:`\varepsilon`, an estimate of :math:`\lVert \mathbf K_\perp \rVert_2`
+        (``None``: estimated by power iterations when first needed).
     :param residual_norm: :math:`\max_i \lVert \mathbf K \mathbf v_i - d_i \mathbf v_i\rVert`.
     :param kernel_trace: :math:`\operatorname{tr}\mathbf K`, shape ``(*b,)`` (truncated spectra).
     """
@@ -87,7 +100,7 @@ class KernelSpectrum:
         *,
         matmul: Callable[[Tensor], Tensor] | None = None,
         series_order: int = 0,
-        complement_norm: float = 0.0,
+        complement_norm: float | None = 0.0,
         residual_norm: float = 0.0,
         kernel_trace: Tensor | None = None,
     ) -> None:
@@ -97,7 +110,11 @@ class KernelSpectrum:
         self._matmul = matmul
         self.series_order = series_order
         self.max_series_order = series_order
-        self.complement_norm = complement_norm
+        self._complement_norm = complement_norm
+        #: Bounds on :math:`\lVert \mathbf K_\perp \rVert_2` known without products with K.
+        self.complement_lower_bound = 0.0 if complement_norm is None else complement_norm
+        self.complement_upper_bound = math.inf if complement_norm is None else complement_norm
+        self._power_start: Tensor | None = None
         self.residual_norm = residual_norm
         self.kernel_trace = kernel_trace
         self.size = eigenvectors.shape[-2]
@@ -108,6 +125,22 @@ class KernelSpectrum:
         # shape: (*b, k): which columns hold a resolved eigenpair (all of them when dense)
         self.resolved = eigenvectors.abs().sum(-2) > 0
         self.num_resolved = self.resolved.sum(-1)
+
+    @property
+    def complement_norm(self) -> float:
+        r""":math:`\varepsilon`, the estimate of :math:`\lVert \mathbf K_\perp \rVert_2` (0 when
+        nothing is truncated). On a Lanczos spectrum whose trace bound was not small enough, the
+        first read runs the power iterations."""
+        if self._complement_norm is None:
+            power = self._complement_power_estimate()
+            self._complement_norm = min(
+                self.complement_upper_bound, max(self.complement_lower_bound, power)
+            )
+        return self._complement_norm
+
+    @complement_norm.setter
+    def complement_norm(self, value: float) -> None:
+        self._complement_norm = value
 
     @property
     def supports_autograd(self) -> bool:
@@ -141,6 +174,7 @@ class KernelSpectrum:
         block_size: int | None = None,
         residual_tol: float = 1e-8,
         series_order: int = 4,
+        complement_tol: float = 0.0,
         kernel_trace: Tensor | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
@@ -157,6 +191,9 @@ class KernelSpectrum:
             :math:`\lVert \mathbf K\mathbf v - \theta\mathbf v\rVert \le` ``residual_tol`` are kept
             as resolved; the rest of the Krylov space joins the complement.
         :param series_order: Taylor order :math:`J` used on the complement.
+        :param complement_tol: a complement norm small enough for the caller's accuracy: when the
+            trace bound :math:`\operatorname{tr}\mathbf K - \sum_i d_i` (plus a rounding margin)
+            is below it, it becomes :attr:`complement_norm` and the power iterations are skipped.
         :param kernel_trace: :math:`\operatorname{tr}\mathbf K` (``(*b,)``), for :meth:`trace`;
             read off the operator's diagonal when not given.
         """
@@ -205,15 +242,21 @@ class KernelSpectrum:
                 evecs,
                 matmul=matmul,
                 series_order=series_order,
+                complement_norm=None,
                 residual_norm=res_norm,
                 kernel_trace=kernel_trace,
             )
             # Every Ritz pair, resolved or not: a deflation preconditioner needs no accuracy.
             spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
-            # Largest eigenvalue of the complement: the largest unresolved Ritz value, or a few
-            # power iterations on K_perp, whichever is larger.
-            power = spectrum._complement_power_estimate(generator)
-            spectrum.complement_norm = max(float(unresolved_theta.abs().max()), power)
+            lower = float(unresolved_theta.abs().max())
+            upper = _trace_bound(kernel_trace, evals, dtype)
+            spectrum.complement_lower_bound = lower
+            spectrum.complement_upper_bound = max(upper, lower)
+            if upper <= complement_tol:
+                spectrum.complement_norm = max(upper, lower)
+            else:  # drawn now, iterated only if complement_norm is read
+                start = torch.randn((*batch_shape, size, 1), generator=generator, dtype=dtype)
+                spectrum._power_start = start.to(evecs.device)
         return spectrum
 
     # ------------------------------------------------------------------ core operations
@@ -226,17 +269,20 @@ class KernelSpectrum:
         """:math:`\\mathbf K_\\perp \\mathbf x` for ``x`` already in the complement."""
         return self._project_out(self._matmul(x))
 
-    def _complement_power_estimate(self, generator, iterations: int = 12) -> float:
-        shape = (*self.eigenvectors.shape[:-1], 1)
-        x = torch.randn(shape, generator=generator, dtype=self.eigenvectors.dtype)
-        x = self._project_out(x.to(self.eigenvectors.device))
-        estimate = 0.0
-        for _ in range(iterations):
-            norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min(1e-300)
-            x = x / norm
-            y = self._complement_matmul(x)
-            estimate = float(torch.linalg.vector_norm(y, dim=-2).max())
-            x = y
+    def _complement_power_estimate(self, iterations: int = 12) -> float:
+        r""":math:`\lVert \mathbf K_\perp \rVert_2` by power iterations (a lower estimate)."""
+        if self._power_start is None:
+            return 0.0
+        with torch.no_grad():
+            x = self._project_out(self._power_start)
+            estimate = 0.0
+            for _ in range(iterations):
+                norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min(1e-300)
+                x = x / norm
+                y = self._complement_matmul(x)
+                estimate = float(torch.linalg.vector_norm(y, dim=-2).max())
+                x = y
+        self._power_start = None
         return estimate
 
     def project(self, rhs: Tensor, num_powers: int | None = None) -> SpectralCoordinates:
@@ -365,6 +411,18 @@ class KernelSpectrum:
             return math.inf
         return rho ** (self.series_order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
 
+    def meets(self, gamma_min: float, rtol: float) -> bool:
+        """Whether :meth:`error_estimate` is at most ``rtol``; decided from the lower bound of the
+        complement norm alone (no power iterations) where that already exceeds ``rtol``."""
+        if self.is_truncated and self._complement_norm is None:
+            rho = self.complement_lower_bound / gamma_min
+            if rho >= 1.0:
+                return False
+            low = rho ** (self.series_order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
+            if low > rtol:
+                return False
+        return self.error_estimate(gamma_min) <= rtol
+
     def check_accuracy(self, gamma_min: float, rtol: float) -> None:
         r"""Set the Taylor order for filters with smallest shift ``gamma_min``, then check it.
 
@@ -394,6 +452,17 @@ class KernelSpectrum:
                 NumericalWarning,
                 stacklevel=3,
             )
+
+
+def _trace_bound(kernel_trace: Tensor | None, evals: Tensor, dtype: torch.dtype) -> float:
+    r""":math:`\max_b (\operatorname{tr}\mathbf K - \sum_i d_i)` plus a rounding margin, an upper
+    bound on :math:`\lVert \mathbf K_\perp \rVert_2` (infinite without the trace)."""
+    if kernel_trace is None:
+        return math.inf
+    trace = kernel_trace.to(evals)
+    bound = trace - evals.sum(-1)
+    margin = 16 * torch.finfo(dtype).eps * (trace.abs() + evals.abs().sum(-1))
+    return float((bound + margin).max())
 
 
 def _block_krylov(

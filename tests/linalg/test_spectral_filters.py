@@ -108,6 +108,80 @@ def test_lanczos_on_a_batch_and_on_a_callable():
     torch.testing.assert_close(closure.trace(filt), dense.trace(filt), rtol=1e-8, atol=1e-8)
 
 
+class CountingMatmul:
+    """``X -> K X`` that counts its calls."""
+
+    def __init__(self, k):
+        self.k, self.calls = k, 0
+
+    def __call__(self, v):
+        self.calls += 1
+        return self.k @ v
+
+
+def lanczos_with_counter(k, rank, **kwargs):
+    counter = CountingMatmul(k)
+    spectrum = KernelSpectrum.from_lanczos(
+        counter,
+        size=k.shape[-1],
+        batch_shape=k.shape[:-2],
+        dtype=DTYPE,
+        rank=rank,
+        kernel_trace=k.diagonal(dim1=-2, dim2=-1).sum(-1),
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    )
+    return spectrum, counter
+
+
+@pytest.mark.parametrize("rank", [32, 40, 44])
+def test_complement_norm_bounds_bracket_the_dense_norm(rank):
+    """Lower (largest unresolved Ritz value) <= ||P K P||_2 <= upper (trace bound), and the
+    power-iteration estimate lies between, against the dense complement's eigenvalues."""
+    k = rbf_matrix(300, lengthscale=0.5)
+    spectrum, _ = lanczos_with_counter(k, rank, residual_tol=1e-9)
+    v = spectrum.eigenvectors
+    assert 0 < int(spectrum.num_resolved) < rank  # part of the Krylov space is unresolved
+    proj = torch.eye(300, dtype=DTYPE) - v @ v.mT
+    exact = float(torch.linalg.eigvalsh(proj @ k @ proj).abs().max())
+    assert spectrum.complement_lower_bound <= exact * (1 + 1e-9)
+    assert exact <= spectrum.complement_upper_bound
+    assert spectrum.complement_lower_bound <= spectrum.complement_norm
+    assert spectrum.complement_norm <= spectrum.complement_upper_bound
+    assert spectrum.complement_norm == pytest.approx(exact, rel=0.05)
+
+
+def test_small_trace_bound_skips_the_power_iterations():
+    """A resolved spectrum: the trace bound serves as the complement norm, with no products."""
+    k = rbf_matrix(200)
+    spectrum, counter = lanczos_with_counter(k, 64, residual_tol=1e-9, complement_tol=1e-7)
+    calls = counter.calls
+    dense = torch.linalg.eigvalsh(k).flip(-1)
+    tail = float(dense[int(spectrum.num_resolved) :].sum())  # = tr K_perp up to rounding
+    assert spectrum.complement_norm <= 1e-7
+    assert spectrum.complement_norm >= tail - 1e-12
+    assert counter.calls == calls  # reading it ran no power iterations
+    # Without the tolerance the first read runs the 12 power iterations, once.
+    spectrum, counter = lanczos_with_counter(k, 64, residual_tol=1e-9)
+    calls = counter.calls
+    assert spectrum.complement_norm < 1e-7
+    assert counter.calls == calls + 12
+    assert spectrum.complement_norm < 1e-7
+    assert counter.calls == calls + 12
+
+
+def test_meets_decides_from_the_lower_bound_without_power_iterations():
+    k = rbf_matrix(300, lengthscale=0.3)
+    spectrum, counter = lanczos_with_counter(k, 16, residual_tol=1e-10)
+    calls = counter.calls
+    assert spectrum.complement_lower_bound > 1e-2  # far from resolved
+    assert not spectrum.meets(1e-2, 1e-6)
+    assert counter.calls == calls  # the lower bound sufficed
+    # Where the lower bound cannot decide, meets agrees with the full estimate.
+    assert spectrum.meets(1e6, 1.0) == (spectrum.error_estimate(1e6) <= 1.0)
+    assert counter.calls == calls + 12
+
+
 def test_lanczos_divergent_complement_raises():
     k = rbf_matrix(300, lengthscale=0.3)
     spectrum = KernelSpectrum.from_lanczos(k, rank=8, residual_tol=1e-10)
