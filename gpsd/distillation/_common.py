@@ -112,10 +112,11 @@ def make_engine(
     :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as
     resolved when their residual is below ``0.1 * rtol * gamma_min``, and the trace bound on the
     complement norm is taken without power iterations when it is below ``0.5 * rtol * gamma_min``
-    (both then keep the error estimate under ``rtol``); without a ``rank`` the
-    Krylov basis doubles from 64 until the error estimate for the smallest shift ``gamma_min`` is
-    below ``rtol``, up to :data:`MAX_GROWN_RANK` (a basis of N columns would cost more than the
-    dense decomposition it avoids). The CG backend deflates the Ritz pairs of a rank-``rank`` (default
+    (both then keep the error estimate under ``rtol``); without a ``rank`` the Krylov basis is
+    extended block by block (an eighth of the largest rank per block, at most 64 columns) until
+    the error estimate for the smallest shift ``gamma_min`` is below ``rtol``, up to
+    :data:`MAX_GROWN_RANK` (a basis of N columns would cost more than the dense decomposition it
+    avoids). The CG backend deflates the Ritz pairs of a rank-``rank`` (default
     :data:`CG_DEFLATION_RANK`) Lanczos run and solves to relative residual ``rtol``.
 
     ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
@@ -130,7 +131,7 @@ def make_engine(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     n = x.shape[-2]
 
-    def lanczos(operator, r: int) -> KernelSpectrum:
+    def lanczos(operator, r: int, grow: bool = False) -> KernelSpectrum:
         return KernelSpectrum.from_lanczos(
             operator,
             rank=r,
@@ -138,15 +139,11 @@ def make_engine(
             complement_tol=0.5 * rtol * gamma_min,
             dtype=eig_dtype or x.dtype,
             generator=torch.Generator().manual_seed(generator_seed),
+            stop_when=(lambda s: s.meets(gamma_min, rtol, allow_power=False)) if grow else None,
         )
 
     def grow_lanczos(operator, max_rank: int) -> KernelSpectrum:
-        r = max(1, min(64, max_rank))
-        spectrum = lanczos(operator, r)
-        while 2 * r <= max_rank and not spectrum.meets(gamma_min, rtol):
-            r *= 2
-            spectrum = lanczos(operator, r)
-        return spectrum
+        return lanczos(operator, max_rank, grow=True)
 
     if backend in ("lanczos", "cg"):
         operator = _matrix_free(kernel, x, eig_dtype)

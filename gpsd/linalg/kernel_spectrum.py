@@ -179,13 +179,15 @@ class KernelSpectrum:
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         generator: torch.Generator | None = None,
+        stop_when: Callable[[KernelSpectrum], bool] | None = None,
     ) -> KernelSpectrum:
         r"""Leading eigenpairs of ``kernel`` by block Lanczos, matrix-free.
 
         :param kernel: a tensor or ``LinearOperator`` of shape ``(*b, N, N)`` (KeOps kernels work:
             only ``matmul`` is used), or a callable ``X -> K X`` together with ``size``,
             ``batch_shape``, ``dtype`` and ``device``.
-        :param rank: size of the Krylov basis (rounded up to whole blocks).
+        :param rank: size of the Krylov basis (rounded up to whole blocks); with ``stop_when``,
+            the most it may grow to.
         :param block_size: columns per block (default ``rank // 8`` between 4 and 64).
         :param residual_tol: Ritz pairs with
             :math:`\lVert \mathbf K\mathbf v - \theta\mathbf v\rVert \le` ``residual_tol`` are kept
@@ -196,6 +198,10 @@ class KernelSpectrum:
             is below it, it becomes :attr:`complement_norm` and the power iterations are skipped.
         :param kernel_trace: :math:`\operatorname{tr}\mathbf K` (``(*b,)``), for :meth:`trace`;
             read off the operator's diagonal when not given.
+        :param stop_when: a test of the spectrum so far, made after 2, 3, 4, 6, 8, 12, 16, …
+            blocks: a true answer stops the iteration there. Each product with a matrix-free
+            kernel evaluates it afresh, so stopping early saves whole passes over
+            :math:`\mathbf K`, and one extended basis replaces restarts at growing ranks.
         """
         if isinstance(kernel, (Tensor, LinearOperator)):
             size = kernel.shape[-1]
@@ -220,43 +226,63 @@ class KernelSpectrum:
             block_size = min(64, max(4, rank // 8))
         block_size = min(block_size, rank)
         num_blocks = math.ceil(rank / block_size)
+        checkpoints = _checkpoints(num_blocks) if stop_when is not None else set()
         with torch.no_grad():
-            basis, kbasis = _block_krylov(
-                matmul, size, batch_shape, block_size, num_blocks, dtype, device, generator
+            krylov = _BlockKrylov(matmul, size, batch_shape, block_size, dtype, device, generator)
+            while krylov.num_blocks < num_blocks and krylov.extend():
+                if krylov.num_blocks in checkpoints:
+                    spectrum = cls._rayleigh_ritz(
+                        krylov, matmul, residual_tol, series_order, complement_tol, kernel_trace
+                    )
+                    if stop_when(spectrum):
+                        return spectrum
+            return cls._rayleigh_ritz(
+                krylov, matmul, residual_tol, series_order, complement_tol, kernel_trace
             )
-            # Rayleigh-Ritz in the Krylov space.
-            projected = basis.mT @ kbasis
-            projected = 0.5 * (projected + projected.mT)
-            theta, rotation = torch.linalg.eigh(projected)
-            theta, rotation = theta.flip(-1), rotation.flip(-1)
-            vecs = basis @ rotation  # shape: (*b, N, qb)
-            kvecs = kbasis @ rotation
-            residuals = torch.linalg.vector_norm(kvecs - vecs * theta.unsqueeze(-2), dim=-2)
-            resolved = residuals <= residual_tol  # shape: (*b, qb)
-            evals = torch.where(resolved, theta, torch.zeros_like(theta))
-            evecs = vecs * resolved.unsqueeze(-2)
-            unresolved_theta = torch.where(resolved, torch.zeros_like(theta), theta)
-            res_norm = float(torch.where(resolved, residuals, torch.zeros_like(residuals)).max())
-            spectrum = cls(
-                evals,
-                evecs,
-                matmul=matmul,
-                series_order=series_order,
-                complement_norm=None,
-                residual_norm=res_norm,
-                kernel_trace=kernel_trace,
-            )
-            # Every Ritz pair, resolved or not: a deflation preconditioner needs no accuracy.
-            spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
-            lower = float(unresolved_theta.abs().max())
-            upper = _trace_bound(kernel_trace, evals, dtype)
-            spectrum.complement_lower_bound = lower
-            spectrum.complement_upper_bound = max(upper, lower)
-            if upper <= complement_tol:
-                spectrum.complement_norm = max(upper, lower)
-            else:  # drawn now, iterated only if complement_norm is read
-                start = torch.randn((*batch_shape, size, 1), generator=generator, dtype=dtype)
-                spectrum._power_start = start.to(evecs.device)
+
+    @classmethod
+    def _rayleigh_ritz(
+        cls,
+        krylov: _BlockKrylov,
+        matmul: Callable[[Tensor], Tensor],
+        residual_tol: float,
+        series_order: int,
+        complement_tol: float,
+        kernel_trace: Tensor | None,
+    ) -> KernelSpectrum:
+        """The spectrum of the Ritz pairs in the Krylov basis so far."""
+        basis, kbasis = krylov.basis()
+        projected = basis.mT @ kbasis
+        projected = 0.5 * (projected + projected.mT)
+        theta, rotation = torch.linalg.eigh(projected)
+        theta, rotation = theta.flip(-1), rotation.flip(-1)
+        vecs = basis @ rotation  # shape: (*b, N, qb)
+        kvecs = kbasis @ rotation
+        residuals = torch.linalg.vector_norm(kvecs - vecs * theta.unsqueeze(-2), dim=-2)
+        resolved = residuals <= residual_tol  # shape: (*b, qb)
+        evals = torch.where(resolved, theta, torch.zeros_like(theta))
+        evecs = vecs * resolved.unsqueeze(-2)
+        unresolved_theta = torch.where(resolved, torch.zeros_like(theta), theta)
+        res_norm = float(torch.where(resolved, residuals, torch.zeros_like(residuals)).max())
+        spectrum = cls(
+            evals,
+            evecs,
+            matmul=matmul,
+            series_order=series_order,
+            complement_norm=None,
+            residual_norm=res_norm,
+            kernel_trace=kernel_trace,
+        )
+        # Every Ritz pair, resolved or not: a deflation preconditioner needs no accuracy.
+        spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
+        lower = float(unresolved_theta.abs().max())
+        upper = _trace_bound(kernel_trace, evals, basis.dtype)
+        spectrum.complement_lower_bound = lower
+        spectrum.complement_upper_bound = max(upper, lower)
+        if upper <= complement_tol:
+            spectrum.complement_norm = max(upper, lower)
+        else:  # drawn now, iterated only if complement_norm is read and no bound settles it
+            spectrum._power_start = krylov.random_vector()
         return spectrum
 
     # ------------------------------------------------------------------ core operations
@@ -406,22 +432,33 @@ class KernelSpectrum:
         """
         if not self.is_truncated:
             return 0.0
-        rho = self.complement_norm / gamma_min
-        if rho >= 1.0:
-            return math.inf
-        return rho ** (self.series_order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
+        return self._error_for(self.complement_norm, gamma_min)
 
-    def meets(self, gamma_min: float, rtol: float) -> bool:
-        """Whether :meth:`error_estimate` is at most ``rtol``; decided from the lower bound of the
-        complement norm alone (no power iterations) where that already exceeds ``rtol``."""
+    def meets(self, gamma_min: float, rtol: float, allow_power: bool = True) -> bool:
+        """Whether :meth:`error_estimate` is at most ``rtol``.
+
+        Decided from the bounds on the complement norm where they suffice: the lower bound when
+        it already fails ``rtol``, the upper (trace) bound when it meets it without any series
+        term (it then becomes :attr:`complement_norm`). Otherwise the power iterations decide,
+        or, with ``allow_power=False``, the answer is ``False``.
+        """
         if self.is_truncated and self._complement_norm is None:
-            rho = self.complement_lower_bound / gamma_min
-            if rho >= 1.0:
+            if self._error_for(self.complement_lower_bound, gamma_min) > rtol:
                 return False
-            low = rho ** (self.series_order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
-            if low > rtol:
+            if self._error_for(self.complement_upper_bound, gamma_min, order=0) <= rtol:
+                self.complement_norm = self.complement_upper_bound
+                return True
+            if not allow_power:
                 return False
         return self.error_estimate(gamma_min) <= rtol
+
+    def _error_for(self, norm: float, gamma_min: float, order: int | None = None) -> float:
+        """:meth:`error_estimate` for a complement norm ``norm`` and Taylor order ``order``."""
+        rho = norm / gamma_min
+        if rho >= 1.0:
+            return math.inf
+        order = self.series_order if order is None else order
+        return rho ** (order + 1) / (1.0 - rho) + self.residual_norm / gamma_min
 
     def check_accuracy(self, gamma_min: float, rtol: float) -> None:
         r"""Set the Taylor order for filters with smallest shift ``gamma_min``, then check it.
@@ -465,35 +502,68 @@ def _trace_bound(kernel_trace: Tensor | None, evals: Tensor, dtype: torch.dtype)
     return float((bound + margin).max())
 
 
-def _block_krylov(
-    matmul: Callable[[Tensor], Tensor],
-    size: int,
-    batch_shape: torch.Size,
-    block_size: int,
-    num_blocks: int,
-    dtype: torch.dtype,
-    device: torch.device | None,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:
-    """Orthonormal basis ``Q`` of ``[K G, K^2 G, ...]`` and ``K Q``, full reorthogonalisation."""
-    shape = (*batch_shape, size, block_size)
-    start = torch.randn(shape, generator=generator, dtype=dtype)
-    start = start.to(device) if device is not None else start
-    blocks: list[Tensor] = []
-    kblocks: list[Tensor] = []
-    z = matmul(start)
-    for _ in range(num_blocks):
-        if sum(b.shape[-1] for b in blocks) + block_size > size:
-            break
+def _checkpoints(num_blocks: int) -> set[int]:
+    """Block counts 2, 3, 4, 6, 8, 12, 16, ... below ``num_blocks``: where ``stop_when`` looks."""
+    points, power = set(), 2
+    while power < num_blocks:
+        points.update({power, power + power // 2})
+        power *= 2
+    return {p for p in points if p < num_blocks}
+
+
+class _BlockKrylov:
+    """Orthonormal basis ``Q`` of ``[K G, K^2 G, ...]`` and ``K Q``, with full
+    reorthogonalisation, extended one block at a time."""
+
+    def __init__(
+        self,
+        matmul: Callable[[Tensor], Tensor],
+        size: int,
+        batch_shape: torch.Size,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        generator: torch.Generator | None,
+    ) -> None:
+        start = torch.randn((*batch_shape, size, block_size), generator=generator, dtype=dtype)
+        start = start.to(device) if device is not None else start
+        self.matmul = matmul
+        self.generator = generator
+        self.size = size
+        self.block_size = block_size
+        self.blocks: list[Tensor] = []
+        self.kblocks: list[Tensor] = []
+        self._next = matmul(start)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def extend(self) -> bool:
+        """Add one block (one product with K); ``False`` when it would exceed ``size`` columns."""
+        if self.num_blocks * self.block_size + self.block_size > self.size:
+            return False
+        z = self._next
         for _ in range(2):  # classical Gram-Schmidt, twice
-            for q in blocks:
+            for q in self.blocks:
                 z = z - q @ (q.mT @ z)
         q_new, _ = torch.linalg.qr(z)
-        for q in blocks:  # guard against rank loss in z: QR may return non-orthogonal directions
+        for (
+            q
+        ) in self.blocks:  # guard against rank loss in z: QR may return non-orthogonal directions
             q_new = q_new - q @ (q.mT @ q_new)
         q_new, _ = torch.linalg.qr(q_new)
-        blocks.append(q_new)
-        kq = matmul(q_new)
-        kblocks.append(kq)
-        z = kq
-    return torch.cat(blocks, dim=-1), torch.cat(kblocks, dim=-1)
+        self.blocks.append(q_new)
+        self._next = self.matmul(q_new)
+        self.kblocks.append(self._next)
+        return True
+
+    def random_vector(self) -> Tensor:
+        """A standard normal ``(*b, N, 1)`` from the same generator, on the basis' device."""
+        shape = (*self._next.shape[:-1], 1)
+        x = torch.randn(shape, generator=self.generator, dtype=self._next.dtype)
+        return x.to(self._next.device)
+
+    def basis(self) -> tuple[Tensor, Tensor]:
+        """``Q`` and ``K Q``, shape ``(*b, N, blocks * block_size)`` each."""
+        return torch.cat(self.blocks, dim=-1), torch.cat(self.kblocks, dim=-1)

@@ -52,6 +52,36 @@ def test_auto_beyond_dense_size_keeps_lanczos_for_a_smooth_kernel(small_dense_li
     assert isinstance(engine, KernelSpectrum) and engine.is_truncated
 
 
+def test_grown_lanczos_stops_once_accurate_and_agrees_with_dense(monkeypatch):
+    """Without rank= the Krylov basis grows block by block and stops once the estimate meets
+    rtol: a smooth kernel takes a few passes over K, not the whole rank-1024 budget."""
+    from gpsd.linalg import ChunkedKernelOperator
+
+    passes = []
+    matmul = ChunkedKernelOperator._matmul
+
+    def counting(self, rhs):
+        passes.append(rhs.shape[-1])
+        return matmul(self, rhs)
+
+    monkeypatch.setattr(ChunkedKernelOperator, "_matmul", counting)
+    gen = torch.Generator().manual_seed(3)
+    x = 10 * torch.rand(1500, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(x.squeeze(-1)) + 0.3 * torch.randn(1500, generator=gen, dtype=DTYPE)
+    test_x = torch.linspace(0, 10, 60, dtype=DTYPE).unsqueeze(-1)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
+    gammas = torch.linspace(0.05, 0.5, 6, dtype=DTYPE)
+    lanczos = DataCentricGPR(kernel, x, y, gammas, backend="lanczos")
+    dense = DataCentricGPR(kernel, x, y, gammas, backend="dense")
+    with torch.no_grad():
+        got, ref = lanczos.predict(test_x), dense.predict(test_x)
+        estimate = lanczos.error_estimate
+    assert estimate <= lanczos.rtol
+    assert len(passes) <= 5  # the start block and at most 4 blocks of 64 columns
+    assert relative_error(got.mean, ref.mean) < 10 * lanczos.rtol
+    assert relative_error(got.variance, ref.variance) < 10 * lanczos.rtol
+
+
 def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch):
     monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device: 2**20)  # 1 MiB
     monkeypatch.setattr(common, "MAX_GROWN_RANK", 32)

@@ -170,16 +170,56 @@ def test_small_trace_bound_skips_the_power_iterations():
     assert counter.calls == calls + 12
 
 
-def test_meets_decides_from_the_lower_bound_without_power_iterations():
+def test_meets_decides_from_the_bounds_before_any_power_iteration():
     k = rbf_matrix(300, lengthscale=0.3)
     spectrum, counter = lanczos_with_counter(k, 16, residual_tol=1e-10)
     calls = counter.calls
     assert spectrum.complement_lower_bound > 1e-2  # far from resolved
     assert not spectrum.meets(1e-2, 1e-6)
     assert counter.calls == calls  # the lower bound sufficed
-    # Where the lower bound cannot decide, meets agrees with the full estimate.
-    assert spectrum.meets(1e6, 1.0) == (spectrum.error_estimate(1e6) <= 1.0)
+    # A huge shift: the trace bound alone meets rtol and becomes the complement norm.
+    assert spectrum.meets(1e6, 1e-3)
+    assert spectrum.complement_norm == spectrum.complement_upper_bound
+    assert counter.calls == calls
+
+
+def test_meets_runs_the_power_iterations_only_where_the_bounds_leave_it_open():
+    k = rbf_matrix(300, lengthscale=0.5)
+    spectrum, counter = lanczos_with_counter(k, 44, residual_tol=1e-9)
+    calls = counter.calls
+    low, up = spectrum.complement_lower_bound, spectrum.complement_upper_bound
+    rtol = 0.5 * (low + up)  # gamma = 1: the lower bound meets it, the upper one does not
+    assert spectrum._error_for(low, 1.0) < rtol < spectrum._error_for(up, 1.0, order=0)
+    assert not spectrum.meets(1.0, rtol, allow_power=False)
+    assert counter.calls == calls
+    assert spectrum.meets(1.0, rtol) == (spectrum.error_estimate(1.0) <= rtol)
     assert counter.calls == calls + 12
+
+
+def test_stop_when_ends_the_krylov_run_at_a_checkpoint_with_fewer_products():
+    k = rbf_matrix(400)  # smooth: a few blocks resolve it
+    gammas = torch.tensor([0.05, 0.1], dtype=DTYPE)
+    rhs = torch.randn(400, 2, dtype=DTYPE)
+    filt = SpectralFilter.data_centric_weights(gammas)
+    looked_at = []
+
+    def stop(spectrum):
+        looked_at.append(int(spectrum.ritz_values.shape[-1]))
+        return spectrum.meets(0.05, 1e-8, allow_power=False)
+
+    early, counter = lanczos_with_counter(
+        k, 256, block_size=32, residual_tol=1e-11, complement_tol=1e-10, stop_when=stop
+    )
+    full, full_counter = lanczos_with_counter(k, 256, block_size=32, residual_tol=1e-11)
+    assert full_counter.calls == 9  # the start and 8 blocks
+    assert counter.calls == 1 + looked_at[-1] // 32 < 9
+    assert looked_at == [64, 96, 128, 192][: len(looked_at)]  # after 2, 3, 4, 6 blocks
+    assert early.error_estimate(0.05) <= 1e-8
+    dense = KernelSpectrum.from_dense(k)
+    torch.testing.assert_close(early.apply(filt, rhs), dense.apply(filt, rhs), rtol=1e-7, atol=1e-9)
+    # A test that never passes runs the whole basis.
+    never, counter = lanczos_with_counter(k, 256, block_size=32, stop_when=lambda s: False)
+    assert counter.calls == 9 and never.ritz_values.shape[-1] == 256
 
 
 def test_lanczos_divergent_complement_raises():
