@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU measurements of the "Large N on one GPU" issue, in three stages that each end well
+# inside ten minutes (the limit of one command on a lent GPU machine).
+#
+# Usage, from the repository root on a machine with CUDA, torch, gpytorch and linear_operator:
+#
+#     bash benchmarks/gpu_suite.sh 1 OUTDIR   # the test suite (CUDA tests run); float32 regression
+#     bash benchmarks/gpu_suite.sh 2 OUTDIR   # float64 regression tables; kernel distillation
+#     bash benchmarks/gpu_suite.sh 3 OUTDIR   # backend-choice calibration; DPKL; CG chain
+#
+# Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
+# versions and the command; the full console output goes to OUTDIR/gpu_stageN.log, so a stage cut
+# short by its time limit still leaves the rows it measured.
+set -uo pipefail
+
+stage=${1:?usage: gpu_suite.sh STAGE(1|2|3) [OUTDIR]}
+[[ $stage =~ ^[123]$ ]] || {
+    echo "gpu_suite.sh: STAGE must be 1, 2 or 3, got $stage"
+    exit 2
+}
+out=$(realpath -m "${2:-benchmarks/results}")
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+log="$out/gpu_stage$stage.log"
+
+# gpsd is pure Python: where an offline editable install fails, the checkout itself is imported.
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$log" 2>&1 || {
+    echo "gpu_suite.sh: pip could not install gpsd (see $log); importing it from $PWD"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+}
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+    echo "gpu_suite.sh: no CUDA device here; nothing to measure"
+    exit 0
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log" 2>&1
+
+run() {  # run SECONDS COMMAND...: one measurement with its own time limit, logged
+    local limit=$1
+    shift
+    echo "== $* (limit ${limit} s)" | tee -a "$log"
+    (cd benchmarks && timeout "$limit" "$@") 2>&1 | tee -a "$log"
+}
+
+case "$stage" in
+1)
+    run 200 python3 -m pytest -q ../tests
+    run 330 python3 bench_gpu.py --dtype float32 --skip kd --repeats 2 --max-seconds 10 \
+        --out "$out/gpu_float32.md"
+    ;;
+2)
+    run 300 python3 bench_gpu.py --dtype float64 --skip kd --repeats 2 --max-seconds 10 \
+        --out "$out/gpu_float64.md"
+    run 240 python3 bench_gpu.py --dtype float32 --skip regression rate --kd-max-n 65536 \
+        --out "$out/gpu_kd.md"
+    ;;
+3)
+    run 240 python3 bench_backend_choice.py --device cuda --dtype float32 \
+        --sizes 4096 8192 16384 32768 --steps 1 3 10 30 100 --m 10000 --max-seconds 20 \
+        --out "$out/backend_choice_cuda.md"
+    run 150 python3 bench_dpkl.py --skip-accuracy --device cuda --out "$out/dpkl_timing_gpu.md"
+    run 150 python3 bench_cg_chain.py --device cuda --n 10000 --steps 10 100 --max-seconds 60 \
+        --out "$out/cg_chain_gpu.md"
+    ;;
+esac
