@@ -120,9 +120,11 @@ def make_engine(
     :data:`CG_DEFLATION_RANK`) Lanczos run and solves to relative residual ``rtol``.
 
     ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
-    eigendecomposition and no gradient is needed, it first tries Lanczos with a rank budget of
-    ``N / 8`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than ``eigh``) and
-    falls back to the dense decomposition if the budget does not reach ``rtol``. Beyond the size
+    eigendecomposition and no gradient is needed, it first grows Lanczos on the formed matrix up
+    to rank ``N / 4`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than
+    ``eigh``; a failed attempt costs products with an N x N matrix and Rayleigh-Ritz steps of
+    about N³ / 2 flops of matrix products, a few per cent of an ``eigh``) and falls back to
+    the dense decomposition if that rank does not reach ``rtol``. Beyond the size
     of a dense decomposition, or where it would not fit in the device's free memory, it grows
     Lanczos up to :data:`MAX_GROWN_RANK` and, if that does not reach ``rtol``, solves by CG
     deflated with the Ritz pairs it found.
@@ -190,7 +192,7 @@ def make_engine(
         dense = dense_kernel(dense_x).to_dense()
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
         if try_lanczos_first:
-            spectrum = grow_lanczos(dense, rank or n // 8)
+            spectrum = grow_lanczos(dense, rank or n // 4)
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
         return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
