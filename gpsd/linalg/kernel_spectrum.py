@@ -297,10 +297,12 @@ class KernelSpectrum:
 
     def _complement_power_estimate(self, iterations: int = 12) -> float:
         r""":math:`\lVert \mathbf K_\perp \rVert_2` by power iterations (a lower estimate)."""
-        if self._power_start is None:
-            return 0.0
+        start = self._power_start
+        if start is None:
+            v = self.eigenvectors
+            start = torch.randn((*v.shape[:-1], 1), dtype=v.dtype, device=v.device)
         with torch.no_grad():
-            x = self._project_out(self._power_start)
+            x = self._project_out(start)
             estimate = 0.0
             for _ in range(iterations):
                 norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min(1e-300)

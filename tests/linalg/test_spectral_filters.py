@@ -151,6 +151,18 @@ def test_complement_norm_bounds_bracket_the_dense_norm(rank):
     assert spectrum.complement_norm == pytest.approx(exact, rel=0.05)
 
 
+def test_a_spectrum_built_by_hand_estimates_its_complement_norm_on_first_read():
+    k = rbf_matrix(300, lengthscale=0.5)
+    ref, _ = lanczos_with_counter(k, 40, residual_tol=1e-9)
+    spectrum = KernelSpectrum(
+        ref.eigenvalues, ref.eigenvectors, matmul=lambda v: k @ v, complement_norm=None
+    )
+    v = ref.eigenvectors
+    proj = torch.eye(300, dtype=DTYPE) - v @ v.mT
+    exact = float(torch.linalg.eigvalsh(proj @ k @ proj).abs().max())
+    assert spectrum.complement_norm == pytest.approx(exact, rel=0.05)
+
+
 def test_small_trace_bound_skips_the_power_iterations():
     """A resolved spectrum: the trace bound serves as the complement norm, with no products."""
     k = rbf_matrix(200)
