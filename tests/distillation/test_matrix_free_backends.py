@@ -82,6 +82,49 @@ def test_grown_lanczos_stops_once_accurate_and_agrees_with_dense(monkeypatch):
     assert relative_error(got.variance, ref.variance) < 10 * lanczos.rtol
 
 
+def test_auto_gives_up_a_hopeless_lanczos_attempt_at_half_its_budget(monkeypatch):
+    """A slowly decaying spectrum: every Ritz value stays above the series' threshold, so the
+    attempt before the dense eigendecomposition stops at half its rank budget of N / 4."""
+    runs = []
+    from_lanczos = KernelSpectrum.from_lanczos.__func__
+
+    def recording(cls, *args, **kwargs):
+        spectrum = from_lanczos(cls, *args, **kwargs)
+        runs.append((kwargs["rank"], spectrum.ritz_values.shape[-1]))
+        return spectrum
+
+    monkeypatch.setattr(KernelSpectrum, "from_lanczos", classmethod(recording))
+    gen = torch.Generator().manual_seed(4)
+    x = 10 * torch.rand(600, 2, generator=gen, dtype=DTYPE)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(600, generator=gen, dtype=DTYPE)
+    test_x = 10 * torch.rand(40, 2, generator=gen, dtype=DTYPE)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
+    gammas = torch.linspace(0.1, 1.0, 10, dtype=DTYPE)
+    auto = DataCentricGPR(kernel, x, y, gammas)
+    dense = DataCentricGPR(kernel, x, y, gammas, backend="dense")
+    with torch.no_grad():
+        got, ref = auto.predict(test_x), dense.predict(test_x)
+        engine = auto._state()["engine"]
+    assert isinstance(engine, KernelSpectrum) and not engine.is_truncated  # fell back to eigh
+    assert len(runs) == 1
+    budget, columns = runs[0]
+    assert budget == 150
+    assert budget / 2 <= columns < budget  # stopped at the first checkpoint past half
+    assert relative_error(got.mean, ref.mean) < 1e-12
+    assert relative_error(got.variance, ref.variance) < 1e-12
+
+
+def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():
+    gen = torch.Generator().manual_seed(5)
+    x = 10 * torch.rand(300, 1, generator=gen, dtype=DTYPE)
+    smooth = rbf_kernel(outputscale=1.0, lengthscale=1.0)(x).to_dense()
+    rough = rbf_kernel(outputscale=1.0, lengthscale=0.01)(x).to_dense()
+    for k, hopeless in ((smooth, False), (rough, True)):
+        spectrum = KernelSpectrum.from_lanczos(k, rank=64, residual_tol=1e-8)
+        assert common._out_of_reach(spectrum, 128, 0.1, 1e-6) is hopeless
+        assert common._out_of_reach(spectrum, 129, 0.1, 1e-6) is False  # 64 < 129 / 2
+
+
 def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch):
     monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device: 2**20)  # 1 MiB
     monkeypatch.setattr(common, "MAX_GROWN_RANK", 32)
