@@ -15,12 +15,12 @@ BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 
 # Most Cholesky factorisations for which the chain is chosen over the dense eigendecomposition.
 # CPU: measured end to end (fit, then every step's means and variances at 1000 test points) in
-# benchmarks/results/backend_choice_cpu.md: at N = 1024 the chain and the dense path are even at
-# T = 3, at N = 2048 and 4096 the chain is 1.8 times as fast at T = 3 and the dense path (or
-# auto's Lanczos attempt inside it) as fast or faster from T = 5 on. The bare float64 eigh costs
-# 4 to 11 Cholesky factorisations there, but each step of the chain also solves with the test
-# points. CUDA: not
-# measured yet; eigh is comparatively slower on GPUs (see the design notes), and 30 is a guess.
+# benchmarks/results/backend_choice_cpu.md: at T = 3 the chain is even with the dense path at
+# N = 1024 and 1.6 to 2 times as fast at N = 2048 and 4096; from T = 5 on the dense path, or
+# auto's Lanczos attempt inside it, is as fast or faster. The bare float64 eigh costs 4 to 11
+# Cholesky factorisations there, but each step of the chain also solves with the test points.
+# CUDA: not measured yet; eigh is comparatively slower on GPUs (see the design notes), and 30 is
+# a guess.
 _MAX_CHAIN_FACTORISATIONS = {"cpu": 3, "cuda": 30}
 # Largest N for which a dense N x N eigendecomposition is attempted automatically.
 _DENSE_MAX_N = {"cpu": 12_000, "cuda": 30_000}

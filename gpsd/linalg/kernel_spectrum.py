@@ -91,6 +91,8 @@ class KernelSpectrum:
         (``None``: estimated by power iterations when first needed).
     :param residual_norm: :math:`\max_i \lVert \mathbf K \mathbf v_i - d_i \mathbf v_i\rVert`.
     :param kernel_trace: :math:`\operatorname{tr}\mathbf K`, shape ``(*b,)`` (truncated spectra).
+    :param resolved: shape ``(*b, k)``, which columns hold a resolved eigenpair (default: the
+        non-zero columns of ``eigenvectors``, found by one pass over them).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class KernelSpectrum:
         complement_norm: float | None = 0.0,
         residual_norm: float = 0.0,
         kernel_trace: Tensor | None = None,
+        resolved: Tensor | None = None,
     ) -> None:
         self.eigenvalues = eigenvalues
         self.eigenvectors = eigenvectors
@@ -123,7 +126,7 @@ class KernelSpectrum:
         self.ritz_values: Tensor | None = None
         self.ritz_vectors: Tensor | None = None
         # shape: (*b, k): which columns hold a resolved eigenpair (all of them when dense)
-        self.resolved = eigenvectors.abs().sum(-2) > 0
+        self.resolved = eigenvectors.abs().sum(-2) > 0 if resolved is None else resolved
         self.num_resolved = self.resolved.sum(-1)
 
     @property
@@ -161,7 +164,8 @@ class KernelSpectrum:
             dense = dense.to(dtype)
         dense = 0.5 * (dense + dense.mT)
         evals, evecs = torch.linalg.eigh(dense)
-        return cls(evals.flip(-1), evecs.flip(-1))
+        resolved = torch.ones_like(evals, dtype=torch.bool)
+        return cls(evals.flip(-1), evecs.flip(-1), resolved=resolved)
 
     @classmethod
     def from_lanczos(
@@ -272,6 +276,7 @@ class KernelSpectrum:
             complement_norm=None,
             residual_norm=res_norm,
             kernel_trace=kernel_trace,
+            resolved=resolved,
         )
         # Every Ritz pair, resolved or not: a deflation preconditioner needs no accuracy.
         spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
@@ -550,9 +555,8 @@ class _BlockKrylov:
             for q in self.blocks:
                 z = z - q @ (q.mT @ z)
         q_new, _ = torch.linalg.qr(z)
-        for (
-            q
-        ) in self.blocks:  # guard against rank loss in z: QR may return non-orthogonal directions
+        # Guard against rank loss in z: QR may return non-orthogonal directions.
+        for q in self.blocks:
             q_new = q_new - q @ (q.mT @ q_new)
         q_new, _ = torch.linalg.qr(q_new)
         self.blocks.append(q_new)
