@@ -13,6 +13,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from gpytorch.utils.warnings import NumericalWarning
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd._teacher import validate_teacher
@@ -24,13 +25,18 @@ from gpsd.linalg import (
     ShiftedCG,
     ShiftedCholesky,
     choose_backend,
+    free_memory_bytes,
 )
+from gpsd.linalg._negligible import drop_negligible
 
 #: Lanczos rank whose Ritz pairs deflate the CG backend, unless ``rank`` is given.
 CG_DEFLATION_RANK = 256
 #: Largest rank Lanczos grows to without a ``rank=``: there ``backend="auto"`` switches to
 #: deflated CG, and ``backend="lanczos"`` stops (its accuracy check then warns or raises).
 MAX_GROWN_RANK = 1024
+#: Fraction of the device's free memory that the matrix-free backends fill with kernel rows kept
+#: between products, unless ``kernel_cache_bytes`` is given.
+KERNEL_CACHE_FRACTION = 0.5
 
 
 class RegressionPath(NamedTuple):
@@ -104,12 +110,16 @@ def make_engine(
     generator_seed: int,
     gamma_min: float,
     rtol: float,
+    kernel_cache_bytes: int | None = None,
 ):
     """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
     :class:`ShiftedCG`.
 
     The Lanczos and CG backends never form the kernel matrix: a KeOps kernel's own operator or a
-    :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products. Ritz pairs count as
+    :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products; the latter keeps the kernel
+    rows it evaluates within ``kernel_cache_bytes`` (default: :data:`KERNEL_CACHE_FRACTION` of the
+    device's free memory), so that later products read them instead of evaluating the kernel
+    again. Ritz pairs count as
     resolved when their residual is below ``0.1 * rtol * gamma_min``, and the trace bound on the
     complement norm is taken without power iterations when it is below ``0.5 * rtol * gamma_min``
     (both then keep the error estimate under ``rtol``); without a ``rank`` the Krylov basis is
@@ -154,7 +164,7 @@ def make_engine(
         return lanczos(operator, max_rank, stop)
 
     if backend in ("lanczos", "cg"):
-        operator = _matrix_free(kernel, x, eig_dtype)
+        operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
         try:
             if backend == "lanczos":
                 if rank is not None:
@@ -165,7 +175,8 @@ def make_engine(
         except torch.OutOfMemoryError as err:
             raise MemoryError(
                 f"backend={backend!r} ran out of memory holding an {n}-row Krylov basis on "
-                f"{x.device}; pass a smaller rank= (now {rank}), or a KeOps kernel"
+                f"{x.device}; pass a smaller rank= (now {rank}) or kernel_cache_bytes=, or a "
+                "KeOps kernel"
             ) from err
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or any(p.requires_grad for p in kernel.parameters())
@@ -189,7 +200,7 @@ def make_engine(
         if backend == "cholesky":
             return ShiftedCholesky(dense_kernel(dense_x), dtype=eig_dtype)
         if backend == "lanczos":  # chosen by choose_backend: no dense matrix (N or memory)
-            operator = _matrix_free(kernel, x, eig_dtype)
+            operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
             spectrum = grow_lanczos(operator, min(n, MAX_GROWN_RANK))
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
@@ -198,6 +209,7 @@ def make_engine(
         dense = dense_kernel(dense_x).to_dense()
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
         if try_lanczos_first:
+            dense = drop_negligible(dense)  # the Krylov products are matrix products
             spectrum = grow_lanczos(dense, rank or n // 4, give_up_early=True)
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
@@ -227,8 +239,12 @@ def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rto
     return bool((theta >= tau).all(-1).any())
 
 
-def _matrix_free(kernel: Kernel, x: Tensor, dtype: torch.dtype | None):
-    """The kernel matrix as an operator that is never formed (KeOps, or row chunks).
+def _matrix_free(
+    kernel: Kernel, x: Tensor, dtype: torch.dtype | None, cache_bytes: int | None
+) -> Tensor | LinearOperator:
+    """The kernel matrix as an operator that is never formed whole (KeOps, or row chunks of which
+    those that fit in ``cache_bytes`` are kept between products; ``None``:
+    :data:`KERNEL_CACHE_FRACTION` of the device's free memory).
 
     The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
     residuals and the CG residuals reach that precision even for float32 data; the kernel is
@@ -238,7 +254,11 @@ def _matrix_free(kernel: Kernel, x: Tensor, dtype: torch.dtype | None):
     is_keops = any(
         type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
     )
-    return kernel(x) if is_keops else ChunkedKernelOperator(x, kernel=kernel)
+    if is_keops:
+        return kernel(x)
+    if cache_bytes is None:
+        cache_bytes = int(KERNEL_CACHE_FRACTION * free_memory_bytes(x.device))
+    return ChunkedKernelOperator(x, kernel=kernel, cache_bytes=cache_bytes)
 
 
 def _in_dtype(kernel: Kernel, x: Tensor, dtype: torch.dtype | None) -> tuple[Kernel, Tensor]:

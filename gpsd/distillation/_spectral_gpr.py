@@ -26,6 +26,7 @@ from gpsd.distillation._common import (
     validate_training_data,
 )
 from gpsd.linalg import SpectralFilter
+from gpsd.linalg._negligible import drop_negligible
 
 #: Test inputs are predicted in chunks of this many points, bounding the N x M cross-covariance.
 TEST_CHUNK_SIZE = 4096
@@ -62,11 +63,19 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         linalg_dtype: torch.dtype | None,
         rank: int | None,
         rtol: float,
+        kernel_cache_bytes: int | None = None,
     ) -> None:
         super().__init__()
         check_gp_modules(kernel, mean_module, "kernel")
         if not rtol > 0:
             raise ValueError(f"rtol must be positive, got {rtol}")
+        if kernel_cache_bytes is not None and (
+            not isinstance(kernel_cache_bytes, int) or kernel_cache_bytes < 0
+        ):
+            raise ValueError(
+                "kernel_cache_bytes must be None or a non-negative integer (bytes), "
+                f"got {kernel_cache_bytes!r}"
+            )
         train_x, train_y = validate_training_data(train_x, train_y)
         self.kernel = kernel
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
@@ -77,6 +86,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.linalg_dtype = linalg_dtype
         self.rank = rank
         self.rtol = rtol
+        self.kernel_cache_bytes = kernel_cache_bytes
         self._cache: dict = {}
 
     @classmethod
@@ -137,6 +147,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 generator_seed=0,
                 gamma_min=self._smallest_shift(),
                 rtol=self.rtol,
+                kernel_cache_bytes=self.kernel_cache_bytes,
             )
             engine.check_accuracy(self._smallest_shift(), self.rtol)
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
@@ -197,7 +208,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
         if cross is None:
-            cross = self.kernel(self.train_x, test_x).to_dense()
+            cross = drop_negligible(self.kernel(self.train_x, test_x).to_dense())
         weights = self._mean_weights(state)  # shape: (*, T, N, 1)
         mean = (cross.to(weights).mT.unsqueeze(-3) @ weights).squeeze(-1)  # shape: (*, T, M)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
@@ -207,7 +218,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         engine = state["engine"]
         with autograd_context(state):
             variance_filter = self._variance_filter()
-            cross = self.kernel(self.train_x, test_x).to_dense()  # shape: (*b, N, M)
+            cross = drop_negligible(
+                self.kernel(self.train_x, test_x).to_dense()
+            )  # shape: (*b, N, M)
             mean = self._mean_chunk(state, test_x, cross)
             prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(test_x.dtype)

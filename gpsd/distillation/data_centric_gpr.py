@@ -74,6 +74,10 @@ class DataCentricGPR(SpectralGPR):
         error estimate meets ``rtol``), or of the run that deflates CG (default 256).
     :param rtol: accuracy target; the Lanczos backend warns when its estimate exceeds it, the CG
         backend's solves stop at this relative residual.
+    :param kernel_cache_bytes: memory in bytes that the matrix-free backends (without a KeOps
+        kernel) may fill with the kernel rows they evaluate, kept for later products (see
+        :class:`~gpsd.linalg.ChunkedKernelOperator`); default: half of the device's free memory
+        when the factorisation is computed; ``0`` evaluates the kernel afresh at every product.
 
     Example:
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
@@ -96,6 +100,7 @@ class DataCentricGPR(SpectralGPR):
         linalg_dtype: torch.dtype | None = torch.float64,
         rank: int | None = None,
         rtol: float = 1e-6,
+        kernel_cache_bytes: int | None = None,
     ) -> None:
         alpha = float(alpha)
         if not 0.0 <= alpha < 1.0:
@@ -110,6 +115,7 @@ class DataCentricGPR(SpectralGPR):
             linalg_dtype=linalg_dtype,
             rank=rank,
             rtol=rtol,
+            kernel_cache_bytes=kernel_cache_bytes,
         )
         self.alpha = alpha
 

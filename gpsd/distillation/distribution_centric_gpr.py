@@ -55,7 +55,7 @@ class DistributionCentricGPR(SpectralGPR):
     :param gamma: the schedule :math:`\gamma_0..\gamma_{T-1}`, scalar, list or ``(*s, T)`` tensor.
     :param mean_module: the prior mean :math:`m` (default zero).
     :param method: ``"collapsed"`` or ``"iterated"``.
-    :param backend, linalg_dtype, rank, rtol: as in :class:`~gpsd.distillation.DataCentricGPR`.
+    :param backend, linalg_dtype, rank, rtol, kernel_cache_bytes: as in :class:`~gpsd.distillation.DataCentricGPR`.
     """
 
     def __init__(
@@ -71,6 +71,7 @@ class DistributionCentricGPR(SpectralGPR):
         linalg_dtype: torch.dtype | None = torch.float64,
         rank: int | None = None,
         rtol: float = 1e-6,
+        kernel_cache_bytes: int | None = None,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -84,6 +85,7 @@ class DistributionCentricGPR(SpectralGPR):
             linalg_dtype=linalg_dtype,
             rank=rank,
             rtol=rtol,
+            kernel_cache_bytes=kernel_cache_bytes,
         )
         self.method = method
 

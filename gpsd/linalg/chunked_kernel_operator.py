@@ -8,6 +8,8 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from gpsd.linalg._negligible import DROP_MIN_COLUMNS, drop_negligible
+
 __all__ = ["ChunkedKernelOperator"]
 
 
@@ -21,29 +23,70 @@ class ChunkedKernelOperator(LinearOperator):
 
     so memory stays at ``chunk_size x N`` kernel entries: the path for large N when pykeops is not
     installed (with pykeops, a GPyTorch KeOps kernel is the faster matrix-free operator). It is
-    meant for the block Lanczos backend (:meth:`~gpsd.linalg.KernelSpectrum.from_lanczos`), which
-    only multiplies; it carries no autograd graph (wrap its use in ``torch.no_grad()``).
+    meant for the block Lanczos and CG backends, which only multiply; it carries no autograd graph
+    (wrap its use in ``torch.no_grad()``).
+
+    **Keeping rows.** An iterative solver multiplies by :math:`\mathbf K` tens to hundreds of
+    times, and evaluating a kernel entry costs several passes over memory where a kept entry
+    costs one read. With ``cache_bytes > 0`` the operator keeps the row chunks it evaluates, in
+    order, while they fit in ``cache_bytes`` (a chunk that would not fit, and every one after it,
+    is evaluated afresh at each product): with ``cache_bytes`` at least the size of
+    :math:`\mathbf K` only the first product evaluates the kernel. On the CPU, kept rows (and
+    rows for a product with many columns) have their entries below :math:`\epsilon^2` times the
+    block's largest set to zero, since x86 processors multiply subnormal numbers slowly; that
+    changes no product beyond rounding. The kept rows belong to the
+    inputs and kernel state of the product that evaluated them: a change to either (an optimiser
+    step, new hyperparameter values, inputs written in place) drops them.
 
     :param kernel: any GPyTorch kernel.
     :param x: inputs, shape ``(*b, N, d)``.
     :param chunk_size: rows evaluated at once.
+    :param cache_bytes: memory the kept rows may fill, in bytes (default 0: keep none).
     """
 
-    def __init__(self, x: Tensor, *, kernel: Kernel, chunk_size: int = 2048) -> None:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
-        super().__init__(x, kernel=kernel, chunk_size=chunk_size)
+    def __init__(
+        self,
+        x: Tensor,
+        *,
+        kernel: Kernel,
+        chunk_size: int = 2048,
+        cache_bytes: int = 0,
+        _rows: _KeptRows | None = None,
+    ) -> None:
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        if not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be a non-negative integer, got {cache_bytes!r}")
+        # The rows live in an object passed along as a keyword: linear_operator rebuilds the
+        # operator from its arguments for every product, and the rows must outlive that.
+        rows = _rows if _rows is not None else _KeptRows()
+        super().__init__(
+            x, kernel=kernel, chunk_size=chunk_size, cache_bytes=cache_bytes, _rows=rows
+        )
         self.x = x
         self.kernel = kernel
         self.chunk_size = chunk_size
+        self.cache_bytes = cache_bytes
+        self._rows = rows
+
+    @property
+    def kept_bytes(self) -> int:
+        """Memory the kept kernel rows fill now, in bytes."""
+        return self._rows.nbytes if self._rows.belongs_to(self.x, self.kernel) else 0
 
     def _matmul(self, rhs: Tensor) -> Tensor:
         rows = []
         with torch.no_grad():
+            keep = self.cache_bytes > 0 and self._rows.claim(self.x, self.kernel)
             for start in range(0, self.x.shape[-2], self.chunk_size):
-                block = to_dense(
-                    self.kernel(self.x[..., start : start + self.chunk_size, :], self.x)
-                )
+                block = self._rows.blocks.get(start) if keep else None
+                if block is None:
+                    block = to_dense(
+                        self.kernel(self.x[..., start : start + self.chunk_size, :], self.x)
+                    )
+                    if keep or rhs.shape[-1] >= DROP_MIN_COLUMNS:
+                        block = drop_negligible(block)
+                    keep = keep and self._rows.add(start, block, self.cache_bytes)
                 rows.append(block @ rhs)
         return torch.cat(rows, dim=-2)
 
@@ -60,4 +103,52 @@ class ChunkedKernelOperator(LinearOperator):
 
     def _expand_batch(self, batch_shape: torch.Size) -> ChunkedKernelOperator:
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])
-        return ChunkedKernelOperator(x, kernel=self.kernel, chunk_size=self.chunk_size)
+        return ChunkedKernelOperator(
+            x, kernel=self.kernel, chunk_size=self.chunk_size, cache_bytes=self.cache_bytes
+        )
+
+
+class _KeptRows:
+    """The kernel row chunks a :class:`ChunkedKernelOperator` keeps between products, with the
+    inputs and kernel state they were evaluated for."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, Tensor] = {}
+        self.nbytes = 0
+        self._inputs: tuple | None = None
+        self._kernel_state: list[Tensor] = []
+        self._full = False
+
+    def belongs_to(self, x: Tensor, kernel: Kernel) -> bool:
+        """Whether the kept rows were evaluated for these inputs and this kernel state."""
+        if self._inputs != _identity(x):
+            return False
+        state = list(kernel.state_dict().values())
+        return len(state) == len(self._kernel_state) and all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            for a, b in zip(state, self._kernel_state, strict=True)
+        )
+
+    def claim(self, x: Tensor, kernel: Kernel) -> bool:
+        """Make the rows those of ``x`` and ``kernel``, dropping rows kept for others; returns
+        whether new rows may still be kept or kept ones read."""
+        if not self.belongs_to(x, kernel):
+            self.blocks, self.nbytes, self._full = {}, 0, False
+            self._inputs = _identity(x)
+            self._kernel_state = [t.detach().clone() for t in kernel.state_dict().values()]
+        return bool(self.blocks) or not self._full
+
+    def add(self, start: int, block: Tensor, budget: int) -> bool:
+        """Keep ``block`` if it fits in ``budget``; returns whether later chunks may be kept."""
+        size = block.numel() * block.element_size()
+        if self._full or self.nbytes + size > budget:
+            self._full = True
+            return False
+        self.blocks[start] = block
+        self.nbytes += size
+        return True
+
+
+def _identity(x: Tensor) -> tuple:
+    """What identifies the values of ``x``: its memory, layout and write counter."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version)

@@ -546,10 +546,15 @@ class ShiftedCG(ShiftedSolveEngine):
         return alphas, betas, actives, norm2
 
     def _split_resolved(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The resolved Ritz values ``d`` ``(*b, q)`` and vectors ``V`` ``(*b, N, q)`` (the others
-        zeroed), ``V^T x`` and the complement ``x - V V^T x`` of ``x`` ``(*b, N, r)``."""
-        d = self.ritz_values * self.resolved
-        v = self.ritz_vectors * self.resolved.unsqueeze(-2)
+        """The resolved Ritz values ``d`` ``(*b, p)`` and vectors ``V`` ``(*b, N, p)``, ``V^T x``
+        and the complement ``x - V V^T x`` of ``x`` ``(*b, N, r)``. The ``p`` columns are those
+        resolved in some batch entry (zeroed in the entries where they are not), so that no
+        product is spent on pairs that no entry splits off."""
+        flat = self.resolved.flatten(0, -2) if self.resolved.dim() > 1 else self.resolved[None]
+        some = flat.any(0)  # shape: (q,)
+        resolved = self.resolved[..., some]
+        d = self.ritz_values[..., some] * resolved
+        v = self.ritz_vectors[..., some] * resolved.unsqueeze(-2)
         z = v.mT @ x  # shape: (*b, q, r)
         return d, v, z, x - v @ z
 

@@ -294,3 +294,51 @@ def test_float32_dense_backend_keeps_gradients_to_the_float32_hyperparameters():
     model.predict(test_x).mean.sum().backward()
     grad = kernel.base_kernel.raw_lengthscale.grad
     assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
+
+
+def count_training_evaluations(kernel, n):
+    """Wrap ``kernel.forward`` to count its evaluations against all ``n`` training inputs."""
+    calls = []
+    forward = kernel.forward
+
+    def counting(x1, x2, **kwargs):
+        if x2.shape[-2] == n and not kwargs.get("diag", False):
+            calls.append(x1.shape[-2])
+        return forward(x1, x2, **kwargs)
+
+    kernel.forward = counting
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["cg", "lanczos"])
+def test_matrix_free_backends_keep_kernel_rows_between_products(backend):
+    """By default the rows of K are evaluated once and read at every later product; with
+    kernel_cache_bytes=0 at every product. The predictions agree either way."""
+    x, y, test_x = wiggly_data()
+    gammas = torch.linspace(1e-2, 0.1, 5, dtype=DTYPE)
+    models, evaluations = [], []
+    for cache in (None, 0):
+        kernel = rbf_kernel(outputscale=1.0, lengthscale=0.3)
+        evaluations.append(count_training_evaluations(kernel.base_kernel, 300))
+        models.append(
+            DataCentricGPR(kernel, x, y, gammas, backend=backend, kernel_cache_bytes=cache)
+        )
+    dense = DataCentricGPR(rbf_kernel(outputscale=1.0, lengthscale=0.3), x, y, gammas)
+    with torch.no_grad():
+        kept, fresh, ref = (m.predict(test_x) for m in (*models, dense))
+        engine = models[0]._state()["engine"]
+    if backend == "cg":
+        assert engine.kernel.kept_bytes == 300 * 300 * 8
+    assert evaluations[0] == [300]  # one evaluation of the 300 rows, in one chunk
+    assert len(evaluations[1]) > 3  # one per product
+    for got in (kept, fresh):
+        assert relative_error(got.mean, ref.mean) < 1e-5
+        assert relative_error(got.variance, ref.variance) < 1e-5
+
+
+def test_kernel_cache_bytes_must_be_a_non_negative_integer():
+    x, y, _ = wiggly_data(n=20)
+    with pytest.raises(ValueError, match="kernel_cache_bytes must be None or a non-negative"):
+        DataCentricGPR(rbf_kernel(), x, y, 0.1, backend="cg", kernel_cache_bytes=-5)
+    with pytest.raises(ValueError, match="kernel_cache_bytes"):
+        DistributionCentricGPR(rbf_kernel(), x, y, 0.1, kernel_cache_bytes=1.5)

@@ -158,6 +158,32 @@ def test_multishift_variances_equal_dense_quadratic_forms(lengthscale, rank):
         assert int(spectrum.resolved.sum()) > 0
 
 
+def test_multishift_variances_of_a_batch_of_kernels_with_different_resolved_pairs():
+    """Pairs resolved in one kernel of a batch and not in the other are split off only where
+    they are resolved; the variances still equal dense quadratic forms."""
+    gen = torch.Generator().manual_seed(12)
+    x = 5 * torch.rand(2, 300, 2, generator=gen, dtype=DTYPE)
+    lengthscale = torch.tensor([0.3, 1.5], dtype=DTYPE)[:, None, None]
+    k = torch.exp(-0.5 * torch.cdist(x, x).square() / lengthscale**2)
+    left = torch.randn(2, 300, 5, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([1e-2, 0.1, 1.0], dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=48, residual_tol=1e-9, generator=gen)
+    counts = spectrum.resolved.sum(-1)
+    assert int(counts[1]) > int(counts[0])  # the smoother kernel resolves more pairs
+    assert not torch.equal(spectrum.resolved[0], spectrum.resolved[1])
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10)
+    got = cg.quad_diag(SF.resolvent(gamma), left)
+    eye = torch.eye(300, dtype=DTYPE)
+    expected = torch.stack(  # shape (2, 3, 5), one kernel and shift at a time
+        [
+            torch.stack([(c * torch.linalg.solve(kb + g * eye, c)).sum(-2) for g in gamma])
+            for kb, c in zip(k, left, strict=True)
+        ]
+    )
+    assert got.shape == (2, 3, 5)
+    assert float(((got - expected).abs() / expected).max()) < 1e-9
+
+
 def test_multishift_warns_when_it_does_not_converge():
     gen = torch.Generator().manual_seed(6)
     k = rbf_matrix(5 * torch.rand(200, 2, generator=gen, dtype=DTYPE), 0.5)

@@ -1,0 +1,43 @@
+r"""Kernel entries far below rounding, set to zero before CPU matrix products.
+
+A stationary kernel decays to tiny entries between distant points: the RBF kernel falls below
+the smallest normal number (about 2.2e-308 in float64, 1.2e-38 in float32) some 38 (float64) or
+13 (float32) lengthscales apart. x86 CPUs take a slow path for arithmetic on such subnormal
+numbers, operands or results, and the BLAS libraries behind ``torch.matmul`` leave it on
+(``torch.set_flush_denormal`` does not reach their threads). Products of a tiny normal entry
+with a small vector entry are subnormal too, so zeroing the subnormal entries alone is not
+enough. Measured on a 2-core x86 machine (float64, RBF lengthscale 0.1 on [0, 10]^2): ``V.T @ C``
+with a 4096 x 1000 cross-covariance ``C`` took 4.5 s instead of 0.33 s; conjugate-gradient
+iterations with a 2048 x 2048 kernel matrix and 1000 right-hand sides took 0.2 to 0.76 s each
+instead of 0.057 s, and 0.075 to 0.61 s with only the subnormal entries zeroed.
+
+:func:`drop_negligible` zeroes every entry at most :math:`\epsilon^2 \max_{ij}|a_{ij}|` in size
+(:math:`\epsilon` the dtype's machine epsilon). That changes the matrix by at most
+:math:`n\epsilon^2\max|a_{ij}|` in norm, for ``n`` columns: far below the rounding of any
+product with it. Every remaining entry is then at least :math:`\epsilon^2` times the largest,
+so products with vectors of ordinary range stay normal. GPUs run subnormal arithmetic at full
+speed, so tensors on them are left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: Fewest right-hand sides for which a kernel block used in one product only is cleaned first:
+#: on the 2-core x86 CPU above, cleaning a 2048 x 2048 block (about 30 ms) saves about 39 ms in
+#: a product with 256 columns, 9 ms with 64 and 1 ms with 8.
+DROP_MIN_COLUMNS = 128
+
+
+def drop_negligible(matrix: Tensor) -> Tensor:
+    r"""``matrix`` (``(*b, n, m)``) with the entries of each matrix at most
+    :math:`\epsilon^2\max_{ij}|a_{ij}|` set to zero: a new tensor (autograd passes through the
+    kept entries), or ``matrix`` itself where it is not a floating-point CPU tensor."""
+    if matrix.device.type != "cpu" or not matrix.is_floating_point() or matrix.numel() == 0:
+        return matrix
+    magnitude = matrix.detach().abs()
+    largest = magnitude.amax(dim=(-2, -1), keepdim=True)
+    # an infinite entry must not make every other entry negligible
+    threshold = torch.where(largest.isfinite(), torch.finfo(matrix.dtype).eps ** 2 * largest, 0.0)
+    return torch.where(magnitude <= threshold, 0.0, matrix)

@@ -1,0 +1,140 @@
+"""ChunkedKernelOperator's kept rows and the dropping of negligible kernel entries."""
+
+import gpytorch
+import pytest
+import torch
+
+from gpsd.linalg import ChunkedKernelOperator
+from gpsd.linalg._negligible import drop_negligible
+
+DTYPE = torch.float64
+
+
+def counted_kernel(lengthscale=0.7, batch_shape=()):
+    """An RBF kernel that records the number of rows of every evaluation."""
+    kernel = gpytorch.kernels.RBFKernel(batch_shape=torch.Size(batch_shape)).to(DTYPE)
+    kernel.lengthscale = torch.tensor(lengthscale, dtype=DTYPE)  # a float would round to float32
+    rows = []
+    forward = kernel.forward
+
+    def counting(x1, x2, **kwargs):
+        rows.append(x1.shape[-2])
+        return forward(x1, x2, **kwargs)
+
+    kernel.forward = counting
+    return kernel, rows
+
+
+def reference(x, lengthscale):
+    """exp(-|x - x'|^2 / (2 l^2)) by cdist: independent of GPyTorch's kernel code."""
+    return torch.exp(-0.5 * torch.cdist(x, x).square() / lengthscale**2)
+
+
+def test_a_budget_for_all_rows_evaluates_the_kernel_once():
+    gen = torch.Generator().manual_seed(0)
+    x = 3 * torch.rand(100, 2, generator=gen, dtype=DTYPE)
+    rhs = torch.randn(100, 3, generator=gen, dtype=DTYPE)
+    kernel, rows = counted_kernel()
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32, cache_bytes=100 * 100 * 8)
+    with torch.no_grad():
+        first, second = op @ rhs, op @ rhs
+    expected = reference(x, 0.7) @ rhs
+    torch.testing.assert_close(first, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(second, expected, rtol=1e-12, atol=1e-12)
+    assert rows == [32, 32, 32, 4]  # the first product only
+    assert op.kept_bytes == 100 * 100 * 8
+
+
+def test_a_partial_budget_keeps_the_leading_chunks_that_fit():
+    gen = torch.Generator().manual_seed(1)
+    x = 3 * torch.rand(100, 2, generator=gen, dtype=DTYPE)
+    rhs = torch.randn(100, 2, generator=gen, dtype=DTYPE)
+    kernel, rows = counted_kernel()
+    # room for one and a half chunks of 32 x 100 float64 entries: one is kept
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32, cache_bytes=48 * 100 * 8)
+    with torch.no_grad():
+        op @ rhs
+        rows.clear()
+        got = op @ rhs
+    torch.testing.assert_close(got, reference(x, 0.7) @ rhs, rtol=1e-12, atol=1e-12)
+    assert rows == [32, 32, 4]  # chunks 2 to 4 are evaluated again; chunk 1 is read
+    assert op.kept_bytes == 32 * 100 * 8
+
+
+def test_without_a_budget_every_product_evaluates_every_chunk():
+    x = torch.rand(70, 3, dtype=DTYPE)
+    kernel, rows = counted_kernel()
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32)
+    with torch.no_grad():
+        op @ torch.ones(70, 1, dtype=DTYPE)
+        op @ torch.ones(70, 1, dtype=DTYPE)
+    assert rows == [32, 32, 6] * 2
+    assert op.kept_bytes == 0
+
+
+def test_kept_rows_are_dropped_when_the_kernel_or_the_inputs_change():
+    gen = torch.Generator().manual_seed(2)
+    x = 3 * torch.rand(60, 2, generator=gen, dtype=DTYPE)
+    rhs = torch.randn(60, 2, generator=gen, dtype=DTYPE)
+    kernel, _ = counted_kernel(lengthscale=0.7)
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=16, cache_bytes=10**6)
+    with torch.no_grad():
+        op @ rhs
+        kernel.lengthscale = torch.tensor(0.3, dtype=DTYPE)  # new hyperparameters
+        after_kernel = op @ rhs
+        x.mul_(0.5)  # inputs written in place
+        after_inputs = op @ rhs
+    torch.testing.assert_close(after_kernel, reference(2 * x, 0.3) @ rhs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(after_inputs, reference(x, 0.3) @ rhs, rtol=1e-12, atol=1e-12)
+
+
+def test_kept_rows_of_a_batch_of_kernels():
+    gen = torch.Generator().manual_seed(3)
+    x = 3 * torch.rand(2, 50, 2, generator=gen, dtype=DTYPE)
+    rhs = torch.randn(2, 50, 4, generator=gen, dtype=DTYPE)
+    kernel, rows = counted_kernel(lengthscale=0.7, batch_shape=torch.Size([2]))
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=20, cache_bytes=10**6)
+    with torch.no_grad():
+        op @ rhs
+        got = op @ rhs
+    torch.testing.assert_close(got, reference(x, 0.7) @ rhs, rtol=1e-12, atol=1e-12)
+    assert rows == [20, 20, 10]
+    assert op.kept_bytes == 2 * 50 * 50 * 8
+
+
+def test_a_negative_budget_is_refused():
+    with pytest.raises(ValueError, match="cache_bytes must be a non-negative integer"):
+        ChunkedKernelOperator(torch.rand(5, 1), kernel=gpytorch.kernels.RBFKernel(), cache_bytes=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_negligible_entries_are_zeroed_and_no_subnormal_is_left(dtype):
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    x = torch.linspace(0, 60, 400, dtype=dtype).unsqueeze(-1)
+    k = torch.exp(-0.5 * torch.cdist(x, x).square())  # decays through the subnormal range
+    subnormal = (k != 0) & (k.abs() < tiny)
+    assert bool(subnormal.any())  # the test case has some to remove
+    got = drop_negligible(k)
+    small = k.abs() <= eps**2 * k.abs().max()
+    assert bool((got[small] == 0).all())
+    assert torch.equal(got[~small], k[~small])  # every other entry is untouched
+    assert not bool(((got != 0) & (got.abs() < tiny)).any())
+    # a product changes by far less than its rounding: compare in float64 against the original
+    rhs = torch.randn(400, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    change = (got.double() - k.double()) @ rhs
+    assert float(change.abs().max()) <= 400 * eps**2 * float(rhs.abs().max())
+
+
+def test_dropping_keeps_non_finite_entries_and_ignores_non_floats():
+    k = torch.tensor([[1.0, 1e-40], [float("nan"), float("inf")]], dtype=DTYPE)
+    got = drop_negligible(k)
+    assert got[0, 1] == 1e-40  # an infinite entry does not make the others negligible
+    assert torch.isnan(got[1, 0]) and torch.isinf(got[1, 1])
+    integers = torch.arange(4).reshape(2, 2)
+    assert drop_negligible(integers) is integers
+
+
+def test_dropping_passes_gradients_to_the_kept_entries():
+    k = torch.tensor([[2.0, 1e-300], [1e-300, 3.0]], dtype=DTYPE, requires_grad=True)
+    drop_negligible(k).sum().backward()
+    torch.testing.assert_close(k.grad, torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=DTYPE))
