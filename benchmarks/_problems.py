@@ -24,5 +24,5 @@ def rbf_kernel(
 ) -> gpytorch.kernels.Kernel:
     """A scaled RBF kernel (outputscale 1) with the given lengthscale."""
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(device, dtype)
-    kernel.base_kernel.lengthscale = lengthscale
+    kernel.base_kernel.lengthscale = torch.tensor(lengthscale, dtype=dtype, device=device)
     return kernel

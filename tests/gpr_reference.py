@@ -54,8 +54,9 @@ def naive_data_centric(kernel, mean, x, y, gammas, test_x, alpha=0.0):
 def rbf_kernel(outputscale=4.0, lengthscale=1.5, dtype=torch.float64, **kwargs):
     """A scaled RBF kernel whose hyperparameters are set in ``dtype`` (no float32 rounding)."""
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(**kwargs)).to(dtype)
-    kernel.outputscale = outputscale
-    kernel.base_kernel.lengthscale = lengthscale
+    # a tensor in dtype: a Python float would pass through the default dtype (float32) first
+    kernel.outputscale = torch.as_tensor(outputscale, dtype=dtype)
+    kernel.base_kernel.lengthscale = torch.as_tensor(lengthscale, dtype=dtype)
     return kernel
 
 
