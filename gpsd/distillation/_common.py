@@ -34,9 +34,15 @@ CG_DEFLATION_RANK = 256
 #: Largest rank Lanczos grows to without a ``rank=``: there ``backend="auto"`` switches to
 #: deflated CG, and ``backend="lanczos"`` stops (its accuracy check then warns or raises).
 MAX_GROWN_RANK = 1024
+#: Test inputs are predicted in chunks of this many points, bounding the N x M cross-covariance.
+TEST_CHUNK_SIZE = 4096
 #: Fraction of the device's free memory that the matrix-free backends fill with kernel rows kept
 #: between products, unless ``kernel_cache_bytes`` is given.
 KERNEL_CACHE_FRACTION = 0.5
+#: N-vectors a prediction keeps free memory for beside the kept rows: about 8 blocks of
+#: TEST_CHUNK_SIZE columns (a CG solve's iterates and products) and 4 row chunks of 2048 (a
+#: kernel evaluation's temporaries).
+_WORKING_COLUMNS = 8 * TEST_CHUNK_SIZE + 4 * 2048
 
 
 class RegressionPath(NamedTuple):
@@ -209,7 +215,7 @@ def make_engine(
         dense = dense_kernel(dense_x).to_dense()
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
         if try_lanczos_first:
-            dense = drop_negligible(dense)  # the Krylov products are matrix products
+            dense = drop_negligible(dense, inplace=not dense.requires_grad)  # Krylov products
             spectrum = grow_lanczos(dense, rank or n // 4, give_up_early=True)
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
@@ -244,7 +250,8 @@ def _matrix_free(
 ) -> Tensor | LinearOperator:
     """The kernel matrix as an operator that is never formed whole (KeOps, or row chunks of which
     those that fit in ``cache_bytes`` are kept between products; ``None``:
-    :data:`KERNEL_CACHE_FRACTION` of the device's free memory).
+    :data:`KERNEL_CACHE_FRACTION` of the device's free memory, less where the rest would not
+    hold a prediction's working set of :data:`_WORKING_COLUMNS` N-vectors).
 
     The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
     residuals and the CG residuals reach that precision even for float32 data; the kernel is
@@ -257,7 +264,9 @@ def _matrix_free(
     if is_keops:
         return kernel(x)
     if cache_bytes is None:
-        cache_bytes = int(KERNEL_CACHE_FRACTION * free_memory_bytes(x.device))
+        free = free_memory_bytes(x.device)
+        working = _WORKING_COLUMNS * x.shape[:-1].numel() * torch.finfo(x.dtype).bits // 8
+        cache_bytes = max(0, int(min(KERNEL_CACHE_FRACTION * free, free - working)))
     return ChunkedKernelOperator(x, kernel=kernel, cache_bytes=cache_bytes)
 
 

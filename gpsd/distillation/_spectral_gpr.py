@@ -16,6 +16,7 @@ from torch import Tensor
 
 from gpsd._validation import check_gp_modules
 from gpsd.distillation._common import (
+    TEST_CHUNK_SIZE,
     RegressionPath,
     StateSnapshot,
     make_engine,
@@ -27,9 +28,6 @@ from gpsd.distillation._common import (
 )
 from gpsd.linalg import SpectralFilter
 from gpsd.linalg._negligible import drop_negligible
-
-#: Test inputs are predicted in chunks of this many points, bounding the N x M cross-covariance.
-TEST_CHUNK_SIZE = 4096
 
 
 def autograd_context(state: dict):

@@ -77,7 +77,9 @@ class DataCentricGPR(SpectralGPR):
     :param kernel_cache_bytes: memory in bytes that the matrix-free backends (without a KeOps
         kernel) may fill with the kernel rows they evaluate, kept for later products (see
         :class:`~gpsd.linalg.ChunkedKernelOperator`); default: half of the device's free memory
-        when the factorisation is computed; ``0`` evaluates the kernel afresh at every product.
+        when the factorisation is computed, less where the other half would not hold the working
+        set of a prediction (about ``8 * 4096 + 4 * 2048`` vectors of length N); ``0``
+        evaluates the kernel afresh at every product.
 
     Example:
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())

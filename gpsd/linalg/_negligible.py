@@ -22,6 +22,7 @@ speed, so tensors on them are left alone.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
 #: Fewest right-hand sides for which a kernel block used in one product only is cleaned first:
@@ -30,14 +31,29 @@ from torch import Tensor
 DROP_MIN_COLUMNS = 128
 
 
-def drop_negligible(matrix: Tensor) -> Tensor:
+def drop_negligible(matrix: Tensor, *, inplace: bool = False) -> Tensor:
     r"""``matrix`` (``(*b, n, m)``) with the entries of each matrix at most
-    :math:`\epsilon^2\max_{ij}|a_{ij}|` set to zero: a new tensor (autograd passes through the
-    kept entries), or ``matrix`` itself where it is not a floating-point CPU tensor."""
+    :math:`\epsilon^2\max_{ij}|a_{ij}|` set to zero, or ``matrix`` itself where it is not a
+    floating-point CPU tensor or has no such entry.
+
+    Without ``inplace`` the result is a new tensor (autograd passes through the kept entries);
+    with it, a contiguous ``matrix`` is overwritten (for fresh tensors outside autograd). A
+    single matrix with no negative entry, the usual kernel matrix, takes two reductions and one
+    thresholding pass; others a mask of their magnitudes.
+    """
     if matrix.device.type != "cpu" or not matrix.is_floating_point() or matrix.numel() == 0:
         return matrix
-    magnitude = matrix.detach().abs()
-    largest = magnitude.amax(dim=(-2, -1), keepdim=True)
+    values = matrix.detach()
+    flat = values.reshape(-1, values.shape[-2] * values.shape[-1])  # shape: (B, n * m)
+    low, high = flat.amin(-1), flat.amax(-1)
+    largest = torch.maximum(high, -low)
     # an infinite entry must not make every other entry negligible
     threshold = torch.where(largest.isfinite(), torch.finfo(matrix.dtype).eps ** 2 * largest, 0.0)
-    return torch.where(magnitude <= threshold, 0.0, matrix)
+    if bool((low > threshold).all()):  # every entry positive and above it: nothing to drop
+        return matrix
+    inplace = inplace and matrix.is_contiguous()  # not an expanded view, say
+    if flat.shape[0] == 1 and bool(low >= 0):
+        cut = float(threshold)
+        return F.threshold_(matrix, cut, 0.0) if inplace else F.threshold(matrix, cut, 0.0)
+    mask = values.abs() <= threshold.reshape(*values.shape[:-2], 1, 1)
+    return matrix.masked_fill_(mask, 0.0) if inplace else matrix.masked_fill(mask, 0.0)

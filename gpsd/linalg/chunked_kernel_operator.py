@@ -85,7 +85,7 @@ class ChunkedKernelOperator(LinearOperator):
                         self.kernel(self.x[..., start : start + self.chunk_size, :], self.x)
                     )
                     if keep or rhs.shape[-1] >= DROP_MIN_COLUMNS:
-                        block = drop_negligible(block)
+                        block = drop_negligible(block, inplace=True)
                     keep = keep and self._rows.add(start, block, self.cache_bytes)
                 rows.append(block @ rhs)
         return torch.cat(rows, dim=-2)

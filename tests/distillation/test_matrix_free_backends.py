@@ -342,3 +342,18 @@ def test_kernel_cache_bytes_must_be_a_non_negative_integer():
         DataCentricGPR(rbf_kernel(), x, y, 0.1, backend="cg", kernel_cache_bytes=-5)
     with pytest.raises(ValueError, match="kernel_cache_bytes"):
         DistributionCentricGPR(rbf_kernel(), x, y, 0.1, kernel_cache_bytes=1.5)
+
+
+def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monkeypatch):
+    x = torch.rand(1000, 2, dtype=DTYPE)
+    kernel = rbf_kernel()
+    working = (8 * 4096 + 4 * 2048) * 1000 * 8  # N-vectors of a prediction, in float64 bytes
+    for free, expected in [
+        (10 * working, 5 * working),  # plenty: half of it
+        (working + 1000, 1000),  # the working set first
+        (working // 2, 0),  # not even that: keep nothing
+    ]:
+        monkeypatch.setattr(common, "free_memory_bytes", lambda device, free=free: free)
+        operator = common._matrix_free(kernel, x, torch.float64, None)
+        assert operator.cache_bytes == expected
+    assert common._matrix_free(kernel, x, torch.float64, 123).cache_bytes == 123

@@ -125,6 +125,32 @@ def test_negligible_entries_are_zeroed_and_no_subnormal_is_left(dtype):
     assert float(change.abs().max()) <= 400 * eps**2 * float(rhs.abs().max())
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dropping_is_per_matrix_of_a_batch_and_handles_negative_entries(inplace):
+    k = torch.tensor(
+        [
+            [[1.0, 1e-40, 2e-31], [0.5, 1e-33, 0.0]],  # scale 1: 1e-40 and 1e-33 go
+            [[1e-30, 1e-60, 3e-30], [1e-30, 1e-68, 0.0]],  # scale 3e-30: only 1e-68 goes
+        ],
+        dtype=DTYPE,
+    )
+    signed = torch.tensor([[-2.0, 1e-40], [-1e-40, 1e-20]], dtype=DTYPE)
+    expected_k = k.clone()
+    expected_k[0, 0, 1] = expected_k[0, 1, 1] = expected_k[1, 1, 1] = 0.0
+    expected_signed = torch.tensor([[-2.0, 0.0], [0.0, 1e-20]], dtype=DTYPE)
+    for matrix, expected in ((k, expected_k), (signed, expected_signed)):
+        got = drop_negligible(matrix, inplace=inplace)
+        assert torch.equal(got, expected)
+        assert (got is matrix) == inplace  # overwritten, or a new tensor
+
+
+def test_a_matrix_with_nothing_to_drop_is_returned_as_it_is():
+    k = torch.rand(30, 20, dtype=DTYPE) + 1e-3
+    assert drop_negligible(k) is k
+    zeros = torch.zeros(1, dtype=DTYPE).expand(4, 4)  # an expanded view cannot be overwritten
+    assert torch.equal(drop_negligible(zeros, inplace=True), zeros)
+
+
 def test_dropping_keeps_non_finite_entries_and_ignores_non_floats():
     k = torch.tensor([[1.0, 1e-40], [float("nan"), float("inf")]], dtype=DTYPE)
     got = drop_negligible(k)
