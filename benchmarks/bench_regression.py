@@ -86,18 +86,27 @@ def naive_loop(x, y, test_x, gammas, lengthscale):
 
 def gpsd_kernel(lengthscale, dtype, device):
     kernel = gpytorch.kernels.RBFKernel().to(device=device, dtype=dtype)
-    kernel.lengthscale = lengthscale
+    kernel.lengthscale = torch.tensor(lengthscale, dtype=dtype, device=device)
     return kernel
 
 
-def gpsd_path(method, x, y, test_x, gammas, lengthscale, rank=None):
+def gpsd_path(method, x, y, test_x, gammas, lengthscale, rank=None, kernel_cache_bytes=None):
     """All T steps' means and variances at test_x with one gpsd model."""
     kernel = gpsd_kernel(lengthscale, x.dtype, x.device)
     with torch.no_grad():
         if method == "distribution-centric":
             model = DistributionCentricGPR(kernel, x, y, gammas, backend="dense")
         else:
-            model = DataCentricGPR(kernel, x, y, gammas, backend=method, rank=rank, rtol=1e-6)
+            model = DataCentricGPR(
+                kernel,
+                x,
+                y,
+                gammas,
+                backend=method,
+                rank=rank,
+                rtol=1e-6,
+                kernel_cache_bytes=kernel_cache_bytes,
+            )
         return model.predict(test_x)
 
 
@@ -212,7 +221,16 @@ def worker(spec: dict) -> dict:
     else:
 
         def run():
-            return gpsd_path(method, tx, ty, ttest, gammas, lengthscale, rank=spec["rank"])
+            return gpsd_path(
+                method,
+                tx,
+                ty,
+                ttest,
+                gammas,
+                lengthscale,
+                rank=spec["rank"],
+                kernel_cache_bytes=spec["kernel_cache_bytes"],
+            )
 
     base_rss = peak_rss_kib()
     if device.type == "cuda":
@@ -252,6 +270,7 @@ def scaling_table(args, device, dtype) -> str:
                 "steps": args.scaling_steps,
                 "method": method,
                 "rank": args.rank,
+                "kernel_cache_bytes": args.kernel_cache_bytes,
                 "repeats": min(args.repeats, 3),
             }
             proc = subprocess.run(
@@ -312,6 +331,13 @@ def main() -> None:
     parser.add_argument("--cholesky-max-n", type=int, default=1000)
     parser.add_argument(
         "--rank", type=int, default=None, help="Lanczos rank (default: grown to meet rtol)"
+    )
+    parser.add_argument(
+        "--kernel-cache-bytes",
+        type=int,
+        default=None,
+        help="memory the matrix-free backends keep kernel rows in (default: half the free memory; "
+        "0: evaluate K afresh at every product)",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
