@@ -39,6 +39,10 @@ TEST_CHUNK_SIZE = 4096
 #: Fraction of the device's free memory that the matrix-free backends fill with kernel rows kept
 #: between products, unless ``kernel_cache_bytes`` is given.
 KERNEL_CACHE_FRACTION = 0.5
+#: Products with the row-chunked operator before it keeps rows: block Lanczos resolves a smooth
+#: kernel in three, and holding K then costs more than it saves (on the 2-core CPU at N = 32,768:
+#: 22 s for the three products with every row kept, 19 s without, and 13 GiB against 1 GiB).
+KEEP_ROWS_AFTER = 3
 #: N-vectors a prediction keeps free memory for beside the kept rows: about 8 blocks of
 #: TEST_CHUNK_SIZE columns (a CG solve's iterates and products) and 4 row chunks of 2048 (a
 #: kernel evaluation's temporaries).
@@ -267,7 +271,9 @@ def _matrix_free(
         free = free_memory_bytes(x.device)
         working = _WORKING_COLUMNS * x.shape[:-1].numel() * torch.finfo(x.dtype).bits // 8
         cache_bytes = max(0, int(min(KERNEL_CACHE_FRACTION * free, free - working)))
-    return ChunkedKernelOperator(x, kernel=kernel, cache_bytes=cache_bytes)
+    return ChunkedKernelOperator(
+        x, kernel=kernel, cache_bytes=cache_bytes, keep_after=KEEP_ROWS_AFTER
+    )
 
 
 def _in_dtype(kernel: Kernel, x: Tensor, dtype: torch.dtype | None) -> tuple[Kernel, Tensor]:

@@ -38,10 +38,15 @@ class ChunkedKernelOperator(LinearOperator):
     inputs and kernel state of the product that evaluated them: a change to either (an optimiser
     step, new hyperparameter values, inputs written in place) drops them.
 
+    Keeping rows pays where there are many products; a run of a few (block Lanczos on a smooth
+    kernel stops after three) is better off without the memory. ``keep_after`` products are
+    therefore evaluated without keeping anything, and rows are kept from the next one on.
+
     :param kernel: any GPyTorch kernel.
     :param x: inputs, shape ``(*b, N, d)``.
     :param chunk_size: rows evaluated at once.
     :param cache_bytes: memory the kept rows may fill, in bytes (default 0: keep none).
+    :param keep_after: products evaluated afresh before rows are kept (default 0).
     """
 
     def __init__(
@@ -51,22 +56,31 @@ class ChunkedKernelOperator(LinearOperator):
         kernel: Kernel,
         chunk_size: int = 2048,
         cache_bytes: int = 0,
+        keep_after: int = 0,
         _rows: _KeptRows | None = None,
     ) -> None:
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be a non-negative integer, got {cache_bytes!r}")
+        if not isinstance(keep_after, int) or keep_after < 0:
+            raise ValueError(f"keep_after must be a non-negative integer, got {keep_after!r}")
         # The rows live in an object passed along as a keyword: linear_operator rebuilds the
         # operator from its arguments for every product, and the rows must outlive that.
         rows = _rows if _rows is not None else _KeptRows()
         super().__init__(
-            x, kernel=kernel, chunk_size=chunk_size, cache_bytes=cache_bytes, _rows=rows
+            x,
+            kernel=kernel,
+            chunk_size=chunk_size,
+            cache_bytes=cache_bytes,
+            keep_after=keep_after,
+            _rows=rows,
         )
         self.x = x
         self.kernel = kernel
         self.chunk_size = chunk_size
         self.cache_bytes = cache_bytes
+        self.keep_after = keep_after
         self._rows = rows
 
     @property
@@ -77,7 +91,8 @@ class ChunkedKernelOperator(LinearOperator):
     def _matmul(self, rhs: Tensor) -> Tensor:
         rows = []
         with torch.no_grad():
-            keep = self.cache_bytes > 0 and self._rows.claim(self.x, self.kernel)
+            products = self._rows.claim(self.x, self.kernel)
+            keep = self.cache_bytes > 0 and products > self.keep_after
             for start in range(0, self.x.shape[-2], self.chunk_size):
                 block = self._rows.blocks.get(start) if keep else None
                 if block is None:
@@ -104,7 +119,11 @@ class ChunkedKernelOperator(LinearOperator):
     def _expand_batch(self, batch_shape: torch.Size) -> ChunkedKernelOperator:
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])
         return ChunkedKernelOperator(
-            x, kernel=self.kernel, chunk_size=self.chunk_size, cache_bytes=self.cache_bytes
+            x,
+            kernel=self.kernel,
+            chunk_size=self.chunk_size,
+            cache_bytes=self.cache_bytes,
+            keep_after=self.keep_after,
         )
 
 
@@ -115,6 +134,7 @@ class _KeptRows:
     def __init__(self) -> None:
         self.blocks: dict[int, Tensor] = {}
         self.nbytes = 0
+        self.products = 0
         self._inputs: tuple | None = None
         self._kernel_state: list[Tensor] = []
         self._full = False
@@ -129,14 +149,16 @@ class _KeptRows:
             for a, b in zip(state, self._kernel_state, strict=True)
         )
 
-    def claim(self, x: Tensor, kernel: Kernel) -> bool:
-        """Make the rows those of ``x`` and ``kernel``, dropping rows kept for others; returns
-        whether new rows may still be kept or kept ones read."""
+    def claim(self, x: Tensor, kernel: Kernel) -> int:
+        """Count a product with ``x`` and ``kernel``, dropping rows kept for others; returns the
+        number of products with them so far, this one included, or 0 where no row can be kept
+        or read (the budget holds none)."""
         if not self.belongs_to(x, kernel):
-            self.blocks, self.nbytes, self._full = {}, 0, False
+            self.blocks, self.nbytes, self._full, self.products = {}, 0, False, 0
             self._inputs = _identity(x)
             self._kernel_state = [t.detach().clone() for t in kernel.state_dict().values()]
-        return bool(self.blocks) or not self._full
+        self.products += 1
+        return self.products if self.blocks or not self._full else 0
 
     def add(self, start: int, block: Tensor, budget: int) -> bool:
         """Keep ``block`` if it fits in ``budget``; returns whether later chunks may be kept."""

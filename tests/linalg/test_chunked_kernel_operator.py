@@ -61,6 +61,18 @@ def test_a_partial_budget_keeps_the_leading_chunks_that_fit():
     assert op.kept_bytes == 32 * 100 * 8
 
 
+def test_rows_are_kept_from_the_product_after_keep_after():
+    x = torch.rand(70, 3, dtype=DTYPE)
+    kernel, rows = counted_kernel()
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32, cache_bytes=10**6, keep_after=2)
+    with torch.no_grad():
+        for _ in range(5):
+            op @ torch.ones(70, 1, dtype=DTYPE)
+    assert rows == [32, 32, 6] * 3  # products 1 and 2 afresh, 3 kept, 4 and 5 read
+    with pytest.raises(ValueError, match="keep_after must be a non-negative integer"):
+        ChunkedKernelOperator(x, kernel=kernel, keep_after=-1)
+
+
 def test_without_a_budget_every_product_evaluates_every_chunk():
     x = torch.rand(70, 3, dtype=DTYPE)
     kernel, rows = counted_kernel()
