@@ -34,9 +34,9 @@ class ChunkedKernelOperator(LinearOperator):
     :math:`\mathbf K` only the first product evaluates the kernel. On the CPU, kept rows (and
     rows for a product with many columns) have their entries below :math:`\epsilon^2` times the
     block's largest set to zero, since x86 processors multiply subnormal numbers slowly; that
-    changes no product beyond rounding. The kept rows belong to the
-    inputs and kernel state of the product that evaluated them: a change to either (an optimiser
-    step, new hyperparameter values, inputs written in place) drops them.
+    changes no product beyond rounding. The kept rows belong to the inputs and kernel state of
+    the product that evaluated them: a change to either (an optimiser step, new hyperparameter
+    values, inputs written in place) drops them.
 
     Keeping rows pays where there are many products; a run of a few (block Lanczos on a smooth
     kernel stops after three) is better off without the memory. ``keep_after`` products are
@@ -91,8 +91,8 @@ class ChunkedKernelOperator(LinearOperator):
     def _matmul(self, rhs: Tensor) -> Tensor:
         rows = []
         with torch.no_grad():
-            products = self._rows.claim(self.x, self.kernel)
-            keep = self.cache_bytes > 0 and products > self.keep_after
+            # without a budget there is nothing to count or compare (a sync per product on GPUs)
+            keep = self.cache_bytes > 0 and self._rows.claim(self.x, self.kernel) > self.keep_after
             for start in range(0, self.x.shape[-2], self.chunk_size):
                 block = self._rows.blocks.get(start) if keep else None
                 if block is None:
