@@ -16,6 +16,7 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from gpsd._module_state import ModuleState
 from gpsd._teacher import validate_teacher
 from gpsd._validation import as_float_tensor, check_finite, check_matrix, check_vector
 from gpsd.linalg import (
@@ -286,30 +287,15 @@ def _in_dtype(kernel: Kernel, x: Tensor, dtype: torch.dtype | None) -> tuple[Ker
 
 
 class StateSnapshot:
-    """The values of a module's state (parameters and buffers) at one moment.
-
-    The distillers cache their factorisation and compare a snapshot on every call, so that any
-    change (an optimiser step, a hyperparameter set through ``.data``, ``load_state_dict``,
-    ``.to()``) triggers a refactorisation. Comparing is cheap next to the factorisation.
-    """
+    """A module's state (:class:`~gpsd._module_state.ModuleState`) and the grad mode at one
+    moment: the distillers rebuild their cached factorisation when either has changed."""
 
     def __init__(self, module: gpytorch.Module) -> None:
         self.grad_enabled = torch.is_grad_enabled()
-        self.values = [t.detach().clone() for t in module.state_dict().values()]
+        self.state = ModuleState(module)
 
     def matches(self, module: gpytorch.Module) -> bool:
-        current = list(module.state_dict().values())
-        return (
-            self.grad_enabled == torch.is_grad_enabled()
-            and len(current) == len(self.values)
-            and all(
-                a.shape == b.shape
-                and a.dtype == b.dtype
-                and a.device == b.device
-                and torch.equal(a, b)
-                for a, b in zip(self.values, current, strict=True)
-            )
-        )
+        return self.grad_enabled == torch.is_grad_enabled() and self.state.matches(module)
 
 
 def nonnegative_variance(variance: Tensor, scale: Tensor) -> Tensor:

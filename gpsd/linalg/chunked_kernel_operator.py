@@ -8,6 +8,7 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from gpsd._module_state import ModuleState
 from gpsd.linalg._negligible import DROP_MIN_COLUMNS, drop_negligible
 
 __all__ = ["ChunkedKernelOperator"]
@@ -136,17 +137,15 @@ class _KeptRows:
         self.nbytes = 0
         self.products = 0
         self._inputs: tuple | None = None
-        self._kernel_state: list[Tensor] = []
+        self._kernel_state: ModuleState | None = None
         self._full = False
 
     def belongs_to(self, x: Tensor, kernel: Kernel) -> bool:
         """Whether the kept rows were evaluated for these inputs and this kernel state."""
-        if self._inputs != _identity(x):
-            return False
-        state = list(kernel.state_dict().values())
-        return len(state) == len(self._kernel_state) and all(
-            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-            for a, b in zip(state, self._kernel_state, strict=True)
+        return (
+            self._inputs == _identity(x)
+            and self._kernel_state is not None
+            and self._kernel_state.matches(kernel)
         )
 
     def claim(self, x: Tensor, kernel: Kernel) -> int:
@@ -156,7 +155,7 @@ class _KeptRows:
         if not self.belongs_to(x, kernel):
             self.blocks, self.nbytes, self._full, self.products = {}, 0, False, 0
             self._inputs = _identity(x)
-            self._kernel_state = [t.detach().clone() for t in kernel.state_dict().values()]
+            self._kernel_state = ModuleState(kernel)
         self.products += 1
         return self.products if self.blocks or not self._full else 0
 

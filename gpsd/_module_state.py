@@ -1,0 +1,26 @@
+"""The values of a module's state (parameters and buffers), to tell when it has changed."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class ModuleState:
+    """A copy of ``module.state_dict()``'s values at one moment.
+
+    Caches built from a module (a factorisation, kept kernel rows) compare it on every use, so that
+    any change (an optimiser step, a hyperparameter set through ``.data``, ``load_state_dict``,
+    ``.to()``) invalidates them. Comparing is cheap next to what they cache.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.values: list[Tensor] = [t.detach().clone() for t in module.state_dict().values()]
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module``'s state still has these values (shapes, dtypes and devices too)."""
+        current = list(module.state_dict().values())
+        return len(current) == len(self.values) and all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            for a, b in zip(self.values, current, strict=True)
+        )
