@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import gpytorch
@@ -18,6 +19,7 @@ from gpsd.kernel_distillation._stationary_kernel import stationary_kernel_parame
 from gpsd.kernel_distillation.kmeans import kmeans
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 from gpsd.kernel_distillation.sparse_low_rank_student import SparseLowRankStudent
+from gpsd.linalg._negligible import drop_negligible
 
 __all__ = ["KernelDistillation"]
 
@@ -25,8 +27,10 @@ _CHUNK_ELEMENTS = 2**22
 
 
 def _evaluate_kernel(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) -> Tensor:
+    """``k(x1, x2)`` as a dense tensor, entries below rounding set to zero on a CPU (see
+    :mod:`gpsd.linalg._negligible`)."""
     with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(False):
-        return kernel(x1, x2).to_dense()
+        return drop_negligible(kernel(x1, x2).to_dense())
 
 
 def _batched_least_squares(design: Tensor, rhs: Tensor) -> Tensor:
@@ -62,38 +66,44 @@ def _batched_least_squares(design: Tensor, rhs: Tensor) -> Tensor:
 class _SparseRows:
     """``W`` with ``b`` non-zeros per row: ``values (n, b)`` at columns ``indices (n, b)``.
 
-    Indices are sorted within each row, so the row-major COO layout is already coalesced; the
-    permutation to column-major order (for ``W^T``) is computed once.
+    ``W`` and ``W^T`` are built as compressed-row (CSR) tensors, whose products with dense
+    matrices run about twice as fast as the coordinate (COO) layout's on a CPU (n = 8192,
+    m = 1000, b = 30, 2048 columns: 0.14 s against 0.26 s in float32). Indices are sorted within
+    each row; the permutation to column-major order (the rows of ``W^T``) is computed once.
     """
 
     def __init__(self, indices: Tensor, num_columns: int) -> None:
         self.indices = indices
         self.n, self.b = indices.shape
         self.m = num_columns
-        rows = torch.arange(self.n, device=indices.device).repeat_interleave(self.b)
-        cols = indices.reshape(-1)
-        self.coo_indices = torch.stack([rows, cols])
-        order = torch.argsort(cols * self.n + rows)
-        self.t_order = order
-        self.t_indices = torch.stack([cols[order], rows[order]])
+        device = indices.device
+        self.crow = torch.arange(0, self.n * self.b + 1, self.b, device=device)
+        self.col = indices.reshape(-1)
+        rows = torch.arange(self.n, device=device).repeat_interleave(self.b)
+        self.t_order = torch.argsort(self.col * self.n + rows)
+        self.t_col = rows[self.t_order]
+        counts = torch.bincount(self.col, minlength=self.m)
+        self.t_crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+    @staticmethod
+    def _csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+        with warnings.catch_warnings():  # torch calls its CSR support "beta" on first use
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support")
+            return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
 
     def matrix(self, values: Tensor) -> Tensor:
-        return torch.sparse_coo_tensor(
-            self.coo_indices,
-            values.reshape(-1),
-            (self.n, self.m),
-            is_coalesced=True,
-            check_invariants=False,
-        )
+        return self._csr(self.crow, self.col, values.reshape(-1), (self.n, self.m))
+
+    def rows(self, values: Tensor, rows: slice) -> Tensor:
+        """Rows ``rows`` (a slice with step 1) of ``W``."""
+        start, stop, _ = rows.indices(self.n)
+        crow = self.crow[: stop - start + 1]
+        col = self.col[start * self.b : stop * self.b]
+        return self._csr(crow, col, values[rows].reshape(-1), (stop - start, self.m))
 
     def transpose(self, values: Tensor) -> Tensor:
-        return torch.sparse_coo_tensor(
-            self.t_indices,
-            values.reshape(-1)[self.t_order],
-            (self.m, self.n),
-            is_coalesced=True,
-            check_invariants=False,
-        )
+        values = values.reshape(-1)[self.t_order]
+        return self._csr(self.t_crow, self.t_col, values, (self.m, self.n))
 
     def dense(self, values: Tensor) -> Tensor:
         out = values.new_zeros(self.n, self.m)
@@ -383,8 +393,7 @@ class KernelDistillation:
 
     def _times_kuu(self, values: Tensor, cols: slice) -> Tensor:
         """Rows ``cols`` of :math:`W K_{UU}`, shape ``(c, m)``."""
-        gathered = self.inducing_covariance[self.neighbour_indices[cols]]  # shape: (c, b, m)
-        return (values[cols].unsqueeze(-2) @ gathered).squeeze(-2)
+        return self._pattern.rows(values, cols) @ self.inducing_covariance
 
     def objective_and_gradient(
         self, values: Tensor, *, gradient: bool = True
@@ -402,12 +411,13 @@ class KernelDistillation:
             for start in range(0, self.train_x.shape[0], self.chunk_size):
                 cols, k_cols = self._columns(start)
                 a_rows = self._times_kuu(values, cols)  # (W K_UU)[cols], shape: (c, m)
-                resid = torch.sparse.mm(w, a_rows.transpose(-1, -2)) - k_cols  # E[:, cols] (n, c)
+                resid = w @ a_rows.transpose(-1, -2) - k_cols  # E[:, cols] (n, c)
                 total = total + resid.pow(2).sum()
                 if gradient:
-                    ew = torch.sparse.mm(wt, resid).transpose(-1, -2)  # (E W)[cols], shape: (c, m)
-                    gathered = self.inducing_covariance[self.neighbour_indices[cols]]
-                    grad[cols] = 4.0 * (gathered @ ew.unsqueeze(-1)).squeeze(-1)  # shape: (c, b)
+                    ew = (wt @ resid).transpose(-1, -2)  # (E W)[cols], shape: (c, m)
+                    # (E W K_UU)[cols] on the pattern, shape: (c, b)
+                    ewk = ew @ self.inducing_covariance.mT
+                    grad[cols] = 4.0 * ewk.gather(-1, self.neighbour_indices[cols])
         return total, grad
 
     def frobenius_error(self, values: Tensor | None = None) -> float:
@@ -428,7 +438,7 @@ class KernelDistillation:
                 a = self._times_kuu(values, cols).transpose(-1, -2)  # (m, c)
                 bmat = self._times_kuu(direction, cols).transpose(-1, -2)
                 both = torch.cat([a, bmat], dim=-1)  # shape: (m, 2c)
-                w_both, d_both = torch.sparse.mm(w, both), torch.sparse.mm(dmat, both)
+                w_both, d_both = w @ both, dmat @ both
                 width = a.shape[-1]
                 e0 = w_both[:, :width] - k_cols  # E_0[:, cols]
                 s = d_both[:, :width] + w_both[:, width:]  # (D K W^T + W K D^T)[:, cols]

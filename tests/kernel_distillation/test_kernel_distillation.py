@@ -73,6 +73,56 @@ def test_gradient_equals_autograd_on_the_pattern():
     )
 
 
+def test_sparse_pattern_products_match_dense_scatter():
+    # column 3 of W has no non-zero and column 0 several: the CSR row pointers of W^T must say so
+    from gpsd.kernel_distillation.kernel_distillation import _SparseRows
+
+    indices = torch.tensor([[0, 2], [0, 4], [1, 4], [0, 5], [2, 5]])
+    values = torch.arange(1.0, 11.0, dtype=DT).reshape(5, 2)
+    pattern = _SparseRows(indices, 6)
+    dense = torch.zeros(5, 6, dtype=DT)
+    for i in range(5):
+        for j in range(2):
+            dense[i, indices[i, j]] = values[i, j]
+    rhs = torch.randn(6, 3, dtype=DT)
+    torch.testing.assert_close(pattern.matrix(values) @ rhs, dense @ rhs, rtol=0, atol=0)
+    rhs_t = torch.randn(5, 4, dtype=DT)
+    torch.testing.assert_close(pattern.transpose(values) @ rhs_t, dense.T @ rhs_t)
+    torch.testing.assert_close(pattern.dense(values), dense, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_short_lengthscale_objective_and_gradient_match_a_float64_reference(dtype):
+    # lengthscale 0.1 on [0, 10]^2: most kernel entries lie below the smallest normal number,
+    # and the distiller drops those below eps^2 * max before its products
+    gen = torch.Generator().manual_seed(3)
+    x = 10 * torch.rand(300, 2, generator=gen, dtype=DT)
+    y = torch.randn(300, generator=gen, dtype=DT)
+    kernel = gpytorch.kernels.RBFKernel().to(dtype)
+    kernel.lengthscale = torch.tensor(0.1, dtype=dtype)
+    kd = KernelDistillation.from_kernel(
+        kernel, x.to(dtype), y.to(dtype), 0.05, 60, 6, chunk_size=64
+    )
+    kd.prepare()
+    values = kd.weight_values + 0.01 * torch.randn(kd.weight_values.shape, generator=gen).to(dtype)
+    obj, grad = kd.objective_and_gradient(values)
+    # reference: float64 kernel from squared distances, dense W, autograd
+    k_xx = torch.exp(-0.5 * torch.cdist(x, x).square() / 0.01)
+    tiny = torch.finfo(dtype).tiny
+    assert bool(((k_xx > 0) & (k_xx < tiny)).any())  # the case this test is about
+    u = kd.inducing_points.to(DT)
+    k_uu = torch.exp(-0.5 * torch.cdist(u, u).square() / 0.01)
+    w = kd.dense_weights(values).to(DT).requires_grad_(True)
+    ref = (k_xx - w @ k_uu @ w.T).pow(2).sum()
+    (ref_grad,) = torch.autograd.grad(ref, w)
+    rtol = 1e-9 if dtype == torch.float64 else 2e-4
+    assert float(obj) == pytest.approx(float(ref.detach()), rel=rtol)
+    scale = ref_grad.abs().max()
+    torch.testing.assert_close(
+        grad.to(DT), ref_grad.gather(-1, kd.neighbour_indices), rtol=0, atol=rtol * float(scale)
+    )
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 1000])
 def test_chunked_and_unchunked_paths_agree(chunk_size):
     ref = _distiller(chunk_size=10_000)
