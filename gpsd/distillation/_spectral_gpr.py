@@ -27,7 +27,7 @@ from gpsd.distillation._common import (
     validate_training_data,
 )
 from gpsd.linalg import SpectralFilter
-from gpsd.linalg._negligible import drop_negligible
+from gpsd.linalg._negligible import kernel_matrix
 
 
 def autograd_context(state: dict):
@@ -206,7 +206,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
         if cross is None:
-            cross = drop_negligible(self.kernel(self.train_x, test_x).to_dense())
+            cross = kernel_matrix(self.kernel, self.train_x, test_x)
         weights = self._mean_weights(state)  # shape: (*, T, N, 1)
         mean = (cross.to(weights).mT.unsqueeze(-3) @ weights).squeeze(-1)  # shape: (*, T, M)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
@@ -216,9 +216,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         engine = state["engine"]
         with autograd_context(state):
             variance_filter = self._variance_filter()
-            cross = drop_negligible(
-                self.kernel(self.train_x, test_x).to_dense()
-            )  # shape: (*b, N, M)
+            cross = kernel_matrix(self.kernel, self.train_x, test_x)  # shape: (*b, N, M)
             mean = self._mean_chunk(state, test_x, cross)
             prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(test_x.dtype)

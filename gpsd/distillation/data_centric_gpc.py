@@ -26,7 +26,7 @@ from gpsd.laplace.predictive import (
     laplace_latent_predictive,
     probit_approximation,
 )
-from gpsd.linalg._negligible import drop_negligible
+from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["DataCentricGPC"]
 
@@ -160,7 +160,7 @@ class DataCentricGPC(gpytorch.Module):
         """
         with torch.no_grad():
             x = self.train_inputs
-            K = drop_negligible(self.covar_module(x).to_dense())  # shape: (*batch, n, n)
+            K = kernel_matrix(self.covar_module, x)  # shape: (*batch, n, n)
             m = self.mean_module(x)
             batch = torch.broadcast_shapes(
                 K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1]
@@ -219,7 +219,7 @@ class DataCentricGPC(gpytorch.Module):
         x = self._test_inputs(x)
         _, mode = self._mode(step)
         with torch.no_grad():
-            K_cross = drop_negligible(self.covar_module(x, self.train_inputs).to_dense())
+            K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
             K_diag = self.covar_module(x, diag=True)
             mean, var = laplace_latent_predictive(mode, K_cross, K_diag, self.mean_module(x))
         return mean, var.clamp_min(0.0)

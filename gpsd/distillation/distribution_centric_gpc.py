@@ -19,7 +19,7 @@ from gpsd._validation import (
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import gauss_hermite_expectation, probit_approximation
 from gpsd.laplace.resolve import resolve_likelihood_terms
-from gpsd.linalg._negligible import drop_negligible
+from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["DistributionCentricGPC"]
 
@@ -116,7 +116,7 @@ class DistributionCentricGPC(gpytorch.Module):
 
     def _prior(self) -> tuple[Tensor, Tensor]:
         x = self.train_inputs
-        K = drop_negligible(self.covar_module(x).to_dense())
+        K = kernel_matrix(self.covar_module, x)
         m = self.mean_module(x)
         batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1])
         n = K.shape[-1]
@@ -249,8 +249,9 @@ class DistributionCentricGPC(gpytorch.Module):
         x = self._test_inputs(x)
         scale, c, Q = self._state(step)
         with torch.no_grad():
-            K_cross = self.covar_module(x, self.train_inputs).to_dense()  # shape: (*batch, m, n)
-            K_cross = drop_negligible(K_cross)
+            K_cross = kernel_matrix(
+                self.covar_module, x, self.train_inputs
+            )  # shape: (*batch, m, n)
             K_diag = self.covar_module(x, diag=True)
             mean = self.mean_module(x) + (K_cross @ c.unsqueeze(-1)).squeeze(-1)
             var = scale * K_diag - ((K_cross @ Q) * K_cross).sum(-1)

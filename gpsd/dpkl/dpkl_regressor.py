@@ -14,6 +14,7 @@ from gpsd.dpkl.embedding_kernel import ProbabilisticEmbeddingKernel
 from gpsd.dpkl.expected_embedding_kernel import ExpectedEmbeddingKernel
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
+from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["DPKLRegressor"]
 
@@ -143,8 +144,8 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             v = torch.linalg.solve_triangular(chol, phi_x.mT, upper=False)  # shape: (2R, n_x)
             return noise * v.pow(2).sum(0)
         k_xx = self.covar_module(x, diag=True)
-        k_xt = self.covar_module(x, train_x).to_dense()  # shape: (n_x, n)
-        k_tt = self.covar_module(train_x).to_dense()
+        k_xt = kernel_matrix(self.covar_module, x, train_x)  # shape: (n_x, n)
+        k_tt = kernel_matrix(self.covar_module, train_x)
         k_tt = k_tt + noise * torch.eye(k_tt.shape[-1], dtype=k_tt.dtype, device=k_tt.device)
         chol = torch.linalg.cholesky(k_tt)
         v = torch.linalg.solve_triangular(chol, k_xt.mT, upper=False)

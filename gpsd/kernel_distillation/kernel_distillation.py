@@ -19,7 +19,7 @@ from gpsd.kernel_distillation._stationary_kernel import stationary_kernel_parame
 from gpsd.kernel_distillation.kmeans import kmeans
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 from gpsd.kernel_distillation.sparse_low_rank_student import SparseLowRankStudent
-from gpsd.linalg._negligible import drop_negligible
+from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["KernelDistillation"]
 
@@ -30,7 +30,7 @@ def _evaluate_kernel(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) ->
     """``k(x1, x2)`` as a dense tensor, entries below rounding set to zero on a CPU (see
     :mod:`gpsd.linalg._negligible`)."""
     with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(False):
-        return drop_negligible(kernel(x1, x2).to_dense())
+        return kernel_matrix(kernel, x1, x2)
 
 
 def _batched_least_squares(design: Tensor, rhs: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from gpsd.laplace.predictive import (
     probit_approximation,
 )
 from gpsd.laplace.resolve import resolve_likelihood_terms
-from gpsd.linalg._negligible import drop_negligible
+from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["LaplaceGPClassifier"]
 
@@ -135,7 +135,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma\mathbf I`
         ``(*batch, n, n)`` of the training latents (with autograd history)."""
         x = self.train_inputs
-        K = drop_negligible(self.covar_module(x).to_dense())  # shape: (*batch, n, n)
+        K = kernel_matrix(self.covar_module, x)  # shape: (*batch, n, n)
         K = K + self.noise * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
         m = self.mean_module(x)
         batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1])
@@ -193,7 +193,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         """The latent predictive distribution at ``x`` (full covariance)."""
         x = self._test_inputs(x)
         mode = self.mode
-        K_cross = drop_negligible(self.covar_module(x, self.train_inputs).to_dense())
+        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
         K_test = self.covar_module(x).to_dense()
         mean, cov = laplace_latent_predictive(mode, K_cross, K_test, self.mean_module(x))
         jitter = 1e-10 if cov.dtype == torch.float64 else 1e-6
@@ -204,7 +204,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         """Latent predictive mean and variance at ``x``, each ``(*batch, m)``."""
         x = self._test_inputs(x)
         mode = self.mode
-        K_cross = drop_negligible(self.covar_module(x, self.train_inputs).to_dense())
+        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
         K_diag = self.covar_module(x, diag=True)
         mean, var = laplace_latent_predictive(mode, K_cross, K_diag, self.mean_module(x))
         return mean, var.clamp_min(0.0)

@@ -21,8 +21,12 @@ speed, so tensors on them are left alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F  # noqa: N812
+from linear_operator import to_dense
 from torch import Tensor
 
 #: Fewest right-hand sides for which a kernel block used in one product only is cleaned first:
@@ -57,3 +61,13 @@ def drop_negligible(matrix: Tensor, *, inplace: bool = False) -> Tensor:
         return F.threshold_(matrix, cut, 0.0) if inplace else F.threshold(matrix, cut, 0.0)
     mask = values.abs() <= threshold.reshape(*values.shape[:-2], 1, 1)
     return matrix.masked_fill_(mask, 0.0) if inplace else matrix.masked_fill(mask, 0.0)
+
+
+def kernel_matrix(kernel: Callable[..., Any], x1: Tensor, x2: Tensor | None = None) -> Tensor:
+    """``kernel(x1)`` or ``kernel(x1, x2)`` as a dense tensor (``(*b, n1, n2)``) with the
+    negligible entries dropped (:func:`drop_negligible`, not in place: autograd passes through).
+
+    Every dense kernel matrix that the package factorises or multiplies on a CPU is made here.
+    """
+    covariance = kernel(x1) if x2 is None else kernel(x1, x2)
+    return drop_negligible(to_dense(covariance))

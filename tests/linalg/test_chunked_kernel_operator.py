@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpsd.linalg import ChunkedKernelOperator
-from gpsd.linalg._negligible import drop_negligible
+from gpsd.linalg._negligible import drop_negligible, kernel_matrix
 
 DTYPE = torch.float64
 
@@ -176,3 +176,27 @@ def test_dropping_passes_gradients_to_the_kept_entries():
     k = torch.tensor([[2.0, 1e-300], [1e-300, 3.0]], dtype=DTYPE, requires_grad=True)
     drop_negligible(k).sum().backward()
     torch.testing.assert_close(k.grad, torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=DTYPE))
+
+
+def test_kernel_matrix_is_the_dense_kernel_without_negligible_entries_and_keeps_gradients():
+    gen = torch.Generator().manual_seed(5)
+    x1 = 8 * torch.rand(60, 1, generator=gen, dtype=DTYPE)
+    x2 = 8 * torch.rand(25, 1, generator=gen, dtype=DTYPE)
+    kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
+    kernel.lengthscale = torch.tensor(0.3, dtype=DTYPE)
+    ls = torch.tensor(0.3, dtype=DTYPE, requires_grad=True)
+    eps = torch.finfo(DTYPE).eps
+    for a, b in ((x1, None), (x1, x2)):
+        other = a if b is None else b
+        expected = torch.exp(-0.5 * torch.cdist(a, other).square() / ls**2)
+        negligible = expected.detach() <= eps**2 * expected.detach().max()
+        assert bool(negligible.any())  # the case has entries to drop
+        got = kernel_matrix(kernel, a, b)
+        assert type(got) is torch.Tensor  # evaluated, not a lazy kernel tensor
+        assert bool((got[negligible] == 0).all())
+        torch.testing.assert_close(got[~negligible], expected.detach()[~negligible])
+        # the lengthscale's gradient agrees with autograd through the cdist formula
+        (grad,) = torch.autograd.grad(got.sum(), kernel.raw_lengthscale)
+        (ref,) = torch.autograd.grad(expected.sum(), ls)
+        chain = torch.sigmoid(kernel.raw_lengthscale.detach())  # softplus' derivative
+        torch.testing.assert_close(grad.squeeze(), ref * chain.squeeze())
