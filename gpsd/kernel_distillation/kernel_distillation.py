@@ -33,17 +33,18 @@ def _evaluate_kernel(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) ->
         return kernel_matrix(kernel, x1, x2)
 
 
-def _batched_least_squares(design: Tensor, rhs: Tensor) -> Tensor:
+def _batched_least_squares(design: Tensor, rhs: Tensor, gram: Tensor) -> Tensor:
     r"""``argmin_beta ||design^T beta - rhs||`` for a batch of wide ``(b, m)`` designs, ``b <= m``.
 
-    Normal equations with a batched Cholesky factor and two steps of iterative refinement on the
-    directly computed residual (batched QR of tall matrices is very slow on CPUs). Systems that are
-    too ill-conditioned for this (Cholesky fails or its diagonal spans more than
+    Normal equations with a batched Cholesky factor of ``gram`` (:math:`D D^\top`, passed in
+    because the caller gathers it from a precomputed matrix) and two steps of iterative refinement
+    on the directly computed residual (batched QR of tall matrices is very slow on CPUs). Systems
+    that are too ill-conditioned for this (Cholesky fails or its diagonal spans more than
     :math:`\sqrt{\epsilon}`) are re-solved by an SVD-based least squares (minimum-norm solution).
 
-    :param design: shape ``(c, b, m)``; :param rhs: shape ``(c, m)``; returns shape ``(c, b)``.
+    :param design: shape ``(c, b, m)``; :param rhs: shape ``(c, m)``; :param gram: shape
+        ``(c, b, b)``; returns shape ``(c, b)``.
     """
-    gram = design @ design.transpose(-1, -2)  # shape: (c, b, b)
     chol, info = torch.linalg.cholesky_ex(gram)
     diag = chol.diagonal(dim1=-2, dim2=-1).abs()
     eps = torch.finfo(design.dtype).eps
@@ -370,21 +371,27 @@ class KernelDistillation:
         r"""Initial W, rows :math:`\arg\min_\beta \|\beta K_{UU}(J_i,:) - k(x_i, U)\|_2` (n, b).
 
         Solved as a batch of ``m x b`` least-squares problems (normal equations with iterative
-        refinement, SVD for ill-conditioned rows), in chunks of rows.
+        refinement, SVD for ill-conditioned rows), in chunks of rows, in float64 whatever the
+        dtype (except on MPS, which has none): the normal equations square the condition number
+        of :math:`K_{UU}(J_i,:)`, which at lengthscales long next to the spacing of the inducing
+        points reaches :math:`10^6`, beyond what float32 can factorise. Every row's Gram matrix
+        :math:`K_{UU}(J_i,:) K_{UU}(J_i,:)^\top` is read from :math:`K_{UU} K_{UU}^\top`,
+        computed once.
         """
-        kuu, idx, m, b = (
-            self.inducing_covariance,
-            self.neighbour_indices,
-            self.num_inducing,
-            self.sparsity,
-        )
+        idx, m, b = self.neighbour_indices, self.num_inducing, self.sparsity
+        dtype = self.inducing_covariance.dtype
+        work = dtype if self.inducing_covariance.device.type == "mps" else torch.float64
+        kuu = self.inducing_covariance.to(work)
+        kuu_gram = kuu @ kuu.mT  # shape: (m, m)
         rows = max(1, _CHUNK_ELEMENTS // (m * b))
         out = []
         for start in range(0, self.train_x.shape[0], rows):
             xr = self.train_x[start : start + rows]
-            rhs = _evaluate_kernel(self.kernel, xr, self.inducing_points)  # shape: (c, m)
-            design = kuu[idx[start : start + rows]]  # K_UU(J_i, :), shape: (c, b, m)
-            out.append(_batched_least_squares(design, rhs))
+            rhs = _evaluate_kernel(self.kernel, xr, self.inducing_points).to(work)  # (c, m)
+            j = idx[start : start + rows]  # shape: (c, b)
+            design = kuu[j]  # K_UU(J_i, :), shape: (c, b, m)
+            gram = kuu_gram[j.unsqueeze(-1), j.unsqueeze(-2)]  # shape: (c, b, b)
+            out.append(_batched_least_squares(design, rhs, gram).to(dtype))
         return torch.cat(out)
 
     def _columns(self, start: int) -> tuple[slice, Tensor]:

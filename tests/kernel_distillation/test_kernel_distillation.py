@@ -56,6 +56,31 @@ def test_least_squares_init_equals_per_row_lstsq():
         np.testing.assert_allclose(kd.initial_weight_values[i].numpy(), ref, rtol=1e-6, atol=1e-8)
 
 
+def test_float32_least_squares_init_is_the_exact_solution_of_an_ill_conditioned_problem():
+    # lengthscale 1 on [0, 10]^2 with 300 inducing points: K_UU(J_i, :) has condition 1e4 to 1e6,
+    # whose normal equations float32 cannot factorise; the reference is numpy's float64 lstsq of
+    # the same (float32-rounded) problem, row by row
+    gen = torch.Generator().manual_seed(3)
+    x = 10 * torch.rand(400, 2, generator=gen)
+    y = torch.sin(x).sum(-1)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+    kernel.base_kernel.lengthscale = 1.0
+    kd = KernelDistillation.from_kernel(kernel, x, y, 0.1, 300, 30, num_steps=0)
+    kd.prepare()
+    assert kd.initial_weight_values.dtype == torch.float32
+    k_xu = kd.kernel(x, kd.inducing_points).to_dense().detach().double().numpy()
+    kuu = kd.inducing_covariance.double().numpy()
+    conditions, errors = [], []
+    for i in range(0, 400, 7):
+        design = kuu[kd.neighbour_indices[i].numpy()].T  # shape: (m, b)
+        conditions.append(np.linalg.cond(design))
+        ref = np.linalg.lstsq(design, k_xu[i], rcond=None)[0]
+        got = kd.initial_weight_values[i].double().numpy()
+        errors.append(np.abs(got - ref).max() / np.abs(ref).max())
+    assert np.median(conditions) > 1e4  # float32 normal equations would fail on these rows
+    assert max(errors) < 1e-5  # float32 rounding of the result (a float32 SVD solve: up to 1)
+
+
 def test_gradient_equals_autograd_on_the_pattern():
     kd = _distiller()
     kd.prepare()
