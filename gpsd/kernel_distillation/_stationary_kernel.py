@@ -61,3 +61,24 @@ def stationary_kernel_from_squared_distance(
         return outputscale * (1.0 + s) * torch.exp(-s)
     s = math.sqrt(5.0) * r
     return outputscale * (1.0 + s + s * s / 3.0) * torch.exp(-s)
+
+
+def scaled_squared_distances(x1: Tensor, x2: Tensor, lengthscale: Tensor) -> Tensor:
+    r"""``r2[i, j]`` :math:`= \|(x_{1,i} - x_{2,j}) / \ell\|^2`, shape ``(n1, n2)``, in ``x1.dtype``,
+    accumulated in float64 and rounded once.
+
+    One float64 product of the augmented rows :math:`[z_i, \|z_i\|^2, 1]` and
+    :math:`[-2 z_j, 1, \|z_j\|^2]` (:math:`z = x / \ell`, centred on the mean of ``x2``), so the
+    cancellation in :math:`\|z_i\|^2 + \|z_j\|^2 - 2 z_i^\top z_j` happens in float64 and every
+    entry carries the relative rounding of ``x1.dtype`` alone, close pairs and the diagonal
+    included. (In float32 the same expansion errs by about :math:`\epsilon \|z\|^2` absolutely.)
+    """
+    wide = torch.float64
+    inv_scale = lengthscale.to(wide).reciprocal()  # shape: (d,) or (1,)
+    z1, z2 = x1.to(wide) * inv_scale, x2.to(wide) * inv_scale
+    centre = z2.mean(-2, keepdim=True)  # shape: (1, d)
+    z1, z2 = z1 - centre, z2 - centre
+    ones1, ones2 = z1.new_ones(z1.shape[0], 1), z2.new_ones(z2.shape[0], 1)
+    rows1 = torch.cat([z1, z1.square().sum(-1, keepdim=True), ones1], -1)  # shape: (n1, d + 2)
+    rows2 = torch.cat([-2.0 * z2, ones2, z2.square().sum(-1, keepdim=True)], -1)  # (n2, d + 2)
+    return (rows1 @ rows2.mT).to(x1.dtype).clamp_min_(0.0)

@@ -75,11 +75,16 @@ def test_newton_reaches_mode_of_generic_bfgs(toy, likelihood):
     terms = model.terms
     yt = y
 
-    # log posterior in whitened coordinates f = L u (well conditioned), by BFGS with exact gradient
+    # log posterior in whitened coordinates f = L u (well conditioned), by BFGS with exact
+    # gradient; BFGS may stop on precision loss near 1e-8, so two generic Newton steps on the
+    # autograd Hessian polish its point
+    def objective(u_t):
+        f = torch.as_tensor(L) @ u_t
+        return 0.5 * (u_t * u_t).sum() - terms.log_prob(yt, f).sum()
+
     def negative_log_posterior(u):
         u_t = torch.tensor(u, dtype=torch.float64, requires_grad=True)
-        f = torch.as_tensor(L) @ u_t
-        val = 0.5 * (u_t * u_t).sum() - terms.log_prob(yt, f).sum()
+        val = objective(u_t)
         (g,) = torch.autograd.grad(val, u_t)
         return val.item(), g.numpy()
 
@@ -90,8 +95,13 @@ def test_newton_reaches_mode_of_generic_bfgs(toy, likelihood):
         method="BFGS",
         options={"gtol": 1e-12, "maxiter": 10000},
     )
-    assert np.abs(res.jac).max() < 1e-8
-    np.testing.assert_allclose(model.mode.f.numpy(), L @ res.x, atol=1e-8, rtol=0)
+    assert np.abs(res.jac).max() < 1e-6
+    u = torch.tensor(res.x, dtype=torch.float64)
+    for _ in range(2):
+        grad = torch.func.grad(objective)(u)
+        u = u - torch.linalg.solve(torch.autograd.functional.hessian(objective, u), grad)
+    assert float(torch.func.grad(objective)(u).abs().max()) < 1e-11
+    np.testing.assert_allclose(model.mode.f.numpy(), L @ u.numpy(), atol=1e-8, rtol=0)
 
 
 @pytest.mark.parametrize(
