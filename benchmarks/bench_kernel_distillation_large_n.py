@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--b", type=int, default=30, help="non-zeros per row of W")
     parser.add_argument("--test", type=int, default=10000, help="test points")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--lengthscale", type=float, default=1.0, help="RBF lengthscale")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -52,7 +53,7 @@ def main() -> None:
     y = torch.sin(x).sum(-1) + noise
     test_x = 10 * torch.rand(args.test, 2, generator=gen, device=device, dtype=dtype)
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(device, dtype)
-    kernel.base_kernel.lengthscale = 1.0
+    kernel.base_kernel.lengthscale = torch.tensor(args.lengthscale, device=device, dtype=dtype)
 
     sync(device)
     start = time.perf_counter()

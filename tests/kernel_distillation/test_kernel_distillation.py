@@ -59,8 +59,8 @@ def test_least_squares_init_equals_per_row_lstsq():
 def test_float32_least_squares_init_is_the_exact_solution_of_an_ill_conditioned_problem():
     # lengthscale 1 on [0, 10]^2 with 300 inducing points: K_UU(J_i, :) has condition 1e4 to 1e6,
     # whose normal equations float32 cannot factorise; the reference is numpy's float64 lstsq of
-    # the same (float32-rounded) problem, row by row: kernel entries from squared distances
-    # formed in float64 and rounded to float32 (the distiller's documented evaluation)
+    # the same (float32-rounded) problem, row by row: RBF entries exp(log s - r^2 / 2) with the
+    # exponent formed in float64 and rounded to float32 (the distiller's documented evaluation)
     gen = torch.Generator().manual_seed(3)
     x = 10 * torch.rand(400, 2, generator=gen)
     y = torch.sin(x).sum(-1)
@@ -69,8 +69,9 @@ def test_float32_least_squares_init_is_the_exact_solution_of_an_ill_conditioned_
     kd = KernelDistillation.from_kernel(kernel, x, y, 0.1, 300, 30, num_steps=0)
     kd.prepare()
     assert kd.initial_weight_values.dtype == torch.float32
-    r2 = torch.cdist(x.double(), kd.inducing_points.double()).square().float()
-    k_xu = (kernel.outputscale.detach() * torch.exp(-0.5 * r2)).double().numpy()
+    r2 = torch.cdist(x.double(), kd.inducing_points.double()).square()
+    log_scale = kernel.outputscale.detach().log().double()
+    k_xu = torch.exp((log_scale - 0.5 * r2).float()).double().numpy()
     kuu = kd.inducing_covariance.double().numpy()
     conditions, errors = [], []
     for i in range(0, 400, 7):
@@ -150,7 +151,7 @@ def test_short_lengthscale_objective_and_gradient_match_a_float64_reference(dtyp
     )
 
 
-@pytest.mark.parametrize("nu", [None, 0.5, 2.5])
+@pytest.mark.parametrize("nu", [None, 0.5, 1.5, 2.5])
 def test_float32_objective_and_gradient_carry_float32_rounding_only(nu):
     # short ARD lengthscales on [0, 10]^2: GPyTorch's float32 blocks K(X, X_cols), with r^2 from
     # ||x||^2 + ||z||^2 - 2 x^T z, put errors of 1e-4 (RBF) to 1e-2 (Matern-1/2, through the

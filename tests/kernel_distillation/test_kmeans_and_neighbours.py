@@ -75,3 +75,24 @@ def test_keops_neighbours_equal_the_dense_search():
 def test_neighbour_backend_is_validated():
     with pytest.raises(ValueError, match="backend"):
         nearest_inducing_points(torch.zeros(3, 2), torch.zeros(4, 2), 2, backend="kdtree")
+
+
+@pytest.mark.parametrize("n", [300, 5000])  # 5000 x 300 products go in row blocks on a CPU
+def test_affine_squared_distances_round_once_to_float32(n):
+    from gpsd.kernel_distillation._stationary_kernel import affine_squared_distances
+
+    gen = torch.Generator().manual_seed(0)
+    x = 100.0 + 10.0 * torch.rand(n, 3, generator=gen)  # far from the origin: hard for ||x||^2
+    z = x[:300]
+    lengthscale = torch.tensor([0.2, 0.5, 1.0])
+    exact = torch.cdist(x.double() / lengthscale.double(), z.double() / lengthscale.double())
+    exact = exact.square()  # shape: (n, 300); cdist's differences are exact here in float64
+    r2 = affine_squared_distances(x, z, lengthscale)
+    assert r2.dtype == torch.float32
+    assert float(r2.diagonal().max()) < 1e-12  # the points themselves: float64 rounding only
+    off = exact > 0
+    rel = ((r2.double() - exact).abs() / exact)[off]
+    assert float(rel.max()) < 4 * torch.finfo(torch.float32).eps
+    offset = torch.tensor(0.3)
+    e = affine_squared_distances(x, z, lengthscale, -0.5, offset)
+    torch.testing.assert_close(e.double(), (0.3 - 0.5 * exact), rtol=2e-7, atol=2e-7)
