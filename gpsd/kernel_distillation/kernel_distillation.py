@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import warnings
@@ -11,20 +10,19 @@ from collections.abc import Callable
 import gpytorch
 import numpy as np
 import torch
-import torch.nn.functional as F  # noqa: N812
 from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from torch import Tensor
 
 from gpsd._validation import as_float_tensor, check_matrix, check_same_device, check_vector
 from gpsd.kernel_distillation._stationary_kernel import (
-    affine_squared_distances,
+    stationary_kernel_block,
     stationary_kernel_parameters,
 )
 from gpsd.kernel_distillation.kmeans import kmeans
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 from gpsd.kernel_distillation.sparse_low_rank_student import SparseLowRankStudent
-from gpsd.linalg._negligible import drop_negligible, kernel_matrix
+from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["KernelDistillation"]
 
@@ -32,57 +30,16 @@ _CHUNK_ELEMENTS = 2**22
 
 
 def _evaluate_kernel(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) -> Tensor:
-    r"""``k(x1, x2)`` as a dense tensor (``(n1, n2)``), entries below rounding set to zero on a
-    CPU (see :mod:`gpsd.linalg._negligible`).
-
-    The stationary kernels the student exports (RBF, Matérn) are evaluated from squared distances
-    accumulated in float64 and rounded once,
-    :math:`r^2_{ij} = \mathrm{fl}\big(\|(x_i - z_j)/\ell\|^2\big)`, so every entry carries the
-    rounding of its dtype relative to itself. GPyTorch forms :math:`r^2` in the input dtype as
-    :math:`\|x\|^2 + \|z\|^2 - 2 x^\top z`, whose absolute error grows with
-    :math:`\|x/\ell\|^2`: for inputs on :math:`[0, 10]^2` and lengthscale 0.1 the largest
-    entries of a float32 block :math:`K(X, X_{\text{cols}})` (its diagonal among them, which
-    GPyTorch sets exactly only for ``k(x, x)``) err by up to :math:`5 \times 10^{-4}`. The RBF
-    kernel is :math:`\exp(\log \sigma^2 - r^2/2)` with the exponent from the same float64
-    product; on a CPU, entries that would be subnormal are made zero before the exponential,
-    which x86 CPUs compute slowly for such results (they would be dropped anyway). Other kernels,
-    and Matérn kernels in float64 (where GPyTorch's expansion errs by about :math:`10^{-16}
-    \|z\|^2` and its evaluation was faster), go through GPyTorch.
-    """
-    params = stationary_kernel_parameters(kernel)
-    matern64 = params is not None and params[0] != "rbf" and x1.dtype == torch.float64
-    if params is None or matern64 or x1.device.type == "mps":
-        with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(False):
-            return kernel_matrix(kernel, x1, x2)
-    kind, lengthscale, outputscale = params
-    outputscale = outputscale.to(x1.dtype)
-    with torch.no_grad():
-        if kind != "rbf":
-            r2 = affine_squared_distances(x1, x2, lengthscale)  # shape: (n1, n2)
-            return drop_negligible(_matern_in_place(kind, r2, outputscale), inplace=True)
-        # log outputscale - r2 / 2, at most log outputscale; shape: (n1, n2)
-        log_scale = outputscale.log()
-        exponent = affine_squared_distances(x1, x2, lengthscale, -0.5, log_scale)
-        exponent = torch.minimum(exponent, log_scale, out=exponent)
-        if exponent.device.type == "cpu":  # exp(exponent) < tiny: zero
-            F.threshold_(exponent, math.log(torch.finfo(exponent.dtype).tiny), -math.inf)
-        return drop_negligible(exponent.exp_(), inplace=True)
-
-
-def _matern_in_place(kind: str, r2: Tensor, outputscale: Tensor) -> Tensor:
-    r"""Matérn kernel values from squared scaled distances ``r2`` (overwritten), with one more
-    buffer at most: fresh CPU buffers of this size cost page faults (see
-    :func:`~gpsd.kernel_distillation._stationary_kernel.affine_squared_distances`).
-
-    :math:`\sigma^2 e^{-r}`, :math:`\sigma^2 (1 + s) e^{-s}` with :math:`s = \sqrt 3 r`, or
-    :math:`\sigma^2 (1 + s + s^2 / 3) e^{-s}` with :math:`s = \sqrt 5 r`.
-    """
-    r = r2.clamp_min_(0.0).sqrt_()
-    if kind == "matern12":
-        return r.neg_().exp_().mul_(outputscale)
-    s = r.mul_(math.sqrt(3.0) if kind == "matern32" else math.sqrt(5.0))
-    poly = s + 1.0 if kind == "matern32" else torch.mul(s, 1.0 / 3.0).add_(1.0).mul_(s).add_(1.0)
-    return poly.mul_(s.neg_().exp_()).mul_(outputscale)
+    """``k(x1, x2)`` as a dense tensor (``(n1, n2)``), entries below rounding set to zero on a
+    CPU (see :mod:`gpsd.linalg._negligible`): RBF and Matérn kernels from squared distances
+    formed in float64
+    (:func:`~gpsd.kernel_distillation._stationary_kernel.stationary_kernel_block`), others by
+    GPyTorch."""
+    block = stationary_kernel_block(kernel, x1, x2)
+    if block is not None:
+        return block
+    with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(False):
+        return kernel_matrix(kernel, x1, x2)
 
 
 def _batched_least_squares(design: Tensor, rhs: Tensor, gram: Tensor) -> Tensor:
