@@ -119,10 +119,12 @@ def affine_squared_distances(
 
 
 def stationary_kernel_block(
-    kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor, *, drop: bool = True
+    kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor
 ) -> Tensor | None:
-    r"""``k(x1, x2)`` (``(n1, n2)``, no autograd graph) for the kernels above, or ``None`` where
-    GPyTorch should evaluate it (another kernel, batched inputs, Matérn in float64, MPS).
+    r"""``k(x1, x2)`` (``(n1, n2)``, no autograd graph) for the kernels above, entries below
+    :math:`\epsilon^2` times the largest set to zero on a CPU
+    (:func:`~gpsd.linalg._negligible.drop_negligible`); or ``None`` where GPyTorch should
+    evaluate it (another kernel, batched inputs, Matérn in float64, MPS).
 
     The squared distances come from :func:`affine_squared_distances`, accumulated in float64 and
     rounded once, so every entry carries the rounding of its dtype relative to itself. GPyTorch
@@ -137,9 +139,6 @@ def stationary_kernel_block(
     compute slowly for such results. In float64 GPyTorch's expansion errs by about
     :math:`10^{-16} \|z\|^2` and its Matérn evaluation was as fast, so Matérn kernels in float64
     are left to it.
-
-    :param drop: also zero the entries below :math:`\epsilon^2` times the largest
-        (:func:`~gpsd.linalg._negligible.drop_negligible`, CPU only).
     """
     params = stationary_kernel_parameters(kernel)
     if params is None or x1.dim() != 2 or x2.dim() != 2 or x1.device.type == "mps":
@@ -161,7 +160,7 @@ def stationary_kernel_block(
             if block.device.type == "cpu":  # exp(block) < tiny: zero
                 F.threshold_(block, math.log(torch.finfo(block.dtype).tiny), -math.inf)
             block = block.exp_()
-    return drop_negligible(block, inplace=True) if drop else block
+    return drop_negligible(block, inplace=True)
 
 
 def _matern_in_place(kind: str, r2: Tensor, outputscale: Tensor) -> Tensor:
