@@ -6,6 +6,8 @@ was expected, so that bad input never turns into a silent NaN further down.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -14,6 +16,7 @@ __all__ = [
     "check_gp_modules",
     "check_test_inputs",
     "check_finite",
+    "check_int",
     "check_matrix",
     "check_same_device",
     "check_vector",
@@ -67,6 +70,22 @@ def check_finite(tensor: Tensor, name: str) -> Tensor:
         n_bad = int((~torch.isfinite(tensor)).sum())
         raise ValueError(f"{name} must be finite, but it holds {n_bad} NaN or infinite value(s)")
     return tensor
+
+
+def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = False) -> int | None:
+    """``value`` as an ``int`` of at least ``minimum`` (``None`` passes where ``optional``), or a
+    ``ValueError`` naming ``name``. Integer types (NumPy's, 0-d integer tensors) are accepted;
+    ``bool`` and floats are not."""
+    if optional and value is None:
+        return None
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+    return number
 
 
 def check_matrix(tensor: Tensor, name: str) -> Tensor:

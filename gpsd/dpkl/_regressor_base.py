@@ -12,7 +12,7 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_finite
+from gpsd._validation import as_float_tensor, check_finite, check_int
 from gpsd.dpkl.svgd import SteinVariationalGradient
 
 __all__ = ["check_inputs", "EmbeddingGPRegressorBase"]
@@ -115,14 +115,12 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
 
         Returns a history with ``"loss"`` per step and ``"val_nll"`` per check.
         """
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be an int >= 0, got {num_steps!r}")
+        num_steps = check_int(num_steps, "num_steps", minimum=0)
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a positive float, got {lr}")
         if (val_x is None) != (val_y is None):
             raise ValueError("val_x and val_y must be given together")
-        if check_every < 1:
-            raise ValueError(f"check_every must be >= 1, got {check_every}")
+        check_every = check_int(check_every, "check_every")
         train_x = self.train_inputs[0]
         if val_x is not None:
             val_x = check_inputs(val_x, "val_x", train_x.shape[-1], like=train_x)

@@ -14,7 +14,13 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_matrix, check_same_device, check_vector
+from gpsd._validation import (
+    as_float_tensor,
+    check_int,
+    check_matrix,
+    check_same_device,
+    check_vector,
+)
 from gpsd.kernel_distillation._stationary_kernel import (
     stationary_kernel_block,
     stationary_kernel_parameters,
@@ -294,9 +300,8 @@ class KernelDistillation:
         y = check_vector(train_y.to(x), "train_y", n)
         if noise.numel() != 1 or not bool(noise > 0) or not bool(torch.isfinite(noise).all()):
             raise ValueError(f"noise must be one positive finite variance, got {noise.tolist()}")
-        for name, val in (("num_inducing", num_inducing), ("sparsity", sparsity)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        num_inducing = check_int(num_inducing, "num_inducing")
+        sparsity = check_int(sparsity, "sparsity")
         if num_inducing > n:
             raise ValueError(
                 f"num_inducing (m={num_inducing}) must not exceed n={n} training inputs"
@@ -305,12 +310,19 @@ class KernelDistillation:
             raise ValueError(
                 f"sparsity (b={sparsity}) must not exceed num_inducing (m={num_inducing})"
             )
-        if not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+        num_steps = check_int(num_steps, "num_steps", minimum=0)
+        kmeans_iters = check_int(kmeans_iters, "kmeans_iters", minimum=0)
+        chunk_size = check_int(chunk_size, "chunk_size", optional=True)
+        seed = check_int(seed, "seed", minimum=0)
         if step_size is not None and not step_size > 0:
             raise ValueError(f"step_size must be positive or None, got {step_size}")
         if step_size is not None and optimizer is not None:
             raise ValueError("give either step_size or optimizer, not both")
+        if jitter is not None and not jitter >= 0:
+            raise ValueError(f"jitter must be non-negative or None, got {jitter}")
+        for name, fn in (("optimizer", optimizer), ("callback", callback)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
         if inducing_points is not None:
             u = check_matrix(
                 as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_matrix
+from gpsd._validation import as_float_tensor, check_int, check_matrix
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points, squared_distances
 
 __all__ = ["kmeans", "kmeans_plus_plus"]
@@ -34,7 +34,8 @@ def kmeans_plus_plus(x: Tensor, num_clusters: int, *, seed: int = 0) -> Tensor:
     if x.dim() != 2:
         raise ValueError(f"x must have shape (n, d), got {tuple(x.shape)}")
     n = x.shape[0]
-    if not 1 <= num_clusters <= n:
+    num_clusters = check_int(num_clusters, "num_clusters")
+    if num_clusters > n:
         raise ValueError(f"num_clusters must lie in [1, n={n}], got {num_clusters}")
     gen = _generator(seed, x.device)
     first = torch.randint(n, (1,), generator=gen, device=x.device)
@@ -71,6 +72,10 @@ def kmeans(
     :param num_clusters: number of centroids ``k``.
     :return: the centroids, shape ``(k, d)``.
     """
+    num_iters = check_int(num_iters, "num_iters", minimum=0)
+    chunk_size = check_int(chunk_size, "chunk_size", optional=True)
+    if not tol >= 0:
+        raise ValueError(f"tol must be non-negative, got {tol}")
     centres = kmeans_plus_plus(x, num_clusters, seed=seed)
     x = check_matrix(as_float_tensor(x, "x"), "x")
     scale = x.std(0).pow(2).sum().clamp_min(torch.finfo(x.dtype).tiny).sqrt()

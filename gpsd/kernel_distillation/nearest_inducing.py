@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gpsd._validation import check_int
+
 __all__ = ["nearest_inducing_points", "squared_distances"]
 
 _CHUNK_ELEMENTS = 2**22
@@ -56,8 +58,10 @@ def nearest_inducing_points(
             f"{tuple(x.shape)} and {tuple(inducing_points.shape)}"
         )
     m = inducing_points.shape[0]
-    if not 1 <= k <= m:
+    k = check_int(k, "k")
+    if k > m:
         raise ValueError(f"k must lie in [1, m={m}], got {k}")
+    chunk_size = check_int(chunk_size, "chunk_size", optional=True)
     if backend not in ("auto", "dense", "keops"):
         raise ValueError(f"backend must be 'auto', 'dense' or 'keops', got {backend!r}")
     if backend == "auto":

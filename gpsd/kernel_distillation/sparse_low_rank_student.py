@@ -106,13 +106,13 @@ class SparseLowRankStudent(gpytorch.Module):
             "predictive_mean_weights",
             m,
         )
-        if not isinstance(sparsity, int) or not 1 <= sparsity <= m:
+        if not isinstance(sparsity, int) or isinstance(sparsity, bool) or not 1 <= sparsity <= m:
             raise ValueError(f"sparsity must be an int in [1, m={m}], got {sparsity!r}")
         noise_t = as_float_tensor(noise, "noise", dtype=u.dtype).reshape(-1)
         if noise_t.numel() != 1 or not bool(noise_t > 0):
             raise ValueError(f"noise must be one positive variance, got {noise!r}")
-        if jitter is not None and jitter < 0:
-            raise ValueError(f"jitter must be non-negative, got {jitter}")
+        if jitter is not None and not jitter >= 0:
+            raise ValueError(f"jitter must be non-negative or None, got {jitter}")
         self.sparsity = sparsity
         self.jitter = jitter
         self.register_buffer("inducing_points", u)

@@ -291,3 +291,52 @@ def test_cuda_dpkl():
     cpu = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=8)
     cpu.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     torch.testing.assert_close(cpu.predict(x[:4])[0], mean.cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_steps=-1), "num_steps must be a non-negative int"),
+        (dict(num_steps=2.0), "num_steps"),
+        (dict(num_steps=True), "num_steps"),
+        (dict(lr=0.0), "lr must be a positive float"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(val_x=torch.zeros(3, 4, dtype=torch.float64)), "val_x and val_y"),
+        (dict(check_every=0), "check_every must be a positive int"),
+        (dict(check_every=2.5), "check_every"),
+        (
+            dict(val_x=torch.zeros(3, 5, dtype=torch.float64), val_y=torch.zeros(3)),
+            "val_x must have 4 features",
+        ),
+        (
+            dict(val_x=torch.zeros(3, 4, dtype=torch.float64), val_y=torch.zeros(2)),
+            "val_y",
+        ),
+    ],
+)
+def test_fit_names_the_bad_argument(kwargs, match):
+    x, y = _data(n=20)
+    model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=5)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        model.fit(**kwargs)
+    for name, value in model.state_dict().items():  # nothing was trained
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+def test_rmse_and_nll_equal_their_formulas():
+    x, y = _data(n=25)
+    model = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=10)
+    model.fit(num_steps=3)
+    test_x, test_y = x[:7] + 0.1, y[:7]
+    mean, var = model.predict(test_x)
+    rmse = math.sqrt(sum((float(a) - float(b)) ** 2 for a, b in zip(test_y, mean, strict=True)) / 7)
+    nll = (
+        sum(
+            0.5 * (float(a) - float(m)) ** 2 / float(v) + 0.5 * math.log(2 * math.pi * float(v))
+            for a, m, v in zip(test_y, mean, var, strict=True)
+        )
+        / 7
+    )
+    assert model.rmse(test_x, test_y) == pytest.approx(rmse, rel=1e-12)
+    assert model.nll(test_x, test_y) == pytest.approx(nll, rel=1e-12)

@@ -483,3 +483,179 @@ def test_least_squares_init_handles_rank_deficient_rows_like_lstsq():
         j = kd.neighbour_indices[i].numpy()
         ref = np.linalg.lstsq(kuu[j].T, k_xu[i], rcond=None)[0]  # minimum-norm solution
         np.testing.assert_allclose(kd.initial_weight_values[i].numpy(), ref, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_inducing=0), ValueError, "num_inducing must be a positive int"),
+        (dict(num_inducing=True), ValueError, "num_inducing must be a positive int"),
+        (dict(sparsity=2.5), ValueError, "sparsity must be a positive int"),
+        (dict(num_steps=-1), ValueError, "num_steps must be a non-negative int"),
+        (dict(kmeans_iters=-2), ValueError, "kmeans_iters"),
+        (dict(chunk_size=-5), ValueError, "chunk_size must be a positive int or None"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(chunk_size=2.5), ValueError, "chunk_size"),
+        (dict(seed=-1), ValueError, "seed"),
+        (dict(step_size=0.0), ValueError, "step_size"),
+        (dict(step_size=float("nan")), ValueError, "step_size"),
+        (
+            dict(step_size=0.1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),
+            ValueError,
+            "either step_size or optimizer",
+        ),
+        (dict(optimizer="adam"), TypeError, "optimizer must be callable"),
+        (dict(callback=3), TypeError, "callback must be callable"),
+        (dict(jitter=-1e-6), ValueError, "jitter"),
+        (dict(jitter=float("nan")), ValueError, "jitter"),
+        (dict(inducing_points=torch.zeros(5, 3, dtype=DT)), ValueError, "inducing_points"),
+        (dict(neighbour_metric="cosine"), ValueError, "neighbour_metric"),
+        (dict(learning_rate=0.1), TypeError, "learning_rate"),
+        (dict(kernel="rbf"), TypeError, "kernel must be a gpytorch.kernels.Kernel"),
+        (dict(train_x=torch.zeros(2, 30, 2, dtype=DT)), ValueError, "train_x must have shape"),
+        (dict(train_x=[["a", "b"]]), TypeError, "train_x"),
+        (dict(noise=float("inf")), ValueError, "noise"),
+        (dict(noise=[0.1, 0.2]), ValueError, "noise"),
+    ],
+)
+def test_from_kernel_names_the_bad_argument(kwargs, error, match):
+    x, y = _data(30)
+    args = dict(kernel=_kernel(), train_x=x, train_y=y, noise=0.1, num_inducing=5, sparsity=2)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        KernelDistillation.from_kernel(**args)
+
+
+def _teacher_with(x, y, **changes):
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(DT)
+    lik.noise = 0.1
+    teacher = _Teacher(x, y, lik).to(DT)
+    for name, value in changes.items():
+        setattr(teacher, name, value)
+    return teacher
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (
+            lambda x, y: _teacher_with(x, y, train_inputs=(x, x)),
+            ValueError,
+            "exactly one training input tensor",
+        ),
+        (
+            lambda x, y: _teacher_with(x.expand(2, -1, -1), y.expand(2, -1)),
+            ValueError,
+            "no batch shape",
+        ),
+        (
+            lambda x, y: _teacher_with(x, y, mean_module=gpytorch.means.LinearMean(2).to(DT)),
+            TypeError,
+            "ZeroMean or a ConstantMean",
+        ),
+        (
+            lambda x, y: _teacher_with(x, y, covar_module=torch.nn.Identity()),
+            TypeError,
+            "covar_module",
+        ),
+    ],
+)
+def test_unsupported_teachers_are_named(build, error, match):
+    x, y = _data(30)
+    teacher = build(x, y)
+    with pytest.raises(error, match=match):
+        KernelDistillation(teacher, 5, 2)
+
+
+def test_one_dimensional_inputs_equal_a_column_of_inputs():
+    # a teacher trained on x of shape (n,) and a student queried with (p,) equal the (n, 1) forms
+    x = torch.linspace(-3, 3, 40, dtype=DT)
+    y = torch.sin(2 * x)
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    k.base_kernel.lengthscale = 0.6
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(DT)
+    lik.noise = 0.05
+    teacher = _Teacher(x, y, lik).to(DT)
+    teacher.covar_module = k
+    flat = KernelDistillation(teacher, 8, 3, num_steps=2).fit()
+    column = KernelDistillation.from_kernel(k, x.unsqueeze(-1), y, 0.05, 8, 3, num_steps=2).fit()
+    test_x = torch.linspace(-3.5, 3.5, 17, dtype=DT)
+    for got, want in zip(flat.predict(test_x), column.predict(test_x.unsqueeze(-1)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert flat.predict(test_x)[0].shape == (17,)
+
+
+def test_inspection_before_fit_prepares_the_least_squares_start():
+    kd = _distiller(n=60, m=10, b=3)
+    w = kd.dense_weights()  # prepares on first use
+    assert w.shape == (60, 10) and int((w != 0).sum(-1).max()) <= 3
+    kd2 = _distiller(n=60, m=10, b=3)
+    error = kd2.frobenius_error()  # prepares on first use, too
+    # independent: the dense residual of the row-wise least-squares start
+    x = kd2.train_x
+    k_xx = kd2.kernel(x, x).to_dense().detach()
+    kuu = kd2.kernel(kd2.inducing_points, kd2.inducing_points).to_dense().detach()
+    w2 = torch.zeros(60, 10, dtype=DT)
+    for i in range(60):
+        j = kd2.neighbour_indices[i]
+        k_iu = kd2.kernel(x[i : i + 1], kd2.inducing_points).to_dense().detach().squeeze(0)
+        w2[i, j] = torch.linalg.lstsq(kuu[j].T, k_iu.unsqueeze(-1)).solution.squeeze(-1)
+    torch.testing.assert_close(w, w2, rtol=1e-7, atol=1e-9)
+    want = float(torch.linalg.matrix_norm(k_xx - w2 @ kuu @ w2.T))
+    assert error == pytest.approx(want, rel=1e-8)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(kernel="rbf"), "kernel must be a gpytorch.kernels.Kernel"),
+        (
+            dict(inducing_points=torch.zeros(2, 5, 2, dtype=DT)),
+            r"inducing_points must have shape \(m, d\)",
+        ),
+        (
+            dict(inducing_covariance=torch.eye(4, dtype=DT)),
+            r"inducing_covariance must have shape \(5, 5\)",
+        ),
+        (
+            dict(predictive_covariance_correction=torch.eye(6, dtype=DT)),
+            "predictive_covariance_correction must have shape",
+        ),
+        (dict(predictive_mean_weights=torch.zeros(4, dtype=DT)), "predictive_mean_weights"),
+        (dict(sparsity=6), r"sparsity must be an int in \[1, m=5\]"),
+        (dict(sparsity=True), "sparsity"),
+        (dict(noise=0.0), "noise must be one positive variance"),
+        (dict(noise=[0.1, 0.1]), "noise"),
+        (dict(jitter=-1.0), "jitter"),
+        (dict(jitter=float("nan")), "jitter"),
+        (dict(neighbour_scale=torch.ones(3, dtype=DT)), "neighbour_scale must hold d=2"),
+        (dict(neighbour_scale=torch.tensor([1.0, 0.0], dtype=DT)), "neighbour_scale"),
+    ],
+)
+def test_student_constructor_names_the_bad_argument(changes, match):
+    u = torch.randn(5, 2, generator=torch.Generator().manual_seed(0), dtype=DT)
+    args = dict(
+        kernel=_kernel(),
+        inducing_points=u,
+        inducing_covariance=torch.eye(5, dtype=DT),
+        predictive_mean_weights=torch.zeros(5, dtype=DT),
+        predictive_covariance_correction=torch.eye(5, dtype=DT),
+        sparsity=2,
+        noise=0.1,
+    )
+    SparseLowRankStudent(**args)  # the unchanged arguments are valid
+    args.update(changes)
+    with pytest.raises((TypeError, ValueError), match=match):
+        SparseLowRankStudent(**args)
+
+
+def test_student_from_sparse_weights_checks_the_pattern_and_the_noise():
+    kd = _distiller(n=40, m=8, b=3)
+    kd.prepare()
+    args = (kd.kernel, kd.inducing_points, kd.weight_values, kd.neighbour_indices, kd.train_y)
+    with pytest.raises(ValueError, match="weight_indices must have the shape of weight_values"):
+        SparseLowRankStudent.from_sparse_weights(*args[:3], args[3][:, :2], args[4], 0.1)
+    with pytest.raises(ValueError, match="noise must be one positive variance"):
+        SparseLowRankStudent.from_sparse_weights(*args, -0.1)
+    with pytest.raises(ValueError, match="train_y"):
+        SparseLowRankStudent.from_sparse_weights(*args[:4], args[4][:-1], 0.1)

@@ -96,3 +96,36 @@ def test_affine_squared_distances_round_once_to_float32(n):
     offset = torch.tensor(0.3)
     e = affine_squared_distances(x, z, lengthscale, -0.5, offset)
     torch.testing.assert_close(e.double(), (0.3 - 0.5 * exact), rtol=2e-7, atol=2e-7)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x: kmeans(x, 3, num_iters=-1), "num_iters must be a non-negative int"),
+        (lambda x: kmeans(x, 3, tol=-1.0), "tol must be non-negative"),
+        (lambda x: kmeans(x, 3, chunk_size=0), "chunk_size must be a positive int or None"),
+        (lambda x: kmeans_plus_plus(x, 2.5), "num_clusters must be a positive int"),
+        (lambda x: kmeans_plus_plus(x, 0), "num_clusters"),
+        (lambda x: nearest_inducing_points(x, x[:3], 1.5), "k must be a positive int"),
+        (lambda x: nearest_inducing_points(x, x[:3], 2, chunk_size=-4), "chunk_size"),
+    ],
+)
+def test_integer_arguments_are_checked(call, match):
+    # a non-positive chunk size used to return no neighbours at all, silently
+    x = torch.randn(10, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        call(x)
+
+
+def test_kmeans_with_zero_iterations_is_the_kmeans_plus_plus_start():
+    x = _blobs()
+    torch.testing.assert_close(kmeans(x, 6, num_iters=0, seed=2), kmeans_plus_plus(x, 6, seed=2))
+
+
+def test_numpy_and_tensor_integers_count_as_ints():
+    x = _blobs()
+    want = kmeans_plus_plus(x, 5, seed=1)
+    torch.testing.assert_close(kmeans_plus_plus(x, np.int64(5), seed=1), want)
+    torch.testing.assert_close(kmeans_plus_plus(x, torch.tensor(5), seed=1), want)
+    d2, idx = nearest_inducing_points(x, want, np.int32(2))
+    assert idx.shape == (300, 2)
