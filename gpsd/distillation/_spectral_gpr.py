@@ -14,7 +14,7 @@ from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd._validation import check_gp_modules
+from gpsd._validation import check_gp_modules, check_int
 from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
     RegressionPath,
@@ -26,7 +26,7 @@ from gpsd.distillation._common import (
     validate_test_x,
     validate_training_data,
 )
-from gpsd.linalg import SpectralFilter
+from gpsd.linalg import BACKENDS, SpectralFilter
 from gpsd.linalg._negligible import kernel_matrix
 
 
@@ -65,6 +65,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     ) -> None:
         super().__init__()
         check_gp_modules(kernel, mean_module, "kernel")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not rtol > 0:
             raise ValueError(f"rtol must be positive, got {rtol}")
         if kernel_cache_bytes is not None and (
@@ -82,7 +84,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.register_buffer("gamma", validate_gamma(gamma, train_x))
         self.backend = backend
         self.linalg_dtype = linalg_dtype
-        self.rank = rank
+        self.rank = check_int(rank, "rank", optional=True)
         self.rtol = rtol
         self.kernel_cache_bytes = kernel_cache_bytes
         self._cache: dict = {}

@@ -12,7 +12,7 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor, nn
 
-from gpsd._validation import as_float_tensor, check_finite
+from gpsd._validation import as_float_tensor, check_finite, check_int
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.svgd import SteinVariationalGradient
 
@@ -198,6 +198,11 @@ class DPKLClassifier(gpytorch.Module):
 
         Returns a history with ``"loss"`` (mean eq. 17 loss per epoch) and ``"val_accuracy"``.
         """
+        num_epochs = check_int(num_epochs, "num_epochs", minimum=0)
+        batch_size = check_int(batch_size, "batch_size")
+        check_every = check_int(check_every, "check_every")
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a positive float, got {lr!r}")
         x = self._check_x(x)
         y = self._check_y(y, x.shape[0])
         if (val_x is None) != (val_y is None):

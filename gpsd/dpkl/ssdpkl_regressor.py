@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from gpsd._validation import check_int
 from gpsd.dpkl._regressor_base import check_inputs
 from gpsd.dpkl.dpkl_regressor import DPKLRegressor
 
@@ -51,14 +52,7 @@ class SSDPKLRegressor(DPKLRegressor):
         unlabelled_x = check_inputs(unlabelled_x, "unlabelled_x", train_x.shape[-1], like=train_x)
         if not (isinstance(alpha, (int, float)) and alpha >= 0 and alpha == alpha):
             raise ValueError(f"alpha must be a float >= 0, got {alpha!r}")
-        if (
-            isinstance(unlabelled_batch_size, bool)
-            or not isinstance(unlabelled_batch_size, int)
-            or unlabelled_batch_size < 1
-        ):
-            raise ValueError(
-                f"unlabelled_batch_size must be an int >= 1, got {unlabelled_batch_size!r}"
-            )
+        unlabelled_batch_size = check_int(unlabelled_batch_size, "unlabelled_batch_size")
         super().__init__(train_x, train_y, feature_extractor, **kwargs)
         self.register_buffer("unlabelled_x", unlabelled_x)
         self.alpha = float(alpha)

@@ -12,6 +12,7 @@ from torch import Tensor
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
+    check_int,
     check_matrix,
     check_same_device,
     check_test_inputs,
@@ -226,12 +227,15 @@ class LaplaceGPClassifier(gpytorch.Module):
 
     def optimize_hyperparameters(self, num_iter: int = 50, lr: float = 0.05) -> list[float]:
         """Maximise :meth:`log_marginal_likelihood` with Adam; returns the loss history."""
+        num_iter = check_int(num_iter, "num_iter", minimum=0)
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr}")
         params = [p for p in self.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable hyperparameters")
         optimizer = torch.optim.Adam(params, lr=lr)
         history = []
-        for _ in range(int(num_iter)):
+        for _ in range(num_iter):
             optimizer.zero_grad()
             loss = -self.log_marginal_likelihood().sum()
             loss.backward()

@@ -13,6 +13,7 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
+from gpsd._validation import check_int
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["KernelSpectrum", "SpectralCoordinates"]
@@ -223,9 +224,8 @@ class KernelSpectrum:
                 raise ValueError("a callable kernel needs size= and dtype= (and batch_shape=)")
             batch_shape = torch.Size() if batch_shape is None else torch.Size(batch_shape)
             matmul = kernel
-        if rank < 1:
-            raise ValueError(f"rank must be a positive integer, got {rank}")
-        rank = min(rank, size)
+        rank = min(check_int(rank, "rank"), size)
+        block_size = check_int(block_size, "block_size", optional=True)
         if block_size is None:  # deep enough Krylov spaces converge; wide blocks use BLAS-3 well
             block_size = min(64, max(4, rank // 8))
         block_size = min(block_size, rank)

@@ -301,8 +301,11 @@ def test_bad_input_raises_clear_errors(problem):
     bad_x[0, 0] = float("inf")
     with pytest.raises(ValueError, match="train_x"):
         DataCentricGPR(kernel, bad_x, y, 0.1)
-    with pytest.raises(ValueError, match="backend"):
-        DataCentricGPR(kernel, x, y, 0.1, backend="svd").predict(test_x)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        DataCentricGPR(kernel, x, y, 0.1, backend="svd")  # at construction, not at predict
+    for rank in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="rank must be a positive int or None"):
+            DataCentricGPR(kernel, x, y, 0.1, backend="lanczos", rank=rank)
     model = DataCentricGPR(kernel, x, y, 0.1)
     with pytest.raises(ValueError, match="test_x"):
         model.predict(torch.zeros(5, 2, dtype=DTYPE))

@@ -85,3 +85,23 @@ def test_errors():
         clf.fit(bad, y, num_epochs=1)
     with pytest.raises(ValueError, match="features"):
         clf.fit(torch.randn(12, 5), y, num_epochs=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_epochs=-1), "num_epochs must be a non-negative int"),
+        (dict(batch_size=0), "batch_size must be a positive int"),
+        (dict(batch_size=-4), "batch_size"),
+        (dict(batch_size=8.0), "batch_size"),
+        (dict(check_every=0), "check_every must be a positive int"),
+        (dict(lr=0.0), "lr must be a positive float"),
+        (dict(lr=float("inf")), "lr"),
+    ],
+)
+def test_fit_names_the_bad_argument(kwargs, match):
+    # a negative batch_size used to skip every minibatch: "training" that changed nothing
+    x, y = _blobs(12)
+    clf = DPKLClassifier(_net, 3, num_particles=2, num_weight_particles=2)
+    with pytest.raises(ValueError, match=match):
+        clf.fit(x, y, **kwargs)

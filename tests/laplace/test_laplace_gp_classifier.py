@@ -283,6 +283,12 @@ def test_bad_input(toy):
     model = LaplaceGPClassifier(x, y, _kernel())
     with pytest.raises(ValueError, match="test_x must have 1 features"):
         model.predict_proba(torch.zeros(3, 2, dtype=torch.float64))
+    # 2.7 used to run 2 iterations and -1 none, silently
+    for num_iter in (2.7, -1):
+        with pytest.raises(ValueError, match="num_iter must be a non-negative int"):
+            model.optimize_hyperparameters(num_iter=num_iter)
+    with pytest.raises(ValueError, match="lr must be positive"):
+        model.optimize_hyperparameters(num_iter=1, lr=float("nan"))
 
 
 def test_non_convergence_raises(toy):

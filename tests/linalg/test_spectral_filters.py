@@ -360,3 +360,18 @@ def test_cholesky_keeps_its_factors_within_the_memory_it_is_given():
         default.apply(filt, rhs)
         default.quad_diag(resolvent, left)
     assert len(default._factors) == 6 and default.max_cached_bytes > 6 * factor_bytes
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rank=0), "rank must be a positive int"),
+        (dict(rank=8.0), "rank"),
+        (dict(block_size=0), "block_size must be a positive int or None"),
+        (dict(block_size=-2), "block_size"),
+    ],
+)
+def test_lanczos_sizes_are_checked(kwargs, match):
+    k = torch.eye(10, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        KernelSpectrum.from_lanczos(k, **kwargs)
