@@ -33,16 +33,23 @@ def median_time(
     fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1
 ) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls."""
+    return median_time_and_output(fn, repeats, device, warmup)[0]
+
+
+def median_time_and_output(
+    fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1
+) -> tuple[float, object]:
+    """:func:`median_time` and the output of the last timed call (``None`` if ``repeats`` is 0)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, out = [], None
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        fn()
+        out = fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), out
 
 
 def write_report(text: str, out: str | None) -> None:

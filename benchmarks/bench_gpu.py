@@ -27,6 +27,12 @@ Usage::
     python benchmarks/bench_gpu.py --dtype float32 --out benchmarks/results/gpu_float32.md
     python benchmarks/bench_gpu.py --device cpu --max-n 1024 --kd-m 64 --kd-test 1000  # smoke run
     python benchmarks/bench_gpu.py --dtype float64 --max-n 65536
+    # the agreement of the matrix-free paths with the dense one, alone (no kernel distillation)
+    python benchmarks/bench_gpu.py --dtype float64 --methods dense lanczos cg --steps 100 \
+        --skip kd rate --warmup 0 --repeats 1
+
+The matrix-free rows' errors come from the output of their last timed call, compared with the
+dense row's at the same N and T, so checking accuracy costs no extra run.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import sys
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import median_time, write_report
+from _timing import median_time_and_output, write_report
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 
@@ -47,37 +53,49 @@ from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 DEVICE = torch.device("cuda")
 
 
-def cuda_time(fn, repeats: int, warmup: int = 1) -> float:
-    """Median wall time in seconds of ``fn()`` measured with CUDA events."""
+def cuda_time(fn, repeats: int, warmup: int = 1) -> tuple[float, object]:
+    """Median wall time in seconds of ``fn()`` measured with CUDA events, and its last output."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, out = [], None
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        out = fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return statistics.median(times), out
 
 
-def timer(fn, repeats: int) -> float:
-    return cuda_time(fn, repeats) if DEVICE.type == "cuda" else median_time(fn, repeats, DEVICE)
+def timed(fn, repeats: int, warmup: int = 1) -> tuple[float, object]:
+    """Median seconds of ``fn()`` after ``warmup`` untimed calls (CUDA events on a GPU), and the
+    output of the last timed call."""
+    if DEVICE.type == "cuda":
+        return cuda_time(fn, repeats, warmup)
+    return median_time_and_output(fn, repeats, DEVICE, warmup)
 
 
-def measure(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak GiB) of ``fn``, or raises ``torch.OutOfMemoryError``/``MemoryError``.
+def timer(fn, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` after ``warmup`` untimed calls."""
+    return timed(fn, repeats, warmup)[0]
 
-    The peak is ``torch.cuda.max_memory_allocated``; on the CPU it reads as 0.
+
+def measure(fn, repeats: int, warmup: int = 1) -> tuple[float, str, object]:
+    """(median seconds, peak device memory in GiB as a table cell, last output) of ``fn``; raises
+    ``torch.OutOfMemoryError`` or ``MemoryError`` where it does not fit.
+
+    The peak is ``torch.cuda.max_memory_allocated``; on the CPU the cell reads "—" (not
+    measured). The output of the last timed call is returned so that accuracy checks need no
+    extra run.
     """
-    if DEVICE.type != "cuda":
-        return median_time(fn, repeats, DEVICE), 0.0
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    seconds = cuda_time(fn, repeats)
-    return seconds, torch.cuda.max_memory_allocated() / 2**30
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    seconds, out = timed(fn, repeats, warmup)
+    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f}" if DEVICE.type == "cuda" else "—"
+    return seconds, peak, out
 
 
 def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
@@ -131,15 +149,38 @@ def exact_gp(x, y, test_x):
     return run
 
 
+#: The families of rows of the regression table (``--methods``).
+REGRESSION_METHODS = (
+    "gpytorch",
+    "dense",
+    "cholesky",
+    "lanczos",
+    "cg",
+    "not-kept",
+    "distribution-centric",
+)
+
+
+def regression_methods(families, steps) -> list[str]:
+    """The row labels of the regression table for the chosen ``families`` and ``steps``."""
+    methods = ["gpytorch ExactGP"] if "gpytorch" in families else []
+    for kind in ("dense", "cholesky", "lanczos", "cg"):
+        if kind in families:
+            methods += [f"{kind} T={t}" for t in steps]
+    if "not-kept" in families:
+        methods += [f"{kind}, {NOT_KEPT} T={max(steps)}" for kind in ("lanczos", "cg")]
+    if "distribution-centric" in families:
+        methods.append(f"distribution-centric T={max(steps)}")
+    return methods
+
+
 def regression_table(args, dtype: torch.dtype) -> str:
-    methods = (
-        ["gpytorch ExactGP"]
-        + [f"{kind} T={t}" for kind in ("dense", "cholesky", "lanczos", "cg") for t in args.steps]
-        + [f"{kind}, {NOT_KEPT} T={max(args.steps)}" for kind in ("lanczos", "cg")]
-        + [f"distribution-centric T={max(args.steps)}"]
-    )
+    methods = regression_methods(args.methods, args.steps)
     failed: set[str] = set()
     rows = [
+        "Errors: max |matrix-free − dense| / max |dense| over every step and test point, against "
+        "the dense path at the same N and T.",
+        "",
         "| N | method | time (s) | peak (GiB) | mean rel. err vs dense | variance rel. err |",
         "|---:|---|---:|---:|---:|---:|",
     ]
@@ -169,10 +210,11 @@ def regression_table(args, dtype: torch.dtype) -> str:
                         return model.predict(test_x)
 
             try:
-                seconds, peak = measure(fn, args.repeats)
+                seconds, peak, out = measure(fn, args.repeats, args.warmup)
             except (torch.OutOfMemoryError, MemoryError):
                 failed.add(method)
                 rows.append(f"| {n} | {method} | OOM | — | — | — |")
+                print(rows[-1], flush=True)
                 continue
             except ValueError as err:  # e.g. a Lanczos complement series that diverges
                 failed.add(method)
@@ -184,14 +226,14 @@ def regression_table(args, dtype: torch.dtype) -> str:
             errs = ["—", "—"]
             steps = method.split(" T=")[-1]
             if method.startswith("dense"):
-                dense_out[steps] = fn()
+                dense_out[steps] = out
             if method.startswith(("lanczos", "cg")) and steps in dense_out:
-                ref, got = dense_out[steps], fn()
+                ref = dense_out[steps]
                 errs = [
                     f"{float((a - b).abs().max() / b.abs().max()):.1e}"
-                    for a, b in ((got.mean, ref.mean), (got.variance, ref.variance))
+                    for a, b in ((out.mean, ref.mean), (out.variance, ref.variance))
                 ]
-            rows.append(f"| {n} | {method} | {seconds:.4f} | {peak:.2f} | {errs[0]} | {errs[1]} |")
+            rows.append(f"| {n} | {method} | {seconds:.4f} | {peak} | {errs[0]} | {errs[1]} |")
             print(rows[-1], flush=True)
         n *= 2
     return "\n".join(rows)
@@ -249,25 +291,26 @@ def kernel_distillation_table(args, dtype: torch.dtype) -> str:
             holder["student"], holder["inducing"] = kd.fit(), kd.inducing_points
             holder["rms"] = kd.frobenius_errors[-1] / x.shape[0]
 
-        t_distil, peak = measure(distil, 1)
+        t_distil, peak, _ = measure(distil, 1)
         student = holder["student"]
-        t_student = timer(lambda student=student, test_x=test_x: student.predict(test_x), 5)
+        t_student, (student_mean, _) = timed(
+            lambda student=student, test_x=test_x: student.predict(test_x), 5
+        )
         sgpr = sgpr_predictor(x, y, test_x, holder["inducing"])
         t_sgpr = timer(sgpr, 5)
         exact_cell, agreement = "OOM", "n/a"
         if exact_ok:
             try:
                 exact = exact_gp(x, y, test_x)
-                t_exact = timer(exact, 3)
+                t_exact, (exact_mean, _) = timed(exact, 3)
                 exact_cell = f"{t_exact:.4f}"
-                exact_mean, student_mean = exact()[0], student.predict(test_x)[0]
                 rel = (student_mean - exact_mean).norm() / exact_mean.norm()
                 agreement = f"{float(rel):.2e}"
             except (torch.OutOfMemoryError, MemoryError):
                 exact_ok = False
         rows.append(
             f"| {n} | {t_distil:.3f} | {t_student:.4f} | {t_sgpr:.4f} | {exact_cell} | "
-            f"{t_sgpr / t_student:.1f}x | {peak:.2f} | {holder['rms']:.2e} | {agreement} |"
+            f"{t_sgpr / t_student:.1f}x | {peak} | {holder['rms']:.2e} | {agreement} |"
         )
         print(rows[-1], flush=True)
         n *= 2
@@ -304,6 +347,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed calls before the timed regression ones"
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(REGRESSION_METHODS),
+        choices=REGRESSION_METHODS,
+        help="rows of the regression table (not-kept: lanczos and cg with kernel_cache_bytes=0)",
+    )
+    parser.add_argument(
         "--max-seconds", type=float, default=30.0, help="a method slower than this stops growing N"
     )
     parser.add_argument("--lengthscale", type=float, default=1.0, help="RBF lengthscale")
@@ -331,7 +384,7 @@ def main() -> None:
     rate = matmul_rate(dtype, 8192 if DEVICE.type == "cuda" else 1024)
     header = "\n".join(
         [
-            f"# GPU benchmark ({args.dtype})",
+            f"# Large-N benchmark on {DEVICE.type} ({args.dtype})",
             "",
             f"- command: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`",
             f"- device: {torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu'}, "
