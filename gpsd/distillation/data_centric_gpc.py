@@ -13,6 +13,7 @@ from torch import Tensor
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
+    check_int,
     check_matrix,
     check_same_device,
     check_test_inputs,
@@ -201,8 +202,8 @@ class DataCentricGPC(gpytorch.Module):
         return self
 
     def _mode(self, step: int | None) -> tuple[int, LaplaceMode]:
-        step = self.num_steps if step is None else int(step)
-        if not 1 <= step <= self.num_steps:
+        step = self.num_steps if step is None else check_int(step, "step")
+        if step > self.num_steps:
             raise ValueError(f"step must be in 1..{self.num_steps}, got {step}")
         if self._modes is None:
             if not bool(self.is_fitted):

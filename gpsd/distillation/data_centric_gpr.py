@@ -11,6 +11,7 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
+from gpsd._validation import check_int
 from gpsd.distillation._common import ExactGPFromModules, validate_test_x
 from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
 from gpsd.linalg import SpectralFilter
@@ -186,7 +187,8 @@ class DataCentricGPR(SpectralGPR):
         :math:`\gamma_t`; kernel and mean are copies of this model's. ``schedule`` indexes the
         batch of schedules when ``gamma`` holds several.
         """
-        if not 1 <= t <= self.num_steps:
+        t = check_int(t, "t")
+        if t > self.num_steps:
             raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
         with torch.no_grad():
             if t == 1:

@@ -11,6 +11,7 @@ from torch import Tensor
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
+    check_int,
     check_matrix,
     check_same_device,
     check_test_inputs,
@@ -219,8 +220,8 @@ class DistributionCentricGPC(gpytorch.Module):
         return self
 
     def _state(self, step: int | None) -> tuple[float, Tensor, Tensor]:
-        step = self.num_steps if step is None else int(step)
-        if not 1 <= step <= self.num_steps:
+        step = self.num_steps if step is None else check_int(step, "step")
+        if step > self.num_steps:
             raise ValueError(f"step must be in 1..{self.num_steps}, got {step}")
         scale = float(step) if self.method == "scaled_kernel" else 1.0
         if bool(self.computed_steps[step - 1]):

@@ -13,6 +13,7 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
+from gpsd._validation import check_int
 from gpsd.distillation._common import ExactGPFromModules, RegressionPath, validate_test_x
 from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.kernels import PosteriorKernel
@@ -167,7 +168,8 @@ class DistributionCentricGPR(SpectralGPR):
 
     def student(self, t: int, schedule: tuple[int, ...] = ()) -> ExactGP:
         r"""A plain ``ExactGP`` equal to step ``t`` by Theorem 3.3: noise :math:`\tilde\gamma_t`."""
-        if not 1 <= t <= self.num_steps:
+        t = check_int(t, "t")
+        if t > self.num_steps:
             raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
         noise = self.effective_noise[schedule + (t - 1,)] if self.gamma.dim() > 1 else None
         noise = self.effective_noise[t - 1] if noise is None else noise

@@ -159,6 +159,8 @@ def test_bad_input(toy):
     model.fit()
     with pytest.raises(ValueError, match="step must be in 1..2"):
         model.predict_proba(test_x, step=3)
+    with pytest.raises(ValueError, match="step must be a positive int"):
+        model.predict_proba(test_x, step=1.7)  # used to predict step 1
 
 
 def test_float32_close_to_float64(toy):

@@ -156,6 +156,9 @@ def test_student_is_a_plain_exact_gp_equal_to_step_t(problem):
         assert relative_error(post.variance, path.variance[1, t - 1]) < 1e-9
     with pytest.raises(ValueError, match="t must lie"):
         model.student(4)
+    for t in (2.5, 2.0, 0):  # 2.5 used to fail deep inside with an IndexError
+        with pytest.raises(ValueError, match="t must be a positive int"):
+            model.student(t)
 
 
 def test_gradients_match_finite_differences(problem):

@@ -145,6 +145,10 @@ def test_bad_input(toy):
         model.predict_latent(test_x)
     with pytest.raises(ValueError, match="test_x must have 1 features"):
         model.fit().predict_latent(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="step must be a positive int"):
+        model.predict_latent(test_x, step=1.7)  # used to predict step 1
+    with pytest.raises(ValueError, match="step must be in 1..2"):
+        model.predict_latent(test_x, step=3)
 
 
 @pytest.mark.parametrize("method", ["iterated", "scaled_kernel"])

@@ -118,3 +118,7 @@ def test_from_teacher_and_errors(problem):
         DistributionCentricGPR.from_teacher(teacher)
     with pytest.raises(ValueError, match="test_x"):
         model.predict(torch.zeros(3, 4, dtype=DTYPE))
+    with pytest.raises(ValueError, match="t must lie in 1..3"):
+        model.student(4)
+    with pytest.raises(ValueError, match="t must be a positive int"):
+        model.student(1.5)
