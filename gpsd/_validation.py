@@ -83,7 +83,9 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
     except TypeError:
         number = None
     if number is None or number < minimum:
-        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}"
+        )
         raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
     return number
 

@@ -100,8 +100,7 @@ class DataCentricGPC(gpytorch.Module):
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+        num_steps = check_int(num_steps, "num_steps")
         if soft_target_likelihood not in ("continuous_bernoulli", "bernoulli"):
             raise ValueError(
                 "soft_target_likelihood must be 'continuous_bernoulli' or 'bernoulli', "

@@ -84,8 +84,7 @@ class DistributionCentricGPC(gpytorch.Module):
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+        num_steps = check_int(num_steps, "num_steps")
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
         train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")

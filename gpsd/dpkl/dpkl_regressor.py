@@ -9,6 +9,7 @@ import gpytorch
 import torch
 from torch import Tensor, nn
 
+from gpsd._validation import check_int
 from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs
 from gpsd.dpkl.embedding_kernel import ProbabilisticEmbeddingKernel
 from gpsd.dpkl.expected_embedding_kernel import ExpectedEmbeddingKernel
@@ -77,8 +78,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
     ) -> None:
         train_x = check_inputs(train_x, "train_x")
         super().__init__(train_x, train_y, likelihood)
-        if isinstance(latent_dim, bool) or not isinstance(latent_dim, int) or latent_dim < 1:
-            raise ValueError(f"latent_dim must be an int >= 1, got {latent_dim!r}")
+        latent_dim = check_int(latent_dim, "latent_dim")
         if kernel not in ("rff", "exact"):
             raise ValueError(f"kernel must be 'rff' or 'exact', got {kernel!r}")
         if update not in ("paper", "svgd"):

@@ -15,6 +15,8 @@ from linear_operator.operators import (
 )
 from torch import Tensor
 
+from gpsd._validation import check_int
+
 __all__ = ["RandomFeatureKernel", "sample_spectral_frequencies"]
 
 
@@ -110,10 +112,8 @@ class RandomFeatureKernel(Kernel):
         outputscale_constraint: Interval | None = None,
         **kwargs,
     ) -> None:
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"num_features (R) must be an int >= 1, got {num_features!r}")
-        if isinstance(num_dims, bool) or not isinstance(num_dims, int) or num_dims < 1:
-            raise ValueError(f"num_dims must be an int >= 1, got {num_dims!r}")
+        num_features = check_int(num_features, "num_features (R)")
+        num_dims = check_int(num_dims, "num_dims")
         if nu is not None and nu not in (0.5, 1.5, 2.5):
             raise ValueError(f"nu must be None (RBF) or one of 0.5, 1.5, 2.5, got {nu}")
         ard = kwargs.get("ard_num_dims")

@@ -110,12 +110,11 @@ class LaplaceGPClassifier(gpytorch.Module):
             raise ValueError(f"noise must be a finite number >= 0, got {noise}")
         if not float(temperature) > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        if int(max_iter) < 1:
-            raise ValueError(f"max_iter must be a positive integer, got {max_iter}")
+        max_iter = check_int(max_iter, "max_iter")
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self.temperature = float(temperature)
-        self.max_iter = int(max_iter)
+        self.max_iter = max_iter
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
         self.register_buffer("noise", torch.tensor(float(noise), dtype=train_x.dtype))

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gpsd._validation import check_int
 from gpsd.laplace.newton import LaplaceMode
 
 __all__ = [
@@ -71,8 +72,7 @@ def gauss_hermite_expectation(
     :param variance: :math:`s^2 \ge 0`, same shape as ``mean``.
     :param num_points: :math:`J`.
     """
-    if num_points < 1:
-        raise ValueError(f"num_points must be a positive integer, got {num_points}")
+    num_points = check_int(num_points, "num_points")
     nodes, weights = np.polynomial.hermite.hermgauss(num_points)
     nodes = torch.as_tensor(nodes, dtype=mean.dtype, device=mean.device)
     weights = torch.as_tensor(weights, dtype=mean.dtype, device=mean.device) / math.sqrt(math.pi)

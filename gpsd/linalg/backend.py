@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from gpsd._validation import check_int
+
 __all__ = ["BACKENDS", "choose_backend", "free_memory_bytes"]
 
 #: The backends of :class:`~gpsd.distillation.DataCentricGPR` and
@@ -89,14 +91,10 @@ def choose_backend(
     :param num_schedules: number of noise schedules (each Cholesky factor covers all of them).
     :param free_bytes: memory available; measured on ``device`` when not given.
     """
-    for name, value in (
-        ("n", n),
-        ("num_factorisations", num_factorisations),
-        ("batch_size", batch_size),
-        ("num_schedules", num_schedules),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    n = check_int(n, "n")
+    num_factorisations = check_int(num_factorisations, "num_factorisations")
+    batch_size = check_int(batch_size, "batch_size")
+    num_schedules = check_int(num_schedules, "num_schedules")
     kind = torch.device(device).type
     kind = kind if kind in _MAX_CHAIN_FACTORISATIONS else "cpu"
     if free_bytes is None:

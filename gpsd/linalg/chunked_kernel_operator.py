@@ -9,6 +9,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd._module_state import ModuleState
+from gpsd._validation import check_int
 from gpsd.linalg._negligible import DROP_MIN_COLUMNS, drop_negligible
 
 __all__ = ["ChunkedKernelOperator"]
@@ -60,12 +61,9 @@ class ChunkedKernelOperator(LinearOperator):
         keep_after: int = 0,
         _rows: _KeptRows | None = None,
     ) -> None:
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        if not isinstance(cache_bytes, int) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be a non-negative integer, got {cache_bytes!r}")
-        if not isinstance(keep_after, int) or keep_after < 0:
-            raise ValueError(f"keep_after must be a non-negative integer, got {keep_after!r}")
+        chunk_size = check_int(chunk_size, "chunk_size")
+        cache_bytes = check_int(cache_bytes, "cache_bytes", minimum=0)
+        keep_after = check_int(keep_after, "keep_after", minimum=0)
         # The rows live in an object passed along as a keyword: linear_operator rebuilds the
         # operator from its arguments for every product, and the rows must outlive that.
         rows = _rows if _rows is not None else _KeptRows()

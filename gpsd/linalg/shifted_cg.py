@@ -10,6 +10,7 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from gpsd._validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
 from gpsd.linalg.spectral_filter import SpectralFilter
@@ -92,8 +93,7 @@ class ShiftedCG(ShiftedSolveEngine):
     ) -> None:
         if not tol > 0:
             raise ValueError(f"tol must be positive, got {tol}")
-        if max_iter < 1:
-            raise ValueError(f"max_iter must be a positive integer, got {max_iter}")
+        max_iter = check_int(max_iter, "max_iter")
         if ritz_vectors.shape[-2] != kernel.shape[-1]:
             raise ValueError(
                 f"ritz_vectors must have {kernel.shape[-1]} rows (the kernel's size), "

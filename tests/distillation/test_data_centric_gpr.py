@@ -307,7 +307,7 @@ def test_bad_input_raises_clear_errors(problem):
     with pytest.raises(ValueError, match="backend must be one of"):
         DataCentricGPR(kernel, x, y, 0.1, backend="svd")  # at construction, not at predict
     for rank in (0, -3, 2.5):
-        with pytest.raises(ValueError, match="rank must be a positive int or None"):
+        with pytest.raises(ValueError, match="rank must be a positive integer or None"):
             DataCentricGPR(kernel, x, y, 0.1, backend="lanczos", rank=rank)
     model = DataCentricGPR(kernel, x, y, 0.1)
     with pytest.raises(ValueError, match="test_x"):

@@ -493,7 +493,7 @@ def test_least_squares_init_handles_rank_deficient_rows_like_lstsq():
         (dict(sparsity=2.5), ValueError, "sparsity must be a positive int"),
         (dict(num_steps=-1), ValueError, "num_steps must be a non-negative int"),
         (dict(kmeans_iters=-2), ValueError, "kmeans_iters"),
-        (dict(chunk_size=-5), ValueError, "chunk_size must be a positive int or None"),
+        (dict(chunk_size=-5), ValueError, "chunk_size must be a positive integer or None"),
         (dict(chunk_size=0), ValueError, "chunk_size"),
         (dict(chunk_size=2.5), ValueError, "chunk_size"),
         (dict(seed=-1), ValueError, "seed"),

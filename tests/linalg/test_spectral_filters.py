@@ -367,7 +367,7 @@ def test_cholesky_keeps_its_factors_within_the_memory_it_is_given():
     [
         (dict(rank=0), "rank must be a positive int"),
         (dict(rank=8.0), "rank"),
-        (dict(block_size=0), "block_size must be a positive int or None"),
+        (dict(block_size=0), "block_size must be a positive integer or None"),
         (dict(block_size=-2), "block_size"),
     ],
 )
