@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import statistics
 import time
@@ -16,17 +18,45 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_rss_kib() -> int:
-    """This process's peak resident set in KiB (``VmHWM``: unlike ``ru_maxrss``, which Linux
-    carries over from the parent across ``fork``/``exec``, it starts afresh in a new process)."""
+def _status_kib(key: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``None`` where there is none)."""
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return None
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set in KiB (``VmHWM``: unlike ``ru_maxrss``, which Linux
+    carries over from the parent across ``fork``/``exec``, it starts afresh in a new process)."""
+    peak = _status_kib("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def start_peak_rss() -> int | None:
+    """Start measuring this process's peak resident set afresh; returns the baseline in KiB, or
+    ``None`` where the platform cannot (Linux 4.0 or later is needed).
+
+    Memory that the C allocator holds free is first handed back to the system (glibc's
+    ``malloc_trim``), so that a later call that reuses it still counts it; then the peak
+    (``VmHWM``) is restarted at the current resident set by writing "5" to
+    ``/proc/self/clear_refs``. The peak growth of a call is then :func:`peak_rss_kib` minus the
+    baseline.
+    """
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    return _status_kib("VmHWM")
 
 
 def median_time(

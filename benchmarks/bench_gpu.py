@@ -2,7 +2,8 @@
 
 Skips cleanly (exit 0) where CUDA is absent. For N in a doubling sequence up to ``--max-n`` (or the
 largest size that fits), prints Markdown tables of wall time (CUDA events, median of repeats after
-a warm-up) and peak device memory (``torch.cuda.max_memory_allocated``) for:
+a warm-up) and peak device memory (``torch.cuda.max_memory_allocated``; with ``--device cpu``,
+the growth of the peak resident set) for:
 
 * one plain GPyTorch ``ExactGP`` fit + prediction (fixed hyperparameters);
 * data-centric GPR for T = 1, 10, 100 with each backend (dense, cholesky, lanczos, cg) and the
@@ -45,7 +46,7 @@ import sys
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import median_time_and_output, write_report
+from _timing import median_time_and_output, peak_rss_kib, start_peak_rss, write_report
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 
@@ -83,18 +84,22 @@ def timer(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def measure(fn, repeats: int, warmup: int = 1) -> tuple[float, str, object]:
-    """(median seconds, peak device memory in GiB as a table cell, last output) of ``fn``; raises
+    """(median seconds, peak memory in GiB as a table cell, last output) of ``fn``; raises
     ``torch.OutOfMemoryError`` or ``MemoryError`` where it does not fit.
 
-    The peak is ``torch.cuda.max_memory_allocated``; on the CPU the cell reads "—" (not
-    measured). The output of the last timed call is returned so that accuracy checks need no
-    extra run.
+    The peak is ``torch.cuda.max_memory_allocated`` on CUDA, and on the CPU the growth of the
+    process's peak resident set over the calls (:func:`_timing.start_peak_rss`; "—" where the
+    platform cannot measure it). The output of the last timed call is returned so that
+    accuracy checks need no extra run.
     """
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        seconds, out = timed(fn, repeats, warmup)
+        return seconds, f"{torch.cuda.max_memory_allocated() / 2**30:.2f}", out
+    base = start_peak_rss()
     seconds, out = timed(fn, repeats, warmup)
-    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f}" if DEVICE.type == "cuda" else "—"
+    peak = "—" if base is None else f"{max(0, peak_rss_kib() - base) / 2**20:.2f}"
     return seconds, peak, out
 
 
@@ -179,7 +184,12 @@ def regression_table(args, dtype: torch.dtype) -> str:
     failed: set[str] = set()
     rows = [
         "Errors: max |matrix-free − dense| / max |dense| over every step and test point, against "
-        "the dense path at the same N and T.",
+        "the dense path at the same N and T. Peak: "
+        + (
+            "torch.cuda.max_memory_allocated."
+            if DEVICE.type == "cuda"
+            else "growth of the process's peak resident set over the calls."
+        ),
         "",
         "| N | method | time (s) | peak (GiB) | mean rel. err vs dense | variance rel. err |",
         "|---:|---|---:|---:|---:|---:|",
