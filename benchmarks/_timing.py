@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import resource
 import statistics
 import time
@@ -37,6 +38,12 @@ def peak_rss_kib() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library (looked up once: ``find_library`` may run ``ldconfig``)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def start_peak_rss() -> int | None:
     """Start measuring this process's peak resident set afresh; returns the baseline in KiB, or
     ``None`` where the platform cannot (Linux 4.0 or later is needed).
@@ -48,7 +55,7 @@ def start_peak_rss() -> int | None:
     baseline.
     """
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
     try:

@@ -65,8 +65,6 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     ) -> None:
         super().__init__()
         check_gp_modules(kernel, mean_module, "kernel")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not rtol > 0:
             raise ValueError(f"rtol must be positive, got {rtol}")
         if kernel_cache_bytes is not None and (
@@ -88,6 +86,17 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.rtol = rtol
         self.kernel_cache_bytes = kernel_cache_bytes
         self._cache: dict = {}
+
+    @property
+    def backend(self) -> str:
+        """The linear-algebra backend (one of :data:`~gpsd.linalg.BACKENDS`), checked when set."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        if value not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {value!r}")
+        self._backend = value
 
     @classmethod
     def from_teacher(

@@ -10,7 +10,7 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_matrix, check_vector
+from gpsd._validation import as_float_tensor, check_int, check_matrix, check_vector
 from gpsd.kernel_distillation._stationary_kernel import (
     stationary_kernel_from_squared_distance,
     stationary_kernel_parameters,
@@ -106,7 +106,8 @@ class SparseLowRankStudent(gpytorch.Module):
             "predictive_mean_weights",
             m,
         )
-        if not isinstance(sparsity, int) or isinstance(sparsity, bool) or not 1 <= sparsity <= m:
+        sparsity = check_int(sparsity, "sparsity")
+        if sparsity > m:
             raise ValueError(f"sparsity must be an int in [1, m={m}], got {sparsity!r}")
         noise_t = as_float_tensor(noise, "noise", dtype=u.dtype).reshape(-1)
         if noise_t.numel() != 1 or not bool(noise_t > 0):

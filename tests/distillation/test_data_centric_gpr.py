@@ -306,6 +306,9 @@ def test_bad_input_raises_clear_errors(problem):
         DataCentricGPR(kernel, bad_x, y, 0.1)
     with pytest.raises(ValueError, match="backend must be one of"):
         DataCentricGPR(kernel, x, y, 0.1, backend="svd")  # at construction, not at predict
+    settable = DataCentricGPR(kernel, x, y, 0.1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        settable.backend = "svd"  # and when set later
     for rank in (0, -3, 2.5):
         with pytest.raises(ValueError, match="rank must be a positive integer or None"):
             DataCentricGPR(kernel, x, y, 0.1, backend="lanczos", rank=rank)
