@@ -88,11 +88,12 @@ class ChunkedKernelOperator(LinearOperator):
         return self._rows.nbytes if self._rows.belongs_to(self.x, self.kernel) else 0
 
     def _matmul(self, rhs: Tensor) -> Tensor:
-        rows = []
+        n = self.x.shape[-2]
+        out = None  # written into chunk by chunk, not concatenated: one N x r block, not two
         with torch.no_grad():
             # without a budget there is nothing to count or compare (a sync per product on GPUs)
             keep = self.cache_bytes > 0 and self._rows.claim(self.x, self.kernel) > self.keep_after
-            for start in range(0, self.x.shape[-2], self.chunk_size):
+            for start in range(0, n, self.chunk_size):
                 block = self._rows.blocks.get(start) if keep else None
                 if block is None:
                     block = to_dense(
@@ -101,8 +102,13 @@ class ChunkedKernelOperator(LinearOperator):
                     if keep or rhs.shape[-1] >= DROP_MIN_COLUMNS:
                         block = drop_negligible(block, inplace=True)
                     keep = keep and self._rows.add(start, block, self.cache_bytes)
-                rows.append(block @ rhs)
-        return torch.cat(rows, dim=-2)
+                product = block @ rhs  # shape: (*b, chunk, r), *b with the kernel's batch
+                if out is None:
+                    out = product.new_empty(*product.shape[:-2], n, product.shape[-1])
+                out[..., start : start + product.shape[-2], :] = product
+        if out is None:  # no rows
+            return rhs.new_empty(*self.batch_shape, 0, rhs.shape[-1])
+        return out
 
     def _size(self) -> torch.Size:
         n = self.x.shape[-2]

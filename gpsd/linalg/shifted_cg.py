@@ -144,24 +144,28 @@ class ShiftedCG(ShiftedSolveEngine):
 
     # ------------------------------------------------------------------ products
     def _kernel_matmul(self, x: Tensor) -> Tensor:
-        """:math:`\\mathbf K\\mathbf X` for ``x`` of shape ``(*lead, *b, N, r)``: lead dims become columns."""
+        """:math:`\\mathbf K\\mathbf X` for ``x`` of shape ``(*lead, *b, N, r)``: lead dims become
+        columns. The result never shares memory with ``x``: the callers update it in place."""
         num_lead = x.dim() - 2 - len(self.batch_shape)
         lead = x.shape[:num_lead]
         if num_lead == 0:
-            return (self.kernel @ x.to(self.kernel.dtype)).to(self.dtype)
-        count = math.prod(lead)
-        cols = x.reshape(count, *x.shape[num_lead:]).movedim(0, -1)  # shape: (*b, N, r, L)
-        cols = cols.reshape(*cols.shape[:-2], -1)  # shape: (*b, N, r * L)
-        out = (self.kernel @ cols.to(self.kernel.dtype)).to(self.dtype)
-        out = out.reshape(*out.shape[:-1], x.shape[-1], count).movedim(-1, 0)
-        return out.reshape(x.shape)
+            out = (self.kernel @ x.to(self.kernel.dtype)).to(self.dtype)
+        else:
+            count = math.prod(lead)
+            cols = x.reshape(count, *x.shape[num_lead:]).movedim(0, -1)  # shape: (*b, N, r, L)
+            cols = cols.reshape(*cols.shape[:-2], -1)  # shape: (*b, N, r * L)
+            out = (self.kernel @ cols.to(self.kernel.dtype)).to(self.dtype)
+            out = out.reshape(*out.shape[:-1], x.shape[-1], count).movedim(-1, 0).reshape(x.shape)
+        # an operator may hand back its input (an identity does)
+        same = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        return out.clone() if same else out
 
     def _precondition(self, gamma: Tensor, r: Tensor) -> Tensor:
         """:math:`\\mathbf P_\\gamma^{-1}\\mathbf r` for ``gamma`` ``(*, 1, 1)`` and ``r`` ``(*, N, c)``."""
         v = self.ritz_vectors
         g = gamma.squeeze(-1)  # shape: (*, 1)
         scale = 1.0 / (self.ritz_values + g) - 1.0 / g  # shape: (*, q)
-        return v @ (scale.unsqueeze(-1) * (v.mT @ r)) + r / gamma
+        return (v @ (scale.unsqueeze(-1) * (v.mT @ r))).addcdiv_(r, gamma)
 
     # ------------------------------------------------------------------ the solve
     def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
@@ -175,15 +179,17 @@ class ShiftedCG(ShiftedSolveEngine):
         g = gamma.expand(shape)[..., None, None]  # shape: (*shape, 1, 1)
 
         def shifted(x: Tensor) -> Tensor:
-            return self._kernel_matmul(x) + g * x
+            return self._kernel_matmul(x).addcmul_(x, g)
 
         b_norm = torch.linalg.vector_norm(b, dim=-2)  # shape: (*shape, r)
         threshold = self.tol * b_norm
+        # The N x r blocks are updated in place: on the CPU, a fresh block per update lets the
+        # C allocator scatter the small per-iteration tensors over the freed blocks, and the
+        # process's memory grows by about a block per iteration.
         x = self._precondition(g, b)  # exact on the deflated subspace
-        r = b - shifted(x)
-        z = self._precondition(g, r)
-        p = z
-        rz = (r * z).sum(-2)
+        r = shifted(x).neg_().add_(b)
+        p = self._precondition(g, r)
+        rz = (r * p).sum(-2)
         iterations = 0
         while iterations < self.max_iter:
             active = torch.linalg.vector_norm(r, dim=-2) > threshold
@@ -192,12 +198,14 @@ class ShiftedCG(ShiftedSolveEngine):
             q = shifted(p)
             pq = (p * q).sum(-2)
             alpha = torch.where(active & (pq > 0), rz / pq.where(pq > 0, 1.0), 0.0)
-            x = x + alpha.unsqueeze(-2) * p
-            r = r - alpha.unsqueeze(-2) * q
+            x.addcmul_(p, alpha.unsqueeze(-2))
+            r.addcmul_(q, alpha.unsqueeze(-2), value=-1.0)
+            del q
             z = self._precondition(g, r)
             rz_new = (r * z).sum(-2)
             beta = torch.where(active & (rz > 0), rz_new / rz.where(rz > 0, 1.0), 0.0)
-            p = z + beta.unsqueeze(-2) * p
+            p = p.mul_(beta.unsqueeze(-2)).add_(z)
+            del z
             rz = rz_new
             iterations += 1
         self.last_iterations = self._solve_iterations = iterations
@@ -319,7 +327,7 @@ class ShiftedCG(ShiftedSolveEngine):
         """Lanczos on the complement of ``v`` from ``b`` ``(r, *kb, N, 1)`` until every filter
         has converged; returns the basis ``(r, *kb, N, k)``, the coefficients ``(r, *bc, T, k)``
         of every filter in it and the error estimate."""
-        operator = self._complement_operator(v, 0.0)
+        operator = self._complement_operator(v, None)
         tiny = torch.finfo(self.dtype).tiny
         b_norm = torch.linalg.vector_norm(b, dim=-2).squeeze(-1)  # shape: (r, *kb)
         _raise_if_not_finite(b_norm)
@@ -329,8 +337,7 @@ class ShiftedCG(ShiftedSolveEngine):
         max_k = min(max_iter, self.size)
         capacity = min(64, max_k)
         basis = q.new_zeros(*q.shape[:-1], capacity)
-        alphas: list[Tensor] = []
-        betas: list[Tensor] = []
+        alphas, betas = _Record(max_k), _Record(max_k)
         scale = torch.zeros_like(b_norm)  # the largest |alpha| so far: a scale for ||K_perp||
         exhausted = b_norm == 0
         previous, next_check, estimate = None, min(_FIRST_CHECK, max_k), math.inf
@@ -345,8 +352,8 @@ class ShiftedCG(ShiftedSolveEngine):
             kept = basis[..., : k + 1]
             w = operator(q)
             h = kept.mT @ w  # shape: (r, *kb, k + 1, 1)
-            w = w - kept @ h
-            w = w - kept @ (kept.mT @ w)  # full reorthogonalisation: twice is enough
+            w.sub_(kept @ h)
+            w.sub_(kept @ (kept.mT @ w))  # full reorthogonalisation: twice is enough
             alpha = h[..., k, 0]
             beta = torch.linalg.vector_norm(w, dim=-2).squeeze(-1)
             scale = torch.maximum(scale, alpha.abs())
@@ -355,12 +362,14 @@ class ShiftedCG(ShiftedSolveEngine):
             beta = beta.where(~exhausted, 0.0)
             alphas.append(alpha)
             betas.append(beta)
-            q = w * (1.0 / beta.where(beta > 0, 1.0) * (beta > 0))[..., None, None]
+            q = w.mul_((1.0 / beta.where(beta > 0, 1.0) * (beta > 0))[..., None, None])
             k += 1
             if k < next_check:
                 continue
             _raise_if_not_finite(beta)
-            coefficients = self._lanczos_coefficients(filt, alphas, betas[:-1], b_norm)
+            coefficients = self._lanczos_coefficients(
+                filt, alphas.values, betas.values[:-1], b_norm
+            )
             done = _columns_before_schedules(exhausted, filt, 0).unsqueeze(-1)
             if k >= self.size or bool(done.all()):
                 estimate = 0.0
@@ -379,13 +388,14 @@ class ShiftedCG(ShiftedSolveEngine):
         return basis[..., :k], coefficients, estimate
 
     def _lanczos_coefficients(
-        self, filt: SpectralFilter, alphas: list[Tensor], betas: list[Tensor], b_norm: Tensor
+        self, filt: SpectralFilter, alphas: Tensor, betas: Tensor, b_norm: Tensor
     ) -> Tensor:
         r""":math:`\lVert\mathbf b\rVert\mathbf S f_t(\boldsymbol\Theta)\mathbf S^\top\mathbf e_1`
-        for the tridiagonal of ``alphas`` and ``betas`` (each ``(r, *kb)``); ``(r, *bc, T, k)``."""
-        tri = torch.diag_embed(torch.stack(alphas, dim=-1))  # shape: (r, *kb, k, k)
-        if betas:
-            off = torch.diag_embed(torch.stack(betas, dim=-1), offset=1)
+        for the tridiagonal of ``alphas`` ``(k, r, *kb)`` and ``betas`` ``(k - 1, r, *kb)``;
+        returns ``(r, *bc, T, k)``."""
+        tri = torch.diag_embed(alphas.movedim(0, -1))  # shape: (r, *kb, k, k)
+        if len(betas):
+            off = torch.diag_embed(betas.movedim(0, -1), offset=1)
             tri = tri + off + off.mT
         theta, vectors = torch.linalg.eigh(tri)
         theta = _columns_before_schedules(theta, filt, 1)  # shape: (r, *1, *kb, k)
@@ -419,7 +429,7 @@ class ShiftedCG(ShiftedSolveEngine):
             shifted = self._complement_operator(v, gamma0)
             norm2 = (b * b).sum(-2, keepdim=True)  # shape: (*b, 1, r)
             threshold = self.tol**2 * norm2
-            r, p, rr = b, b, norm2
+            r, p, rr = b.clone(), b.clone(), norm2
             x_t = torch.zeros_like(exact)
             p_t = b.unsqueeze(-3).expand_as(exact).clone()
             zeta_old = zeta = torch.ones_like(delta * norm2.unsqueeze(-3))  # (*sb, T, 1, r)
@@ -441,16 +451,15 @@ class ShiftedCG(ShiftedSolveEngine):
                 zeta_new = torch.where(live, zeta * zeta_old * a_old / denom.where(live, 1.0), 0.0)
                 zeta_new = torch.where(active.unsqueeze(-3), zeta_new, zeta)
                 ratio = torch.where(live, zeta_new / zeta.where(live, 1.0), 0.0)
-                x_t = x_t + (a * ratio) * p_t
-                r = r - alpha * q
+                x_t.addcmul_(p_t, a * ratio)
+                r.addcmul_(q, alpha, value=-1.0)
+                del q
                 rr_new = (r * r).sum(-2, keepdim=True)
                 beta = torch.where(active, rr_new / rr.where(rr > 0, 1.0), 0.0)
-                p_t = torch.where(
-                    live,
-                    zeta_new * r.unsqueeze(-3) + ratio.square() * beta.unsqueeze(-3) * p_t,
-                    p_t,
-                )
-                p = r + beta * p
+                # where live: p_t <- zeta_new r + ratio^2 beta p_t; elsewhere p_t stays
+                p_t.mul_(torch.where(live, ratio.square() * beta.unsqueeze(-3), 1.0))
+                p_t.addcmul_(r.unsqueeze(-3), zeta_new.where(live, 0.0))
+                p = p.mul_(beta).add_(r)
                 zeta_old, zeta = zeta, zeta_new
                 alpha_old = torch.where(active, alpha, alpha_old)
                 beta_old = torch.where(active, beta, beta_old)
@@ -514,7 +523,7 @@ class ShiftedCG(ShiftedSolveEngine):
                     couple = (betas[j] / safe.square()).where(actives[j + 1], 0.0)
                     diag = diag - couple.unsqueeze(-2) / fraction
                 fraction = diag
-            complement = norm2.unsqueeze(-2) / fraction if alphas else torch.zeros_like(exact)
+            complement = norm2.unsqueeze(-2) / fraction if len(alphas) else torch.zeros_like(exact)
         return exact + complement
 
     def _complement_cg(self, b: Tensor, v: Tensor, gamma0: Tensor):
@@ -523,8 +532,8 @@ class ShiftedCG(ShiftedSolveEngine):
         shifted = self._complement_operator(v, gamma0)
         norm2 = (b * b).sum(-2)  # shape: (*b, M)
         threshold = self.tol**2 * norm2
-        r, p, rr = b, b, norm2
-        alphas, betas, actives = [], [], []
+        r, p, rr = b.clone(), b.clone(), norm2
+        alphas, betas, actives = (_Record(self.max_iter) for _ in range(3))
         while len(alphas) < self.max_iter:
             active = rr > threshold
             if not bool(active.any()):
@@ -533,17 +542,18 @@ class ShiftedCG(ShiftedSolveEngine):
             pq = (p * q).sum(-2)
             active = active & (pq > 0)
             alpha = torch.where(active, rr / pq.where(pq > 0, 1.0), 0.0)
-            r = r - alpha.unsqueeze(-2) * q
+            r.addcmul_(q, alpha.unsqueeze(-2), value=-1.0)
+            del q
             rr_new = (r * r).sum(-2)
             beta = torch.where(active, rr_new / rr.where(rr > 0, 1.0), 0.0)
-            p = r + beta.unsqueeze(-2) * p
+            p = p.mul_(beta.unsqueeze(-2)).add_(r)
             alphas.append(alpha)
             betas.append(beta)
             actives.append(active)
             rr = rr_new
         self.last_iterations = len(alphas)
         self._check_multishift(rr, norm2)
-        return alphas, betas, actives, norm2
+        return alphas.values, betas.values, actives.values, norm2
 
     def _split_resolved(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The resolved Ritz values ``d`` ``(*b, p)`` and vectors ``V`` ``(*b, N, p)``, ``V^T x``
@@ -558,13 +568,16 @@ class ShiftedCG(ShiftedSolveEngine):
         z = v.mT @ x  # shape: (*b, q, r)
         return d, v, z, x - v @ z
 
-    def _complement_operator(self, v: Tensor, gamma0: Tensor):
+    def _complement_operator(self, v: Tensor, gamma0: Tensor | None):
         """``x -> (P K + gamma0 I) x`` with :math:`\\mathbf P = \\mathbf I - \\mathbf V\\mathbf V^\\top`,
-        which is :math:`\\mathbf K_\\perp + \\gamma_0\\mathbf I` on the complement of ``v``."""
+        which is :math:`\\mathbf K_\\perp + \\gamma_0\\mathbf I` on the complement of ``v``
+        (no shift for ``None``)."""
 
         def shifted(x: Tensor) -> Tensor:
-            kx = self._kernel_matmul(x)
-            return kx - v @ (v.mT @ kx) + gamma0 * x
+            kx = self._kernel_matmul(x)  # updated in place: see _conjugate_gradients
+            if v.shape[-1]:  # with no pair resolved there is nothing to project out
+                kx.sub_(v @ (v.mT @ kx))
+            return kx if gamma0 is None else kx.addcmul_(x, gamma0)
 
         return shifted
 
@@ -594,6 +607,38 @@ class ShiftedCG(ShiftedSolveEngine):
         """The relative residual every solve is run to (see the class docstring for its meaning),
         or the larger residual or Lanczos error estimate actually reached."""
         return max(self.tol, self.max_relative_residual, self.krylov_error_estimate)
+
+
+class _Record:
+    """Per-iteration values of one shape, kept in one preallocated tensor that doubles when full.
+
+    A list of small tensors, one per iteration, would scatter long-lived small allocations over
+    the large blocks that the iterations free, so that the C allocator cannot reuse them.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self._max_len = max_len
+        self._data: Tensor | None = None
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, value: Tensor) -> None:
+        if self._data is None:
+            self._data = value.new_empty(min(64, self._max_len), *value.shape)
+        elif self._len == self._data.shape[0]:
+            grown = self._data.new_empty(min(2 * self._len, self._max_len), *value.shape)
+            grown[: self._len] = self._data
+            self._data = grown
+        self._data[self._len] = value
+        self._len += 1
+
+    @property
+    def values(self) -> Tensor:
+        """The values so far, stacked along a new leading dimension (a view; empty before the
+        first)."""
+        return self._data[: self._len] if self._data is not None else torch.empty(0)
 
 
 def _raise_if_not_finite(residual: Tensor) -> None:

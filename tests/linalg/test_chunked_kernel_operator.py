@@ -200,3 +200,17 @@ def test_kernel_matrix_is_the_dense_kernel_without_negligible_entries_and_keeps_
         (ref,) = torch.autograd.grad(expected.sum(), ls)
         chain = torch.sigmoid(kernel.raw_lengthscale.detach())  # softplus' derivative
         torch.testing.assert_close(grad.squeeze(), ref * chain.squeeze())
+
+
+def test_a_batch_of_kernels_on_shared_inputs():
+    """A kernel with a batch shape on unbatched inputs: the product takes the kernel's batch."""
+    gen = torch.Generator().manual_seed(4)
+    x = 3 * torch.rand(45, 2, generator=gen, dtype=DTYPE)
+    rhs = torch.randn(45, 3, generator=gen, dtype=DTYPE)
+    kernel = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])).to(DTYPE)
+    kernel.lengthscale = torch.tensor([[[0.4]], [[1.1]]], dtype=DTYPE)
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=20)
+    with torch.no_grad():
+        got = op @ rhs
+    expected = torch.stack([reference(x, 0.4) @ rhs, reference(x, 1.1) @ rhs])
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

@@ -400,3 +400,43 @@ def test_a_second_filter_on_the_same_rhs_reuses_the_timed_solve():
     # no second timed solve: only the Krylov run
     assert counting.products - first == krylov
     assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
+
+
+# ---------------------------------------------------------------- updates in place
+def test_an_operator_that_hands_back_its_input_is_not_written_into():
+    """The iterations update the kernel products in place; an operator that returns its input
+    (the identity does) must see neither its input nor the answers change."""
+    from linear_operator.operators import IdentityLinearOperator
+
+    gen = torch.Generator().manual_seed(21)
+    n = 50
+    rhs = torch.randn(n, 3, generator=gen, dtype=DTYPE)
+    before = rhs.clone()
+    eye = IdentityLinearOperator(n, dtype=DTYPE)
+    gamma = torch.tensor([0.1, 0.5, 2.0], dtype=DTYPE)
+    torch.testing.assert_close(no_deflation(eye).solve(gamma[1], rhs), rhs / 1.5)
+    solves = no_deflation(eye).apply(SF.resolvent(gamma), rhs)  # the multi-shift solve
+    torch.testing.assert_close(solves, rhs / (1 + gamma)[:, None, None])
+    variances = no_deflation(eye).quad_diag(SF.resolvent(gamma), rhs)  # multi-shift quadrature
+    torch.testing.assert_close(variances, rhs.square().sum(-2) / (1 + gamma)[:, None])
+    chain = no_deflation(eye).krylov_apply(SF.data_centric_targets(gamma, 0.2), rhs)
+    torch.testing.assert_close(chain, naive_chain(torch.eye(n, dtype=DTYPE), gamma, 0.2, rhs)[0])
+    assert torch.equal(rhs, before)
+
+
+def test_runs_longer_than_the_first_record_block_equal_dense_answers():
+    """Without deflation on a slowly decaying spectrum every path runs past the 64 iterations
+    its per-iteration records start with, and must still equal dense solves."""
+    gen = torch.Generator().manual_seed(22)
+    k = rbf_matrix(5 * torch.rand(400, 1, generator=gen, dtype=DTYPE), 0.1)
+    left = torch.randn(400, 4, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([1e-4, 1e-3, 1e-2], dtype=DTYPE)
+    cg = no_deflation(k, tol=1e-10)
+    got = cg.quad_diag(SF.resolvent(gamma), left)
+    assert cg.last_iterations > 64
+    expected = (left * dense_solves(k, gamma, left)).sum(-2)
+    assert float(((got - expected).abs() / expected).max()) < 1e-8
+    steps = torch.full((5,), 1e-3, dtype=DTYPE)
+    chain = cg.krylov_apply(SF.data_centric_weights(steps), left[:, :1])
+    assert cg.last_iterations > 64
+    assert relative_error(chain, naive_chain(k, steps, 0.0, left[:, :1])[1]) < 1e-8
