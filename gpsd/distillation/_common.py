@@ -191,7 +191,8 @@ def make_engine(
     )
     try_lanczos_first = False
     if backend == "auto":
-        batch_size = x.shape[:-2].numel()
+        # a kernel with a batch shape makes a batch of matrices from shared inputs too
+        batch_size = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape).numel()
         backend = choose_backend(
             n,
             num_schedules * num_steps,

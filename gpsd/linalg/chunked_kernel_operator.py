@@ -112,7 +112,9 @@ class ChunkedKernelOperator(LinearOperator):
 
     def _size(self) -> torch.Size:
         n = self.x.shape[-2]
-        return torch.Size((*self.x.shape[:-2], n, n))
+        # a kernel with a batch shape on shared inputs is a batch of matrices too
+        batch = torch.broadcast_shapes(self.x.shape[:-2], self.kernel.batch_shape)
+        return torch.Size((*batch, n, n))
 
     def _transpose_nonbatch(self) -> ChunkedKernelOperator:
         return self

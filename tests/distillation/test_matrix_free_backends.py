@@ -361,3 +361,44 @@ def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monke
         operator = common._matrix_free(kernel, x, torch.float64, None)
         assert operator.cache_bytes == expected
     assert common._matrix_free(kernel, x, torch.float64, 123).cache_bytes == 123
+
+
+@pytest.mark.parametrize("backend", ["lanczos", "cg"])
+@pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
+def test_a_batch_of_kernels_on_shared_inputs(cls, backend):
+    """A kernel with a batch shape on unbatched training inputs is a batch of kernel matrices for
+    the matrix-free backends too; each entry equals its own unbatched dense model."""
+    x, y, test_x = wiggly_data(n=200, seed=3)
+    lengthscales = [0.8, 2.0] if backend == "lanczos" else [0.2, 0.8]
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([2]))
+    kernel.base_kernel.lengthscale = torch.tensor(lengthscales, dtype=DTYPE).reshape(2, 1, 1)
+    gammas = torch.tensor([0.05, 0.1, 0.2], dtype=DTYPE)
+    model = cls(kernel, x, y, gammas, backend=backend, rtol=1e-9)
+    with torch.no_grad():
+        path = model.predict(test_x)
+    assert path.mean.shape == (2, 3, 77)
+    for b, lengthscale in enumerate(lengthscales):
+        single = cls(rbf_kernel(outputscale=1.0, lengthscale=lengthscale), x, y, gammas)
+        with torch.no_grad():
+            ref = single.predict(test_x)
+        assert relative_error(path.mean[b], ref.mean) < 1e-7
+        assert relative_error(path.variance[b], ref.variance) < 1e-7
+
+
+def test_auto_counts_the_matrices_of_a_kernel_batch_on_shared_inputs(monkeypatch):
+    """backend='auto' plans memory for every matrix: a kernel batch of 4 on unbatched inputs is 4."""
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["batch_size"])
+        return backend_module.choose_backend(*args, **kwargs)
+
+    monkeypatch.setattr(common, "choose_backend", recording)
+    x, y, test_x = wiggly_data(n=60)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([4]))
+    with torch.no_grad():
+        DataCentricGPR(kernel, x, y, [0.1, 0.2]).predict(test_x)
+        DataCentricGPR(kernel, x.expand(4, -1, -1), y.expand(4, -1), [0.1, 0.2]).predict(
+            test_x.expand(4, -1, -1)
+        )
+    assert seen == [4, 4]
