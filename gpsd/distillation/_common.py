@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import NamedTuple
 
 import gpytorch
@@ -12,7 +11,6 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
-from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
@@ -294,19 +292,6 @@ class StateSnapshot:
 
     def matches(self, module: gpytorch.Module) -> bool:
         return self.grad_enabled == torch.is_grad_enabled() and self.state.matches(module)
-
-
-def nonnegative_variance(variance: Tensor, scale: Tensor) -> Tensor:
-    """Clamp rounding-level negative variances at 0; warn if one is negative beyond rounding."""
-    tol = 1e-6 * scale.abs().clamp_min(1e-30)
-    if (variance < -tol).any():
-        warnings.warn(
-            "a predictive variance came out clearly negative (rounding or an indefinite kernel "
-            "matrix); it was clamped at 0",
-            NumericalWarning,
-            stacklevel=3,
-        )
-    return variance.clamp_min(0.0)
 
 
 class ExactGPFromModules(ExactGP):

@@ -15,12 +15,12 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from gpsd._validation import check_gp_modules, check_int
+from gpsd._variance import nonnegative_variance
 from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
     RegressionPath,
     StateSnapshot,
     make_engine,
-    nonnegative_variance,
     unpack_teacher,
     validate_gamma,
     validate_test_x,

@@ -19,6 +19,7 @@ from gpsd._validation import (
     check_test_inputs,
     check_vector,
 )
+from gpsd._variance import nonnegative_variance
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -147,8 +148,9 @@ class DataCentricGPC(gpytorch.Module):
         return ContinuousBernoulliTerms()
 
     def _soft_predictions(self, mode: LaplaceMode, K: Tensor, m: Tensor) -> Tensor:
-        mean, var = laplace_latent_predictive(mode, K, torch.diagonal(K, dim1=-2, dim2=-1), m)
-        var = var.clamp_min(0.0)
+        prior_var = torch.diagonal(K, dim1=-2, dim2=-1)
+        mean, var = laplace_latent_predictive(mode, K, prior_var, m)
+        var = nonnegative_variance(var, prior_var)
         if self.target_method == "probit":
             return probit_approximation(mean, var)
         return gauss_hermite_expectation(torch.sigmoid, mean, var)
@@ -222,7 +224,7 @@ class DataCentricGPC(gpytorch.Module):
             K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
             K_diag = self.covar_module(x, diag=True)
             mean, var = laplace_latent_predictive(mode, K_cross, K_diag, self.mean_module(x))
-        return mean, var.clamp_min(0.0)
+        return mean, nonnegative_variance(var, K_diag)
 
     def predict_proba(
         self, x: Tensor, step: int | None = None, method: str = "quadrature"

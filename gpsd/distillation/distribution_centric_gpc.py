@@ -17,6 +17,7 @@ from gpsd._validation import (
     check_test_inputs,
     check_vector,
 )
+from gpsd._variance import nonnegative_variance
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import gauss_hermite_expectation, probit_approximation
 from gpsd.laplace.resolve import resolve_likelihood_terms
@@ -254,8 +255,9 @@ class DistributionCentricGPC(gpytorch.Module):
             )  # shape: (*batch, m, n)
             K_diag = self.covar_module(x, diag=True)
             mean = self.mean_module(x) + (K_cross @ c.unsqueeze(-1)).squeeze(-1)
-            var = scale * K_diag - ((K_cross @ Q) * K_cross).sum(-1)
-        return mean, var.clamp_min(0.0)
+            prior_var = scale * K_diag
+            var = prior_var - ((K_cross @ Q) * K_cross).sum(-1)
+        return mean, nonnegative_variance(var, prior_var)
 
     def predict_proba(
         self, x: Tensor, step: int | None = None, method: str = "quadrature"

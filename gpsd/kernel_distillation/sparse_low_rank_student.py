@@ -11,6 +11,7 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from gpsd._validation import as_float_tensor, check_int, check_matrix, check_vector
+from gpsd._variance import nonnegative_variance
 from gpsd.kernel_distillation._stationary_kernel import (
     stationary_kernel_from_squared_distance,
     stationary_kernel_parameters,
@@ -306,8 +307,7 @@ class SparseLowRankStudent(gpytorch.Module):
             neighbours.unsqueeze(-1), neighbours.unsqueeze(-2)
         ]  # shape: (p, b, b)
         quad = (values.unsqueeze(-2) @ v_local @ values.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-        variance = (diag - quad).clamp_min(0.0)
-        return mean, variance
+        return mean, nonnegative_variance(diag - quad, diag)
 
     def _check_inputs(self, x: Tensor) -> Tensor:
         x = as_float_tensor(

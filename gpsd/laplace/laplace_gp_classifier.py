@@ -18,6 +18,7 @@ from gpsd._validation import (
     check_test_inputs,
     check_vector,
 )
+from gpsd._variance import nonnegative_variance
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
@@ -207,7 +208,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
         K_diag = self.covar_module(x, diag=True)
         mean, var = laplace_latent_predictive(mode, K_cross, K_diag, self.mean_module(x))
-        return mean, var.clamp_min(0.0)
+        return mean, nonnegative_variance(var, K_diag)
 
     def predict_proba(self, x: Tensor, method: str = "quadrature", num_points: int = 64) -> Tensor:
         r"""Class probability :math:`\mathbb{E}_q[r(f_*)]` with :math:`r` the likelihood's response

@@ -1,0 +1,45 @@
+"""Predictive variances computed as a difference: rounding may take them below zero."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from gpytorch.utils.warnings import NumericalWarning
+from torch import Tensor
+
+__all__ = ["nonnegative_variance"]
+
+
+def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -> Tensor:
+    r"""Clamp at 0 a variance :math:`k_{**} - \mathbf k_*^\top\mathbf A\mathbf k_*` that came out
+    negative, warning with a ``NumericalWarning`` where that is beyond rounding.
+
+    The difference of two nearly equal terms loses accuracy relative to ``scale`` (the prior
+    variance :math:`k_{**}`); a value below :math:`-\max(10^{-6}, \sqrt{\epsilon})` times the
+    scale (:math:`\epsilon` the dtype's machine epsilon: float32 allows about :math:`3\cdot
+    10^{-4}`) means an indefinite kernel matrix or a badly conditioned solve, and is reported
+    rather than hidden.
+
+    Under ``torch.compile`` or ``torch.export`` only the clamp is traced: the check is a
+    data-dependent branch.
+
+    :param variance: the computed variances, any shape.
+    :param scale: the prior variances, broadcastable against ``variance``.
+    :param stacklevel: passed to ``warnings.warn`` (3: the caller's caller).
+    """
+    if torch.compiler.is_compiling():
+        return variance.clamp_min(0.0)
+    tiny = torch.finfo(variance.dtype).tiny
+    relative = max(1e-6, torch.finfo(variance.dtype).eps ** 0.5)
+    size = scale.detach().abs().clamp_min(tiny)
+    if bool((variance.detach() < -relative * size).any()):
+        worst = float((-variance.detach() / size).max())
+        warnings.warn(
+            f"a predictive variance came out negative, {worst:.3g} times its prior variance "
+            "(beyond rounding: an indefinite kernel matrix or an ill-conditioned solve); it was "
+            "clamped at 0",
+            NumericalWarning,
+            stacklevel=stacklevel,
+        )
+    return variance.clamp_min(0.0)

@@ -1,0 +1,119 @@
+"""Negative predictive variances: clamped at 0, with a warning where beyond rounding."""
+
+import warnings
+
+import gpytorch
+import pytest
+import torch
+from gpr_reference import rbf_kernel
+from gpytorch.utils.warnings import NumericalWarning
+
+from gpsd._variance import nonnegative_variance
+from gpsd.data.toy import sine_classification
+from gpsd.distillation.data_centric_gpc import DataCentricGPC
+from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
+from gpsd.kernel_distillation import KernelDistillation
+from gpsd.laplace import LaplaceGPClassifier
+
+
+@pytest.mark.parametrize(
+    "dtype, quiet, loud", [(torch.float64, -1e-9, -1e-4), (torch.float32, -1e-4, -1e-2)]
+)
+def test_rounding_is_clamped_quietly_and_more_is_reported(dtype, quiet, loud):
+    scale = torch.tensor([2.0, 2.0, 2.0], dtype=dtype)
+    values = torch.tensor([0.5, quiet * 2.0, 0.0], dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = nonnegative_variance(values, scale)
+    assert torch.equal(out, torch.tensor([0.5, 0.0, 0.0], dtype=dtype))
+    with pytest.warns(NumericalWarning, match=f"{-loud:.3g} times its prior variance"):
+        out = nonnegative_variance(torch.tensor([0.5, loud * 2.0], dtype=dtype), scale[:2])
+    assert torch.equal(out, torch.tensor([0.5, 0.0], dtype=dtype))
+
+
+def _classification_data():
+    x, y, test_x = sine_classification(30, seed=4)
+    return x, y, rbf_kernel(outputscale=3.0, lengthscale=1.0), test_x
+
+
+def _break_the_reduction(monkeypatch, module):
+    """Make the latent predictive return a variance well below zero."""
+    original = module.laplace_latent_predictive
+
+    def broken(*args, **kwargs):
+        mean, var = original(*args, **kwargs)
+        return mean, var - 10.0
+
+    monkeypatch.setattr(module, "laplace_latent_predictive", broken)
+
+
+def test_laplace_classifier_reports_a_negative_variance(monkeypatch):
+    import gpsd.laplace.laplace_gp_classifier as module
+
+    x, y, kernel, test_x = _classification_data()
+    model = LaplaceGPClassifier(x, y, kernel).fit()
+    _break_the_reduction(monkeypatch, module)
+    with pytest.warns(NumericalWarning, match="negative"):
+        _, var = model.predict_latent(test_x)
+    assert bool((var == 0).all())
+
+
+def test_data_centric_classifier_reports_a_negative_variance(monkeypatch):
+    import gpsd.distillation.data_centric_gpc as module
+
+    x, y, kernel, test_x = _classification_data()
+    model = DataCentricGPC(x, y, kernel, num_steps=2).fit()
+    _break_the_reduction(monkeypatch, module)
+    with pytest.warns(NumericalWarning, match="negative"):
+        _, var = model.predict_latent(test_x)
+    assert bool((var == 0).all())
+
+
+def test_distribution_centric_classifier_reports_a_negative_variance():
+    x, y, kernel, test_x = _classification_data()
+    model = DistributionCentricGPC(x, y, kernel, num_steps=2).fit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, var = model.predict_latent(test_x)
+    assert bool((var > 0).all())
+    model.covariance_corrections.mul_(100.0)  # a corrupted state: the reduction too large
+    with pytest.warns(NumericalWarning, match="negative"):
+        _, var = model.predict_latent(test_x)
+    assert bool((var >= 0).all()) and bool((var == 0).any())
+
+
+def test_kernel_distillation_student_reports_a_negative_variance():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(80, 2, generator=gen, dtype=torch.float64)
+    y = torch.sin(2 * x).sum(-1)
+    student = KernelDistillation.from_kernel(
+        gpytorch.kernels.RBFKernel().double(), x, y, 0.05, 15, 4, num_steps=2
+    ).fit()
+    test_x = torch.randn(10, 2, generator=gen, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, var = student.predict(test_x)
+    assert bool((var > 0).all())
+    student.predictive_covariance_correction.mul_(1e3)
+    with pytest.warns(NumericalWarning, match="negative"):
+        _, var = student.predict(test_x)
+    assert bool((var >= 0).all())
+
+
+def test_regression_distiller_reports_a_negative_variance():
+    from gpsd import DataCentricGPR
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.rand(40, 1, generator=gen, dtype=torch.float64)
+    y = torch.sin(6 * x.squeeze(-1))
+    test_x = torch.rand(7, 1, generator=gen, dtype=torch.float64)
+    model = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], backend="dense")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bool((model.predict(test_x).variance > 0).all())
+        engine = model._state()["engine"]
+        reduction = engine.quad_diag
+        engine.quad_diag = lambda *args: 2 * reduction(*args) + 1.0  # a corrupted factorisation
+    with torch.no_grad(), pytest.warns(NumericalWarning, match="negative"):
+        variance = model.predict(test_x).variance
+    assert bool((variance == 0).all())
