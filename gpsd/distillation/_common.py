@@ -202,7 +202,7 @@ def make_engine(
         try_lanczos_first = backend == "dense" and not needs_grad
     # Without a graph to keep, K is evaluated in the factorisation's dtype, as the matrix-free
     # backends do; with one, in the data's dtype (a copy of the kernel would cut the graph).
-    dense_kernel, dense_x = (kernel, x) if needs_grad else _in_dtype(kernel, x, eig_dtype)
+    dense_kernel, dense_x = (kernel, x) if needs_grad else kernel_in_dtype(kernel, x, eig_dtype)
     try:
         if backend == "cholesky":
             return ShiftedCholesky(dense_kernel(dense_x), dtype=eig_dtype)
@@ -258,7 +258,7 @@ def _matrix_free(
     residuals and the CG residuals reach that precision even for float32 data; the kernel is
     copied into ``dtype`` for that (these backends keep no graph).
     """
-    kernel, x = _in_dtype(kernel, x, dtype)
+    kernel, x = kernel_in_dtype(kernel, x, dtype)
     is_keops = any(
         type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
     )
@@ -273,7 +273,7 @@ def _matrix_free(
     )
 
 
-def _in_dtype(kernel: Kernel, x: Tensor, dtype: torch.dtype | None) -> tuple[Kernel, Tensor]:
+def kernel_in_dtype(kernel: Kernel, x: Tensor, dtype: torch.dtype | None) -> tuple[Kernel, Tensor]:
     """``kernel`` and ``x`` in ``dtype`` (``None``: unchanged). A kernel in another dtype is a
     copy, so that every parameter and buffer matches the inputs (mixed dtypes fail in some
     GPyTorch kernels, e.g. ``PolynomialKernel``); the copy carries no graph to the original."""

@@ -20,6 +20,7 @@ from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
     RegressionPath,
     StateSnapshot,
+    kernel_in_dtype,
     make_engine,
     unpack_teacher,
     validate_gamma,
@@ -160,8 +161,17 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             )
             engine.check_accuracy(self._smallest_shift(), self.rtol)
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
+            needs_grad = engine.supports_autograd and (
+                torch.is_grad_enabled()
+                and (self.train_x.requires_grad or any(p.requires_grad for p in self.parameters()))
+            )
             self._cache.update(
                 engine=engine,
+                # Test covariances in the factorisation's dtype where no graph is needed: the
+                # variance k** - k*^T R k* cancels, and float32 entries of k* cost up to ~1e-3.
+                test_kernel=(self.kernel, self.train_x)
+                if needs_grad
+                else kernel_in_dtype(self.kernel, self.train_x, self.linalg_dtype),
                 prior_mean=prior_mean,
                 centred=centred,
                 coords=engine.project(centred) if hasattr(engine, "project") else centred,
@@ -217,7 +227,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
         if cross is None:
-            cross = kernel_matrix(self.kernel, self.train_x, test_x)
+            kernel, train_x = state["test_kernel"]
+            cross = kernel_matrix(kernel, train_x, test_x.to(train_x.dtype))
         weights = self._mean_weights(state)  # shape: (*, T, N, 1)
         mean = (cross.to(weights).mT.unsqueeze(-3) @ weights).squeeze(-1)  # shape: (*, T, M)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
@@ -227,16 +238,18 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         engine = state["engine"]
         with autograd_context(state):
             variance_filter = self._variance_filter()
-            cross = kernel_matrix(self.kernel, self.train_x, test_x)  # shape: (*b, N, M)
+            kernel, train_x = state["test_kernel"]
+            test_in = test_x.to(train_x.dtype)
+            cross = kernel_matrix(kernel, train_x, test_in)  # shape: (*b, N, M)
             mean = self._mean_chunk(state, test_x, cross)
-            prior_var = self.kernel(test_x, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
-            reduction = engine.quad_diag(variance_filter, cross).to(test_x.dtype)
-            variance = nonnegative_variance(prior_var - reduction, prior_var)
+            prior_var = kernel(test_in, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
+            reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
+            variance = nonnegative_variance(prior_var - reduction, prior_var).to(test_x.dtype)
             covariance = None
             if full_cov:
-                prior_cov = self.kernel(test_x).to_dense().unsqueeze(-3)
-                reduction = engine.cross(variance_filter, cross, cross).to(test_x.dtype)
-                covariance = prior_cov - reduction
+                prior_cov = kernel(test_in).to_dense().unsqueeze(-3)
+                reduction = engine.cross(variance_filter, cross, cross).to(prior_cov)
+                covariance = (prior_cov - reduction).to(test_x.dtype)
         return RegressionPath(mean, variance, covariance)
 
     def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:

@@ -6,7 +6,7 @@ import torch
 from gpr_reference import PlainGP, exact_settings, naive_data_centric, rbf_kernel, relative_error
 from gpytorch.utils.warnings import NumericalWarning
 
-from gpsd import DataCentricGPR
+from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import xsinx_regression
 
 DTYPE = torch.float64
@@ -372,3 +372,25 @@ def test_matrix_free_with_float32_data_reaches_the_float64_factorisation(backend
     assert got.mean.dtype == torch.float32
     assert relative_error(got.mean, ref.mean) < 1e-5
     assert relative_error(got.variance, ref.variance) < 1e-4
+
+
+@pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
+@pytest.mark.parametrize("backend", ["dense", "cholesky", "cg"])
+def test_float32_data_predicts_to_float32_rounding_of_the_float64_answer(backend, cls):
+    """The test covariances are evaluated in the factorisation's dtype: the variance
+    k** - k*^T R k* cancels, and float32 entries of k* alone would cost about 1e-4 here."""
+    gen = torch.Generator().manual_seed(5)
+    x = 10 * torch.rand(400, 2, generator=gen)
+    y = torch.sin(x).sum(-1)
+    test_x = 10 * torch.rand(60, 2, generator=gen)
+    gammas = [0.1, 0.2, 0.4]
+    with torch.no_grad():
+        kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1, dtype=torch.float32)
+        got = cls(kernel, x, y, gammas, backend=backend, rtol=1e-10).predict(test_x)
+        # the same float32 values, in float64 throughout
+        kernel64 = rbf_kernel(outputscale=1.0, lengthscale=0.1)
+        ref = cls(kernel64, x.double(), y.double(), gammas, backend="dense")
+        ref = ref.predict(test_x.double())
+    assert got.mean.dtype == got.variance.dtype == torch.float32
+    assert relative_error(got.mean.double(), ref.mean) < 1e-6
+    assert relative_error(got.variance.double(), ref.variance) < 1e-6
