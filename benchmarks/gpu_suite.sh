@@ -4,7 +4,8 @@
 #
 # Usage, from the repository root on a machine with CUDA, torch, gpytorch and linear_operator:
 #
-#     bash benchmarks/gpu_suite.sh 1 OUTDIR   # tests (CUDA ones run); KD kernel blocks; float32 regression
+#     bash benchmarks/gpu_suite.sh 1 OUTDIR   # tests (CUDA ones run); KD kernel blocks; float32
+#                                             # accuracy; float32 regression
 #     bash benchmarks/gpu_suite.sh 2 OUTDIR   # float64 regression tables; kernel distillation
 #     bash benchmarks/gpu_suite.sh 3 OUTDIR   # backend-choice calibration; DPKL; CG chain
 #
@@ -45,6 +46,7 @@ case "$stage" in
 1)
     run 160 python3 -m pytest -q ../tests
     run 40 python3 bench_kd_kernel_blocks.py --device cuda --out "$out/kd_kernel_blocks_cuda.md"
+    run 30 python3 bench_float32_accuracy.py --device cuda --out "$out/float32_accuracy_cuda.md"
     run 330 python3 bench_gpu.py --dtype float32 --skip kd --repeats 2 --max-seconds 10 \
         --out "$out/gpu_float32.md"
     ;;
