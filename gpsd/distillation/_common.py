@@ -184,9 +184,7 @@ def make_engine(
                 f"{x.device}; pass a smaller rank= (now {rank}) or kernel_cache_bytes=, or a "
                 "KeOps kernel"
             ) from err
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or any(p.requires_grad for p in kernel.parameters())
-    )
+    needs_grad = needs_graph(kernel, x)
     try_lanczos_first = False
     if backend == "auto":
         # a kernel with a batch shape makes a batch of matrices from shared inputs too
@@ -270,6 +268,13 @@ def _matrix_free(
         cache_bytes = max(0, int(min(KERNEL_CACHE_FRACTION * free, free - working)))
     return ChunkedKernelOperator(
         x, kernel=kernel, cache_bytes=cache_bytes, keep_after=KEEP_ROWS_AFTER
+    )
+
+
+def needs_graph(kernel: Kernel, x: Tensor) -> bool:
+    """Whether kernel matrices of ``kernel`` at ``x`` would carry an autograd graph now."""
+    return torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in kernel.parameters())
     )
 
 

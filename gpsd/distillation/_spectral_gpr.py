@@ -22,6 +22,7 @@ from gpsd.distillation._common import (
     StateSnapshot,
     kernel_in_dtype,
     make_engine,
+    needs_graph,
     unpack_teacher,
     validate_gamma,
     validate_test_x,
@@ -161,10 +162,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             )
             engine.check_accuracy(self._smallest_shift(), self.rtol)
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
-            needs_grad = engine.supports_autograd and (
-                torch.is_grad_enabled()
-                and (self.train_x.requires_grad or any(p.requires_grad for p in self.parameters()))
-            )
+            needs_grad = engine.supports_autograd and needs_graph(self.kernel, self.train_x)
             self._cache.update(
                 engine=engine,
                 # Test covariances in the factorisation's dtype where no graph is needed: the
