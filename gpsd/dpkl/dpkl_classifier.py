@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from gpsd._validation import as_float_tensor, check_finite, check_int
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
-from gpsd.dpkl.svgd import SteinVariationalGradient
+from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth
 
 __all__ = ["DPKLClassifier"]
 
@@ -80,6 +80,7 @@ class DPKLClassifier(gpytorch.Module):
             raise ValueError(f"prior_std must be a positive float, got {prior_std!r}")
         if update not in ("paper", "svgd"):
             raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
+        check_bandwidth(bandwidth)
         self.feature_extractor = ParticleEnsemble(feature_extractor, num_particles)
         self.num_classes = num_classes
         self.latent_dim = latent_dim
@@ -110,6 +111,15 @@ class DPKLClassifier(gpytorch.Module):
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape (n, D), got shape {tuple(x.shape)}")
         return check_finite(x, name)
+
+    def _check_query(self, x: object, name: str = "x", min_rows: int = 0) -> Tensor:
+        """``_check_x`` plus a row count and the feature extractor's input width."""
+        x = self._check_x(x, name)
+        if x.shape[0] < min_rows:
+            raise ValueError(f"{name} must hold at least {min_rows} row(s), got {x.shape[0]}")
+        if x.shape[0] > 0:
+            self._check_input_width(x, name)
+        return x
 
     def _check_y(self, y: object, n: int, name: str = "y") -> Tensor:
         y = torch.as_tensor(y, device=self.class_weights.device)
@@ -152,12 +162,12 @@ class DPKLClassifier(gpytorch.Module):
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:
-        return self(x)
+        return self(self._check_query(x))
 
     @torch.no_grad()
     def nll(self, x: Tensor, y: Tensor) -> float:
         """Mean cross entropy of the averaged probabilities (the paper's test NLL)."""
-        x = self._check_x(x)
+        x = self._check_query(x, min_rows=1)
         y = self._check_y(y, x.shape[0])
         log_p = self.log_class_probabilities(x)
         log_bar = torch.logsumexp(log_p, 0) - math.log(log_p.shape[0])
@@ -165,7 +175,7 @@ class DPKLClassifier(gpytorch.Module):
 
     @torch.no_grad()
     def accuracy(self, x: Tensor, y: Tensor) -> float:
-        x = self._check_x(x)
+        x = self._check_query(x, min_rows=1)
         y = self._check_y(y, x.shape[0])
         return float((self(x).argmax(-1) == y).to(x.dtype).mean())
 
@@ -266,12 +276,12 @@ class DPKLClassifier(gpytorch.Module):
                 self.load_state_dict(best_state)
         return history
 
-    def _check_input_width(self, x: Tensor) -> None:
+    def _check_input_width(self, x: Tensor, name: str = "x") -> None:
         """Raise a ``ValueError`` if the feature extractor cannot take rows of ``x``."""
         try:
             with torch.no_grad():
                 self.embed(x[:1])
         except RuntimeError as err:
             raise ValueError(
-                f"x with {x.shape[-1]} features does not fit the feature extractor: {err}"
+                f"{name} with {x.shape[-1]} features does not fit the feature extractor: {err}"
             ) from err

@@ -15,6 +15,7 @@ from gpsd.dpkl.embedding_kernel import ProbabilisticEmbeddingKernel
 from gpsd.dpkl.expected_embedding_kernel import ExpectedEmbeddingKernel
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
+from gpsd.dpkl.svgd import check_bandwidth, check_repulsion
 from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["DPKLRegressor"]
@@ -83,6 +84,9 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             raise ValueError(f"kernel must be 'rff' or 'exact', got {kernel!r}")
         if update not in ("paper", "svgd"):
             raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
+        check_bandwidth(bandwidth)
+        if repulsion is not None:
+            check_repulsion(repulsion)
         ensemble = ParticleEnsemble(feature_extractor, num_particles).to(train_x)
         with torch.no_grad():
             width = ensemble(train_x[:1]).shape[-1]

@@ -63,11 +63,28 @@ def sample_spectral_frequencies(
     else:
         freq = torch.randn(num_features, num_dims, generator=generator, **kw)
     if nu is not None:
-        # chi^2 with 2 nu dof = 2 * Gamma(nu, 1)
-        conc = torch.full((num_features,), float(nu), **kw)
-        u = 2.0 * torch.distributions.Gamma(conc, torch.ones_like(conc)).sample()
-        freq = freq * torch.sqrt(2.0 * nu / u).unsqueeze(-1)
+        freq = freq * torch.sqrt(2.0 * nu / _chi_square(2.0 * nu, num_features, generator, kw))
     return freq
+
+
+def _chi_square(dof: float, num: int, generator: torch.Generator | None, kw: dict) -> Tensor:
+    r""":math:`\chi^2_{\nu}` draws of shape ``(num, 1)``, all from ``generator`` when given.
+
+    An integer number of degrees of freedom (every Matérn kernel GPyTorch has) is a sum of squared
+    normals; any other comes from ``torch.distributions.Gamma``, which takes no generator, so it
+    runs under a forked global RNG seeded from ``generator``.
+    """
+    if float(dof).is_integer():
+        return torch.randn(num, int(dof), generator=generator, **kw).pow(2).sum(-1, keepdim=True)
+    conc = torch.full((num, 1), 0.5 * dof, dtype=kw["dtype"])
+    if generator is None:
+        draw = torch.distributions.Gamma(conc, torch.ones_like(conc)).sample()
+    else:
+        seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            draw = torch.distributions.Gamma(conc, torch.ones_like(conc)).sample()
+    return (2.0 * draw).to(kw["device"])
 
 
 class RandomFeatureKernel(Kernel):

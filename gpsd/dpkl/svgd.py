@@ -90,17 +90,8 @@ class SteinVariationalGradient:
                 "all parameters must share the leading particle dimension, got "
                 f"{[tuple(p.shape) for p in params]}"
             )
-        if isinstance(bandwidth, str):
-            if bandwidth != "median":
-                raise ValueError(
-                    f"bandwidth must be 'median' or a positive float, got {bandwidth!r}"
-                )
-        elif not (
-            isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0
-        ):
-            raise ValueError(f"bandwidth must be 'median' or a positive float, got {bandwidth!r}")
-        if not (math.isfinite(repulsion) and repulsion >= 0):
-            raise ValueError(f"repulsion must be a finite float >= 0, got {repulsion}")
+        check_bandwidth(bandwidth)
+        check_repulsion(repulsion)
         if loss_type not in ("joint", "per_particle"):
             raise ValueError(f"loss_type must be 'joint' or 'per_particle', got {loss_type!r}")
         self.parameters = params
@@ -115,9 +106,7 @@ class SteinVariationalGradient:
         m = flat.shape[0]
         if m < 2:
             return flat.new_tensor(1.0)
-        sq = (
-            flat.pow(2).sum(-1, keepdim=True) + flat.pow(2).sum(-1) - 2 * flat @ flat.mT
-        ).clamp_min(0)
+        sq = _pairwise_squared_distances(flat)
         iu = torch.triu_indices(m, m, offset=1, device=flat.device)
         med_sq = torch.quantile(sq[iu[0], iu[1]], 0.5)  # mean of the two middles if even
         if not med_sq > 0:
@@ -133,7 +122,9 @@ class SteinVariationalGradient:
             if self.bandwidth == "median"
             else w.new_tensor(float(self.bandwidth))
         )
-        sq = (w.pow(2).sum(-1, keepdim=True) + w.pow(2).sum(-1) - 2 * w @ w.mT).clamp_min(0)
+        # Distances and the repulsion term are invariant to a common shift of the particles.
+        w = w - w.mean(0)
+        sq = _pairwise_squared_distances(w)
         kappa = torch.exp(-sq / h)  # shape: (m, m), symmetric; kappa[l, i] = kappa(w_l, w_i)
         scale = 1.0 if self.loss_type == "joint" else 1.0 / m
         out = scale * (kappa.mT @ flat_grads)  # sum_l kappa(w_l, w_i) g_l
@@ -162,3 +153,41 @@ class SteinVariationalGradient:
                 p.grad = chunk.clone()
             else:
                 p.grad.copy_(chunk)
+
+
+def _pairwise_squared_distances(flat: Tensor) -> Tensor:
+    r""":math:`\|w_l - w_i\|^2` of particles ``flat`` of shape ``(m, P)``, shape ``(m, m)``.
+
+    The particles are centred first: the expansion :math:`\|w\|^2 + \|w'\|^2 - 2 w^\top w'`
+    loses about :math:`\epsilon \|w\|^2` to rounding, which in float32 swamps the spread of
+    particles that sit close together far from the origin.
+    """
+    flat = flat - flat.mean(0)
+    norms = flat.pow(2).sum(-1)  # shape: (m,)
+    return (norms.unsqueeze(-1) + norms - 2 * flat @ flat.mT).clamp_min(0)
+
+
+def check_bandwidth(bandwidth: object) -> None:
+    """Raise a ``ValueError`` unless ``bandwidth`` is ``"median"`` or a positive finite number."""
+    if isinstance(bandwidth, str):
+        ok = bandwidth == "median"
+    else:
+        ok = (
+            isinstance(bandwidth, (int, float))
+            and not isinstance(bandwidth, bool)
+            and math.isfinite(bandwidth)
+            and bandwidth > 0
+        )
+    if not ok:
+        raise ValueError(f"bandwidth must be 'median' or a positive float, got {bandwidth!r}")
+
+
+def check_repulsion(repulsion: object) -> None:
+    """Raise a ``ValueError`` unless ``repulsion`` is a finite number ``>= 0``."""
+    if not (
+        isinstance(repulsion, (int, float))
+        and not isinstance(repulsion, bool)
+        and math.isfinite(repulsion)
+        and repulsion >= 0
+    ):
+        raise ValueError(f"repulsion must be a finite float >= 0, got {repulsion!r}")

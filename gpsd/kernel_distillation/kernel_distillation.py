@@ -296,6 +296,13 @@ class KernelDistillation:
         x = check_matrix(train_x, "train_x")
         if x.dim() != 2:
             raise ValueError(f"train_x must have shape (n, d), got {tuple(x.shape)}")
+        if not isinstance(kernel, gpytorch.kernels.Kernel):
+            raise TypeError(f"kernel must be a gpytorch Kernel, got {type(kernel).__name__}")
+        if kernel.batch_shape != torch.Size():
+            raise ValueError(
+                "kernel must have no batch shape (the student distils one kernel), got batch "
+                f"shape {tuple(kernel.batch_shape)}"
+            )
         n = x.shape[0]
         y = check_vector(train_y.to(x), "train_y", n)
         if noise.numel() != 1 or not bool(noise > 0) or not bool(torch.isfinite(noise).all()):

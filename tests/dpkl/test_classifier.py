@@ -85,6 +85,17 @@ def test_errors():
         clf.fit(bad, y, num_epochs=1)
     with pytest.raises(ValueError, match="features"):
         clf.fit(torch.randn(12, 5), y, num_epochs=1)
+    for call in (clf.predict_proba, lambda x: clf.nll(x, y), lambda x: clf.accuracy(x, y)):
+        with pytest.raises(ValueError, match="x with 5 features"):
+            call(torch.randn(12, 5))
+    with pytest.raises(ValueError, match="x must hold at least 1 row"):
+        clf.nll(x[:0], y[:0])
+    with pytest.raises(ValueError, match="x must hold at least 1 row"):
+        clf.accuracy(x[:0], y[:0])
+    assert clf.predict_proba(x[:0]).shape == (0, 3)
+    for bandwidth in (-2.0, 0.0, float("nan"), "mean", True):
+        with pytest.raises(ValueError, match="bandwidth"):
+            DPKLClassifier(_net, 3, bandwidth=bandwidth)
 
 
 @pytest.mark.parametrize(

@@ -260,6 +260,10 @@ def test_clear_errors():
         DPKLRegressor(x, y, _net, num_random_features=0)
     with pytest.raises(ValueError, match="latent_dim"):
         DPKLRegressor(x, y, lambda: _net(4, 3), latent_dim=2)
+    with pytest.raises(ValueError, match="bandwidth"):
+        DPKLRegressor(x, y, _net, bandwidth=-2.0)
+    with pytest.raises(ValueError, match="repulsion"):
+        DPKLRegressor(x, y, _net, update="svgd", repulsion=-1.0)
     bad = x.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="train_x"):

@@ -167,3 +167,22 @@ def test_features_float32_and_errors():
     k2.load_state_dict(state)
     torch.testing.assert_close(k2.featurize(z), k.featurize(z))
     assert math.isclose(float(k2.outputscale.detach()), float(k.outputscale.detach()))
+
+
+@pytest.mark.parametrize("nu", [0.5, 1.5, 2.5, 1.75])
+def test_matern_frequencies_come_from_the_generator_alone(nu):
+    state = torch.random.get_rng_state()
+    a = sample_spectral_frequencies(6, 2, nu=nu, generator=torch.Generator().manual_seed(4))
+    b = sample_spectral_frequencies(6, 2, nu=nu, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG did not move
+
+
+@pytest.mark.parametrize("nu", [1.5, 1.75])
+def test_matern_frequencies_are_student_t(nu):
+    # Each coordinate of g sqrt(2 nu / u), u ~ chi^2_{2 nu}, is Student-t with 2 nu dof.
+    stats = pytest.importorskip("scipy.stats")
+    gen = torch.Generator().manual_seed(0)
+    v = sample_spectral_frequencies(20000, 1, nu=nu, generator=gen, dtype=torch.float64)
+    ks = stats.kstest(v.squeeze(-1).numpy(), stats.t(df=2 * nu).cdf)
+    assert ks.pvalue > 1e-3

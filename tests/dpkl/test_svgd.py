@@ -106,3 +106,17 @@ def test_bad_arguments():
     w.grad = torch.full_like(w, float("nan"))
     with pytest.raises(ValueError, match="NaN"):
         SteinVariationalGradient([w]).transform_()
+
+
+def test_float32_bandwidth_and_direction_of_particles_far_from_the_origin():
+    gen = torch.Generator().manual_seed(0)
+    w = 100.0 + 0.01 * torch.randn(10, 1000, generator=gen, dtype=torch.float64)
+    g = torch.randn(10, 1000, generator=gen, dtype=torch.float64)
+    d = torch.pdist(w).pow(2)  # 45 pairs: an odd count, so the median is one of them
+    ref_h = float(d.median()) / math.log(10)
+    h32 = SteinVariationalGradient.median_bandwidth(w.float())
+    assert float(h32) == pytest.approx(ref_h, rel=1e-4)
+    svgd = SteinVariationalGradient([w.clone()], repulsion=1.0)
+    ref = _loop_direction(w, g, ref_h, 1.0, 1.0)
+    got = svgd.direction(w.float(), g.float()).double()
+    assert float((got - ref).norm() / ref.norm()) < 1e-4

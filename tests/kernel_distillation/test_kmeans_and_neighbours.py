@@ -129,3 +129,18 @@ def test_numpy_and_tensor_integers_count_as_ints():
     torch.testing.assert_close(kmeans_plus_plus(x, torch.tensor(5), seed=1), want)
     d2, idx = nearest_inducing_points(x, want, np.int32(2))
     assert idx.shape == (300, 2)
+
+
+def test_float32_neighbours_of_inputs_far_from_the_origin():
+    # Years, say: the uncentred expansion |x|^2 + |z|^2 - 2 x.z loses every digit in float32.
+    gen = torch.Generator().manual_seed(0)
+    x64 = 2000 + torch.rand(500, 1, generator=gen, dtype=torch.float64)
+    u64 = 2000 + torch.linspace(0, 1, 50, dtype=torch.float64).unsqueeze(-1)
+    _, idx = nearest_inducing_points(x64.float(), u64.float(), 3)
+    # brute force on the float32-rounded values, in float64 with direct differences
+    x, u = x64.float().double(), u64.float().double()
+    ref = (x.unsqueeze(1) - u.unsqueeze(0)).abs().squeeze(-1)  # shape: (500, 50)
+    chosen = ref.gather(-1, idx).max(-1).values
+    third = ref.sort(-1).values[:, 2]
+    # the chosen 3 are the 3 nearest up to float32 rounding of the distances themselves
+    assert torch.all(chosen <= third + 1e-4)
