@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import gpytorch
 import torch
+from gpytorch.constraints import GreaterThan
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import GaussianLikelihood
@@ -77,6 +78,13 @@ def validate_training_data(train_x: object, train_y: object) -> tuple[Tensor, Te
     train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype, device=train_x.device)
     train_x = check_matrix(train_x, "train_x")
     train_y = check_vector(train_y, "train_y", n=train_x.shape[-2])
+    try:
+        torch.broadcast_shapes(train_x.shape[:-2], train_y.shape[:-1])
+    except RuntimeError:
+        raise ValueError(
+            f"the batch shapes of train_x {tuple(train_x.shape)} and train_y "
+            f"{tuple(train_y.shape)} must broadcast"
+        ) from None
     return train_x, train_y
 
 
@@ -215,7 +223,7 @@ def make_engine(
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
         if try_lanczos_first:
             dense = drop_negligible(dense, inplace=not dense.requires_grad)  # Krylov products
-            spectrum = grow_lanczos(dense, rank or n // 4, give_up_early=True)
+            spectrum = grow_lanczos(dense, rank or max(1, n // 4), give_up_early=True)
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
         return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
@@ -288,15 +296,117 @@ def kernel_in_dtype(kernel: Kernel, x: Tensor, dtype: torch.dtype | None) -> tup
 
 
 class StateSnapshot:
-    """A module's state (:class:`~gpsd._module_state.ModuleState`) and the grad mode at one
-    moment: the distillers rebuild their cached factorisation when either has changed."""
+    """A module's state (:class:`~gpsd._module_state.ModuleState`), its settings (``config``:
+    anything else the cache depends on, such as the backend) and the grad mode at one moment:
+    the distillers rebuild their cached factorisation when any of them has changed."""
 
-    def __init__(self, module: gpytorch.Module) -> None:
+    def __init__(self, module: gpytorch.Module, config: tuple) -> None:
         self.grad_enabled = torch.is_grad_enabled()
+        self.config = config
         self.state = ModuleState(module)
 
-    def matches(self, module: gpytorch.Module) -> bool:
-        return self.grad_enabled == torch.is_grad_enabled() and self.state.matches(module)
+    def matches(self, module: gpytorch.Module, config: tuple) -> bool:
+        return (
+            self.grad_enabled == torch.is_grad_enabled()
+            and self.config == config
+            and self.state.matches(module)
+        )
+
+
+class BackwardWatch:
+    """Notes when a backward pass reaches any of the watched tensors.
+
+    A cached factorisation that carries an autograd graph can serve one backward pass only (the
+    pass frees the graph's saved tensors), so the distillers rebuild it once :attr:`reached` is
+    set. The hooks hold this small object alone, not the cache, so no reference cycle runs
+    through the autograd graph.
+    """
+
+    def __init__(self) -> None:
+        self.reached = False
+
+    def _hook(self, grad: Tensor) -> None:
+        self.reached = True
+
+    def watch(self, *objects: object) -> None:
+        """Hook every tensor that carries a graph among ``objects`` and their attributes."""
+        for obj in objects:
+            values = vars(obj).values() if not isinstance(obj, Tensor) else (obj,)
+            for value in values:
+                if isinstance(value, Tensor) and value.requires_grad:
+                    value.register_hook(self._hook)
+
+
+def student_likelihood(noise: Tensor, like: Tensor) -> GaussianLikelihood:
+    """A ``GaussianLikelihood`` with the scalar noise variance ``noise``, in ``like``'s dtype.
+
+    Its noise constraint is GPyTorch's default lower bound of 1e-4, lowered to half of ``noise``
+    where that is smaller (the students of small or many-step schedules need less noise).
+    """
+    noise = noise.detach().to(like)
+    bound = min(1e-4, 0.5 * float(noise.min()))
+    likelihood = GaussianLikelihood(noise_constraint=GreaterThan(bound)).to(like)
+    likelihood.noise = noise
+    return likelihood
+
+
+def schedule_index(
+    gamma: Tensor, schedule: object, train_y: Tensor | None = None
+) -> tuple[int, ...]:
+    """``schedule`` checked as an index of one schedule in the batch ``gamma.shape[:-1]``.
+
+    With ``train_y`` given, batched training data are refused (a schedule of a batch pairs with
+    the data batch by broadcasting, so one schedule alone has no batch of targets of its own).
+    """
+    batch = gamma.shape[:-1]
+    if isinstance(schedule, int) and not isinstance(schedule, bool):
+        schedule = (schedule,)
+    if not isinstance(schedule, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in schedule
+    ):
+        raise TypeError(f"schedule must be an int or a tuple of ints, got {schedule!r}")
+    if not batch:
+        if schedule:
+            raise ValueError(f"schedule must be () for a single schedule, got {schedule}")
+        return ()
+    if train_y is not None and train_y.dim() > 1:
+        raise ValueError(
+            "a student of one schedule of a batch of schedules needs unbatched training data; "
+            f"got gamma of shape {tuple(gamma.shape)} and train_y of shape "
+            f"{tuple(train_y.shape)} (build a distiller with that schedule alone)"
+        )
+    if len(schedule) != len(batch) or not all(
+        -n <= i < n for i, n in zip(schedule, batch, strict=False)
+    ):
+        raise ValueError(
+            f"schedule must index one schedule of the batch of shape {tuple(batch)} "
+            f"(gamma has shape {tuple(gamma.shape)}), got {schedule or '()'}"
+        )
+    return schedule
+
+
+def pair_batches(outer_product: Tensor, outer: torch.Size, inner: torch.Size) -> Tensor:
+    """Broadcast two batch shapes that an outer product kept apart.
+
+    ``outer_product`` has shape ``(*outer, *inner, *tail)``; the result has shape
+    ``(*broadcast(outer, inner), *tail)``, its entry at a batch index taking the ``outer`` and
+    ``inner`` entries that broadcasting pairs (dimensions aligned from the right, size-1
+    dimensions repeated).
+    """
+    tail = outer_product.shape[len(outer) + len(inner) :]
+    ndim = max(len(outer), len(inner))
+    outer = torch.Size([1] * (ndim - len(outer))) + outer
+    inner = torch.Size([1] * (ndim - len(inner))) + inner
+    batch = torch.broadcast_shapes(outer, inner)
+    padded = outer_product.reshape(*outer, *inner, *tail)
+    index = []
+    for sizes in (outer, inner):
+        for k, size in enumerate(sizes):
+            shape = [1] * ndim
+            shape[k] = batch[k]
+            positions = torch.arange(batch[k]) if size > 1 else torch.zeros(batch[k], dtype=int)
+            index.append(positions.reshape(shape).to(outer_product.device))
+    return padded[tuple(index)]  # shape: (*batch, *tail)
 
 
 class ExactGPFromModules(ExactGP):

@@ -18,6 +18,7 @@ from gpsd._validation import check_gp_modules, check_int
 from gpsd._variance import nonnegative_variance
 from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
+    BackwardWatch,
     RegressionPath,
     StateSnapshot,
     kernel_in_dtype,
@@ -82,6 +83,15 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.register_buffer("train_x", train_x)
         self.register_buffer("train_y", train_y)
         self.register_buffer("gamma", validate_gamma(gamma, train_x))
+        try:
+            torch.broadcast_shapes(self.gamma.shape[:-1], train_x.shape[:-2], kernel.batch_shape)
+        except RuntimeError:
+            raise ValueError(
+                f"the batch of schedules (gamma of shape {tuple(self.gamma.shape)}) must "
+                f"broadcast with the batch of the training data (train_x of shape "
+                f"{tuple(train_x.shape)}) and of the kernel (batch shape "
+                f"{tuple(kernel.batch_shape)})"
+            ) from None
         self.backend = backend
         self.linalg_dtype = linalg_dtype
         self.rank = check_int(rank, "rank", optional=True)
@@ -113,7 +123,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         if gamma is None:
             if num_steps is None or num_steps < 1:
                 raise ValueError("give gamma, or num_steps >= 1 to repeat the teacher's noise")
-            gamma = noise.reshape(-1)[:1].repeat(num_steps)
+            # shape: (*b, T): a batched teacher's noise per member of its batch
+            gamma = noise.unsqueeze(-1).expand(*noise.shape, num_steps).clone()
         return cls(
             teacher.covar_module, train_x, train_y, gamma, mean_module=teacher.mean_module, **kwargs
         )
@@ -144,8 +155,13 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _state(self) -> dict:
         """The backend engine and the targets' coordinates, recomputed when the state changes."""
         snapshot = self._cache.get("snapshot")
-        if snapshot is None or not snapshot.matches(self):
-            self._cache = {"snapshot": StateSnapshot(self)}
+        config = self._config()
+        if (
+            snapshot is None
+            or not snapshot.matches(self, config)
+            or self._cache["backward"].reached
+        ):
+            self._cache = {"snapshot": StateSnapshot(self, config), "backward": BackwardWatch()}
             prior_mean = self.mean_module(self.train_x)
             engine = make_engine(
                 self.kernel,
@@ -174,7 +190,13 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 centred=centred,
                 coords=engine.project(centred) if hasattr(engine, "project") else centred,
             )
+            # A backward pass through the cached graph frees it: rebuild after one.
+            self._cache["backward"].watch(engine, prior_mean)
         return self._cache
+
+    def _config(self) -> tuple:
+        """The settings the cached factorisation depends on besides the module's state."""
+        return (self.backend, self.linalg_dtype, self.rank, self.rtol, self.kernel_cache_bytes)
 
     @property
     def error_estimate(self) -> float:

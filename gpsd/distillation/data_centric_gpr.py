@@ -6,13 +6,17 @@ import copy
 
 import torch
 from gpytorch.kernels import Kernel
-from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._validation import check_int
-from gpsd.distillation._common import ExactGPFromModules, validate_test_x
+from gpsd._validation import as_float_tensor, check_finite, check_int
+from gpsd.distillation._common import (
+    ExactGPFromModules,
+    schedule_index,
+    student_likelihood,
+    validate_test_x,
+)
 from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
 from gpsd.linalg import SpectralFilter
 
@@ -105,9 +109,6 @@ class DataCentricGPR(SpectralGPR):
         rtol: float = 1e-6,
         kernel_cache_bytes: int | None = None,
     ) -> None:
-        alpha = float(alpha)
-        if not 0.0 <= alpha < 1.0:
-            raise ValueError(f"alpha must lie in [0, 1), got {alpha}")
         super().__init__(
             kernel,
             train_x,
@@ -121,6 +122,21 @@ class DataCentricGPR(SpectralGPR):
             kernel_cache_bytes=kernel_cache_bytes,
         )
         self.alpha = alpha
+
+    @property
+    def alpha(self) -> float:
+        r"""The weight :math:`\alpha \in [0, 1)` of the original targets, checked when set."""
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        value = float(value)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"alpha must lie in [0, 1), got {value}")
+        self._alpha = value
+
+    def _config(self) -> tuple:
+        return (*super()._config(), self.alpha)
 
     def _smallest_shift(self) -> float:
         return float(self.gamma.min())
@@ -170,7 +186,9 @@ class DataCentricGPR(SpectralGPR):
     def validation_mse(self, val_x: Tensor, val_y: Tensor) -> Tensor:
         """Mean squared error of every step's predictive mean on a validation set, ``(*batch, T)``."""
         val_x = validate_test_x(val_x, self.train_x)
-        val_y = torch.as_tensor(val_y, dtype=val_x.dtype, device=val_x.device)
+        val_y = check_finite(
+            as_float_tensor(val_y, "val_y", dtype=val_x.dtype, device=val_x.device), "val_y"
+        )
         if val_y.shape[-1] != val_x.shape[-2]:
             raise ValueError(
                 f"val_y must have {val_x.shape[-2]} entries (one per row of val_x), "
@@ -190,20 +208,17 @@ class DataCentricGPR(SpectralGPR):
         t = check_int(t, "t")
         if t > self.num_steps:
             raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
+        schedule = schedule_index(self.gamma, schedule, self.train_y)
         with torch.no_grad():
             if t == 1:
-                targets = self.train_y.expand(*self.gamma.shape[:-1], *self.train_y.shape)
+                targets = self.train_y
             else:
                 targets = self.train_targets_path()[..., t - 2, :]
-            if targets.dim() > self.train_y.dim():
-                targets = targets[schedule]
-            noise = self.gamma[schedule + (t - 1,)] if self.gamma.dim() > 1 else self.gamma[t - 1]
-        likelihood = GaussianLikelihood().to(self.train_x)
-        likelihood.noise = noise.to(self.train_x)
+                targets = targets[schedule] if schedule else targets
         return ExactGPFromModules(
             self.train_x,
             targets.detach().clone(),
-            likelihood,
+            student_likelihood(self.gamma[schedule + (t - 1,)], self.train_x),
             copy.deepcopy(self.mean_module),
             copy.deepcopy(self.kernel),
         ).eval()

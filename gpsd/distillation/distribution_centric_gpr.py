@@ -8,13 +8,19 @@ import itertools
 import gpytorch
 import torch
 from gpytorch.kernels import Kernel
-from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
 from gpsd._validation import check_int
-from gpsd.distillation._common import ExactGPFromModules, RegressionPath, validate_test_x
+from gpsd.distillation._common import (
+    ExactGPFromModules,
+    RegressionPath,
+    pair_batches,
+    schedule_index,
+    student_likelihood,
+    validate_test_x,
+)
 from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.kernels import PosteriorKernel
 from gpsd.linalg import SpectralFilter
@@ -126,15 +132,12 @@ class DistributionCentricGPR(SpectralGPR):
         The posterior of model ``t`` is :math:`\\mathcal{GP}(m_t, k_t)`. ``schedule`` picks one
         schedule of a batch.
         """
-        gamma = self.gamma[schedule] if self.gamma.dim() > 1 else self.gamma
-        if gamma.dim() != 1:
-            raise ValueError("schedule must index one schedule of the batch of schedules")
+        gamma = self.gamma[schedule_index(self.gamma, schedule)]
         mean_module = copy.deepcopy(self.mean_module)
         covar_module = copy.deepcopy(self.kernel)
         models = []
         for g in gamma:
-            likelihood = GaussianLikelihood().to(self.train_x)
-            likelihood.noise = g.detach()
+            likelihood = student_likelihood(g, self.train_x)
             model = ExactGPFromModules(
                 self.train_x, self.train_y, likelihood, mean_module, covar_module
             )
@@ -161,8 +164,10 @@ class DistributionCentricGPR(SpectralGPR):
                 covs.append(torch.stack(step_covs, dim=-3))
 
         def gather(items):
+            # shape: (*schedules, *data batch, T, M[, M]) -> broadcast as the closed form does
             out = torch.stack(items)
-            return out.reshape(*batch, *out.shape[1:])
+            out = out.reshape(*batch, *out.shape[1:])
+            return pair_batches(out, batch, means[0].shape[:-2])
 
         return RegressionPath(gather(means), gather(variances), gather(covs) if full_cov else None)
 
@@ -171,14 +176,11 @@ class DistributionCentricGPR(SpectralGPR):
         t = check_int(t, "t")
         if t > self.num_steps:
             raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
-        noise = self.effective_noise[schedule + (t - 1,)] if self.gamma.dim() > 1 else None
-        noise = self.effective_noise[t - 1] if noise is None else noise
-        likelihood = GaussianLikelihood().to(self.train_x)
-        likelihood.noise = noise.detach()
+        schedule = schedule_index(self.gamma, schedule, self.train_y)
         return ExactGPFromModules(
             self.train_x,
             self.train_y,
-            likelihood,
+            student_likelihood(self.effective_noise[schedule + (t - 1,)], self.train_x),
             copy.deepcopy(self.mean_module),
             copy.deepcopy(self.kernel),
         ).eval()

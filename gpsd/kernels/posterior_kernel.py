@@ -44,7 +44,12 @@ class PosteriorKernel(Kernel):
 
     def _prior_blocks(self, x1: Tensor, x2: Tensor | None, diag: bool):
         """``k(x1, x2)`` (or its diagonal), ``k(X, x1)`` and ``k(X, x2)`` of the teacher's prior."""
-        train = self.train_inputs.expand(*x1.shape[:-2], *self.train_inputs.shape[-2:])
+        # A batched teacher serves unbatched inputs and vice versa: broadcast every batch shape.
+        shapes = [x.shape[:-2] for x in (x1, x2, self.train_inputs) if x is not None]
+        batch = torch.broadcast_shapes(*shapes)
+        train = self.train_inputs.expand(*batch, *self.train_inputs.shape[-2:])
+        x1 = x1.expand(*batch, *x1.shape[-2:])
+        x2 = None if x2 is None else x2.expand(*batch, *x2.shape[-2:])
         if isinstance(self.prior_covar, PosteriorKernel):
             # One joint evaluation keeps nested posterior kernels linear in the chain's length.
             parts = [x1] if x2 is None else [x1, x2]

@@ -1,0 +1,193 @@
+"""The regression distillers' cache, students and batch handling, against dense formulas."""
+
+import gpytorch
+import pytest
+import torch
+from gpr_reference import PlainGP, rbf_kernel
+
+from gpsd import DataCentricGPR, DistributionCentricGPR, PosteriorKernel
+
+DT = torch.float64
+
+
+def _data(n=30, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=DT)
+    return x, torch.sin(x[:, 0]), torch.linspace(0, 10, 7, dtype=DT).unsqueeze(-1)
+
+
+def _dense_means(kernel, x, y, gammas, test_x):
+    """Data-centric means of every step by dense solves, with the kernel's autograd graph."""
+    k, ks = kernel(x).to_dense(), kernel(test_x, x).to_dense()
+    eye = torch.eye(x.shape[0], dtype=DT)
+    means, targets = [], y
+    for g in gammas:
+        weights = torch.linalg.solve(k + g * eye, targets)
+        means.append(ks @ weights)
+        targets = k @ weights
+    return torch.stack(means)
+
+
+@pytest.mark.parametrize("backend", ["dense", "cholesky"])
+def test_gradients_accumulate_over_two_backward_passes(backend):
+    x, y, test_x = _data()
+    gammas = [0.1, 0.2]
+    kernel = rbf_kernel()
+    model = DataCentricGPR(kernel, x, y, gammas, backend=backend)
+    model.predict(test_x[:3]).mean.sum().backward()
+    model.predict(test_x[3:]).mean.sum().backward()  # used to fail: the graph was freed
+    got = [p.grad.clone() for p in kernel.parameters()]
+    reference = rbf_kernel()
+    _dense_means(reference, x, y, gammas, test_x).sum().backward()
+    for g, r in zip(got, reference.parameters(), strict=True):
+        torch.testing.assert_close(g, r.grad, rtol=1e-6, atol=1e-8)
+
+
+def test_distribution_centric_gradients_after_a_backward_pass():
+    x, y, test_x = _data()
+    kernel = rbf_kernel()
+    model = DistributionCentricGPR(kernel, x, y, [0.2, 0.2], backend="dense")
+    model.predict(test_x).variance.sum().backward()
+    first = [p.grad.clone() for p in kernel.parameters()]
+    kernel.zero_grad()
+    model.predict(test_x).variance.sum().backward()
+    for a, p in zip(first, kernel.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("noise", [1e-5, 3e-6])
+def test_students_of_noise_below_gpytorchs_default_bound(noise):
+    x, y, test_x = _data()
+    kernel = rbf_kernel()
+    student = DataCentricGPR(kernel, x, y, [noise]).student(1)
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        got = student(test_x).mean
+        k = kernel(x).to_dense() + noise * torch.eye(30, dtype=DT)
+        ref = kernel(test_x, x).to_dense() @ torch.linalg.solve(k, y)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert float(student.likelihood.noise.detach()) == pytest.approx(noise, rel=1e-6)
+
+
+def test_distribution_centric_student_and_iterated_chain_with_small_effective_noise():
+    x, y, test_x = _data()
+    model = DistributionCentricGPR(rbf_kernel(), x, y, [1e-3] * 20)
+    student = model.student(20)  # effective noise 5e-5
+    assert float(student.likelihood.noise.detach()) == pytest.approx(5e-5, rel=1e-6)
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        got = student(test_x)
+    path = model.predict(test_x)
+    torch.testing.assert_close(got.mean, path.mean[-1], rtol=1e-6, atol=1e-7)
+    iterated = DistributionCentricGPR(rbf_kernel(), x, y, [5e-5], method="iterated")
+    collapsed = DistributionCentricGPR(rbf_kernel(), x, y, [5e-5])
+    torch.testing.assert_close(
+        iterated.predict(test_x).mean, collapsed.predict(test_x).mean, rtol=1e-6, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
+def test_students_of_a_batch_of_schedules(cls):
+    x, y, test_x = _data()
+    gamma = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.5, 0.5]], dtype=DT)
+    model = cls(rbf_kernel(), x, y, gamma)
+    with pytest.raises(ValueError, match="schedule must index one schedule"):
+        model.student(2)
+    with pytest.raises(TypeError, match="schedule must be an int or a tuple"):
+        model.student(2, schedule=1.0)
+    path = model.predict(test_x)
+    for schedule in (1, (0,)):
+        student = model.student(3, schedule=schedule)
+        with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+            post = student(test_x)
+        index = schedule if isinstance(schedule, int) else schedule[0]
+        torch.testing.assert_close(post.mean, path.mean[index, 2], rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(post.variance, path.variance[index, 2], rtol=1e-6, atol=1e-9)
+    batched = cls(rbf_kernel(), x.expand(2, -1, -1), y.expand(2, -1), gamma)
+    with pytest.raises(ValueError, match="needs unbatched training data"):
+        batched.student(1, schedule=0)
+
+
+def test_auto_backend_on_three_points():
+    x, y, test_x = _data(n=3)
+    with torch.no_grad():
+        got = DataCentricGPR(rbf_kernel(), x, y, [0.1] * 5).predict(test_x)
+        ref = DataCentricGPR(rbf_kernel(), x, y, [0.1] * 5, backend="dense").predict(test_x)
+    torch.testing.assert_close(got.mean, ref.mean, rtol=1e-10, atol=1e-12)
+
+
+def test_changing_alpha_or_backend_after_a_prediction_takes_effect():
+    x, y, test_x = _data()
+    model = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2])
+    with torch.no_grad():
+        model.predict(test_x)
+        model.alpha = 0.5
+        got = model.predict(test_x).mean
+        ref = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], alpha=0.5).predict(test_x).mean
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+        model.backend = "cg"
+        cg = model.predict(test_x).mean
+    assert type(model._state()["engine"]).__name__ == "ShiftedCG"
+    torch.testing.assert_close(cg, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="alpha must lie in"):
+        model.alpha = 1.0
+
+
+def _batched_teacher(x, y, noises):
+    batch = torch.Size([len(noises)])
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(batch_shape=batch).to(DT)
+    likelihood.noise = torch.tensor(noises, dtype=DT).unsqueeze(-1)
+    kernel = rbf_kernel(batch_shape=batch)
+    teacher = PlainGP(
+        x.expand(len(noises), -1, -1),
+        y.expand(len(noises), -1),
+        likelihood,
+        gpytorch.means.ZeroMean(batch_shape=batch),
+        kernel,
+    )
+    return teacher.eval()
+
+
+def test_from_a_batched_teacher_keeps_every_members_noise():
+    x, y, test_x = _data()
+    teacher = _batched_teacher(x, y, [0.05, 0.8])
+    model = DataCentricGPR.from_teacher(teacher, num_steps=2)
+    assert model.gamma.shape == (2, 2)
+    path = model.predict(test_x)
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        post = teacher(test_x.expand(2, -1, -1))
+    torch.testing.assert_close(path.mean[:, 0], post.mean, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(path.variance[:, 0], post.variance, rtol=1e-6, atol=1e-9)
+
+
+def test_posterior_kernel_of_a_batched_teacher_on_unbatched_inputs():
+    x, y, test_x = _data()
+    teacher = _batched_teacher(x, y, [0.05, 0.8])
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        got = PosteriorKernel(teacher)(test_x).to_dense()
+        ref = teacher(test_x.expand(2, -1, -1)).covariance_matrix
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("gamma_shape", [(2, 2), (2, 1, 2)])
+def test_iterated_and_collapsed_agree_in_shape_with_batched_data_and_schedules(gamma_shape):
+    x, y, test_x = _data()
+    scales = torch.tensor([1.0, 0.5], dtype=DT).reshape(2, 1, 1)
+    xb, yb = x.expand(2, -1, -1) * scales, y.expand(2, -1)
+    gamma = torch.tensor([[0.1, 0.2], [0.5, 0.5]], dtype=DT).reshape(gamma_shape)
+    collapsed = DistributionCentricGPR(rbf_kernel(), xb, yb, gamma).predict(test_x)
+    iterated = DistributionCentricGPR(rbf_kernel(), xb, yb, gamma, method="iterated")
+    got = iterated.predict(test_x)
+    assert got.mean.shape == collapsed.mean.shape
+    torch.testing.assert_close(got.mean, collapsed.mean, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(got.variance, collapsed.variance, rtol=1e-6, atol=1e-8)
+
+
+def test_batch_mismatches_and_bad_validation_targets_are_named():
+    x, y, test_x = _data()
+    gamma = torch.full((3, 2), 0.1, dtype=DT)
+    with pytest.raises(ValueError, match="gamma of shape \\(3, 2\\).*train_x of shape"):
+        DataCentricGPR(rbf_kernel(), x.expand(2, -1, -1), y.expand(2, -1), gamma)
+    with pytest.raises(ValueError, match="train_x .* and train_y .* must broadcast"):
+        DataCentricGPR(rbf_kernel(), x.expand(2, -1, -1), y.expand(3, -1), [0.1])
+    model = DataCentricGPR(rbf_kernel(), x, y, [0.1])
+    with pytest.raises(ValueError, match="val_y"):
+        model.validation_mse(test_x, torch.full((7,), float("nan"), dtype=DT))
