@@ -24,3 +24,18 @@ class ModuleState:
             a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
             for a, b in zip(self.values, current, strict=True)
         )
+
+
+def adopt_buffer_shapes(
+    module: nn.Module, state_dict: dict, prefix: str, names: tuple[str, ...]
+) -> None:
+    """Resize ``module``'s buffers ``names`` to the shapes they have in ``state_dict``.
+
+    For ``_load_from_state_dict``: the fitted buffers of the classifiers take the kernel's batch
+    shape, known only after ``fit()``, so a freshly built model must adopt the saved shapes.
+    """
+    for name in names:
+        saved = state_dict.get(prefix + name)
+        current = getattr(module, name)
+        if isinstance(saved, Tensor) and saved.shape != current.shape:
+            setattr(module, name, current.new_empty(saved.shape))

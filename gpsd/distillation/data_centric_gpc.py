@@ -2,14 +2,17 @@ r"""Data-centric self-distillation for GP classification (Borup & Andersen, §4.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import gpytorch
+import numpy as np
 import torch
 from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
+from gpsd._module_state import adopt_buffer_shapes
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -34,10 +37,20 @@ __all__ = ["DataCentricGPC"]
 
 
 def _schedule(value: float | Sequence[float], num_steps: int, name: str) -> list[float]:
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real) or (
+        isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0
+    ):
         values = [float(value)] * num_steps
     else:
-        values = [float(v) for v in value]
+        try:
+            if isinstance(value, str):
+                raise TypeError
+            values = [float(v) for v in value]
+        except TypeError:
+            raise TypeError(
+                f"{name} must be a number or a sequence of num_steps={num_steps} numbers, "
+                f"got {type(value).__name__}"
+            ) from None
         if len(values) != num_steps:
             raise ValueError(f"{name} must have num_steps={num_steps} entries, got {len(values)}")
     for v in values:
@@ -124,7 +137,7 @@ class DataCentricGPC(gpytorch.Module):
         self.threshold_targets = bool(threshold_targets)
         self.warm_start = bool(warm_start)
         self.target_method = target_method
-        self.max_iter = int(max_iter)
+        self.max_iter = check_int(max_iter, "max_iter")
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
         shape = (num_steps, *train_y.shape)
@@ -138,9 +151,10 @@ class DataCentricGPC(gpytorch.Module):
         self._modes = None
         return super()._apply(fn, *args, **kwargs)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        adopt_buffer_shapes(self, state_dict, prefix, ("step_targets", "latent_modes"))
         self._modes = None
-        return super()._load_from_state_dict(*args, **kwargs)
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _terms(self, step: int):
         if step == 1 or self.soft_target_likelihood == "bernoulli":

@@ -8,6 +8,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
+from gpsd._module_state import adopt_buffer_shapes
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -19,7 +20,7 @@ from gpsd._validation import (
 )
 from gpsd._variance import nonnegative_variance
 from gpsd.laplace.newton import find_laplace_mode
-from gpsd.laplace.predictive import gauss_hermite_expectation, probit_approximation
+from gpsd.laplace.predictive import closed_form_probability, gauss_hermite_expectation
 from gpsd.laplace.resolve import resolve_likelihood_terms
 from gpsd.linalg._negligible import kernel_matrix
 
@@ -100,7 +101,7 @@ class DistributionCentricGPC(gpytorch.Module):
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self.num_steps = num_steps
         self.method = method
-        self.max_iter = int(max_iter)
+        self.max_iter = check_int(max_iter, "max_iter")
         n = train_x.shape[-2]
         self.store_all_steps = bool(store_all_steps)
         T = num_steps if self.store_all_steps else 1
@@ -114,6 +115,16 @@ class DistributionCentricGPC(gpytorch.Module):
         )
         self.register_buffer("computed_steps", torch.zeros(num_steps, dtype=torch.bool))
         self.newton_iterations: dict[int, int] = {}
+
+    def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the unkept step
+        self._scratch = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._scratch = None
+        names = ("latent_modes", "coefficients", "covariance_corrections")
+        adopt_buffer_shapes(self, state_dict, prefix, names)
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _prior(self) -> tuple[Tensor, Tensor]:
         x = self.train_inputs
@@ -267,5 +278,5 @@ class DistributionCentricGPC(gpytorch.Module):
         if method == "quadrature":
             return gauss_hermite_expectation(self.terms.response, mean, var)
         if method == "probit":
-            return probit_approximation(mean, var)
+            return closed_form_probability(self.terms, mean, var)
         raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")

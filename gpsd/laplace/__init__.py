@@ -9,6 +9,7 @@ from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceConvergenceError, LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
+    closed_form_probability,
     gauss_hermite_expectation,
     laplace_latent_predictive,
     probit_approximation,
@@ -25,6 +26,7 @@ __all__ = [
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
     "find_laplace_mode",
+    "closed_form_probability",
     "gauss_hermite_expectation",
     "laplace_latent_predictive",
     "laplace_log_marginal_likelihood",

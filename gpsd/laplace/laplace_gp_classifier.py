@@ -2,6 +2,8 @@ r"""Binary GP classification by the Laplace approximation, for any GPyTorch kern
 
 from __future__ import annotations
 
+import math
+
 import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
@@ -9,6 +11,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
+from gpsd._module_state import adopt_buffer_shapes
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -24,9 +27,9 @@ from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
+    closed_form_probability,
     gauss_hermite_expectation,
     laplace_latent_predictive,
-    probit_approximation,
 )
 from gpsd.laplace.resolve import resolve_likelihood_terms
 from gpsd.linalg._negligible import kernel_matrix
@@ -109,8 +112,8 @@ class LaplaceGPClassifier(gpytorch.Module):
             self.likelihood = self.terms.likelihood  # its parameters train with the kernel's
         if float(noise) < 0 or not torch.isfinite(torch.as_tensor(float(noise))):
             raise ValueError(f"noise must be a finite number >= 0, got {noise}")
-        if not float(temperature) > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not (math.isfinite(float(temperature)) and float(temperature) > 0):
+            raise ValueError(f"temperature must be a positive finite float, got {temperature}")
         max_iter = check_int(max_iter, "max_iter")
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
@@ -128,9 +131,10 @@ class LaplaceGPClassifier(gpytorch.Module):
         self._mode = None
         return super()._apply(fn, *args, **kwargs)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        adopt_buffer_shapes(self, state_dict, prefix, ("latent_mode",))
         self._mode = None
-        return super()._load_from_state_dict(*args, **kwargs)
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def prior_train(self) -> tuple[Tensor, Tensor]:
         r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma\mathbf I`
@@ -215,14 +219,14 @@ class LaplaceGPClassifier(gpytorch.Module):
         (:math:`\sigma` for logistic and continuous Bernoulli, :math:`\Phi` for probit).
 
         :param method: ``"quadrature"`` (Gauss-Hermite with ``num_points`` nodes) or ``"probit"``
-            (MacKay's approximation :math:`\sigma(\mu/\sqrt{1 + \pi s^2/8})`, for a logistic
-            response).
+            (closed form: exact :math:`\Phi(\mu/\sqrt{1 + s^2})` for a probit response,
+            MacKay's approximation :math:`\sigma(\mu/\sqrt{1 + \pi s^2/8})` otherwise).
         """
         mean, var = self.predict_latent(x)
         if method == "quadrature":
             return gauss_hermite_expectation(self.terms.response, mean, var, num_points)
         if method == "probit":
-            return probit_approximation(mean, var)
+            return closed_form_probability(self.terms, mean, var)
         raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")
 
     def optimize_hyperparameters(self, num_iter: int = 50, lr: float = 0.05) -> list[float]:

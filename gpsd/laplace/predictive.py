@@ -11,9 +11,11 @@ import torch
 from torch import Tensor
 
 from gpsd._validation import check_int
+from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.newton import LaplaceMode
 
 __all__ = [
+    "closed_form_probability",
     "gauss_hermite_expectation",
     "laplace_latent_predictive",
     "probit_approximation",
@@ -79,6 +81,17 @@ def gauss_hermite_expectation(
     std = variance.clamp_min(0.0).sqrt()
     points = mean.unsqueeze(-1) + math.sqrt(2.0) * std.unsqueeze(-1) * nodes  # shape: (..., J)
     return (function(points) * weights).sum(-1)
+
+
+def closed_form_probability(terms: object, mean: Tensor, variance: Tensor) -> Tensor:
+    r""":math:`\mathbb{E}[r(f)]`, :math:`f \sim \mathcal{N}(\mu, s^2)`, in closed form.
+
+    Exact for a probit response, :math:`\mathbb{E}[\Phi(f)] = \Phi(\mu / \sqrt{1 + s^2})`;
+    MacKay's :func:`probit_approximation` for a logistic one (``terms`` of any other likelihood).
+    """
+    if isinstance(terms, BernoulliProbitTerms):
+        return torch.special.ndtr(mean / torch.sqrt(1.0 + variance.clamp_min(0.0)))
+    return probit_approximation(mean, variance)
 
 
 def probit_approximation(mean: Tensor, variance: Tensor) -> Tensor:

@@ -73,6 +73,9 @@ class ContinuousBernoulli(Distribution):
 
     def cdf(self, value: Tensor) -> Tensor:
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
+        # F(0) = 0 for every f; a stand-in value keeps log(0) out of the gradient there
+        positive = value > 0
+        value = torch.where(positive, value, torch.ones_like(value))
         f = self.logits
         small, pos, f_pos, f_neg = _logit_branches(f)
         # F(y) = expm1(f y) / expm1(f), written without overflow for either sign of f
@@ -81,18 +84,24 @@ class ContinuousBernoulli(Distribution):
         log_neg = torch.log(-torch.expm1(f_neg * value)) - torch.log(-torch.expm1(f_neg))
         out = torch.where(pos, torch.exp(log_pos), torch.exp(log_neg))
         out = torch.where(small, value + 0.5 * f * value * (value - 1.0), out)
-        return out.clamp(0.0, 1.0)
+        return torch.where(positive, out, torch.zeros_like(out)).clamp(0.0, 1.0)
 
     def icdf(self, value: Tensor) -> Tensor:
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
+        # F^{-1}(0) = 0 for every f; a stand-in value keeps log(0) out of the gradient there
+        positive = value > 0
+        value = torch.where(positive, value, torch.ones_like(value))
         f = self.logits
         small, pos, f_pos, f_neg = _logit_branches(f)
-        # f < 0: log1p(u expm1(f)) / f ;  f > 0: 1 + log(u + (1 - u) e^{-f}) / f  (no overflow)
+        # f < 0: log1p(u expm1(f)) / f.  f > 0: 1 + log(u + (1 - u) e^{-f}) / f (no overflow),
+        # as 1 + log1p((1 - u) expm1(-f)) / f below f = 1, where exp(-f)'s rounding over f grew.
         neg_branch = torch.log1p(value * torch.expm1(f_neg)) / f_neg
-        pos_branch = 1.0 + torch.log(value + (1.0 - value) * torch.exp(-f_pos)) / f_pos
+        near_zero = torch.log1p((1.0 - value) * torch.expm1(-f_pos))
+        far = torch.log(value + (1.0 - value) * torch.exp(-f_pos))
+        pos_branch = 1.0 + torch.where(f_pos < 1.0, near_zero, far) / f_pos
         out = torch.where(pos, pos_branch, neg_branch)
         out = torch.where(small, value + 0.5 * f * value * (1.0 - value), out)
-        return out.clamp(0.0, 1.0)
+        return torch.where(positive, out, torch.zeros_like(out)).clamp(0.0, 1.0)
 
     def rsample(self, sample_shape: torch.Size = _NO_SAMPLE_SHAPE) -> Tensor:
         shape = self._extended_shape(sample_shape)

@@ -129,7 +129,10 @@ def cb_mean(f: Tensor) -> Tensor:
     f = _check_tensor(f)
     small, fs, fl = _split(f, _SERIES_CUTOFF)
     series = 0.5 + fs * _even_series(fs.square(), _DA_COEFFS)
-    closed = -1.0 / torch.expm1(-fl) - 1.0 / fl
+    # 1 / (1 - e^{-f}) in |f| alone: e^{-f} for f < 0 would overflow, and its gradient be NaN
+    abs_fl = fl.abs()
+    numerator = torch.where(fl > 0, -torch.ones_like(fl), torch.exp(-abs_fl))
+    closed = numerator / torch.expm1(-abs_fl) - 1.0 / fl
     return torch.where(small, series, closed)
 
 

@@ -203,3 +203,38 @@ def test_works_with_predictive_log_likelihood_and_variational_elbo():
         loss.backward()
         assert torch.isfinite(loss)
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("f", [2e-6, 1e-5, 1e-4, 1e-3, 0.5, 0.99, 1.01, -1e-3])
+def test_icdf_near_zero_logits_against_mpmath(dtype, f):
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    logit = torch.tensor(f, dtype=dtype)
+    u = torch.tensor([1e-3, 0.1, 0.3, 0.5, 0.9, 0.999], dtype=dtype)
+    got = ContinuousBernoulli(logit).icdf(u).double()
+    fm = mpmath.mpf(float(logit))
+    ref = [float(mpmath.log1p(mpmath.mpf(float(v)) * mpmath.expm1(fm)) / fm) for v in u]
+    # float32 used to lose 2e-2 at f = 2e-6 (exp(-f) rounded, then divided by f)
+    tol = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mean_and_entropy_gradients_at_very_negative_logits(dtype):
+    # d/df A'(f) = A''(f) ~ 1/f^2 there; exp(-f) overflowed and the gradient was NaN
+    logits = torch.tensor([-100.0, -800.0, -1e4], dtype=dtype, requires_grad=True)
+    ContinuousBernoulli(logits).mean.sum().backward()
+    torch.testing.assert_close(logits.grad, 1 / logits.detach() ** 2, rtol=1e-5, atol=0)
+    logits.grad = None
+    # H = A(f) - f A'(f), dH/df = -f A''(f) ~ -1/f
+    ContinuousBernoulli(logits).entropy().sum().backward()
+    torch.testing.assert_close(logits.grad, -1 / logits.detach(), rtol=1e-5, atol=0)
+
+
+def test_cdf_and_icdf_gradients_at_zero_are_zero():
+    for f in (2.0, -3.0, 1e4):
+        logit = torch.tensor(f, dtype=torch.float64, requires_grad=True)
+        dist = ContinuousBernoulli(logit)
+        (dist.cdf(torch.tensor(0.0, dtype=torch.float64)) + dist.icdf(torch.tensor(0.0))).backward()
+        assert float(logit.grad) == 0.0
