@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 from typing import NamedTuple
 
 import gpytorch
@@ -359,12 +360,13 @@ def schedule_index(
     the data batch by broadcasting, so one schedule alone has no batch of targets of its own).
     """
     batch = gamma.shape[:-1]
-    if isinstance(schedule, int) and not isinstance(schedule, bool):
-        schedule = (schedule,)
-    if not isinstance(schedule, tuple) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in schedule
-    ):
-        raise TypeError(f"schedule must be an int or a tuple of ints, got {schedule!r}")
+    try:  # integer types as check_int takes them (NumPy's, 0-d integer tensors), bool not
+        items = schedule if isinstance(schedule, tuple) else (schedule,)
+        if any(isinstance(i, bool) for i in items):
+            raise TypeError
+        schedule = tuple(operator.index(i) for i in items)
+    except TypeError:
+        raise TypeError(f"schedule must be an int or a tuple of ints, got {schedule!r}") from None
     if not batch:
         if schedule:
             raise ValueError(f"schedule must be () for a single schedule, got {schedule}")
@@ -404,8 +406,8 @@ def pair_batches(outer_product: Tensor, outer: torch.Size, inner: torch.Size) ->
         for k, size in enumerate(sizes):
             shape = [1] * ndim
             shape[k] = batch[k]
-            positions = torch.arange(batch[k]) if size > 1 else torch.zeros(batch[k], dtype=int)
-            index.append(positions.reshape(shape).to(outer_product.device))
+            positions = torch.arange(batch[k], device=outer_product.device)
+            index.append((positions if size > 1 else 0 * positions).reshape(shape))
     return padded[tuple(index)]  # shape: (*batch, *tail)
 
 

@@ -3,7 +3,7 @@ r"""Data-centric self-distillation for GP classification (Borup & Andersen, §4.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import gpytorch
 import numpy as np
@@ -41,18 +41,15 @@ def _schedule(value: float | Sequence[float], num_steps: int, name: str) -> list
         isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0
     ):
         values = [float(value)] * num_steps
-    else:
-        try:
-            if isinstance(value, str):
-                raise TypeError
-            values = [float(v) for v in value]
-        except TypeError:
-            raise TypeError(
-                f"{name} must be a number or a sequence of num_steps={num_steps} numbers, "
-                f"got {type(value).__name__}"
-            ) from None
+    elif isinstance(value, Iterable) and not isinstance(value, str):
+        values = [float(v) for v in value]
         if len(values) != num_steps:
             raise ValueError(f"{name} must have num_steps={num_steps} entries, got {len(values)}")
+    else:
+        raise TypeError(
+            f"{name} must be a number or a sequence of num_steps={num_steps} numbers, "
+            f"got {type(value).__name__}"
+        )
     for v in values:
         if not (v >= 0 and v < float("inf")):
             raise ValueError(f"{name} must hold finite numbers >= 0, got {values}")

@@ -9,6 +9,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from gpsd._distances import squared_distances
+
 __all__ = ["SteinVariationalGradient"]
 
 
@@ -106,7 +108,7 @@ class SteinVariationalGradient:
         m = flat.shape[0]
         if m < 2:
             return flat.new_tensor(1.0)
-        sq = _pairwise_squared_distances(flat)
+        sq = squared_distances(flat, flat)
         iu = torch.triu_indices(m, m, offset=1, device=flat.device)
         med_sq = torch.quantile(sq[iu[0], iu[1]], 0.5)  # mean of the two middles if even
         if not med_sq > 0:
@@ -122,9 +124,10 @@ class SteinVariationalGradient:
             if self.bandwidth == "median"
             else w.new_tensor(float(self.bandwidth))
         )
-        # Distances and the repulsion term are invariant to a common shift of the particles.
+        # Distances and the repulsion term are invariant to a common shift of the particles;
+        # centred, neither loses the particles' spread to rounding far from the origin.
         w = w - w.mean(0)
-        sq = _pairwise_squared_distances(w)
+        sq = squared_distances(w, w)
         kappa = torch.exp(-sq / h)  # shape: (m, m), symmetric; kappa[l, i] = kappa(w_l, w_i)
         scale = 1.0 if self.loss_type == "joint" else 1.0 / m
         out = scale * (kappa.mT @ flat_grads)  # sum_l kappa(w_l, w_i) g_l
@@ -153,18 +156,6 @@ class SteinVariationalGradient:
                 p.grad = chunk.clone()
             else:
                 p.grad.copy_(chunk)
-
-
-def _pairwise_squared_distances(flat: Tensor) -> Tensor:
-    r""":math:`\|w_l - w_i\|^2` of particles ``flat`` of shape ``(m, P)``, shape ``(m, m)``.
-
-    The particles are centred first: the expansion :math:`\|w\|^2 + \|w'\|^2 - 2 w^\top w'`
-    loses about :math:`\epsilon \|w\|^2` to rounding, which in float32 swamps the spread of
-    particles that sit close together far from the origin.
-    """
-    flat = flat - flat.mean(0)
-    norms = flat.pow(2).sum(-1)  # shape: (m,)
-    return (norms.unsqueeze(-1) + norms - 2 * flat @ flat.mT).clamp_min(0)
 
 
 def check_bandwidth(bandwidth: object) -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gpsd._distances import squared_distances
 from gpsd._validation import as_float_tensor, check_int, check_matrix
-from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points, squared_distances
+from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 
 __all__ = ["kmeans", "kmeans_plus_plus"]
 

@@ -10,27 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gpsd._distances import squared_distances
 from gpsd._validation import check_int
 
-__all__ = ["nearest_inducing_points", "squared_distances"]
+__all__ = ["nearest_inducing_points"]
 
 _CHUNK_ELEMENTS = 2**22
-
-
-def squared_distances(x1: Tensor, x2: Tensor) -> Tensor:
-    r"""Squared Euclidean distances :math:`\|x_i - z_j\|^2`, shape ``(n1, n2)``, clamped at 0.
-
-    Both sets are first centred at the mean of ``x2``: the expansion
-    :math:`\|x\|^2 + \|z\|^2 - 2 x^\top z` loses about :math:`\epsilon \|x\|^2` to rounding, so
-    inputs far from the origin (years, say, in float32) would otherwise lose every digit of the
-    distances between them.
-    """
-    if x2.shape[-2] > 0:
-        centre = x2.mean(-2, keepdim=True)  # shape: (1, d)
-        x1, x2 = x1 - centre, x2 - centre
-    # shape: (n1, n2)
-    d2 = x1.pow(2).sum(-1, keepdim=True) - 2.0 * x1 @ x2.transpose(-1, -2)
-    return (d2 + x2.pow(2).sum(-1).unsqueeze(-2)).clamp_min_(0.0)
 
 
 def _keops_available() -> bool:

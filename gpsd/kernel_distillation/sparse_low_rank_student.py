@@ -10,13 +10,13 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
+from gpsd._distances import squared_distances
 from gpsd._validation import as_float_tensor, check_int, check_matrix, check_vector
 from gpsd._variance import nonnegative_variance
 from gpsd.kernel_distillation._stationary_kernel import (
     stationary_kernel_from_squared_distance,
     stationary_kernel_parameters,
 )
-from gpsd.kernel_distillation.nearest_inducing import squared_distances
 
 __all__ = ["SparseLowRankStudent"]
 

@@ -1,9 +1,9 @@
 """Classifier state across load_state_dict/.to(), float32 Newton, and the probit tails."""
 
-import gpytorch
 import numpy as np
 import pytest
 import torch
+from gpr_reference import rbf_kernel
 
 from gpsd import DataCentricGPC, DistributionCentricGPC, LaplaceGPClassifier
 from gpsd.data.toy import sine_classification
@@ -11,12 +11,7 @@ from gpsd.laplace import BernoulliProbitTerms, find_laplace_mode, gauss_hermite_
 
 
 def _kernel(outputscale=2.0, lengthscale=1.3, dtype=torch.float64, batch_shape=()):
-    batch_shape = torch.Size(batch_shape)
-    base = gpytorch.kernels.RBFKernel(batch_shape=batch_shape)
-    k = gpytorch.kernels.ScaleKernel(base, batch_shape=batch_shape).to(dtype)
-    k.outputscale = outputscale
-    k.base_kernel.lengthscale = lengthscale
-    return k
+    return rbf_kernel(outputscale, lengthscale, dtype, batch_shape=torch.Size(batch_shape))
 
 
 @pytest.fixture
