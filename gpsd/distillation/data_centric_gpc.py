@@ -27,9 +27,9 @@ from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
-    gauss_hermite_expectation,
     laplace_latent_predictive,
     probit_approximation,
+    symmetric_response_expectation,
 )
 from gpsd.linalg._negligible import kernel_matrix
 
@@ -91,8 +91,8 @@ class DataCentricGPC(gpytorch.Module):
     :param threshold_targets: Pass :math:`\mathbb 1[\mathbf y_{t-1} > 1/2]` instead of the soft
         predictions.
     :param warm_start: Start each Newton run from the previous step's mode.
-    :param target_method: ``"quadrature"`` (Gauss-Hermite) or ``"probit"`` for
-        :math:`\mathbb{E}_q[\sigma(f)]`.
+    :param target_method: ``"quadrature"`` (:func:`~gpsd.laplace.symmetric_response_expectation`)
+        or ``"probit"`` (MacKay's approximation) for :math:`\mathbb{E}_q[\sigma(f)]`.
     """
 
     def __init__(
@@ -164,7 +164,7 @@ class DataCentricGPC(gpytorch.Module):
         var = nonnegative_variance(var, prior_var)
         if self.target_method == "probit":
             return probit_approximation(mean, var)
-        return gauss_hermite_expectation(torch.sigmoid, mean, var)
+        return symmetric_response_expectation(torch.sigmoid, mean, var)
 
     def fit(self, use_stored_modes: bool = False) -> DataCentricGPC:
         """Run the ``num_steps`` steps at the current kernel hyperparameters; returns ``self``.
@@ -243,7 +243,7 @@ class DataCentricGPC(gpytorch.Module):
         r""":math:`\mathbb{E}_q[\sigma(f_*)]` of step ``step`` (default: the last) at ``x``."""
         mean, var = self.predict_latent(x, step)
         if method == "quadrature":
-            return gauss_hermite_expectation(torch.sigmoid, mean, var)
+            return symmetric_response_expectation(torch.sigmoid, mean, var)
         if method == "probit":
             return probit_approximation(mean, var)
         raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")

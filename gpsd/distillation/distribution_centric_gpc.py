@@ -20,7 +20,7 @@ from gpsd._validation import (
 )
 from gpsd._variance import nonnegative_variance
 from gpsd.laplace.newton import find_laplace_mode
-from gpsd.laplace.predictive import closed_form_probability, gauss_hermite_expectation
+from gpsd.laplace.predictive import closed_form_probability, expected_response
 from gpsd.laplace.resolve import resolve_likelihood_terms
 from gpsd.linalg._negligible import kernel_matrix
 
@@ -276,7 +276,7 @@ class DistributionCentricGPC(gpytorch.Module):
         r""":math:`\mathbb{E}_q[r(f_*)]` after ``step`` steps (:math:`r` the likelihood's response)."""
         mean, var = self.predict_latent(x, step)
         if method == "quadrature":
-            return gauss_hermite_expectation(self.terms.response, mean, var)
+            return expected_response(self.terms, mean, var)
         if method == "probit":
             return closed_form_probability(self.terms, mean, var)
         raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")

@@ -10,9 +10,11 @@ from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceConvergenceError, LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
     closed_form_probability,
+    expected_response,
     gauss_hermite_expectation,
     laplace_latent_predictive,
     probit_approximation,
+    symmetric_response_expectation,
 )
 from gpsd.laplace.resolve import resolve_likelihood_terms
 
@@ -27,9 +29,11 @@ __all__ = [
     "LaplaceMode",
     "find_laplace_mode",
     "closed_form_probability",
+    "expected_response",
     "gauss_hermite_expectation",
     "laplace_latent_predictive",
     "laplace_log_marginal_likelihood",
     "probit_approximation",
     "resolve_likelihood_terms",
+    "symmetric_response_expectation",
 ]

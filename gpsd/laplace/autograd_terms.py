@@ -24,6 +24,9 @@ class AutogradLikelihoodTerms(LaplaceLikelihoodTerms):
     :param likelihood: A GPyTorch likelihood whose ``forward(f)`` returns a distribution with
         ``log_prob(y)`` elementwise.
     :param response: The class probability as a function of :math:`f` (default: logistic).
+    :param symmetric_response: Whether :math:`r(-f) = 1 - r(f)` (default: true for the logistic
+        default, false for a given ``response``); see
+        :attr:`~gpsd.laplace.LaplaceLikelihoodTerms.symmetric_response`.
     :param target_check: An optional callable ``(y, name) -> None`` raising for invalid targets.
     """
 
@@ -34,11 +37,15 @@ class AutogradLikelihoodTerms(LaplaceLikelihoodTerms):
         likelihood: Likelihood,
         response: Callable[[Tensor], Tensor] | None = None,
         target_check: Callable[[Tensor, str], None] | None = None,
+        symmetric_response: bool | None = None,
     ) -> None:
         if not isinstance(likelihood, Likelihood):
             raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood)}")
         self.likelihood = likelihood
         self._response = response if response is not None else torch.sigmoid
+        if symmetric_response is None:
+            symmetric_response = response is None
+        self.symmetric_response = bool(symmetric_response)
         self._target_check = target_check
         self.name = type(likelihood).__name__
 

@@ -29,6 +29,7 @@ class BernoulliLogitTerms(LaplaceLikelihoodTerms):
     """
 
     name = "Bernoulli-logistic"
+    symmetric_response = True
 
     def log_prob(self, y: Tensor, f: Tensor) -> Tensor:
         return y * f - F.softplus(f)

@@ -25,6 +25,7 @@ class BernoulliProbitTerms(LaplaceLikelihoodTerms):
     """
 
     name = "Bernoulli-probit"
+    symmetric_response = True
 
     def log_prob(self, y: Tensor, f: Tensor) -> Tensor:
         return torch.special.log_ndtr((2.0 * y - 1.0) * f)

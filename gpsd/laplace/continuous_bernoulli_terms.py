@@ -25,6 +25,7 @@ class ContinuousBernoulliTerms(LaplaceLikelihoodTerms):
     """
 
     name = "continuous Bernoulli"
+    symmetric_response = True
 
     def log_prob(self, y: Tensor, f: Tensor) -> Tensor:
         return y * f - cb_log_normalizer(f)

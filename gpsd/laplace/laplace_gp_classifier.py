@@ -28,7 +28,7 @@ from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
     closed_form_probability,
-    gauss_hermite_expectation,
+    expected_response,
     laplace_latent_predictive,
 )
 from gpsd.laplace.resolve import resolve_likelihood_terms
@@ -218,13 +218,14 @@ class LaplaceGPClassifier(gpytorch.Module):
         r"""Class probability :math:`\mathbb{E}_q[r(f_*)]` with :math:`r` the likelihood's response
         (:math:`\sigma` for logistic and continuous Bernoulli, :math:`\Phi` for probit).
 
-        :param method: ``"quadrature"`` (Gauss-Hermite with ``num_points`` nodes) or ``"probit"``
+        :param method: ``"quadrature"`` (:func:`~gpsd.laplace.expected_response` with ``num_points``
+            nodes: accurate at any latent variance for the built-in likelihoods) or ``"probit"``
             (closed form: exact :math:`\Phi(\mu/\sqrt{1 + s^2})` for a probit response,
             MacKay's approximation :math:`\sigma(\mu/\sqrt{1 + \pi s^2/8})` otherwise).
         """
         mean, var = self.predict_latent(x)
         if method == "quadrature":
-            return gauss_hermite_expectation(self.terms.response, mean, var, num_points)
+            return expected_response(self.terms, mean, var, num_points)
         if method == "probit":
             return closed_form_probability(self.terms, mean, var)
         raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")

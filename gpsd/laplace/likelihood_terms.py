@@ -26,6 +26,9 @@ class LaplaceLikelihoodTerms(ABC):
 
     #: a short name used in messages
     name: str = "likelihood"
+    #: whether :math:`r(-f) = 1 - r(f)`, which lets class probabilities use
+    #: :func:`~gpsd.laplace.symmetric_response_expectation` (accurate at any latent variance)
+    symmetric_response: bool = False
 
     @abstractmethod
     def log_prob(self, y: Tensor, f: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 r"""Predictions of a Laplace-approximated GP classifier: latent mean and variance (Borup & Andersen,
-eqs. 2-3) and class probabilities by Gauss-Hermite quadrature or the probit approximation."""
+eqs. 2-3) and class probabilities by quadrature (Gauss-Hermite, or a Gauss-Laguerre split for
+symmetric responses at large latent variance) or in closed form."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ from torch import Tensor
 
 from gpsd._validation import check_int
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
+from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode
 
 __all__ = [
     "closed_form_probability",
+    "expected_response",
     "gauss_hermite_expectation",
     "laplace_latent_predictive",
     "probit_approximation",
+    "symmetric_response_expectation",
 ]
+
+#: above this latent variance :func:`symmetric_response_expectation` leaves Gauss-Hermite for the
+#: Gauss-Laguerre split (the crossover of their errors with 64 nodes, see its docstring)
+_SPLIT_VARIANCE = 2.0
 
 
 def laplace_latent_predictive(
@@ -78,9 +86,78 @@ def gauss_hermite_expectation(
     nodes, weights = np.polynomial.hermite.hermgauss(num_points)
     nodes = torch.as_tensor(nodes, dtype=mean.dtype, device=mean.device)
     weights = torch.as_tensor(weights, dtype=mean.dtype, device=mean.device) / math.sqrt(math.pi)
-    std = variance.clamp_min(0.0).sqrt()
+    # clamped at the smallest normal number: a zero variance gets a finite (zero) gradient
+    std = variance.clamp_min(torch.finfo(variance.dtype).tiny).sqrt()
     points = mean.unsqueeze(-1) + math.sqrt(2.0) * std.unsqueeze(-1) * nodes  # shape: (..., J)
     return (function(points) * weights).sum(-1)
+
+
+def symmetric_response_expectation(
+    response: Callable[[Tensor], Tensor], mean: Tensor, variance: Tensor, num_points: int = 64
+) -> Tensor:
+    r""":math:`\mathbb{E}[r(f)]`, :math:`f \sim \mathcal{N}(\mu, s^2)`, for a response with
+    :math:`r(-f) = 1 - r(f)` (the CDF of a symmetric distribution: logistic, probit), accurate at any
+    latent variance.
+
+    Gauss-Hermite quadrature places its nodes on the scale :math:`s`, so once :math:`s` is large
+    the unit-width step of :math:`r` falls between nodes: with 64 nodes
+    :math:`\mathbb{E}[\sigma(f)]` is off by :math:`3 \times 10^{-3}` at :math:`s^2 = 100`.
+    Writing :math:`r(f) = H(f) - \operatorname{sgn}(f)\, r(-|f|)` with :math:`H` the unit step
+    splits off the step exactly,
+
+    .. math::
+
+        \mathbb{E}[r(f)] = \Phi\Bigl(\frac{\mu}{s}\Bigr) - \frac{1}{s\sqrt{2\pi}}
+        \int_0^\infty e^{-u} \bigl[e^{u} r(-u)\bigr]
+        \bigl(e^{-(u - \mu)^2 / 2s^2} + e^{-(u + \mu)^2 / 2s^2}\bigr)
+        \tanh\Bigl(\frac{u\mu}{s^2}\Bigr)\, du,
+
+    and the remaining integrand is smooth on the scale :math:`\max(1, s)`, which Gauss-Laguerre
+    quadrature (weight :math:`e^{-u}`) resolves. :math:`s^2 \le 2` uses Gauss-Hermite
+    (:func:`gauss_hermite_expectation`), where it is the more accurate of the two. With the default
+    64 nodes the error against adaptive quadrature in 30 digits is below :math:`10^{-11}` for
+    logistic and probit responses at every mean and variance tried (:math:`s^2` from 0 to
+    :math:`10^6`, :math:`|\mu| \le 100`) in float64.
+
+    :param response: Elementwise :math:`r` with :math:`r(-f) = 1 - r(f)`.
+    :param mean: :math:`\mu`, any shape.
+    :param variance: :math:`s^2 \ge 0`, same shape as ``mean``.
+    :param num_points: Nodes of each quadrature rule.
+    """
+    num_points = check_int(num_points, "num_points")
+    variance = variance.clamp_min(0.0)
+    split = variance > _SPLIT_VARIANCE
+    hermite = gauss_hermite_expectation(
+        response, mean, torch.where(split, torch.zeros_like(variance), variance), num_points
+    )
+    nodes, weights = np.polynomial.laguerre.laggauss(num_points)
+    with np.errstate(divide="ignore"):  # weights that underflow to 0 have log weight -inf
+        log_weights = np.log(weights)
+    nodes = torch.as_tensor(nodes, dtype=mean.dtype, device=mean.device)
+    log_weights = torch.as_tensor(log_weights, dtype=mean.dtype, device=mean.device)
+    # e^u r(-u) times the weight, in logs: e^u alone overflows float32 at the outer nodes
+    tail = torch.exp(log_weights + nodes + torch.log(response(-nodes)))  # shape: (J,)
+    std = torch.where(split, variance, torch.ones_like(variance)).sqrt()
+    mu, sd = mean.unsqueeze(-1), std.unsqueeze(-1)
+    # sgn(mu) e^{-(u-|mu|)^2/2s^2} (1 - e^{-2u|mu|/s^2}) without |mu|, smooth through mu = 0
+    odd = (
+        torch.exp(-0.5 * ((nodes - mu) / sd).square())
+        + torch.exp(-0.5 * ((nodes + mu) / sd).square())
+    ) * torch.tanh(nodes * mu / sd.square())  # shape: (..., J)
+    correction = (tail * odd).sum(-1) / (std * math.sqrt(2.0 * math.pi))
+    laguerre = torch.special.ndtr(mean / std) - correction
+    return torch.where(split, laguerre, hermite)
+
+
+def expected_response(
+    terms: LaplaceLikelihoodTerms, mean: Tensor, variance: Tensor, num_points: int = 64
+) -> Tensor:
+    r""":math:`\mathbb{E}[r(f)]`, :math:`f \sim \mathcal{N}(\mu, s^2)`, by quadrature, for the response
+    :math:`r` of ``terms``: :func:`symmetric_response_expectation` when ``terms.symmetric_response``
+    (logistic, probit, continuous Bernoulli), :func:`gauss_hermite_expectation` otherwise."""
+    if terms.symmetric_response:
+        return symmetric_response_expectation(terms.response, mean, variance, num_points)
+    return gauss_hermite_expectation(terms.response, mean, variance, num_points)
 
 
 def closed_form_probability(terms: object, mean: Tensor, variance: Tensor) -> Tensor:
