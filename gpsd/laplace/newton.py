@@ -182,10 +182,12 @@ def find_laplace_mode(
             # after a small full Newton step the remaining error is O(df^2)
             full_step = accepted & (step == 1.0)
             stalled = ~accepted  # no step improved psi at working precision
-            # A full Newton step that moves psi by no more than the round-off the line search
-            # tolerates is at the mode to working precision: in float32 with a large kernel
-            # scale the iterates otherwise wander at that level above objective_tol forever.
-            at_precision = full_step & (dpsi <= slack)
+            # A step that moves psi by no more than the round-off the line search tolerates is at
+            # the mode to working precision when it is a full Newton step, or when the full step
+            # was rejected and a shorter one barely moves f: with a large kernel scale (float32,
+            # or an outputscale of 1e6 in float64) the iterates otherwise wander at that level
+            # above objective_tol forever.
+            at_precision = accepted & (dpsi <= slack) & (full_step | small_f)
             if ((small_obj & small_f & full_step) | at_precision | stalled).all():
                 converged = True
                 break

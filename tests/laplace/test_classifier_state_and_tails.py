@@ -7,7 +7,12 @@ from gpr_reference import rbf_kernel
 
 from gpsd import DataCentricGPC, DistributionCentricGPC, LaplaceGPClassifier
 from gpsd.data.toy import sine_classification
-from gpsd.laplace import BernoulliProbitTerms, find_laplace_mode, gauss_hermite_expectation
+from gpsd.laplace import (
+    BernoulliLogitTerms,
+    BernoulliProbitTerms,
+    find_laplace_mode,
+    gauss_hermite_expectation,
+)
 
 
 def _kernel(outputscale=2.0, lengthscale=1.3, dtype=torch.float64, batch_shape=()):
@@ -66,6 +71,28 @@ def test_float32_newton_converges_with_a_large_kernel_scale(likelihood):
             lml.append(float(model.log_marginal_likelihood()))
     # float32 used to raise LaplaceConvergenceError here; K's scale leaves ~1e-5 of accuracy
     assert lml[1] == pytest.approx(lml[0], rel=2e-4)
+
+
+def test_float64_newton_converges_at_outputscale_1e6_to_the_mpmath_mode():
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(20, 1, generator=gen, dtype=torch.float64)
+    y = (x[:, 0] > 0.5).double()
+    flip = torch.randperm(20, generator=gen)[:2]
+    y[flip] = 1 - y[flip]
+    K = rbf_kernel(outputscale=1e6, lengthscale=0.2)(x).to_dense().detach()  # condition ~1e17
+    mode = find_laplace_mode(K, y, BernoulliLogitTerms())  # raised LaplaceConvergenceError before
+    # the same Newton iteration, f <- K (I + W K)^-1 (W f + y - sigmoid(f)), in 40 digits
+    Km, f = mpmath.matrix(K.tolist()), mpmath.matrix(20, 1)
+    for _ in range(60):
+        s = [1 / (1 + mpmath.exp(-f[i])) for i in range(20)]
+        W = [s[i] * (1 - s[i]) for i in range(20)]
+        b = mpmath.matrix([W[i] * f[i] + y[i].item() - s[i] for i in range(20)])
+        f = Km * mpmath.lu_solve(mpmath.eye(20) + mpmath.diag(W) * Km, b)
+    ref = torch.tensor([float(v) for v in f], dtype=torch.float64)
+    assert ref.abs().max() > 100  # latents far from zero: a large-scale problem
+    torch.testing.assert_close(mode.f, ref, rtol=0, atol=1e-9 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
