@@ -440,3 +440,50 @@ def test_runs_longer_than_the_first_record_block_equal_dense_answers():
     chain = cg.krylov_apply(SF.data_centric_weights(steps), left[:, :1])
     assert cg.last_iterations > 64
     assert relative_error(chain, naive_chain(k, steps, 0.0, left[:, :1])[1]) < 1e-8
+
+
+def test_repeated_shift_quadratic_forms_err_at_second_order():
+    """c^T (K + g I)^-1 c from an iterate x with residual r is x^T (c + r), whose error
+    r^T (K + g I)^-1 r is non-negative and at most tol^2 |c|^2 / g; the plain c^T x errs at
+    first order. The predictive variance k** - c^T (K + g I)^-1 c inherits it."""
+    gen = torch.Generator().manual_seed(21)
+    x = 10 * torch.rand(400, 1, generator=gen, dtype=DTYPE)
+    test_x = 10 * torch.rand(6, 1, generator=gen, dtype=DTYPE)
+
+    def matern32(a, b):  # lengthscale 1: a slowly decaying spectrum
+        d = torch.cdist(a, b) * 3**0.5
+        return (1 + d) * torch.exp(-d)
+
+    k, left = matern32(x, x), matern32(x, test_x)
+    gamma, tol = 1e-6, 1e-8
+    spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)
+    got = cg.quad_diag(SF.resolvent(torch.tensor([gamma, gamma], dtype=DTYPE)), left)
+    assert got.shape == (2, 6)
+    expected = (left * dense_solves(k, torch.tensor(gamma, dtype=DTYPE), left)).sum(-2)
+    error = expected - got[0]
+    bound = tol**2 * left.square().sum(-2) / gamma
+    assert bool((error >= -1e-9 * expected).all())  # below the exact form, up to rounding
+    assert bool((error <= bound).all())
+    plain = (left * cg.solve(torch.tensor(gamma, dtype=DTYPE), left)).sum(-2)
+    assert float((expected - plain).abs().max()) > 10 * float(error.abs().max())
+
+
+def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
+    import gpytorch
+
+    from gpsd import DataCentricGPR
+
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(150, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(x[:, 0])
+    kernel = gpytorch.kernels.MaternKernel(nu=1.5).double()
+    kernel.lengthscale = torch.tensor(1.0, dtype=DTYPE)
+    test_x = 10 * torch.rand(8, 1, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor([1e-8], dtype=DTYPE)
+    exact = (
+        DataCentricGPR(kernel, x, y, gamma, backend="cholesky").predict(test_x).variance.detach()
+    )
+    cg = DataCentricGPR(kernel, x, y, gamma, backend="cg", rtol=1e-8).predict(test_x).variance
+    # relative error 2.3e-3 at the first-order quadratic form before
+    assert float(((cg - exact).abs() / exact).max()) < 1e-6
