@@ -169,7 +169,9 @@ class KernelDistillation:
     :param kmeans_iters: Lloyd iterations of K-means.
     :param seed: seed of the k-means++ seeding.
     :param chunk_size: columns of :math:`K_{XX}` per block (default: about :math:`2^{22}/n`).
-    :param callback: called as ``callback(step, frobenius_error)`` after every step.
+    :param callback: called as ``callback(step, frobenius_error)`` after every step, with the
+        error :math:`\|K_{XX} - W K_{UU} W^\top\|_F` of the updated :math:`W`
+        (``frobenius_errors[step + 1]``).
     :param progress: print one line per step to stderr.
     :param jitter: the student's relative jitter (see :class:`~gpsd.SparseLowRankStudent`).
     :param neighbour_metric: ``"lengthscale"`` (default) runs K-means and the nearest-neighbour
@@ -293,7 +295,10 @@ class KernelDistillation:
         step_size, optimizer, inducing_points, kmeans_iters, seed, chunk_size, callback, progress,
         jitter, neighbour_metric,
     ) -> None:  # fmt: skip
-        x = check_matrix(train_x, "train_x")
+        # the distillation and its student are no functions of these: keep no autograd graph
+        # (a noise such as likelihood.noise would otherwise leave the student's buffers attached
+        # to it, and the student could not be deep-copied)
+        x = check_matrix(train_x.detach(), "train_x")
         if x.dim() != 2:
             raise ValueError(f"train_x must have shape (n, d), got {tuple(x.shape)}")
         if kernel.batch_shape != torch.Size():
@@ -302,7 +307,12 @@ class KernelDistillation:
                 f"shape {tuple(kernel.batch_shape)}"
             )
         n = x.shape[0]
-        y = check_vector(train_y.to(x), "train_y", n)
+        if train_y.dim() != 1:
+            raise ValueError(f"train_y must have shape (n={n},), got {tuple(train_y.shape)}")
+        y = check_vector(train_y.detach().to(x), "train_y", n)
+        noise = noise.detach()
+        if not np.isfinite(mean_constant):
+            raise ValueError(f"mean_constant must be finite, got {mean_constant}")
         if noise.numel() != 1 or not bool(noise > 0) or not bool(torch.isfinite(noise).all()):
             raise ValueError(f"noise must be one positive finite variance, got {noise.tolist()}")
         num_inducing = check_int(num_inducing, "num_inducing")
@@ -330,7 +340,7 @@ class KernelDistillation:
                 raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
         if inducing_points is not None:
             u = check_matrix(
-                as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype),
+                as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype).detach(),
                 "inducing_points",
             )
             check_same_device(x, u, "inducing_points", "train_x")
@@ -500,7 +510,8 @@ class KernelDistillation:
         return candidates[best], max(values_at[best], 0.0)
 
     def fit(self) -> SparseLowRankStudent:
-        """Run Algorithm 1 and return the student; ``frobenius_errors`` holds the error per step."""
+        """Run Algorithm 1 and return the student; ``frobenius_errors`` holds the error of the
+        start and after every step (``num_steps + 1`` values)."""
         if self.weight_values is None:
             self.prepare()
         t0 = time.perf_counter()
@@ -514,6 +525,8 @@ class KernelDistillation:
             current = param.detach() if opt is not None else values
             obj, grad = self.objective_and_gradient(current)
             errors.append(float(obj.sqrt()))
+            if step > 0:  # the error after the previous step is known now
+                self._report(step - 1, errors[-1])
             if opt is not None:
                 opt.zero_grad()
                 param.grad = grad
@@ -528,15 +541,9 @@ class KernelDistillation:
                 raise RuntimeError(
                     f"kernel distillation diverged at step {step}: the step size is too large"
                 )
-            if self.progress:
-                print(
-                    f"kernel distillation step {step + 1}/{self.num_steps}: "
-                    f"||K - WKW^T||_F = {errors[-1]:.4e}",
-                    file=sys.stderr,
-                )
-            if self.callback is not None:
-                self.callback(step, errors[-1])
         errors.append(self.frobenius_error(values))
+        if self.num_steps > 0:
+            self._report(self.num_steps - 1, errors[-1])
         self.weight_values = values
         self.frobenius_errors = errors
         t1 = time.perf_counter()
@@ -554,6 +561,17 @@ class KernelDistillation:
         )
         self.timings.update(optimisation=t1 - t0, student=time.perf_counter() - t1)
         return self.student
+
+    def _report(self, step: int, error: float) -> None:
+        """Progress line and callback for step ``step`` (0-based), ``error`` measured after it."""
+        if self.progress:
+            print(
+                f"kernel distillation step {step + 1}/{self.num_steps}: "
+                f"||K - WKW^T||_F = {error:.4e}",
+                file=sys.stderr,
+            )
+        if self.callback is not None:
+            self.callback(step, error)
 
     def dense_weights(self, values: Tensor | None = None) -> Tensor:
         """:math:`W` as a dense ``(n, m)`` matrix (for inspection of small problems)."""

@@ -28,9 +28,10 @@ def kmeans_plus_plus(x: Tensor, num_clusters: int, *, seed: int = 0) -> Tensor:
 
     :param x: inputs, shape ``(n, d)``.
     :param num_clusters: number of centres ``k`` (``1 <= k <= n``).
-    :param seed: seed of the device's random generator.
+    :param seed: seed of the device's random generator, a non-negative integer.
     :return: the centres, shape ``(k, d)``, rows of ``x``.
     """
+    seed = check_int(seed, "seed", minimum=0)
     x = check_matrix(as_float_tensor(x, "x"), "x")
     if x.dim() != 2:
         raise ValueError(f"x must have shape (n, d), got {tuple(x.shape)}")
@@ -71,6 +72,7 @@ def kmeans(
 
     :param x: inputs, shape ``(n, d)``.
     :param num_clusters: number of centroids ``k``.
+    :param seed: seed of the k-means++ seeding (a non-negative integer).
     :return: the centroids, shape ``(k, d)``.
     """
     num_iters = check_int(num_iters, "num_iters", minimum=0)
@@ -79,7 +81,8 @@ def kmeans(
         raise ValueError(f"tol must be non-negative, got {tol}")
     centres = kmeans_plus_plus(x, num_clusters, seed=seed)
     x = check_matrix(as_float_tensor(x, "x"), "x")
-    scale = x.std(0).pow(2).sum().clamp_min(torch.finfo(x.dtype).tiny).sqrt()
+    # population variance: defined (no warning, no NaN) for a single input too
+    scale = x.var(0, correction=0).sum().clamp_min(torch.finfo(x.dtype).tiny).sqrt()
     k = num_clusters
     for _ in range(num_iters):
         d2, assign = nearest_inducing_points(x, centres, 1, chunk_size=chunk_size)

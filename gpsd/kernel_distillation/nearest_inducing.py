@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from gpsd._distances import squared_distances
-from gpsd._validation import check_int
+from gpsd._validation import check_finite, check_int, check_same_device
 
 __all__ = ["nearest_inducing_points"]
 
@@ -45,12 +45,23 @@ def nearest_inducing_points(
         ``"auto"``: KeOps for CUDA inputs when pykeops is installed (on a CPU KeOps is slower than
         the dense path), dense otherwise.
     :return: ``(squared_distances, indices)``, both of shape ``(n, k)``, nearest first.
+    :raises ValueError: if ``x`` or ``inducing_points`` holds NaN or infinite values (a NaN
+        inducing point would make every distance NaN through the centring, and a NaN query would
+        get arbitrary neighbours), or if they differ in dtype or device.
     """
     if x.dim() != 2 or inducing_points.dim() != 2 or x.shape[-1] != inducing_points.shape[-1]:
         raise ValueError(
             f"x of shape (n, d) and inducing_points of shape (m, d) must share d; got "
             f"{tuple(x.shape)} and {tuple(inducing_points.shape)}"
         )
+    if not x.is_floating_point() or x.dtype != inducing_points.dtype:
+        raise ValueError(
+            "x and inducing_points must share a floating-point dtype, got "
+            f"{x.dtype} and {inducing_points.dtype}"
+        )
+    check_same_device(x, inducing_points, "inducing_points", "x")
+    check_finite(x, "x")
+    check_finite(inducing_points, "inducing_points")
     m = inducing_points.shape[0]
     k = check_int(k, "k")
     if k > m:

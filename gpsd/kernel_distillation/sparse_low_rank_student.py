@@ -11,7 +11,13 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from gpsd._distances import squared_distances
-from gpsd._validation import as_float_tensor, check_int, check_matrix, check_vector
+from gpsd._validation import (
+    as_float_tensor,
+    check_finite,
+    check_int,
+    check_matrix,
+    check_vector,
+)
 from gpsd._variance import nonnegative_variance
 from gpsd.kernel_distillation._stationary_kernel import (
     stationary_kernel_from_squared_distance,
@@ -26,6 +32,22 @@ _DEFAULT_JITTER = {
     torch.float16: 1e-3,
     torch.bfloat16: 1e-2,
 }
+
+
+def _one_positive_variance(noise: float | Tensor, dtype: torch.dtype) -> Tensor:
+    """``noise`` as a detached 0-d tensor, checked to be one positive finite variance."""
+    value = as_float_tensor(noise, "noise", dtype=dtype).detach().reshape(-1)
+    if value.numel() != 1 or not bool(value > 0) or not bool(value.isfinite().all()):
+        raise ValueError(f"noise must be one positive variance (finite), got {noise!r}")
+    return value.reshape(())
+
+
+def _one_finite_number(mean_constant: float | Tensor, dtype: torch.dtype) -> Tensor:
+    """``mean_constant`` as a detached 0-d tensor, checked to be one finite number."""
+    value = as_float_tensor(mean_constant, "mean_constant", dtype=dtype).detach().reshape(-1)
+    if value.numel() != 1 or not bool(value.isfinite().all()):
+        raise ValueError(f"mean_constant must be one finite number, got {mean_constant!r}")
+    return value.reshape(())
 
 
 class SparseLowRankStudent(gpytorch.Module):
@@ -91,28 +113,33 @@ class SparseLowRankStudent(gpytorch.Module):
         super().__init__()
         if not isinstance(kernel, gpytorch.kernels.Kernel):
             raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel)}")
-        u = check_matrix(as_float_tensor(inducing_points, "inducing_points"), "inducing_points")
+        # buffers hold values, never an autograd graph (a graph would also defeat deepcopy)
+        u = check_matrix(
+            as_float_tensor(inducing_points, "inducing_points").detach(), "inducing_points"
+        )
         m = u.shape[-2]
         if u.dim() != 2:
             raise ValueError(f"inducing_points must have shape (m, d), got {tuple(u.shape)}")
-        kuu = as_float_tensor(inducing_covariance, "inducing_covariance", dtype=u.dtype)
+        kuu = as_float_tensor(inducing_covariance, "inducing_covariance", dtype=u.dtype).detach()
         v = as_float_tensor(
             predictive_covariance_correction, "predictive_covariance_correction", dtype=u.dtype
-        )
+        ).detach()
         for name, mat in (("inducing_covariance", kuu), ("predictive_covariance_correction", v)):
             if mat.shape != (m, m):
                 raise ValueError(f"{name} must have shape ({m}, {m}), got {tuple(mat.shape)}")
+            check_finite(mat, name)
         alpha = check_vector(
-            as_float_tensor(predictive_mean_weights, "predictive_mean_weights", dtype=u.dtype),
+            as_float_tensor(
+                predictive_mean_weights, "predictive_mean_weights", dtype=u.dtype
+            ).detach(),
             "predictive_mean_weights",
             m,
         )
         sparsity = check_int(sparsity, "sparsity")
         if sparsity > m:
             raise ValueError(f"sparsity must be an int in [1, m={m}], got {sparsity!r}")
-        noise_t = as_float_tensor(noise, "noise", dtype=u.dtype).reshape(-1)
-        if noise_t.numel() != 1 or not bool(noise_t > 0):
-            raise ValueError(f"noise must be one positive variance, got {noise!r}")
+        noise_t = _one_positive_variance(noise, u.dtype)
+        mu = _one_finite_number(mean_constant, u.dtype)
         if jitter is not None and not jitter >= 0:
             raise ValueError(f"jitter must be non-negative or None, got {jitter}")
         self.sparsity = sparsity
@@ -120,18 +147,20 @@ class SparseLowRankStudent(gpytorch.Module):
         self.register_buffer("inducing_points", u)
         if neighbour_scale is None:
             neighbour_scale = torch.ones(u.shape[-1], dtype=u.dtype, device=u.device)
-        scale = as_float_tensor(neighbour_scale, "neighbour_scale", dtype=u.dtype).reshape(-1).to(u)
-        if scale.shape != (u.shape[-1],) or not bool((scale > 0).all()):
-            raise ValueError(f"neighbour_scale must hold d={u.shape[-1]} positive values")
+        scale = as_float_tensor(neighbour_scale, "neighbour_scale", dtype=u.dtype)
+        scale = scale.detach().reshape(-1).to(u)
+        if (
+            scale.shape != (u.shape[-1],)
+            or not bool((scale > 0).all())
+            or not bool(scale.isfinite().all())
+        ):
+            raise ValueError(f"neighbour_scale must hold d={u.shape[-1]} positive finite values")
         self.register_buffer("neighbour_scale", scale)
         self.register_buffer("inducing_covariance", kuu.to(u))
         self.register_buffer("predictive_mean_weights", alpha.to(u))
         self.register_buffer("predictive_covariance_correction", v.to(u))
-        self.register_buffer("noise", noise_t.to(u).reshape(()))
-        self.register_buffer(
-            "mean_constant",
-            as_float_tensor(mean_constant, "mean_constant", dtype=u.dtype).reshape(()).to(u),
-        )
+        self.register_buffer("noise", noise_t.to(u))
+        self.register_buffer("mean_constant", mu.to(u))
         params = stationary_kernel_parameters(kernel)
         if params is None:
             self.kernel_type = "generic"
@@ -185,28 +214,59 @@ class SparseLowRankStudent(gpytorch.Module):
         :param sparsity: ``b`` at prediction (default: ``weight_values.shape[-1]``).
         :param neighbour_scale: see the class; it must match the metric that chose ``W``'s pattern.
         """
-        u = check_matrix(as_float_tensor(inducing_points, "inducing_points"), "inducing_points")
-        m = u.shape[0]
-        values = check_matrix(
-            as_float_tensor(weight_values, "weight_values", dtype=u.dtype), "weight_values"
-        )
-        if weight_indices.shape != values.shape:
-            raise ValueError(
-                f"weight_indices must have the shape of weight_values {tuple(values.shape)}, "
-                f"got {tuple(weight_indices.shape)}"
+        with torch.no_grad():  # the student's buffers are values: build no autograd graph
+            u = check_matrix(
+                as_float_tensor(inducing_points, "inducing_points").detach(), "inducing_points"
             )
-        n, b = values.shape
-        y = check_vector(as_float_tensor(train_y, "train_y", dtype=u.dtype), "train_y", n)
-        noise_t = as_float_tensor(noise, "noise", dtype=u.dtype).reshape(-1)
-        if noise_t.numel() != 1 or not bool(noise_t > 0):
-            raise ValueError(f"noise must be one positive variance, got {noise!r}")
-        sigma2 = noise_t.reshape(())
-        mu = as_float_tensor(mean_constant, "mean_constant", dtype=u.dtype).reshape(())
-        if inducing_covariance is None:
-            with torch.no_grad():
+            if u.dim() != 2:
+                raise ValueError(f"inducing_points must have shape (m, d), got {tuple(u.shape)}")
+            m = u.shape[0]
+            values = check_matrix(
+                as_float_tensor(weight_values, "weight_values", dtype=u.dtype).detach(),
+                "weight_values",
+            )
+            if values.dim() != 2:
+                raise ValueError(f"weight_values must have shape (n, b), got {tuple(values.shape)}")
+            if not isinstance(weight_indices, Tensor) or weight_indices.shape != values.shape:
+                raise ValueError(
+                    f"weight_indices must have the shape of weight_values {tuple(values.shape)}, "
+                    f"got {tuple(getattr(weight_indices, 'shape', ()))}"
+                )
+            if weight_indices.is_floating_point() or weight_indices.is_complex():
+                raise TypeError(
+                    f"weight_indices must hold integer indices, got dtype {weight_indices.dtype}"
+                )
+            idx = weight_indices.detach().to(device=u.device, dtype=torch.long)
+            if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < m):
+                raise ValueError(
+                    f"weight_indices must lie in [0, m={m}), got values in "
+                    f"[{int(idx.min())}, {int(idx.max())}]"
+                )
+            n, b = values.shape
+            y = as_float_tensor(train_y, "train_y", dtype=u.dtype).detach()
+            if y.dim() != 1:
+                raise ValueError(f"train_y must have shape (n={n},), got {tuple(y.shape)}")
+            y = check_vector(y, "train_y", n)
+            sigma2 = _one_positive_variance(noise, u.dtype)
+            mu = _one_finite_number(mean_constant, u.dtype)
+            if inducing_covariance is None:
                 inducing_covariance = kernel(u, u).to_dense()
-        kuu = inducing_covariance.to(u)
-        idx = weight_indices.to(device=u.device, dtype=torch.long)
+            kuu = as_float_tensor(inducing_covariance, "inducing_covariance").detach().to(u)
+            if kuu.shape != (m, m):
+                raise ValueError(
+                    f"inducing_covariance must have shape ({m}, {m}), got {tuple(kuu.shape)}"
+                )
+            check_finite(kuu, "inducing_covariance")
+            return cls._from_checked_weights(
+                kernel, u, kuu, values, idx, y, sigma2, mu, b, sparsity, jitter, neighbour_scale
+            )
+
+    @classmethod
+    def _from_checked_weights(
+        cls, kernel, u, kuu, values, idx, y, sigma2, mu, b, sparsity, jitter, neighbour_scale
+    ) -> SparseLowRankStudent:
+        """The body of :meth:`from_sparse_weights`, on validated, detached tensors."""
+        m = u.shape[0]
         # B = W^T W, shape: (m, m)
         outer = values.unsqueeze(-1) * values.unsqueeze(-2)  # shape: (n, b, b)
         gram = torch.zeros(m * m, dtype=u.dtype, device=u.device)
