@@ -178,6 +178,22 @@ class SparseLowRankStudent(gpytorch.Module):
             self.register_buffer("kernel_lengthscale", lengthscale.to(u))
             self.register_buffer("kernel_outputscale", outputscale.to(u))
 
+    # ------------------------------------------------------------------ saved state
+    def get_extra_state(self) -> dict:
+        """The settings that are not tensors (``sparsity``, ``jitter``), saved in ``state_dict``
+        so that a student loaded into one built with other settings predicts as the saved one."""
+        return {"sparsity": self.sparsity, "jitter": self.jitter}
+
+    def set_extra_state(self, state: dict) -> None:
+        sparsity = check_int(state["sparsity"], "sparsity")
+        if sparsity > self.num_inducing:
+            raise ValueError(
+                f"the saved sparsity {sparsity} exceeds this student's m={self.num_inducing} "
+                "inducing points"
+            )
+        self.sparsity = sparsity
+        self.jitter = state["jitter"]
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_sparse_weights(

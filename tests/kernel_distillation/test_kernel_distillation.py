@@ -321,6 +321,26 @@ def test_state_dict_round_trip_and_dtype_move():
     assert student.storage_bytes() == 4 * (2 * m * m + m * 2 + 2 + m + 2 + 2 + 1)
 
 
+def test_state_dict_carries_sparsity_and_jitter():
+    student = _distiller(num_steps=1).fit()  # sparsity 5
+    test_x = torch.randn(9, 2, dtype=DT)
+    m0, v0 = student.predict(test_x)
+    m = student.num_inducing
+    blank = SparseLowRankStudent(
+        _kernel(), torch.zeros(m, 2, dtype=DT), torch.eye(m, dtype=DT), torch.zeros(m, dtype=DT),
+        torch.zeros(m, m, dtype=DT), sparsity=2, noise=1.0, jitter=1e-3,
+    )  # fmt: skip
+    blank.load_state_dict(student.state_dict())  # predicted with sparsity 2, jitter 1e-3 before
+    assert (blank.sparsity, blank.jitter) == (student.sparsity, student.jitter)
+    m1, v1 = blank.predict(test_x)
+    torch.testing.assert_close(m1, m0)
+    torch.testing.assert_close(v1, v0)
+    state = student.state_dict()
+    state["_extra_state"] = {"sparsity": m + 1, "jitter": None}
+    with pytest.raises(ValueError, match="saved sparsity"):
+        blank.load_state_dict(state)
+
+
 def test_export_of_the_prediction_path():
     student = _distiller(num_steps=1).fit()
     assert student.exportable
