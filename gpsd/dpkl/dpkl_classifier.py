@@ -69,13 +69,9 @@ class DPKLClassifier(gpytorch.Module):
         bandwidth: float | Literal["median"] = "median",
     ) -> None:
         super().__init__()
-        for name, val, low in (
-            ("num_classes", num_classes, 2),
-            ("num_weight_particles", num_weight_particles, 1),
-            ("latent_dim", latent_dim, 1),
-        ):
-            if isinstance(val, bool) or not isinstance(val, int) or val < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
+        num_classes = check_int(num_classes, "num_classes", minimum=2)
+        num_weight_particles = check_int(num_weight_particles, "num_weight_particles")
+        latent_dim = check_int(latent_dim, "latent_dim")
         if not (isinstance(prior_std, (int, float)) and prior_std > 0 and math.isfinite(prior_std)):
             raise ValueError(f"prior_std must be a positive float, got {prior_std!r}")
         if update not in ("paper", "svgd"):
@@ -160,24 +156,34 @@ class DPKLClassifier(gpytorch.Module):
         log_p = self.log_class_probabilities(x)
         return torch.logsumexp(log_p, 0).sub(math.log(log_p.shape[0])).exp()
 
-    @torch.no_grad()
-    def predict_proba(self, x: Tensor) -> Tensor:
-        return self(self._check_query(x))
+    def _evaluate(self, fn: Callable[[], Tensor]) -> Tensor:
+        """``fn()`` without autograd and in evaluation mode (dropout off), restoring the mode."""
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                return fn()
+        finally:
+            self.train(was_training)
 
-    @torch.no_grad()
+    def predict_proba(self, x: Tensor) -> Tensor:
+        r"""Predicted class probabilities :math:`\bar\rho` in evaluation mode: ``(n, C)``."""
+        x = self._check_query(x)
+        return self._evaluate(lambda: self(x))
+
     def nll(self, x: Tensor, y: Tensor) -> float:
-        """Mean cross entropy of the averaged probabilities (the paper's test NLL)."""
+        """Mean cross entropy of the averaged probabilities (the paper's test NLL), in eval mode."""
         x = self._check_query(x, min_rows=1)
         y = self._check_y(y, x.shape[0])
-        log_p = self.log_class_probabilities(x)
+        log_p = self._evaluate(lambda: self.log_class_probabilities(x))
         log_bar = torch.logsumexp(log_p, 0) - math.log(log_p.shape[0])
         return float(-log_bar.gather(-1, y.unsqueeze(-1)).mean())
 
-    @torch.no_grad()
     def accuracy(self, x: Tensor, y: Tensor) -> float:
+        """Fraction of rows whose most probable class is ``y``, in evaluation mode."""
         x = self._check_query(x, min_rows=1)
         y = self._check_y(y, x.shape[0])
-        return float((self(x).argmax(-1) == y).to(x.dtype).mean())
+        return float((self._evaluate(lambda: self(x)).argmax(-1) == y).to(x.dtype).mean())
 
     def losses(self, x: Tensor, y: Tensor, num_data: int) -> tuple[Tensor, Tensor]:
         """(eq. 17 mean cross entropy of the batch, SVGD potential of the class weights)."""
@@ -206,21 +212,22 @@ class DPKLClassifier(gpytorch.Module):
     ) -> dict[str, list[float]]:
         """Train with Adam on minibatches; early stopping on validation accuracy (then NLL).
 
-        Returns a history with ``"loss"`` (mean eq. 17 loss per epoch) and ``"val_accuracy"``.
+        The steps run in training mode (dropout on), the validation checks in evaluation mode;
+        the module is left in the mode it was in before. Returns a history with ``"loss"`` (mean
+        eq. 17 loss per epoch) and ``"val_accuracy"``.
         """
         num_epochs = check_int(num_epochs, "num_epochs", minimum=0)
         batch_size = check_int(batch_size, "batch_size")
         check_every = check_int(check_every, "check_every")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a positive float, got {lr!r}")
-        x = self._check_x(x)
+        x = self._check_query(x, "x", min_rows=1)
         y = self._check_y(y, x.shape[0])
         if (val_x is None) != (val_y is None):
             raise ValueError("val_x and val_y must be given together")
         if val_x is not None:
-            val_x = self._check_x(val_x, "val_x")
+            val_x = self._check_query(val_x, "val_x", min_rows=1)
             val_y = self._check_y(val_y, val_x.shape[0], "val_y")
-        self._check_input_width(x)
         n = x.shape[0]
         emb_params = list(self.feature_extractor.parameters())
         emb_transform = SteinVariationalGradient(
@@ -244,6 +251,8 @@ class DPKLClassifier(gpytorch.Module):
             if (acc, -nll) > (best[0], -best[1]):
                 best, best_state = (acc, nll), copy.deepcopy(self.state_dict())
 
+        was_training = self.training
+        self.train()
         for epoch in range(num_epochs):
             if val_x is not None and epoch % check_every == 0:
                 check()
@@ -254,10 +263,11 @@ class DPKLClassifier(gpytorch.Module):
                 ce, potential = self.losses(x[idx], y[idx], n)
                 opt.zero_grad(set_to_none=True)
                 hyper = emb_params + [self.raw_lengthscale]
-                grads = torch.autograd.grad(ce, hyper, retain_graph=True)
+                # a parameter the forward pass does not use (a spare head) gets a zero gradient
+                grads = torch.autograd.grad(ce, hyper, retain_graph=True, allow_unused=True)
                 (theta_grad,) = torch.autograd.grad(potential, [self.class_weights])
                 for p, g in zip(hyper, grads, strict=True):
-                    p.grad = g
+                    p.grad = torch.zeros_like(p) if g is None else g
                 self.class_weights.grad = theta_grad
                 with torch.no_grad():
                     for p in emb_params:
@@ -274,6 +284,7 @@ class DPKLClassifier(gpytorch.Module):
             check()
             if best_state is not None:
                 self.load_state_dict(best_state)
+        self.train(was_training)
         return history
 
     def _check_input_width(self, x: Tensor, name: str = "x") -> None:

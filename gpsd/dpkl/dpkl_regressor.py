@@ -84,12 +84,20 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             raise ValueError(f"kernel must be 'rff' or 'exact', got {kernel!r}")
         if update not in ("paper", "svgd"):
             raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
+        if nu is not None and nu not in (0.5, 1.5, 2.5):  # before either kernel is built
+            raise ValueError(f"nu must be None (RBF) or one of 0.5, 1.5, 2.5, got {nu!r}")
         check_bandwidth(bandwidth)
         if repulsion is not None:
             check_repulsion(repulsion)
         ensemble = ParticleEnsemble(feature_extractor, num_particles).to(train_x)
-        with torch.no_grad():
-            width = ensemble(train_x[:1]).shape[-1]
+        try:
+            with torch.no_grad():
+                width = ensemble(train_x[:1]).shape[-1]
+        except RuntimeError as err:
+            raise ValueError(
+                f"train_x with {train_x.shape[-1]} features does not fit the feature extractor: "
+                f"{err}"
+            ) from err
         if width != latent_dim:
             raise ValueError(
                 f"the feature extractor maps to {width} dimensions but latent_dim is {latent_dim}"

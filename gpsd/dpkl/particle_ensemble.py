@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,9 @@ class ParticleEnsemble(nn.Module):
         ``m`` identical copies.
 
     Modules whose forward pass updates buffers in place (``BatchNorm`` in training mode) are not
-    supported. Dropout draws different masks for different particles.
+    supported. Dropout draws different masks for different particles. :meth:`train` and
+    :meth:`eval` reach the copies: in evaluation mode dropout is off and ``BatchNorm`` uses its
+    running statistics, as in the stand-alone network.
 
     Example:
 
@@ -64,8 +67,15 @@ class ParticleEnsemble(nn.Module):
         reinitialise: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(num_particles, bool) or not isinstance(num_particles, int):
-            raise TypeError(f"num_particles must be an int, got {type(num_particles).__name__}")
+        try:  # any integer type (NumPy's, a 0-d integer tensor), as gpsd's check_int
+            if isinstance(num_particles, bool):
+                raise TypeError
+            count = operator.index(num_particles)
+        except TypeError:
+            raise TypeError(
+                f"num_particles must be an int, got {type(num_particles).__name__}"
+            ) from None
+        num_particles = count
         if num_particles < 1:
             raise ValueError(f"num_particles must be at least 1, got {num_particles}")
         if isinstance(module, nn.Module):
@@ -94,6 +104,13 @@ class ParticleEnsemble(nn.Module):
         # memory, is not in state_dict() and does not follow .to().
         skeleton = copy.deepcopy(copies[0]).to("meta")
         object.__setattr__(self, "_skeleton", skeleton)
+        skeleton.train(self.training)
+
+    def train(self, mode: bool = True) -> ParticleEnsemble:
+        """Set training mode, also on the architecture that evaluates every particle."""
+        super().train(mode)
+        self._skeleton.train(mode)  # outside the module tree, so nn.Module.train misses it
+        return self
 
     # ------------------------------------------------------------------ parameter access
     def stacked_parameters(self) -> dict[str, Tensor]:

@@ -44,12 +44,15 @@ def sample_spectral_frequencies(
       still :math:`\mathcal{N}(0, \mathbf{I}_d)` but the rows of a block are orthogonal; the
       last block is truncated to :math:`R` rows in total.
 
+    ``nu`` must be a finite number :math:`> 0` (any, not only GPyTorch's three values).
     Returns a tensor of shape ``(num_features, num_dims)``.
     """
-    if num_features < 1:
-        raise ValueError(f"num_features must be at least 1, got {num_features}")
-    if num_dims < 1:
-        raise ValueError(f"num_dims must be at least 1, got {num_dims}")
+    num_features = check_int(num_features, "num_features")
+    num_dims = check_int(num_dims, "num_dims")
+    if nu is not None and not (
+        isinstance(nu, (int, float)) and not isinstance(nu, bool) and math.isfinite(nu) and nu > 0
+    ):
+        raise ValueError(f"nu must be None (RBF) or a finite Matérn smoothness > 0, got {nu!r}")
     dtype = dtype or torch.get_default_dtype()
     kw = {"dtype": dtype, "device": device}
     if orthogonal:

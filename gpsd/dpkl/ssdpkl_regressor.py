@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -50,8 +51,13 @@ class SSDPKLRegressor(DPKLRegressor):
     ) -> None:
         train_x = check_inputs(train_x, "train_x")
         unlabelled_x = check_inputs(unlabelled_x, "unlabelled_x", train_x.shape[-1], like=train_x)
-        if not (isinstance(alpha, (int, float)) and alpha >= 0 and alpha == alpha):
-            raise ValueError(f"alpha must be a float >= 0, got {alpha!r}")
+        if not (
+            isinstance(alpha, (int, float))
+            and not isinstance(alpha, bool)
+            and math.isfinite(alpha)
+            and alpha >= 0
+        ):
+            raise ValueError(f"alpha must be a finite float >= 0, got {alpha!r}")
         unlabelled_batch_size = check_int(unlabelled_batch_size, "unlabelled_batch_size")
         super().__init__(train_x, train_y, feature_extractor, **kwargs)
         self.register_buffer("unlabelled_x", unlabelled_x)
