@@ -30,16 +30,31 @@ def as_float_tensor(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """Convert ``value`` to a floating-point tensor, raising a ``TypeError`` naming ``name``."""
+    """Convert ``value`` to a floating-point tensor, raising a ``TypeError`` naming ``name``.
+
+    Tensors and arrays keep their dtype unless ``dtype`` is given (then they are converted);
+    anything else becomes ``dtype`` or, without one, the default dtype. Python numbers and (nested)
+    lists or tuples of them are doubles, and are read as float64 before any conversion, so that
+    they are rounded once: ``torch.as_tensor(0.05)`` is a float32 tensor, and converting it to
+    float64 would give ``0.05000000074505806``.
+    """
     if isinstance(value, Tensor):
         tensor = value
     else:
-        try:
-            tensor = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(
-                f"{name} must be a tensor or array-like of numbers, got {type(value)}"
-            ) from err
+        tensor = None
+        if isinstance(value, (int, float, list, tuple)) and not isinstance(value, bool):
+            try:
+                tensor = torch.as_tensor(value, dtype=torch.float64)
+                dtype = dtype or torch.get_default_dtype()
+            except (TypeError, ValueError, RuntimeError):
+                pass  # not real numbers: the conversion below names the argument
+        if tensor is None:
+            try:
+                tensor = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise TypeError(
+                    f"{name} must be a tensor or array-like of numbers, got {type(value)}"
+                ) from err
     if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64, torch.bool)):
         raise TypeError(f"{name} must hold real numbers, got dtype {tensor.dtype}")
     if dtype is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 
 import gpytorch
 import torch
@@ -20,6 +22,7 @@ from gpsd._validation import (
 )
 from gpsd._variance import nonnegative_variance
 from gpsd.kernel_distillation._stationary_kernel import (
+    STATIONARY_KERNEL_TYPES,
     stationary_kernel_from_squared_distance,
     stationary_kernel_parameters,
 )
@@ -40,6 +43,17 @@ def _one_positive_variance(noise: float | Tensor, dtype: torch.dtype) -> Tensor:
     if value.numel() != 1 or not bool(value > 0) or not bool(value.isfinite().all()):
         raise ValueError(f"noise must be one positive variance (finite), got {noise!r}")
     return value.reshape(())
+
+
+def _jitter_or_none(jitter: object) -> float | None:
+    """``None`` or a finite float ``>= 0``, or a ``ValueError`` naming ``jitter``."""
+    if jitter is None:
+        return None
+    if isinstance(jitter, bool) or not isinstance(jitter, numbers.Real):
+        raise ValueError(f"jitter must be a finite float >= 0 or None, got {jitter!r}")
+    if not (math.isfinite(jitter) and jitter >= 0):
+        raise ValueError(f"jitter must be a finite float >= 0 or None, got {jitter!r}")
+    return float(jitter)
 
 
 def _one_finite_number(mean_constant: float | Tensor, dtype: torch.dtype) -> Tensor:
@@ -140,10 +154,8 @@ class SparseLowRankStudent(gpytorch.Module):
             raise ValueError(f"sparsity must be an int in [1, m={m}], got {sparsity!r}")
         noise_t = _one_positive_variance(noise, u.dtype)
         mu = _one_finite_number(mean_constant, u.dtype)
-        if jitter is not None and not jitter >= 0:
-            raise ValueError(f"jitter must be non-negative or None, got {jitter}")
         self.sparsity = sparsity
-        self.jitter = jitter
+        self.jitter = _jitter_or_none(jitter)
         self.register_buffer("inducing_points", u)
         if neighbour_scale is None:
             neighbour_scale = torch.ones(u.shape[-1], dtype=u.dtype, device=u.device)
@@ -164,7 +176,10 @@ class SparseLowRankStudent(gpytorch.Module):
         params = stationary_kernel_parameters(kernel)
         if params is None:
             self.kernel_type = "generic"
-            self.kernel = copy.deepcopy(kernel)  # frozen copy: the teacher's kernel stays trainable
+            # frozen copy (the teacher's kernel stays trainable), in the student's dtype and on its
+            # device: a float64 kernel would otherwise give float64 cross-covariances that a
+            # float32 student cannot solve with
+            self.kernel = copy.deepcopy(kernel).to(device=u.device, dtype=u.dtype)
             for p in self.kernel.parameters():
                 p.requires_grad_(False)
         else:
@@ -180,9 +195,11 @@ class SparseLowRankStudent(gpytorch.Module):
 
     # ------------------------------------------------------------------ saved state
     def get_extra_state(self) -> dict:
-        """The settings that are not tensors (``sparsity``, ``jitter``), saved in ``state_dict``
-        so that a student loaded into one built with other settings predicts as the saved one."""
-        return {"sparsity": self.sparsity, "jitter": self.jitter}
+        """The settings that are not tensors (``sparsity``, ``jitter``, ``kernel_type``), saved in
+        ``state_dict`` so that a student loaded into one built with other settings predicts as the
+        saved one. (The RBF and Matérn students hold the same buffers, so without the kernel type
+        a Matérn student loaded into one built with an RBF kernel would predict with the RBF.)"""
+        return {"sparsity": self.sparsity, "jitter": self.jitter, "kernel_type": self.kernel_type}
 
     def set_extra_state(self, state: dict) -> None:
         sparsity = check_int(state["sparsity"], "sparsity")
@@ -191,8 +208,17 @@ class SparseLowRankStudent(gpytorch.Module):
                 f"the saved sparsity {sparsity} exceeds this student's m={self.num_inducing} "
                 "inducing points"
             )
+        kernel_type = state.get("kernel_type", self.kernel_type)  # absent from older states
+        if kernel_type != self.kernel_type and "generic" in (kernel_type, self.kernel_type):
+            raise ValueError(
+                f"the saved student's kernel is {kernel_type!r} but this student's is "
+                f"{self.kernel_type!r}; build the student with the same kernel type to load it"
+            )
+        if kernel_type not in STATIONARY_KERNEL_TYPES + ("generic",):
+            raise ValueError(f"the saved kernel type {kernel_type!r} is not a known kernel type")
         self.sparsity = sparsity
-        self.jitter = state["jitter"]
+        self.jitter = _jitter_or_none(state["jitter"])
+        self.kernel_type = kernel_type
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -603,7 +603,9 @@ def test_one_dimensional_inputs_equal_a_column_of_inputs():
     teacher = _Teacher(x, y, lik).to(DT)
     teacher.covar_module = k
     flat = KernelDistillation(teacher, 8, 3, num_steps=2).fit()
-    column = KernelDistillation.from_kernel(k, x.unsqueeze(-1), y, 0.05, 8, 3, num_steps=2).fit()
+    # the teacher's own noise: GPyTorch's setter rounded 0.05 through float32
+    noise = lik.noise.detach()
+    column = KernelDistillation.from_kernel(k, x.unsqueeze(-1), y, noise, 8, 3, num_steps=2).fit()
     test_x = torch.linspace(-3.5, 3.5, 17, dtype=DT)
     for got, want in zip(flat.predict(test_x), column.predict(test_x.unsqueeze(-1)), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
