@@ -70,6 +70,53 @@ def _objective(
     return -0.5 * (alpha * (f - m)).sum(-1) + tau * terms.log_prob(y, f).sum(-1)
 
 
+def _newton_step_gain(K: Tensor, W: Tensor, direction: Tensor) -> Tensor:
+    r"""The increase of :math:`\psi` a full Newton step promises, half the squared Newton decrement.
+
+    With :math:`\mathbf d` the step in :math:`\mathbf a` and :math:`\Delta\mathbf f = \mathbf K
+    \mathbf d` the step in :math:`\mathbf f`,
+
+    .. math::
+
+        \tfrac12 \Delta\mathbf f^\top (\mathbf K^{-1} + \mathbf W) \Delta\mathbf f
+        = \tfrac12 \left(\mathbf d^\top \Delta\mathbf f
+        + \Delta\mathbf f^\top \mathbf W \Delta\mathbf f\right)
+
+    (no inverse of :math:`\mathbf K` is formed). Shape ``batch``.
+    """
+    step_f = (K @ direction.unsqueeze(-1)).squeeze(-1)  # shape: (*batch, n)
+    W = W.clamp_min(0.0)
+    return 0.5 * ((direction * step_f).sum(-1) + (W * step_f * step_f).sum(-1))
+
+
+def _check_short_steps_end_at_the_mode(
+    K: Tensor, W: Tensor, direction: Tensor, short: Tensor, slack: Tensor, name: str
+) -> None:
+    """Raise unless the problems that stopped without a full Newton step are at the mode.
+
+    Such a stop (the line search stalled, or a shortened step moved nothing beyond round-off) is
+    at the mode to working precision only when the full Newton step promises no more than the line
+    search's slack (:func:`_newton_step_gain`). A larger promise means that the derivatives do not
+    belong to the log-likelihood (a custom :class:`LaplaceLikelihoodTerms` whose ``derivatives``
+    and ``log_prob`` disagree) or that rounding hides a real ascent (float32 with a kernel scale of
+    1e6, say, where such a stop returned a point 76% off the mode).
+    """
+    gain = _newton_step_gain(K, W, direction)
+    off = short & ~(gain <= slack)  # NaN counts as off
+    if off.any():
+        digits = f"{str(K.dtype).removeprefix('torch.')} leaves too few digits for this kernel's "
+        digits += f"scale (largest entry {K.abs().amax().item():.3g})"
+        if K.dtype != torch.float64:
+            digits += ": fit in float64"
+        raise LaplaceConvergenceError(
+            "Newton's method for the Laplace mode stopped short of the mode: no step along the "
+            "Newton direction raised the objective beyond round-off, but the full step promised "
+            f"{gain[off].max().item():.3e} (round-off allows {slack[off].max().item():.3e}). "
+            f"Either the {name} likelihood terms' derivatives are not those of their log_prob, or "
+            f"{digits}"
+        )
+
+
 def find_laplace_mode(
     K: Tensor,
     y: Tensor,
@@ -97,8 +144,9 @@ def find_laplace_mode(
     :math:`\psi`, evaluated with the likelihood actually used, does not decrease (beyond round-off).
     Convergence: a full Newton step changed :math:`\psi` by less than ``objective_tol * (1 + |psi|)``
     and :math:`\mathbf f` by less than ``f_tol * (1 + max|f|)`` (so the remaining error is of the
-    order of the square of that step). A warm start ``init_f`` takes one full Newton
-    step from ``init_f`` first.
+    order of the square of that step), or, where round-off stops the line search, the full Newton
+    step promises no more increase of :math:`\psi` than round-off. A warm start ``init_f`` takes
+    one full Newton step from ``init_f`` first.
 
     Runs without autograd; see :func:`gpsd.laplace.laplace_log_marginal_likelihood` for gradients.
 
@@ -108,7 +156,9 @@ def find_laplace_mode(
     :param prior_mean: Prior mean :math:`\mathbf m`, shape ``(*batch, n)`` (default 0).
     :param init_f: Warm start for :math:`\mathbf f`, shape ``(*batch, n)``.
     :param temperature: :math:`\tau > 0`, the power of the likelihood.
-    :raises LaplaceConvergenceError: after ``max_iter`` iterations without convergence.
+    :raises LaplaceConvergenceError: after ``max_iter`` iterations without convergence, or when
+        the line search stops short of the mode (derivatives that disagree with ``log_prob``, or
+        too few digits for the kernel's scale).
     """
     max_iter = check_int(max_iter, "max_iter")
     if not (math.isfinite(float(temperature)) and float(temperature) > 0):
@@ -138,7 +188,7 @@ def find_laplace_mode(
             b = W.clamp_min(0.0) * (f - m) + tau * d1
             Kb = (K @ b.unsqueeze(-1)).squeeze(-1)
             c = torch.cholesky_solve((sqrt_W * Kb).unsqueeze(-1), chol_B).squeeze(-1)
-            return b - sqrt_W * c
+            return b - sqrt_W * c, W
 
         if init_f is None:
             alpha = torch.zeros_like(y)
@@ -146,7 +196,7 @@ def find_laplace_mode(
             psi = _objective(alpha, f, m, y, terms, tau)
         else:
             f0 = init_f.detach().to(dtype=K.dtype, device=K.device).expand_as(y)
-            alpha = newton_target(f0)
+            alpha, _ = newton_target(f0)
             f = m + (K @ alpha.unsqueeze(-1)).squeeze(-1)
             psi = _objective(alpha, f, m, y, terms, tau)
         if not torch.isfinite(psi).all():
@@ -156,7 +206,8 @@ def find_laplace_mode(
         num_iter = 0
         for iteration in range(1, max_iter + 1):
             num_iter = iteration
-            direction = newton_target(f) - alpha
+            direction, W_now = newton_target(f)
+            direction = direction - alpha
             step = torch.ones_like(psi)
             accepted = torch.zeros_like(psi, dtype=torch.bool)
             new_alpha, new_f, new_psi = alpha, f, psi
@@ -189,6 +240,11 @@ def find_laplace_mode(
             # above objective_tol forever.
             at_precision = accepted & (dpsi <= slack) & (full_step | small_f)
             if ((small_obj & small_f & full_step) | at_precision | stalled).all():
+                short = stalled | (at_precision & ~full_step)
+                if short.any():
+                    _check_short_steps_end_at_the_mode(
+                        K, W_now, direction, short, slack, terms.name
+                    )
                 converged = True
                 break
         if not converged:
