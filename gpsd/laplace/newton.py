@@ -57,9 +57,11 @@ def _factor_B(K: Tensor, W: Tensor) -> tuple[Tensor, Tensor]:
     B = B + torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
     chol_B, info = torch.linalg.cholesky_ex(B)
     if (info != 0).any():
+        hint = "" if K.dtype == torch.float64 else "; fit in float64"
         raise LaplaceConvergenceError(
             "the Laplace matrix B = I + W^1/2 K W^1/2 is not positive definite; the kernel matrix "
-            "is not positive semi-definite or holds NaN"
+            f"holds NaN or is not positive semi-definite at {str(K.dtype).removeprefix('torch.')} "
+            f"precision (largest entry {K.abs().amax().item():.3g}){hint}"
         )
     return sqrt_W, chol_B
 

@@ -57,3 +57,14 @@ def test_newton_step_gain_against_the_dense_formula():
     H = torch.linalg.inv(K) + torch.diag_embed(W)
     want = 0.5 * (step_f.mT @ H @ step_f).squeeze(-1).squeeze(-1)
     torch.testing.assert_close(_newton_step_gain(K, W, d), want, rtol=1e-12, atol=0)
+
+
+def test_an_indefinite_float32_kernel_names_its_precision():
+    # outputscale 1e8 in float32: rounding leaves eigenvalues of about -1e2, and B is indefinite
+    K, y = _problem(n=60, outputscale=1e8)
+    with pytest.raises(LaplaceConvergenceError, match="float32 precision.*fit in float64"):
+        find_laplace_mode(K.float(), y.float(), BernoulliLogitTerms())
+    bad = K.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(LaplaceConvergenceError, match="holds NaN"):
+        find_laplace_mode(bad, y, BernoulliLogitTerms())
