@@ -80,9 +80,10 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
     def particle_parameters(self) -> list[torch.nn.Parameter]:
-        """The stacked particle parameters (stepped by the functional gradient); may be empty."""
+        """The trainable stacked particle parameters (stepped by the functional gradient); may be
+        empty. Frozen ones (``requires_grad=False``) are left out."""
         ensemble = getattr(self.covar_module, "feature_extractor", None)
-        return [] if ensemble is None else list(ensemble.parameters())
+        return [] if ensemble is None else [p for p in ensemble.parameters() if p.requires_grad]
 
     def training_loss(self) -> Tensor:
         r"""Negative log marginal likelihood per training point, :math:`\hat L / n`."""

@@ -229,13 +229,16 @@ class DPKLClassifier(gpytorch.Module):
             val_x = self._check_query(val_x, "val_x", min_rows=1)
             val_y = self._check_y(val_y, val_x.shape[0], "val_y")
         n = x.shape[0]
-        emb_params = list(self.feature_extractor.parameters())
-        emb_transform = SteinVariationalGradient(
-            emb_params,
-            bandwidth=self.bandwidth,
-            repulsion=1.0 if self.update == "svgd" else 0.0,
-            loss_type="joint",
-        )
+        # frozen (requires_grad=False) parameters of the feature extractor are not stepped
+        emb_params = [p for p in self.feature_extractor.parameters() if p.requires_grad]
+        emb_transform = None
+        if emb_params:
+            emb_transform = SteinVariationalGradient(
+                emb_params,
+                bandwidth=self.bandwidth,
+                repulsion=1.0 if self.update == "svgd" else 0.0,
+                loss_type="joint",
+            )
         theta_transform = SteinVariationalGradient(
             [self.class_weights], repulsion=1.0, loss_type="per_particle"
         )
@@ -269,13 +272,14 @@ class DPKLClassifier(gpytorch.Module):
                 for p, g in zip(hyper, grads, strict=True):
                     p.grad = torch.zeros_like(p) if g is None else g
                 self.class_weights.grad = theta_grad
-                with torch.no_grad():
-                    for p in emb_params:
-                        p.grad.mul_(n)  # gradient of the total cross entropy
-                emb_transform.transform_()
-                with torch.no_grad():
-                    for p in emb_params:
-                        p.grad.div_(n)
+                if emb_transform is not None:
+                    with torch.no_grad():
+                        for p in emb_params:
+                            p.grad.mul_(n)  # gradient of the total cross entropy
+                    emb_transform.transform_()
+                    with torch.no_grad():
+                        for p in emb_params:
+                            p.grad.div_(n)
                 theta_transform.transform_()
                 opt.step()
                 total += float(ce.detach()) * idx.numel()

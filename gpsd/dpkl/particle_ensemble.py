@@ -16,9 +16,15 @@ _SEP = "__"
 
 
 def _reinitialise(module: nn.Module) -> None:
+    """``reset_parameters()`` on every submodule that has one, except frozen ones.
+
+    A submodule whose own parameters all have ``requires_grad=False`` (a frozen, pretrained layer)
+    keeps its values.
+    """
     for sub in module.modules():
         reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
+        own = list(sub.parameters(recurse=False))
+        if callable(reset) and not (own and not any(p.requires_grad for p in own)):
             reset()
 
 
@@ -40,7 +46,10 @@ class ParticleEnsemble(nn.Module):
 
     :param module: a network (deep-copied ``m`` times, each copy re-initialised by calling
         ``reset_parameters()`` on every submodule that has one) or a zero-argument callable that
-        returns a freshly initialised network (called ``m`` times).
+        returns a freshly initialised network (called ``m`` times). Frozen parameters
+        (``requires_grad=False``, a pretrained layer, say) stay frozen in the ensemble: a
+        submodule whose own parameters are all frozen is not re-initialised, and the training
+        loops of the DPKL models neither step them nor count them in the particles' distances.
     :param num_particles: the number of particles ``m >= 1``.
     :param reinitialise: when ``module`` is a network, re-initialise the copies (default) or keep
         ``m`` identical copies.
@@ -93,10 +102,14 @@ class ParticleEnsemble(nn.Module):
             )
         self.num_particles = num_particles
         params, buffers = stack_module_state(copies)
+        trainable = {k: p.requires_grad for k, p in copies[0].named_parameters()}
         self._param_names = list(params)
         self._buffer_names = list(buffers)
         self.particle_parameters = nn.ParameterDict(
-            {k.replace(".", _SEP): nn.Parameter(v.detach().clone()) for k, v in params.items()}
+            {
+                k.replace(".", _SEP): nn.Parameter(v.detach().clone(), requires_grad=trainable[k])
+                for k, v in params.items()
+            }
         )
         for k, v in buffers.items():
             self.register_buffer("particle_buffer" + _SEP + k.replace(".", _SEP), v.clone())

@@ -84,8 +84,8 @@ def _chi_square(dof: float, num: int, generator: torch.Generator | None, kw: dic
         draw = torch.distributions.Gamma(conc, torch.ones_like(conc)).sample()
     else:
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):  # Gamma samples on the CPU: fork only its RNG
+            torch.default_generator.manual_seed(seed)  # torch.manual_seed would reseed CUDA's too
             draw = torch.distributions.Gamma(conc, torch.ones_like(conc)).sample()
     return (2.0 * draw).to(kw["device"])
 

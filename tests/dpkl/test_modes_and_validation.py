@@ -174,3 +174,45 @@ def test_ssdpkl_rejects_infinite_alpha():
     for alpha in (float("inf"), float("nan"), -1.0, True):
         with pytest.raises(ValueError, match="alpha must be a finite float"):
             SSDPKLRegressor(x, y, _net, torch.randn(5, 3), alpha=alpha)
+
+
+def _pretrained_frozen_body():
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    net[0].requires_grad_(False)  # a pretrained layer the user froze
+    return net
+
+
+def test_frozen_parameters_stay_frozen_and_shared():
+    # the ensemble used to make every stacked parameter trainable and re-initialise frozen layers
+    torch.set_default_dtype(torch.float64)
+    net = _pretrained_frozen_body()
+    ens = ParticleEnsemble(net, 3)
+    body, head = ens.stacked_parameters()["0.weight"], ens.stacked_parameters()["2.weight"]
+    assert not body.requires_grad and head.requires_grad
+    for i in range(3):  # every particle keeps the pretrained body; the heads differ
+        torch.testing.assert_close(body[i], net[0].weight, rtol=0, atol=0)
+    assert not torch.equal(head[0], head[1])
+
+
+def test_dpkl_fits_leave_frozen_parameters_alone():
+    x, y = _data(24)
+    net = _pretrained_frozen_body()
+    model = DPKLRegressor(x, y, net, num_particles=3, num_random_features=5)
+    params = model.covar_module.feature_extractor.stacked_parameters()
+    body, head = params["0.weight"].detach().clone(), params["2.weight"].detach().clone()
+    model.fit(3, lr=1e-2)
+    torch.testing.assert_close(params["0.weight"], body, rtol=0, atol=0)
+    assert not torch.equal(params["2.weight"], head)
+
+    labels = (x[:, 0] > 0).long()
+    clf = DPKLClassifier(net, 2, num_particles=3, num_weight_particles=2)
+    params = clf.feature_extractor.stacked_parameters()
+    body, head = params["0.weight"].detach().clone(), params["2.weight"].detach().clone()
+    clf.fit(x, labels, num_epochs=1, batch_size=12, lr=1e-2)
+    torch.testing.assert_close(params["0.weight"], body, rtol=0, atol=0)
+    assert not torch.equal(params["2.weight"], head)
+    net.requires_grad_(False)  # nothing trainable in the extractor: the classifier still fits
+    clf = DPKLClassifier(net, 2, num_particles=2, num_weight_particles=2)
+    weights = clf.class_weights.detach().clone()
+    clf.fit(x, labels, num_epochs=1, batch_size=12, lr=1e-2)
+    assert not torch.equal(clf.class_weights, weights)

@@ -178,6 +178,16 @@ def test_matern_frequencies_come_from_the_generator_alone(nu):
     assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG did not move
 
 
+def test_matern_frequencies_leave_the_cuda_generators_alone(monkeypatch):
+    # a non-integer dof seeded the forked CPU RNG with torch.manual_seed, which also reseeds every
+    # CUDA generator (queued until CUDA starts): the caller's GPU randomness was reset
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(seed))
+    sample_spectral_frequencies(6, 2, nu=1.75, generator=torch.Generator().manual_seed(4))
+    assert calls == []
+
+
 @pytest.mark.parametrize("nu", [1.5, 1.75])
 def test_matern_frequencies_are_student_t(nu):
     # Each coordinate of g sqrt(2 nu / u), u ~ chi^2_{2 nu}, is Student-t with 2 nu dof.
