@@ -29,6 +29,8 @@ from gpsd.kernel_distillation._stationary_kernel import (
 
 __all__ = ["SparseLowRankStudent"]
 
+# numbers held by the temporaries of one block of rows in predict (about 128 MiB in float64)
+_PREDICT_CHUNK_ELEMENTS = 2**24
 _DEFAULT_JITTER = {
     torch.float64: 1e-10,
     torch.float32: 1e-6,
@@ -386,8 +388,16 @@ class SparseLowRankStudent(gpytorch.Module):
     def interpolation_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
         r"""The sparse rows :math:`w_\star`: ``(values, indices)``, both of shape ``(p, b)``."""
         x = self._check_inputs(x)
-        values, indices, _ = self._weights(x)
-        return values, indices
+        with torch.no_grad():
+            parts = [self._weights(rows)[:2] for rows in self._row_chunks(x)]
+        return torch.cat([v for v, _ in parts]), torch.cat([i for _, i in parts])
+
+    def _row_chunks(self, x: Tensor) -> tuple[Tensor, ...]:
+        """``x`` split into blocks of rows whose temporaries (the ``(rows, m)`` distances and the
+        ``(rows, b, b)`` local blocks) hold about ``_PREDICT_CHUNK_ELEMENTS`` numbers."""
+        per_row = self.num_inducing + 2 * self.sparsity**2 + self.sparsity * x.shape[-1]
+        rows = max(1, _PREDICT_CHUNK_ELEMENTS // per_row)
+        return x.split(rows) if x.shape[0] > 0 else (x,)
 
     def _weights(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b = self.sparsity
@@ -427,12 +437,16 @@ class SparseLowRankStudent(gpytorch.Module):
     def predict(self, x: Tensor, *, include_noise: bool = False) -> tuple[Tensor, Tensor]:
         r"""Predictive mean and variance of f (of y with ``include_noise``) at ``x``.
 
+        Evaluated in blocks of rows, so that memory stays :math:`O(m + b^2)` per row of a block
+        whatever ``p`` (the bare :meth:`prediction_module` takes ``x`` in one block).
+
         :param x: test inputs, shape ``(p, d)``.
         :return: ``(mean, variance)``, each of shape ``(p,)``.
         """
         x = self._check_inputs(x)
         with torch.no_grad():
-            mean, variance = self._predict(x)
+            parts = [self._predict(rows) for rows in self._row_chunks(x)]
+        mean, variance = torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
         if include_noise:
             variance = variance + self.noise
         return mean, variance

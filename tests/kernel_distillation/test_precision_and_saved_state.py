@@ -122,3 +122,27 @@ def test_jitter_must_be_finite_and_non_negative_also_when_loaded():
     with pytest.raises(ValueError, match="jitter must be a finite float"):
         _blank(_rbf(), 6).load_state_dict(state)
     assert _blank(_rbf(), 6, jitter=0).jitter == 0.0
+
+
+def test_prediction_in_blocks_of_rows_equals_one_row_at_a_time(monkeypatch):
+    # predict used to hold the (p, m) distances of all p rows at once
+    import gpsd.kernel_distillation.sparse_low_rank_student as module
+
+    x, y = _data()
+    student = KernelDistillation.from_kernel(_rbf(), x, y, 0.05, 15, 4, num_steps=1).fit()
+    test_x = torch.randn(50, 2, generator=torch.Generator().manual_seed(2), dtype=DT)
+    rows = [student.prediction_module()(test_x[i : i + 1]) for i in range(50)]
+    blocks = []
+    monkeypatch.setattr(module, "_PREDICT_CHUNK_ELEMENTS", 3 * (15 + 2 * 16 + 4 * 2))
+    monkeypatch.setattr(
+        student,
+        "_predict",
+        lambda rows_x, f=student._predict: blocks.append(len(rows_x)) or f(rows_x),
+    )
+    mean, var = student.predict(test_x)
+    assert blocks == [3] * 16 + [2]
+    torch.testing.assert_close(mean, torch.cat([m for m, _ in rows]), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(var, torch.cat([v for _, v in rows]), rtol=1e-13, atol=1e-13)
+    values, indices = student.interpolation_weights(test_x)
+    assert values.shape == indices.shape == (50, 4)
+    assert student.predict(test_x[:0])[0].shape == (0,)
