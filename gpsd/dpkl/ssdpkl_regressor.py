@@ -60,7 +60,8 @@ class SSDPKLRegressor(DPKLRegressor):
             raise ValueError(f"alpha must be a finite float >= 0, got {alpha!r}")
         unlabelled_batch_size = check_int(unlabelled_batch_size, "unlabelled_batch_size")
         super().__init__(train_x, train_y, feature_extractor, **kwargs)
-        self.register_buffer("unlabelled_x", unlabelled_x)
+        # data, as ExactGP's train_inputs: follows .to() but stays out of state_dict()
+        self.register_buffer("unlabelled_x", unlabelled_x, persistent=False)
         self.alpha = float(alpha)
         self.unlabelled_batch_size = unlabelled_batch_size
 

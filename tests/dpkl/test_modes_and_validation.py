@@ -216,3 +216,17 @@ def test_dpkl_fits_leave_frozen_parameters_alone():
     weights = clf.class_weights.detach().clone()
     clf.fit(x, labels, num_epochs=1, batch_size=12, lr=1e-2)
     assert not torch.equal(clf.class_weights, weights)
+
+
+def test_ssdpkl_state_dict_holds_no_data():
+    # unlabelled_x was saved in state_dict, so a model rebuilt with another unlabelled set (of
+    # another size) could not load a saved one ("size mismatch for unlabelled_x")
+    x, y = _data(12)
+    model = SSDPKLRegressor(x, y, _net, torch.randn(9, 3), num_particles=2)
+    model.fit(2)
+    assert "unlabelled_x" not in model.state_dict()
+    fresh = SSDPKLRegressor(x, y, _net, torch.randn(4, 3), num_particles=2)
+    fresh.load_state_dict(model.state_dict())
+    for got, want in zip(fresh.predict(x[:5]), model.predict(x[:5]), strict=True):
+        torch.testing.assert_close(got, want)
+    assert fresh.unlabelled_x.shape == (4, 3)
