@@ -53,8 +53,7 @@ class ShiftedSolveEngine(abc.ABC):
     def apply(self, filt: SpectralFilter, rhs: Tensor) -> Tensor:
         """:math:`f_t(\\mathbf K)` ``rhs`` for every filter; returns ``(*, F, N, r)``."""
         rhs = rhs.to(self.dtype)
-        gamma = filt.gamma.to(self.dtype)
-        return SpectralFilter(filt._evaluate, gamma).evaluate(ShiftedSolveAlgebra(rhs, self.solve))
+        return filt.to(self.dtype, rhs.device).evaluate(ShiftedSolveAlgebra(rhs, self.solve))
 
     def cross(self, filt: SpectralFilter, left: Tensor, rhs: Tensor) -> Tensor:
         """:math:`\\mathbf C^\\top f_t(\\mathbf K)\\mathbf B`; returns ``(*, F, M, r)``."""

@@ -338,6 +338,7 @@ class KernelSpectrum:
     def apply(self, filt: SpectralFilter, rhs: Tensor | SpectralCoordinates) -> Tensor:
         r""":math:`f_t(\mathbf K)\mathbf B` for every filter of the stack: shape ``(*, F, N, r)``."""
         coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
+        filt = self._in_dtype(filt)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         out = self.eigenvectors.unsqueeze(-3) @ (
             values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3)
@@ -352,6 +353,7 @@ class KernelSpectrum:
         r""":math:`\mathbf C^\top f_t(\mathbf K)\mathbf B` for ``left`` :math:`\mathbf C` of shape
         ``(*b, N, M)``; returns ``(*, F, M, r)``."""
         coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
+        filt = self._in_dtype(filt)
         left = left.to(self.eigenvectors)
         z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
@@ -371,6 +373,7 @@ class KernelSpectrum:
         """
         if num_powers is None:
             num_powers = (self.series_order + 1) // 2
+        filt = self._in_dtype(filt)
         left = left.to(self.eigenvectors)
         z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
@@ -394,6 +397,7 @@ class KernelSpectrum:
         On a truncated spectrum the complement enters to first order, through
         :math:`\operatorname{tr}\mathbf K_\perp = \operatorname{tr}\mathbf K - \sum_i d_i`.
         """
+        filt = self._in_dtype(filt)
         values = filt.values(self.eigenvalues) * self.resolved.unsqueeze(-2)
         out = values.sum(-1)
         if self.is_truncated:
@@ -417,10 +421,14 @@ class KernelSpectrum:
                 "to_linear_operator needs the full eigendecomposition (KernelSpectrum.from_dense); "
                 "use apply()/cross() with a truncated (Lanczos) spectrum"
             )
-        values = filt.values(self.eigenvalues)  # shape: (*sb, F, N)
+        values = self._in_dtype(filt).values(self.eigenvalues)  # shape: (*sb, F, N)
         left = self.eigenvectors.unsqueeze(-3) * values.unsqueeze(-2)  # shape: (*sb, F, N, N)
         right = self.eigenvectors.mT.unsqueeze(-3).expand_as(left)
         return MatmulLinearOperator(left, right)
+
+    def _in_dtype(self, filt: SpectralFilter) -> SpectralFilter:
+        """``filt`` evaluated in the dtype and on the device of the eigenvectors."""
+        return filt.to(self.eigenvectors.dtype, self.eigenvectors.device)
 
     def _combine(self, filt: SpectralFilter, krylov: Tensor) -> Tensor:
         """:math:`\\sum_j c_{t,j} \\mathbf W_j` for ``krylov`` of shape ``(*b, J+1, ·, r)``."""
@@ -520,7 +528,8 @@ def _checkpoints(num_blocks: int) -> set[int]:
 
 class _BlockKrylov:
     """Orthonormal basis ``Q`` of ``[K G, K^2 G, ...]`` and ``K Q``, with full
-    reorthogonalisation, extended one block at a time."""
+    reorthogonalisation, extended one block at a time (by random directions where the Krylov
+    space has become invariant)."""
 
     def __init__(
         self,
@@ -550,19 +559,38 @@ class _BlockKrylov:
         """Add one block (one product with K); ``False`` when it would exceed ``size`` columns."""
         if self.num_blocks * self.block_size + self.block_size > self.size:
             return False
-        z = self._next
-        for _ in range(2):  # classical Gram-Schmidt, twice
-            for q in self.blocks:
-                z = z - q @ (q.mT @ z)
-        q_new, _ = torch.linalg.qr(z)
-        # Guard against rank loss in z: QR may return non-orthogonal directions.
-        for q in self.blocks:
-            q_new = q_new - q @ (q.mT @ q_new)
-        q_new, _ = torch.linalg.qr(q_new)
+        q_new = self._orthonormal_block(self._next)
         self.blocks.append(q_new)
         self._next = self.matmul(q_new)
         self.kblocks.append(self._next)
         return True
+
+    def _project_out(self, z: Tensor) -> Tensor:
+        """``z`` (``(*b, N, c)``) less its part in the basis so far: classical Gram-Schmidt, twice."""
+        for _ in range(2):
+            for q in self.blocks:
+                z = z - q @ (q.mT @ z)
+        return z
+
+    def _orthonormal_block(self, z: Tensor) -> Tensor:
+        """Orthonormal columns ``(*b, N, c)`` orthogonal to the basis, spanning the new part of
+        ``z`` where it has one.
+
+        Where the Krylov space is (nearly) invariant, as for a low-rank kernel or repeated
+        inputs, ``z`` is rounding noise mostly in the span of the basis, and a QR factor of it
+        is not orthogonal to the basis. Such directions (those that lose more than half their
+        length to a second projection) are replaced by random ones: Rayleigh-Ritz needs an
+        orthonormal basis and its exact products, not a Krylov space.
+        """
+        q_new = torch.linalg.qr(self._project_out(z))[0]
+        for attempt in range(4):
+            q_new, r = torch.linalg.qr(self._project_out(q_new))
+            lost = r.diagonal(dim1=-2, dim2=-1).abs() < 0.5  # shape: (*b, c)
+            if attempt == 3 or not bool(lost.any()):
+                break
+            fresh = torch.randn(q_new.shape, generator=self.generator, dtype=q_new.dtype)
+            q_new = torch.where(lost.unsqueeze(-2), fresh.to(q_new.device), q_new)
+        return q_new
 
     def random_vector(self) -> Tensor:
         """A standard normal ``(*b, N, 1)`` from the same generator, on the basis' device."""

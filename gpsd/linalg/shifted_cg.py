@@ -282,6 +282,7 @@ class ShiftedCG(ShiftedSolveEngine):
         cost, and the chain reuses the timed solve when its first step has the smallest noise;
         a long chain on a hard spectrum costs about one solve instead of :math:`T`.
         """
+        filt = filt.to(self.dtype, self.ritz_vectors.device)
         if filt.is_resolvent:
             if torch.unique(filt.gamma).numel() > 1:
                 return self.multishift_solve(filt.gamma.to(self.dtype), rhs.to(self.dtype))
@@ -354,6 +355,7 @@ class ShiftedCG(ShiftedSolveEngine):
         self, filt: SpectralFilter, rhs: Tensor, max_iter: int
     ) -> tuple[Tensor, float]:
         """:meth:`krylov_apply` within ``max_iter`` iterations; also returns its error estimate."""
+        filt = filt.to(self.dtype, self.ritz_vectors.device)
         with torch.no_grad():
             d, v, z, b = self._split_resolved(rhs.to(self.dtype))
             # shape: (*bc, T, N, r) with *bc the schedules' batch broadcast against *kb

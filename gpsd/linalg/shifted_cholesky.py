@@ -77,7 +77,7 @@ class ShiftedCholesky(ShiftedSolveEngine):
                 PerformanceWarning,
                 stacklevel=2,
             )
-        eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=gamma.device)
+        eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
         shifted = self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
         factor = psd_safe_cholesky(shifted)
         del shifted

@@ -44,15 +44,24 @@ class SpectralFilter:
         :class:`~gpsd.linalg._algebra.PowerSeriesAlgebra` to the stacked filter, shape ``(*s, T, k)``
         or ``(*s, T, J + 1)``.
     :param gamma: the schedule the filter was built from, shape ``(*s, T)``.
+    :param is_resolvent: whether the filter is :meth:`resolvent` (shifted-solve backends apply it
+        specially).
+    :param rebuild: builds the same filter from another schedule, for :meth:`to` (``None``: the
+        filter keeps its schedule's dtype and device).
     """
 
     def __init__(
-        self, evaluate: Callable[[object], Tensor], gamma: Tensor, is_resolvent: bool = False
+        self,
+        evaluate: Callable[[object], Tensor],
+        gamma: Tensor,
+        is_resolvent: bool = False,
+        rebuild: Callable[[Tensor], SpectralFilter] | None = None,
     ) -> None:
         self._evaluate = evaluate
         self.gamma = gamma
         #: ``True`` for :meth:`resolvent` filters, which shifted-solve backends apply specially.
         self.is_resolvent = is_resolvent
+        self._rebuild = rebuild
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -61,6 +70,19 @@ class SpectralFilter:
     @property
     def num_filters(self) -> int:
         return self.gamma.shape[-1]
+
+    def to(self, dtype: torch.dtype, device: torch.device | None = None) -> SpectralFilter:
+        """The same filter with its schedule in ``dtype`` (and on ``device``), so that its values
+        and series are computed there.
+
+        A backend evaluates every filter in its own dtype: a float32 schedule (as
+        ``torch.tensor([0.1])`` makes) must not cost a float64 spectrum its precision, nor a
+        float64 schedule fail on a float32 one.
+        """
+        device = self.gamma.device if device is None else torch.device(device)
+        if self._rebuild is None or (self.gamma.dtype == dtype and self.gamma.device == device):
+            return self
+        return self._rebuild(self.gamma.to(dtype=dtype, device=device))
 
     def evaluate(self, algebra: object) -> Tensor:
         """Evaluate the stacked filter in ``algebra`` (values, power series or applied vectors)."""
@@ -78,12 +100,20 @@ class SpectralFilter:
     @classmethod
     def data_centric_targets(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
         """:math:`F_t` for ``t = 1..T``: the training targets after each data-centric step."""
-        return cls(lambda alg: _data_centric(alg, gamma, alpha)[0], gamma)
+        return cls(
+            lambda alg: _data_centric(alg, gamma, alpha)[0],
+            gamma,
+            rebuild=lambda g: cls.data_centric_targets(g, alpha),
+        )
 
     @classmethod
     def data_centric_weights(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
         """:math:`G_t = F_{t-1} / (d + \\gamma_t)` for ``t = 1..T``: weights of the test mean."""
-        return cls(lambda alg: _data_centric(alg, gamma, alpha)[1], gamma)
+        return cls(
+            lambda alg: _data_centric(alg, gamma, alpha)[1],
+            gamma,
+            rebuild=lambda g: cls.data_centric_weights(g, alpha),
+        )
 
     @classmethod
     def resolvent(cls, gamma: Tensor) -> SpectralFilter:
@@ -94,7 +124,7 @@ class SpectralFilter:
             steps = [alg.mul(one, alg.reciprocal(gamma[..., t])) for t in range(gamma.shape[-1])]
             return alg.stack(steps)
 
-        return cls(evaluate, gamma, is_resolvent=True)
+        return cls(evaluate, gamma, is_resolvent=True, rebuild=cls.resolvent)
 
 
 def _data_centric(alg, gamma: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
