@@ -80,9 +80,12 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         train_x, train_y = validate_training_data(train_x, train_y)
         self.kernel = kernel
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
-        self.register_buffer("train_x", train_x)
-        self.register_buffer("train_y", train_y)
-        self.register_buffer("gamma", validate_gamma(gamma, train_x))
+        # Detached: a buffer carrying a graph (into a feature extractor, or a learnt schedule)
+        # serves one backward pass, after which the rebuilt cache runs into its freed graph, and
+        # it cannot be deep-copied. Gradients reach the kernel's and the mean's parameters.
+        self.register_buffer("train_x", train_x.detach())
+        self.register_buffer("train_y", train_y.detach())
+        self.register_buffer("gamma", validate_gamma(gamma, train_x).detach())
         try:
             torch.broadcast_shapes(self.gamma.shape[:-1], train_x.shape[:-2], kernel.batch_shape)
         except RuntimeError:
@@ -98,6 +101,12 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.rtol = rtol
         self.kernel_cache_bytes = kernel_cache_bytes
         self._cache: dict = {}
+
+    def __getstate__(self) -> dict:
+        """The module's state without the cached factorisation, which ``copy.deepcopy`` and
+        ``pickle`` cannot take while it holds an autograd graph; the copy rebuilds it on use."""
+        state = super().__getstate__()
+        return {**state, "_cache": {}}
 
     @property
     def backend(self) -> str:
@@ -117,11 +126,20 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         """Distil a trained ``ExactGP`` teacher with a ``GaussianLikelihood``.
 
         The teacher's mean and kernel modules are shared, not copied. ``gamma`` defaults to the
-        teacher's noise repeated ``num_steps`` times (so the teacher itself is step 1).
+        teacher's noise repeated ``num_steps`` times (so the teacher itself is step 1); with both
+        given, ``num_steps`` must be the length of ``gamma``.
         """
         train_x, train_y, noise = unpack_teacher(teacher)
+        num_steps = check_int(num_steps, "num_steps", optional=True)
+        if gamma is not None and num_steps is not None:
+            steps = validate_gamma(gamma, train_x).shape[-1]
+            if steps != num_steps:
+                raise ValueError(
+                    f"num_steps={num_steps} does not match the {steps} steps of gamma; "
+                    "give one of them"
+                )
         if gamma is None:
-            if num_steps is None or num_steps < 1:
+            if num_steps is None:
                 raise ValueError("give gamma, or num_steps >= 1 to repeat the teacher's noise")
             # shape: (*b, T): a batched teacher's noise per member of its batch
             gamma = noise.unsqueeze(-1).expand(*noise.shape, num_steps).clone()

@@ -12,7 +12,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import adopt_buffer_shapes
+from gpsd._module_state import ModuleState, adopt_buffer_shapes
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -80,6 +80,11 @@ class DataCentricGPC(gpytorch.Module):
     thresholded at 1/2 (Fig. 10). The kernel matrix is computed once; each step warm-starts Newton
     from the previous mode. Cost grows linearly in the number of steps (no closed form exists).
 
+    Predictions refit every step (warm-started from the stored modes) when any parameter or buffer
+    or a setting (``noise_schedule``, ``soft_target_likelihood``, ``threshold_targets``,
+    ``target_method``, ``max_iter``) has changed since the last :meth:`fit`, so they always belong
+    to the current hyperparameters. The training data are stored detached.
+
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
     :param train_y: Binary labels ``(*batch, n)`` in {0, 1}.
     :param covar_module: The (fixed) kernel :math:`k`, any GPyTorch kernel.
@@ -121,8 +126,9 @@ class DataCentricGPC(gpytorch.Module):
             raise ValueError(
                 f"target_method must be 'quadrature' or 'probit', got {target_method!r}"
             )
-        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")
-        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype)
+        # detached: a graph into (say) a feature extractor would be stored in the buffers
+        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x").detach()
+        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
         check_same_device(train_x, train_y, "train_y", "train_x")
         check_vector(train_y, "train_y", n=train_x.shape[-2])
         BernoulliLogitTerms().check_targets(train_y, "train_y")
@@ -138,10 +144,12 @@ class DataCentricGPC(gpytorch.Module):
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
         shape = (num_steps, *train_y.shape)
-        self.register_buffer("step_targets", torch.zeros(shape, dtype=train_x.dtype))
-        self.register_buffer("latent_modes", torch.zeros(shape, dtype=train_x.dtype))
-        self.register_buffer("is_fitted", torch.tensor(False))
+        self.register_buffer("step_targets", train_x.new_zeros(shape))
+        self.register_buffer("latent_modes", train_x.new_zeros(shape))
+        self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
         self._modes: list[LaplaceMode] | None = None
+        # the parameters, buffers and settings that self._modes were fitted at
+        self._modes_state: tuple[ModuleState, tuple] | None = None
         self.newton_iterations: list[int] = []
 
     def _apply(self, fn, *args, **kwargs):
@@ -152,6 +160,23 @@ class DataCentricGPC(gpytorch.Module):
         adopt_buffer_shapes(self, state_dict, prefix, ("step_targets", "latent_modes"))
         self._modes = None
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _settings(self) -> tuple:
+        """The settings besides the module's state that the fitted steps depend on."""
+        return (
+            tuple(self.noise_schedule),
+            self.soft_target_likelihood,
+            self.threshold_targets,
+            self.target_method,
+            self.max_iter,
+        )
+
+    def _modes_are_current(self) -> bool:
+        """Whether :attr:`_modes` were fitted at the current parameters, buffers and settings."""
+        if self._modes is None or self._modes_state is None:
+            return False
+        state, settings = self._modes_state
+        return settings == self._settings() and state.matches(self)
 
     def _terms(self, step: int):
         if step == 1 or self.soft_target_likelihood == "bernoulli":
@@ -211,13 +236,14 @@ class DataCentricGPC(gpytorch.Module):
                 targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
             self._modes = modes
             self.is_fitted.fill_(True)
+            self._modes_state = (ModuleState(self), self._settings())
         return self
 
     def _mode(self, step: int | None) -> tuple[int, LaplaceMode]:
         step = self.num_steps if step is None else check_int(step, "step")
         if step > self.num_steps:
             raise ValueError(f"step must be in 1..{self.num_steps}, got {step}")
-        if self._modes is None:
+        if not self._modes_are_current():
             if not bool(self.is_fitted):
                 raise RuntimeError("DataCentricGPC is not fitted; call fit() first")
             self.fit(use_stored_modes=True)

@@ -63,8 +63,9 @@ class DataCentricGPR(SpectralGPR):
       where Lanczos cannot reach ``rtol``.
 
     The factorisation is cached and recomputed when the kernel's or the mean's parameters change.
-    Gradients flow to the hyperparameters through the dense and Cholesky backends; the
-    matrix-free backends return predictions without an autograd graph.
+    Gradients flow to the kernel's and the mean's hyperparameters through the dense and Cholesky
+    backends; the matrix-free backends return predictions without an autograd graph.
+    ``train_x``, ``train_y`` and ``gamma`` are stored detached: constants to the model.
 
     :param kernel: the prior covariance :math:`k` (a GPyTorch kernel, trained or not).
     :param train_x: training inputs, shape ``(*b, N, d)`` (or ``(N,)``).

@@ -8,7 +8,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import adopt_buffer_shapes
+from gpsd._module_state import ModuleState, adopt_buffer_shapes
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -60,6 +60,10 @@ class DistributionCentricGPC(gpytorch.Module):
 
     Step 1 of every method is the ordinary Laplace GPC.
 
+    Predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
+    the likelihood, or ``max_iter``, has changed since the last fit (or ``load_state_dict``), so
+    that every step belongs to the current hyperparameters. The training data are stored detached.
+
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
     :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones).
     :param covar_module: The kernel :math:`k` (fixed).
@@ -89,8 +93,9 @@ class DistributionCentricGPC(gpytorch.Module):
         num_steps = check_int(num_steps, "num_steps")
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")
-        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype)
+        # detached: a graph into (say) a feature extractor would be stored in the buffers
+        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x").detach()
+        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
         check_same_device(train_x, train_y, "train_y", "train_x")
         check_vector(train_y, "train_y", n=train_x.shape[-2])
         self.terms = resolve_likelihood_terms(likelihood)
@@ -108,17 +113,45 @@ class DistributionCentricGPC(gpytorch.Module):
         self._scratch: tuple[int, Tensor, Tensor, Tensor] | None = None
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
-        self.register_buffer("latent_modes", torch.zeros(T, *train_y.shape, dtype=train_x.dtype))
-        self.register_buffer("coefficients", torch.zeros(T, *train_y.shape, dtype=train_x.dtype))
+        self.register_buffer("latent_modes", train_x.new_zeros(T, *train_y.shape))
+        self.register_buffer("coefficients", train_x.new_zeros(T, *train_y.shape))
+        self.register_buffer("covariance_corrections", train_x.new_zeros(T, *train_y.shape, n))
         self.register_buffer(
-            "covariance_corrections", torch.zeros(T, *train_y.shape, n, dtype=train_x.dtype)
+            "computed_steps", torch.zeros(num_steps, dtype=torch.bool, device=train_x.device)
         )
-        self.register_buffer("computed_steps", torch.zeros(num_steps, dtype=torch.bool))
         self.newton_iterations: dict[int, int] = {}
+        # the state of the prior and likelihood that the computed steps belong to
+        self._fitted_state: tuple[ModuleState, int] | None = None
+        self.register_load_state_dict_post_hook(DistributionCentricGPC._adopt_loaded_fit)
 
     def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the unkept step
         self._scratch = None
-        return super()._apply(fn, *args, **kwargs)
+        was_current = self._fit_is_current()
+        out = super()._apply(fn, *args, **kwargs)
+        if was_current:  # the same values in another dtype or on another device
+            self._fitted_state = self._prior_state()
+        return out
+
+    def _prior_modules(self) -> torch.nn.ModuleList:
+        """The kernel, the mean and the likelihood (where it is a module): what a fit depends on."""
+        modules = (self.covar_module, self.mean_module, getattr(self, "likelihood", None))
+        return torch.nn.ModuleList([m for m in modules if m is not None])
+
+    def _prior_state(self) -> tuple[ModuleState, int]:
+        """The state of :meth:`_prior_modules` and ``max_iter`` now."""
+        return ModuleState(self._prior_modules()), self.max_iter
+
+    def _fit_is_current(self) -> bool:
+        """Whether the computed steps belong to the current prior, likelihood and ``max_iter``."""
+        if self._fitted_state is None:
+            return False
+        state, max_iter = self._fitted_state
+        return max_iter == self.max_iter and state.matches(self._prior_modules())
+
+    @staticmethod
+    def _adopt_loaded_fit(module: DistributionCentricGPC, incompatible_keys) -> None:
+        """After ``load_state_dict``: the loaded steps belong to the loaded hyperparameters."""
+        module._fitted_state = module._prior_state()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._scratch = None
@@ -228,6 +261,7 @@ class DistributionCentricGPC(gpytorch.Module):
                 self._fit_iterated()
             else:
                 self._fit_approximation(self.num_steps)
+        self._fitted_state = self._prior_state()
         return self
 
     def _state(self, step: int | None) -> tuple[float, Tensor, Tensor]:
@@ -235,6 +269,8 @@ class DistributionCentricGPC(gpytorch.Module):
         if step > self.num_steps:
             raise ValueError(f"step must be in 1..{self.num_steps}, got {step}")
         scale = float(step) if self.method == "scaled_kernel" else 1.0
+        if bool(self.computed_steps.any()) and not self._fit_is_current():
+            self.fit()  # the hyperparameters changed since the steps were computed
         if bool(self.computed_steps[step - 1]):
             slot = self._slot(step)
             assert slot is not None

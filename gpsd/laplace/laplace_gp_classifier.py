@@ -11,7 +11,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import adopt_buffer_shapes
+from gpsd._module_state import ModuleState, adopt_buffer_shapes
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -62,8 +62,12 @@ class LaplaceGPClassifier(gpytorch.Module):
     The mode is found by :func:`~gpsd.laplace.find_laplace_mode` (Newton, stable B-form, warm
     started from the last mode). :meth:`log_marginal_likelihood` is differentiable in the kernel and
     mean hyperparameters (total derivative, including the dependence of the mode), so they train in
-    an ordinary torch loop. After changing hyperparameters call :meth:`fit` (the marginal likelihood
-    does so itself) before predicting.
+    an ordinary torch loop. Predictions refit the mode when any parameter or buffer (or the
+    temperature) has changed since the last :meth:`fit`, so they always belong to the current
+    hyperparameters.
+
+    The training data are stored detached: targets that carry an autograd graph (a teacher's
+    differentiable ``predict_proba``, say) are constants to this model.
 
     :param train_x: Training inputs, shape ``(n, d)`` or ``(n,)``.
     :param train_y: Targets, shape ``(*batch, n)``: 0/1 labels for the Bernoulli likelihoods, soft
@@ -100,8 +104,10 @@ class LaplaceGPClassifier(gpytorch.Module):
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
-        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")
-        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype)
+        # detached: a graph into (say) a teacher's hyperparameters would be stored in the buffers,
+        # and every backward pass of the marginal likelihood would run into it
+        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x").detach()
+        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
         check_same_device(train_x, train_y, "train_y", "train_x")
         check_vector(train_y, "train_y", n=train_x.shape[-2])
         self.terms: LaplaceLikelihoodTerms = resolve_likelihood_terms(likelihood)
@@ -121,10 +127,14 @@ class LaplaceGPClassifier(gpytorch.Module):
         self.max_iter = max_iter
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
-        self.register_buffer("noise", torch.tensor(float(noise), dtype=train_x.dtype))
+        self.register_buffer(
+            "noise", torch.tensor(float(noise), dtype=train_x.dtype, device=train_x.device)
+        )
         self.register_buffer("latent_mode", torch.zeros_like(train_y))
-        self.register_buffer("mode_available", torch.tensor(False))
+        self.register_buffer("mode_available", torch.tensor(False, device=train_x.device))
         self._mode: LaplaceMode | None = None
+        # the parameters, buffers and temperature that self._mode was fitted at
+        self._mode_state: tuple[ModuleState, float] | None = None
 
     # ----------------------------------------------------------------------------------------
     def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the cached factorisation
@@ -146,10 +156,18 @@ class LaplaceGPClassifier(gpytorch.Module):
         batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1])
         return m.expand(*batch, K.shape[-1]), K.expand(*batch, *K.shape[-2:])
 
+    def _mode_is_current(self) -> bool:
+        """Whether :attr:`_mode` was fitted at the current parameters, buffers and temperature."""
+        if self._mode is None or self._mode_state is None:
+            return False
+        state, temperature = self._mode_state
+        return temperature == self.temperature and state.matches(self)
+
     @property
     def mode(self) -> LaplaceMode:
-        """The current :class:`~gpsd.laplace.LaplaceMode` (fitting first if needed)."""
-        if self._mode is None:
+        """The :class:`~gpsd.laplace.LaplaceMode` at the current hyperparameters (refitted when any
+        parameter, buffer or the temperature changed since the last :meth:`fit`)."""
+        if not self._mode_is_current():
             self.fit()
         assert self._mode is not None
         return self._mode
@@ -180,6 +198,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         else:
             self.latent_mode.copy_(mode.f)
         self.mode_available.fill_(True)
+        self._mode_state = (ModuleState(self), self.temperature)
         return self
 
     def log_marginal_likelihood(self) -> Tensor:

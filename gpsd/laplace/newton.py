@@ -151,6 +151,7 @@ def find_laplace_mode(
     one full Newton step from ``init_f`` first.
 
     Runs without autograd; see :func:`gpsd.laplace.laplace_log_marginal_likelihood` for gradients.
+    The batch shapes of ``K``, ``y``, ``prior_mean`` and ``init_f`` broadcast against each other.
 
     :param K: Prior covariance of the training latents, shape ``(*batch, n, n)``.
     :param y: Targets, shape ``(*batch, n)``.
@@ -168,7 +169,16 @@ def find_laplace_mode(
     with torch.no_grad():
         K = K.detach()
         y = y.detach()
-        batch_shape = torch.broadcast_shapes(K.shape[:-2], y.shape[:-1])
+        # the batch of problems: K, y, the prior mean and the start point broadcast together
+        batch_shapes = [K.shape[:-2], y.shape[:-1]]
+        batch_shapes += [t.shape[:-1] for t in (prior_mean, init_f) if t is not None and t.dim()]
+        try:
+            batch_shape = torch.broadcast_shapes(*batch_shapes)
+        except RuntimeError as err:
+            raise ValueError(
+                "the batch shapes of K, y, prior_mean and init_f (all but the last dimension of y, "
+                f"prior_mean and init_f) do not broadcast: {[tuple(b) for b in batch_shapes]}"
+            ) from err
         n = K.shape[-1]
         K = K.expand(*batch_shape, n, n)
         y = y.expand(*batch_shape, n)

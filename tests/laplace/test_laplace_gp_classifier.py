@@ -242,6 +242,25 @@ def test_batch_of_problems_matches_separate_fits(toy):
     assert batch.log_marginal_likelihood().shape == (3,)
 
 
+def test_a_batch_of_prior_means_or_start_points_broadcasts(toy):
+    # a prior mean (or init_f) with a batch that K and y lack was a bare torch expand error
+    x, y, _ = toy
+    K = _kernel()(x).to_dense().detach()
+    means = torch.tensor([-0.5, 0.0, 0.8], dtype=torch.float64).unsqueeze(-1).expand(3, 40)
+    starts = torch.linspace(-1.0, 1.0, 2, dtype=torch.float64).view(2, 1, 1).expand(2, 3, 40)
+    batch = find_laplace_mode(K, y, BernoulliLogitTerms(), prior_mean=means)
+    warm = find_laplace_mode(K, y, BernoulliLogitTerms(), prior_mean=means, init_f=starts)
+    assert batch.f.shape == (3, 40) and warm.f.shape == (2, 3, 40)
+    for i in range(3):
+        single = find_laplace_mode(K, y, BernoulliLogitTerms(), prior_mean=means[i])
+        torch.testing.assert_close(batch.f[i], single.f, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(batch.log_marginal_likelihood[i], single.log_marginal_likelihood)
+        for j in range(2):
+            torch.testing.assert_close(warm.f[j, i], single.f, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="prior_mean and init_f"):
+        find_laplace_mode(K, y, BernoulliLogitTerms(), prior_mean=means, init_f=starts[:, :2])
+
+
 def test_state_dict_round_trip_and_dtype(toy):
     x, y, test_x = toy
     model = LaplaceGPClassifier(x, y, _kernel()).fit()
