@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.distributions import Distribution, constraints
 from torch.distributions.utils import broadcast_all
 
-from gpsd.likelihoods.log_normalizer import cb_log_normalizer, cb_mean, cb_variance
+from gpsd.likelihoods.log_normalizer import cb_entropy, cb_log_normalizer, cb_mean, cb_variance
 
 __all__ = ["ContinuousBernoulli"]
 
@@ -113,8 +113,8 @@ class ContinuousBernoulli(Distribution):
             return self.rsample(sample_shape)
 
     def entropy(self) -> Tensor:
-        r""":math:`H = A(f) - f A'(f)`."""
-        return cb_log_normalizer(self.logits) - self.logits * cb_mean(self.logits)
+        r""":math:`H = A(f) - f A'(f)` (:func:`~gpsd.likelihoods.log_normalizer.cb_entropy`)."""
+        return cb_entropy(self.logits)
 
 
 def _logit_branches(f: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

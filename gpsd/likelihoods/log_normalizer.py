@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "cb_entropy",
     "cb_log_normalizer",
     "cb_mean",
     "cb_variance",
@@ -59,6 +60,11 @@ _DA_COEFFS = [float(_B[2 * k] / math.factorial(2 * k)) for k in range(1, _NUM_TE
 # A''(f) = sum_k B_2k (2k - 1) f^(2k-2) / (2k)!
 _D2A_COEFFS = [
     float(_B[2 * k] * (2 * k - 1) / math.factorial(2 * k)) for k in range(1, _NUM_TERMS + 1)
+]
+# A(f) - f A'(f) = sum_k B_2k (1 - 2k) f^2k / (2k (2k)!)
+_H_COEFFS = [
+    float(_B[2 * k] * (1 - 2 * k) / (2 * k * math.factorial(2 * k)))
+    for k in range(1, _NUM_TERMS + 1)
 ]
 # 1/a - csch(a) = -sum_k 2 (1 - 2^(2k-1)) B_2k a^(2k-1) / (2k)!
 _CSCH = [
@@ -147,6 +153,32 @@ def cb_variance(f: Tensor) -> Tensor:
     series = _even_series(fs.square(), _D2A_COEFFS)
     abs_fl = fl.abs()
     closed = 1.0 / fl.square() - torch.exp(-abs_fl) / torch.expm1(-abs_fl).square()
+    return torch.where(small, series, closed)
+
+
+def cb_entropy(f: Tensor) -> Tensor:
+    r"""The entropy :math:`H(f) = A(f) - f A'(f) \le 0` of the continuous Bernoulli, an even function.
+
+    .. math::
+
+        H(f) = \begin{cases}
+            \sum_{k \ge 1} \tfrac{(1 - 2k) B_{2k}}{2k (2k)!} f^{2k} & |f| < 1, \\
+            \log(1 - e^{-t}) - \log t + 1 - \tfrac{t e^{-t}}{1 - e^{-t}}, \ t = |f|
+            & \text{otherwise,}
+        \end{cases}
+
+    so that neither the :math:`f/2` of :math:`A` and :math:`f A'` near 0 nor their :math:`f` at
+    large :math:`f` cancel.
+
+    :param f: Logits, any shape.
+    :return: :math:`H(f)`, same shape as ``f``.
+    """
+    f = _check_tensor(f)
+    small, fs, fl = _split(f, _SERIES_CUTOFF)
+    series = fs.square() * _even_series(fs.square(), _H_COEFFS)
+    t = fl.abs()
+    one_minus_e = -torch.expm1(-t)  # 1 - e^{-t}
+    closed = torch.log(one_minus_e) - torch.log(t) + 1.0 - t * torch.exp(-t) / one_minus_e
     return torch.where(small, series, closed)
 
 

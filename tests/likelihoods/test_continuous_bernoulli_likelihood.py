@@ -238,3 +238,68 @@ def test_cdf_and_icdf_gradients_at_zero_are_zero():
         dist = ContinuousBernoulli(logit)
         (dist.cdf(torch.tensor(0.0, dtype=torch.float64)) + dist.icdf(torch.tensor(0.0))).backward()
         assert float(logit.grad) == 0.0
+
+
+def _mp_expectations(y, mean, variance):
+    """(E[log p(y | f)], log E[p(y | f)]) for f ~ N(mean, variance), by mpmath quadrature."""
+    mpmath = pytest.importorskip("mpmath")
+    with mpmath.workdps(40):
+        y, mu, s = mpmath.mpf(y), mpmath.mpf(mean), mpmath.sqrt(mpmath.mpf(variance))
+
+        def log_p(f):
+            return y * f - (mpmath.log(mpmath.expm1(f) / f) if f != 0 else 0)
+
+        breaks = [-mpmath.inf, mu - 12 * s, mu, mu + 12 * s, mpmath.inf]
+        elp = mpmath.quad(lambda f: log_p(f) * mpmath.npdf(f, mu, s), breaks)
+        # p(y | f) N(f) in logs, scaled by its value at the mean so that nothing underflows
+        shift = log_p(mu)
+        mass = mpmath.quad(lambda f: mpmath.exp(log_p(f) - shift) * mpmath.npdf(f, mu, s), breaks)
+        return float(elp), float(shift + mpmath.log(mass))
+
+
+def test_float64_quadrature_is_float64_accurate_without_converting_the_likelihood():
+    # GPyTorch's quadrature nodes are float32 until the likelihood itself is converted (models are
+    # usually converted with .double(), likelihoods often not): both were off by up to 3e-8
+    likelihood = ContinuousBernoulliLikelihood()
+    mean = torch.tensor([-3.0, -0.4, 0.0, 0.7, 2.0, 5.0], dtype=torch.float64)
+    var = torch.tensor([0.05, 1.0, 0.5, 0.8, 0.3, 1.0], dtype=torch.float64)
+    y = torch.tensor([0.1, 0.5, 0.3, 0.0, 1.0, 0.8], dtype=torch.float64)
+    mvn = gpytorch.distributions.MultivariateNormal(mean, torch.diag(var))
+    elp = likelihood.expected_log_prob(y, mvn)
+    log_marginal = likelihood.log_marginal(y, mvn)
+    assert elp.dtype == log_marginal.dtype == torch.float64
+    for i in range(6):
+        ref_elp, ref_log_marginal = _mp_expectations(y[i].item(), mean[i].item(), var[i].item())
+        assert elp[i].item() == pytest.approx(ref_elp, rel=1e-12, abs=1e-14)
+        assert log_marginal[i].item() == pytest.approx(ref_log_marginal, rel=1e-12, abs=1e-14)
+
+
+@pytest.mark.parametrize(
+    "dtype,mean,variance,y,rtol",
+    [
+        (torch.float64, 800.0, 0.01, 0.0, 1e-12),  # was -inf
+        (torch.float64, -750.0, 1.0, 1.0, 1e-12),  # was -742.8306, 0.05 nats off
+        (torch.float32, 120.0, 1.0, 0.0, 1e-6),  # was -inf
+        (torch.float32, -95.0, 0.2, 1.0, 1e-6),  # was right, with a NaN gradient
+    ],
+)
+def test_log_marginal_where_every_node_density_underflows(dtype, mean, variance, y, rtol):
+    likelihood = ContinuousBernoulliLikelihood()
+    mvn = gpytorch.distributions.MultivariateNormal(
+        torch.tensor([mean], dtype=dtype), torch.tensor([[variance]], dtype=dtype)
+    )
+    got = likelihood.log_marginal(torch.tensor([y], dtype=dtype), mvn)
+    assert torch.isfinite(got).all()
+    _, ref = _mp_expectations(y, mean, variance)
+    assert got.item() == pytest.approx(ref, rel=rtol)
+    # PredictiveLogLikelihood is built on it: its loss was inf and its gradients NaN
+    mean_param = torch.tensor([mean], dtype=dtype, requires_grad=True)
+    mvn = gpytorch.distributions.MultivariateNormal(
+        mean_param, torch.tensor([[variance]], dtype=dtype)
+    )
+    likelihood.log_marginal(torch.tensor([y], dtype=dtype), mvn).sum().backward()
+    h = 1e-4
+    ref_grad = (
+        _mp_expectations(y, mean + h, variance)[1] - _mp_expectations(y, mean - h, variance)[1]
+    )
+    assert mean_param.grad.item() == pytest.approx(ref_grad / (2 * h), rel=max(rtol, 1e-7) * 10)
