@@ -14,6 +14,7 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from torch import Tensor
 
+from gpsd._teacher import frozen_copy
 from gpsd._validation import (
     as_float_tensor,
     check_int,
@@ -159,7 +160,9 @@ class KernelDistillation:
         ``ZeroMean`` or ``ConstantMean`` and no batch shape. "Trained" is checked as: training
         data set (``train_inputs``/``train_targets`` not ``None``) and, with
         ``require_trained=True``, not every raw hyperparameter still at GPyTorch's initial value 0.
-        Use :meth:`from_kernel` to pass ``(kernel, train_x, train_y, noise)`` instead.
+        Use :meth:`from_kernel` to pass ``(kernel, train_x, train_y, noise)`` instead. Its kernel,
+        noise and mean are copied here: training the teacher further does not reach the
+        distillation.
     :param num_inducing: ``m``, number of inducing points (``b <= m <= n``).
     :param sparsity: ``b``, non-zeros per row of :math:`W`.
     :param num_steps: ``T``, gradient steps.
@@ -306,6 +309,9 @@ class KernelDistillation:
                 "kernel must have no batch shape (the student distils one kernel), got batch "
                 f"shape {tuple(kernel.batch_shape)}"
             )
+        # a frozen copy, like the noise and the mean: K_UU, the neighbour metric and the student
+        # describe the kernel as given, even if the teacher goes on training before fit()
+        kernel = frozen_copy(kernel)
         n = x.shape[0]
         if train_y.dim() != 1:
             raise ValueError(f"train_y must have shape (n={n},), got {tuple(train_y.shape)}")
@@ -471,7 +477,12 @@ class KernelDistillation:
         return float(self.objective_and_gradient(values, gradient=False)[0].sqrt())
 
     def _line_search(self, values: Tensor, direction: Tensor) -> tuple[float, float]:
-        """Exact minimiser ``t >= 0`` of ``f(values - t * direction)`` and ``f`` there."""
+        """The first local minimiser ``t >= 0`` of ``f(values - t * direction)`` and ``f`` there.
+
+        Not the global minimiser of the quartic: the objective is even in ``W``, so a farther
+        minimum can be (nearly) ``-W``, beyond the barrier at ``W = 0``, whose student predicts
+        the negated mean (every input equal, say, where the fit is exact).
+        """
         w = self._pattern.matrix(values)
         dmat = self._pattern.matrix(direction)
         c = torch.zeros(6, dtype=values.dtype, device=values.device)
@@ -500,14 +511,18 @@ class KernelDistillation:
         # f(t) = ee - 2 es t + (ss + 2 eq) t^2 - 2 sq t^3 + qq t^4
         coeffs = [qq, -2.0 * sq, ss + 2.0 * eq, -2.0 * es, ee]
         poly = np.polynomial.Polynomial(coeffs[::-1])
-        candidates = [0.0] + [
-            r.real
-            for r in poly.deriv().roots()
-            if abs(r.imag) < 1e-12 * (1 + abs(r)) and r.real > 0
-        ]
-        values_at = [poly(t) for t in candidates]
-        best = int(np.argmin(values_at))
-        return candidates[best], max(values_at[best], 0.0)
+        # f decreases from t = 0 (a descent direction) up to its first critical point
+        t = min(
+            (
+                r.real
+                for r in poly.deriv().roots()
+                if abs(r.imag) < 1e-12 * (1 + abs(r)) and r.real > 0
+            ),
+            default=0.0,
+        )
+        if poly(t) > ee:  # not a descent direction, or no step beyond rounding
+            t = 0.0
+        return t, max(poly(t), 0.0)
 
     def fit(self) -> SparseLowRankStudent:
         """Run Algorithm 1 and return the student; ``frobenius_errors`` holds the error of the

@@ -73,7 +73,12 @@ class PosteriorKernel(Kernel):
             raise ValueError("PosteriorKernel does not support last_dim_is_batch=True")
         check_inputs(x1, self.train_inputs, "x1")
         check_inputs(x2, self.train_inputs, "x2")
-        same = x1.shape == x2.shape and torch.equal(x1, x2)
+        # Equal values may share one solve only where no gradient has to reach x1 and x2 apart.
+        same = x1 is x2 or (
+            not (x1.requires_grad or x2.requires_grad)
+            and x1.shape == x2.shape
+            and torch.equal(x1, x2)
+        )
         k12, k_x1, k_x2 = self._prior_blocks(x1, None if same else x2, diag)
         a1 = torch.linalg.solve_triangular(self.cholesky, k_x1, upper=False)  # shape: (*b, N, M1)
         a2 = a1 if same else torch.linalg.solve_triangular(self.cholesky, k_x2, upper=False)
