@@ -41,6 +41,9 @@ class AutogradLikelihoodTerms(LaplaceLikelihoodTerms):
     ) -> None:
         if not isinstance(likelihood, Likelihood):
             raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood)}")
+        for arg, value in (("response", response), ("target_check", target_check)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{arg} must be callable or None, got {type(value)}")
         self.likelihood = likelihood
         self._response = response if response is not None else torch.sigmoid
         if symmetric_response is None:

@@ -32,11 +32,13 @@ class BernoulliLogitTerms(LaplaceLikelihoodTerms):
     symmetric_response = True
 
     def log_prob(self, y: Tensor, f: Tensor) -> Tensor:
-        return y * f - F.softplus(f)
+        # y log sigma(f) + (1 - y) log sigma(-f) equals y f - log(1 + e^f) for any y, and neither
+        # cancels nor (like softplus above its threshold of 20) rounds the tail away for y in {0, 1}
+        return y * F.logsigmoid(f) + (1.0 - y) * F.logsigmoid(-f)
 
     def derivatives(self, y: Tensor, f: Tensor) -> tuple[Tensor, Tensor]:
-        p = torch.sigmoid(f)
-        return y - p, -p * torch.sigmoid(-f)
+        p, q = torch.sigmoid(f), torch.sigmoid(-f)
+        return y * q - (1.0 - y) * p, -p * q  # y - sigma(f) without cancellation at y = 1
 
     def response(self, f: Tensor) -> Tensor:
         return torch.sigmoid(f)

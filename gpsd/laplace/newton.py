@@ -246,11 +246,14 @@ def find_laplace_mode(
             full_step = accepted & (step == 1.0)
             stalled = ~accepted  # no step improved psi at working precision
             # A step that moves psi by no more than the round-off the line search tolerates is at
-            # the mode to working precision when it is a full Newton step, or when the full step
-            # was rejected and a shorter one barely moves f: with a large kernel scale (float32,
-            # or an outputscale of 1e6 in float64) the iterates otherwise wander at that level
-            # above objective_tol forever.
-            at_precision = accepted & (dpsi <= slack) & (full_step | small_f)
+            # the mode to working precision when it is a full Newton step whose promised gain
+            # (_newton_step_gain, free of the round-off in psi) is below objective_tol, or when the
+            # full step was rejected and a shorter one barely moves f: with a large kernel scale
+            # (float32, or an outputscale of 1e6 in float64) the iterates otherwise wander at that
+            # level above objective_tol forever. The slack alone is too coarse for a full step:
+            # 1e-3 |psi| in float32, where such stops left the mode 4e-2 off.
+            small_gain = _newton_step_gain(K, W_now, direction) <= objective_tol * (1.0 + psi.abs())
+            at_precision = accepted & (dpsi <= slack) & ((full_step & small_gain) | small_f)
             if ((small_obj & small_f & full_step) | at_precision | stalled).all():
                 short = stalled | (at_precision & ~full_step)
                 if short.any():

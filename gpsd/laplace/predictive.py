@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from gpsd._validation import check_int
+from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode
@@ -163,11 +164,22 @@ def expected_response(
 def closed_form_probability(terms: object, mean: Tensor, variance: Tensor) -> Tensor:
     r""":math:`\mathbb{E}[r(f)]`, :math:`f \sim \mathcal{N}(\mu, s^2)`, in closed form.
 
-    Exact for a probit response, :math:`\mathbb{E}[\Phi(f)] = \Phi(\mu / \sqrt{1 + s^2})`;
-    MacKay's :func:`probit_approximation` for a logistic one (``terms`` of any other likelihood).
+    Exact for a probit response (:class:`~gpsd.laplace.BernoulliProbitTerms`, or
+    :class:`~gpsd.laplace.AutogradLikelihoodTerms` with ``response=torch.special.ndtr``),
+    :math:`\mathbb{E}[\Phi(f)] = \Phi(\mu / \sqrt{1 + s^2})`; MacKay's
+    :func:`probit_approximation` for a logistic one (``terms`` of any other likelihood).
+
+    :raises ValueError: for :class:`~gpsd.laplace.AutogradLikelihoodTerms` whose response is
+        neither ``torch.sigmoid`` nor ``torch.special.ndtr`` (no closed form; use quadrature).
     """
-    if isinstance(terms, BernoulliProbitTerms):
+    response = terms._response if isinstance(terms, AutogradLikelihoodTerms) else None
+    if isinstance(terms, BernoulliProbitTerms) or response is torch.special.ndtr:
         return torch.special.ndtr(mean / torch.sqrt(1.0 + variance.clamp_min(0.0)))
+    if response is not None and response is not torch.sigmoid:
+        raise ValueError(
+            f"the closed-form (probit) class probability needs a logistic or probit response, but "
+            f"the {terms.name} terms have response {response!r}; use quadrature"
+        )
     return probit_approximation(mean, variance)
 
 
