@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_cg_chain.py: no CUDA device here; nothing to measure (skipped).")
+        return
     lines = [
         f"# The data-centric chain on the CG backend (float64, {device.type})",
         "",

@@ -165,6 +165,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         threadpool_limits(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_classification.py: no CUDA device here; nothing to measure (skipped).")
+        return
     dtype = getattr(torch, args.dtype)
     if args.quick:
         steps, sizes, repeats = [1, 5, 20], [100, 200], args.repeats or 2

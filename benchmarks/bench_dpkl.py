@@ -342,6 +342,9 @@ def main():
         args.timing_particles, args.timing_ns, args.repeats = [1, 10], [500, 2000], 3
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_dpkl.py: no CUDA device here; nothing to measure (skipped).")
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     import sys

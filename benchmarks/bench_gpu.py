@@ -26,7 +26,9 @@ decaying spectrum (Lanczos resolves it), 0.1 a slowly decaying one (deflated CG'
 Usage::
 
     python benchmarks/bench_gpu.py --dtype float32 --out benchmarks/results/gpu_float32.md
-    python benchmarks/bench_gpu.py --device cpu --max-n 1024 --kd-m 64 --kd-test 1000  # smoke run
+    # a smoke run on the CPU (about 20 s on one thread)
+    python benchmarks/bench_gpu.py --device cpu --min-n 256 --max-n 512 --m 200 --steps 1 10 \
+        --repeats 1 --kd-m 50 --kd-b 10 --kd-test 200 --kd-max-n 512 --max-seconds 5
     python benchmarks/bench_gpu.py --dtype float64 --max-n 65536
     # the agreement of the matrix-free paths with the dense one, alone (no kernel distillation)
     python benchmarks/bench_gpu.py --dtype float64 --methods dense lanczos cg --steps 100 \

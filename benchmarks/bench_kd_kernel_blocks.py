@@ -72,8 +72,8 @@ def largest_relative_error(block: torch.Tensor, reference: torch.Tensor) -> floa
 def block_table(args, device: torch.device) -> str:
     rows = [
         f"One block of {args.n} x {args.cols} (inputs uniform on [0, 10]^2, outputscale as "
-        "initialised); median of 20 after warm-up; error: largest relative error of the "
-        "entries at least 1e-3 of the largest, against float64 from exact differences. In "
+        f"initialised); median of {args.repeats} after warm-up; error: largest relative error "
+        "of the entries at least 1e-3 of the largest, against float64 from exact differences. In "
         "float64, gpsd's Matérn blocks are GPyTorch's: those rows show the timing noise.",
         "",
         "| kernel | lengthscale | dtype | GPyTorch (ms) | gpsd (ms) | speed-up | "
@@ -88,7 +88,7 @@ def block_table(args, device: torch.device) -> str:
                 x = x64.to(device, dtype)
                 cols = x[: args.cols]
                 kernel = make_kernel(name, lengthscale, dtype, device)
-                outputscale = float(kernel.outputscale)
+                outputscale = float(kernel.outputscale.detach())
                 ref = reference_block(name, lengthscale, outputscale, x.cpu(), cols.cpu())
                 times, errors = [], []
                 for block in (gpytorch_block, GPSD_BLOCK):
@@ -105,9 +105,11 @@ def block_table(args, device: torch.device) -> str:
 
 
 def pass_table(args, device: torch.device) -> str:
+    m = min(1000, max(1, args.n // 4))  # 1000 inducing points, fewer for a small --n
+    b = min(30, m)
     rows = [
-        f"One objective-and-gradient pass of a float32 distillation (n = {args.n}, m = 1000, "
-        f"b = 30, RBF), median of {args.pass_repeats} after warm-up, with each block "
+        f"One objective-and-gradient pass of a float32 distillation (n = {args.n}, m = {m}, "
+        f"b = {b}, RBF), median of {args.pass_repeats} after warm-up, with each block "
         "evaluation swapped in (alternating).",
         "",
         "| lengthscale | GPyTorch blocks (s) | gpsd blocks (s) | speed-up |",
@@ -118,7 +120,7 @@ def pass_table(args, device: torch.device) -> str:
     y = torch.sin(x).sum(-1)
     for lengthscale in [1.0, 0.1]:
         kernel = make_kernel("RBF", lengthscale, torch.float32, device)
-        kd = KernelDistillation.from_kernel(kernel, x, y, 0.1, 1000, 30, num_steps=0)
+        kd = KernelDistillation.from_kernel(kernel, x, y, 0.1, m, b, num_steps=0)
         kd.prepare()
         samples: list[list[float]] = [[], []]
         try:  # alternate the two, one pass each, so that drifts in machine speed hit both

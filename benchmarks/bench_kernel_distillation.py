@@ -227,6 +227,9 @@ def main() -> None:
         args.datasets = [s for s in args.datasets if s != "deliveries"]
         args.repeats = 3
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_kernel_distillation.py: no CUDA device here; nothing to measure (skipped).")
+        return
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
 

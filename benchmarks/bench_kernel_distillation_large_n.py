@@ -47,6 +47,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "bench_kernel_distillation_large_n.py: no CUDA device here; nothing to measure (skipped)."
+        )
+        return
     gen = torch.Generator(device=device).manual_seed(0)
     x = 10 * torch.rand(args.n, 2, generator=gen, device=device, dtype=dtype)
     noise = 0.3 * torch.randn(args.n, generator=gen, device=device, dtype=dtype)

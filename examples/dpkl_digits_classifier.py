@@ -4,8 +4,8 @@ Balanced labelled sets of n in {50, 100, 200, 400} (10 % of them held out for ea
 validation accuracy, checked every 10 epochs), the 797 last rows of a fixed permutation as the
 test set. Compared: the DPKL classifier (m = 10 particles of a 64-64-16 tanh network, 10 SVGD
 particles of the class weights, the paper's functional gradient), DBLR (the same with one
-deterministic network) and sklearn's multinomial logistic regression on the raw pixels. Prints a
-table and writes ``examples/output/dpkl_digits_classifier.png``.
+deterministic network) and sklearn's multinomial logistic regression on the standardised
+pixels. Prints a table and writes ``examples/output/dpkl_digits_classifier.png``.
 
 Run: ``python examples/dpkl_digits_classifier.py [--epochs 60] [--ns 50 100 200 400]``
 """
@@ -25,6 +25,8 @@ from gpsd.dpkl import DPKLClassifier
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "output")
 
 
 def make_net() -> nn.Module:
@@ -103,8 +105,8 @@ def main() -> None:
         ax.set_xscale("log")
     axes[0].legend()
     fig.tight_layout()
-    os.makedirs("examples/output", exist_ok=True)
-    path = "examples/output/dpkl_digits_classifier.png"
+    os.makedirs(OUTPUT, exist_ok=True)
+    path = os.path.join(OUTPUT, "dpkl_digits_classifier.png")
     fig.savefig(path, dpi=120)
     print(f"\nwrote {path}")
 

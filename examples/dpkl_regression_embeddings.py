@@ -28,6 +28,8 @@ from gpsd.dpkl import DKLRegressor, DPKLRegressor
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "output")
+
 
 def make_net(d_in: int) -> nn.Module:
     return nn.Sequential(
@@ -98,8 +100,8 @@ def main() -> None:
         ax.set_ylabel("latent 2")
         fig.colorbar(sc, ax=ax, label="target")
     fig.tight_layout()
-    os.makedirs("examples/output", exist_ok=True)
-    path = "examples/output/dpkl_regression_embeddings.png"
+    os.makedirs(OUTPUT, exist_ok=True)
+    path = os.path.join(OUTPUT, "dpkl_regression_embeddings.png")
     fig.savefig(path, dpi=120)
     print(f"\nwrote {path}")
 

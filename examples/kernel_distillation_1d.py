@@ -24,6 +24,8 @@ from gpsd.kernel_distillation import KernelDistillation
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "output")
+
 warnings.filterwarnings("ignore", category=UserWarning)
 DT = torch.float64
 
@@ -94,7 +96,7 @@ def main() -> None:
         f"| distillation (m=100, b=10) | {rmse(kd_mean, exact_mean):.2e} | {rmse(kd_var, exact_var):.2e} |"
     )
 
-    os.makedirs("examples/output", exist_ok=True)
+    os.makedirs(OUTPUT, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     t = test_x.squeeze(-1)
     axes[0].scatter(x.squeeze(-1), y, s=2, c="0.7", label="data")
@@ -116,7 +118,7 @@ def main() -> None:
     axes[1].set_title("(b) variance")
     axes[1].legend()
     fig.tight_layout()
-    path = "examples/output/kernel_distillation_1d.png"
+    path = os.path.join(OUTPUT, "kernel_distillation_1d.png")
     fig.savefig(path, dpi=110)
     print(f"\nwrote {path}")
 

@@ -25,6 +25,8 @@ from gpsd.kernel_distillation import KernelDistillation, kmeans
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "output")
+
 DT = torch.float64
 
 
@@ -113,7 +115,7 @@ def main() -> None:
         err_b.append(kd_b.frobenius_errors[-1])
         print(f"| {b} | {err_b_init[-1]:.3e} | {err_b[-1]:.3e} |")
 
-    os.makedirs("examples/output", exist_ok=True)
+    os.makedirs(OUTPUT, exist_ok=True)
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     mats = [
         (k_xx - k_distill).abs(),
@@ -136,7 +138,7 @@ def main() -> None:
     axes[3].set_title("(d) error vs b")
     axes[3].legend()
     fig.tight_layout()
-    path = "examples/output/kernel_distillation_reconstruction.png"
+    path = os.path.join(OUTPUT, "kernel_distillation_reconstruction.png")
     fig.savefig(path, dpi=110)
     print(f"\nwrote {path}")
 

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gpsd._validation import check_int
+
 __all__ = ["DATASETS", "DataSplit", "load_arrays", "load_dataset"]
 
 #: name -> (task, source): the data sets of ``shared/datasets.md``.
@@ -165,6 +167,9 @@ def load_dataset(
         raise ValueError(f"name must be one of {sorted(DATASETS)}, got {name!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+    n_train = check_int(n_train, "n_train", optional=True)
+    n_test = check_int(n_test, "n_test", optional=True)
+    seed = check_int(seed, "seed", minimum=0)
     x, y = load_arrays(name)
     n = x.shape[0]
     if name in _PAPER_SIZES and n_train is None and n_test is None:
@@ -192,6 +197,8 @@ def load_dataset(
     y_mean, y_std = 0.0, 1.0
     if task == "regression":
         y_mean, y_std = float(y_tr.mean()), float(y_tr.std())
+        if y_std == 0.0:  # constant training targets (e.g. n_train=1): centre only, as for x
+            y_std = 1.0
         y_tr, y_te = (y_tr - y_mean) / y_std, (y_te - y_mean) / y_std
 
     def t(a: np.ndarray, label: bool = False) -> Tensor:

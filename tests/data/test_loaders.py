@@ -81,3 +81,26 @@ def test_toy_settings_are_seeded():
     assert xr.shape == (1000, 1) and (xr[1:] >= xr[:-1]).all()
     xd, yd = damped_sine_regression()
     assert xd.shape == (1000, 1) and yd.shape == (1000,)
+
+
+def test_constant_training_targets_give_finite_values():
+    # one training row: its target's std is 0; the split must stay finite (centred only)
+    split = load_dataset("diabetes", n_train=1, n_test=10, seed=0)
+    assert split.y_std == 1.0
+    assert torch.isfinite(split.train_y).all() and torch.isfinite(split.test_y).all()
+    assert float(split.train_y[0]) == 0.0
+    raw = split.test_y * split.y_std + split.y_mean
+    assert split.rmse(torch.zeros_like(split.test_y)) == pytest.approx(
+        float((raw - split.y_mean).pow(2).mean().sqrt())
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"n_train": 100.7, "n_test": 20}, "n_train"), ({"n_test": 20.5}, "n_test"),
+     ({"n_train": True}, "n_train"), ({"seed": 1.5}, "seed"), ({"seed": -1}, "seed")],
+)  # fmt: skip
+def test_non_integer_sizes_and_seeds_are_rejected(kwargs, name):
+    # a float size used to be truncated silently (100.7 -> 100 rows)
+    with pytest.raises(ValueError, match=name):
+        load_dataset("diabetes", **kwargs)
