@@ -5,7 +5,8 @@ largest size that fits), prints Markdown tables of wall time (CUDA events, media
 a warm-up) and peak device memory (``torch.cuda.max_memory_allocated``; with ``--device cpu``,
 the growth of the peak resident set) for:
 
-* one plain GPyTorch ``ExactGP`` fit + prediction (fixed hyperparameters);
+* one plain GPyTorch ``ExactGP`` fit + prediction (fixed hyperparameters), with Cholesky and with
+  GPyTorch's large-N path (CG means, LOVE variances), the baseline of every row's time ratio;
 * data-centric GPR for T = 1, 10, 100 with each backend (dense, cholesky, lanczos, cg) and the
   distribution-centric closed form, with the relative errors of the matrix-free paths' means and
   variances against the dense path where both run; the matrix-free backends keep the kernel's
@@ -44,6 +45,7 @@ import argparse
 import platform
 import statistics
 import sys
+from typing import NamedTuple
 
 import gpytorch
 import torch
@@ -129,11 +131,18 @@ def rbf(dtype: torch.dtype) -> gpytorch.kernels.Kernel:
     return rbf_kernel(LENGTHSCALE, DEVICE, dtype)
 
 
-def exact_gp(x, y, test_x):
+def exact_gp(x, y, test_x, iterative: bool = False):
+    """One plain GPyTorch ``ExactGP`` posterior (fit and prediction) at fixed hyperparameters.
+
+    ``iterative=False`` forces Cholesky with exact variances; ``iterative=True`` is GPyTorch's
+    large-N path: CG solves for the mean (``max_cholesky_size(0)``) and LOVE variances
+    (``fast_pred_var``), each at GPyTorch's default tolerances.
+    """
+
     class GP(gpytorch.models.ExactGP):
         def __init__(self):
             likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x)
-            likelihood.noise = 0.1
+            likelihood.noise = torch.tensor(0.1, dtype=x.dtype, device=x.device)
             super().__init__(x, y, likelihood)
             self.mean_module = gpytorch.means.ZeroMean()
             self.covar_module = rbf(x.dtype)
@@ -147,13 +156,17 @@ def exact_gp(x, y, test_x):
         model = GP().eval()
         with (
             torch.no_grad(),
-            gpytorch.settings.fast_pred_var(False),
-            gpytorch.settings.max_cholesky_size(10**9),
+            gpytorch.settings.fast_pred_var(iterative),
+            gpytorch.settings.max_cholesky_size(0 if iterative else 10**9),
         ):
             post = model(test_x)
             return post.mean, post.variance
 
     return run
+
+
+#: The rows of GPyTorch's own ``ExactGP``: label -> ``iterative`` of :func:`exact_gp`.
+GPYTORCH_ROWS = {"gpytorch ExactGP, Cholesky": False, "gpytorch ExactGP, CG + LOVE": True}
 
 
 #: The families of rows of the regression table (``--methods``).
@@ -170,7 +183,7 @@ REGRESSION_METHODS = (
 
 def regression_methods(families, steps) -> list[str]:
     """The row labels of the regression table for the chosen ``families`` and ``steps``."""
-    methods = ["gpytorch ExactGP"] if "gpytorch" in families else []
+    methods = list(GPYTORCH_ROWS) if "gpytorch" in families else []
     for kind in ("dense", "cholesky", "lanczos", "cg"):
         if kind in families:
             methods += [f"{kind} T={t}" for t in steps]
@@ -185,26 +198,29 @@ def regression_table(args, dtype: torch.dtype) -> str:
     methods = regression_methods(args.methods, args.steps)
     failed: set[str] = set()
     rows = [
-        "Errors: max |matrix-free − dense| / max |dense| over every step and test point, against "
-        "the dense path at the same N and T. Peak: "
+        "Errors: max |method − dense| / max |dense| over every step and test point, against the "
+        "dense path at the same N and T (GPyTorch's rows against dense T=1, the same posterior). "
+        "× GPyTorch: time over the faster GPyTorch row at the same N. Peak: "
         + (
             "torch.cuda.max_memory_allocated."
             if DEVICE.type == "cuda"
             else "growth of the process's peak resident set over the calls."
         ),
         "",
-        "| N | method | time (s) | peak (GiB) | mean rel. err vs dense | variance rel. err |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| N | method | time (s) | × GPyTorch | peak (GiB) | mean rel. err vs dense | "
+        "variance rel. err |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     n = args.min_n
     while n <= args.max_n:
         x, y, test_x = problem(n, args.m, dtype)
-        dense_out = {}
+        # method -> (seconds, peak, output), or the cell that says why it did not run
+        results: dict[str, tuple[float, str, object] | str] = {}
         for method in methods:
             if method in failed:
                 continue
-            if method == "gpytorch ExactGP":
-                fn = exact_gp(x, y, test_x)
+            if method in GPYTORCH_ROWS:
+                fn = exact_gp(x, y, test_x, iterative=GPYTORCH_ROWS[method])
             else:
                 kind, t = method.rsplit(" T=", 1)
                 gammas = torch.linspace(0.1, 1.0, int(t), device=DEVICE, dtype=dtype)
@@ -222,33 +238,66 @@ def regression_table(args, dtype: torch.dtype) -> str:
                         return model.predict(test_x)
 
             try:
-                seconds, peak, out = measure(fn, args.repeats, args.warmup)
+                results[method] = measure(fn, args.repeats, args.warmup)
             except (torch.OutOfMemoryError, MemoryError):
                 failed.add(method)
-                rows.append(f"| {n} | {method} | OOM | — | — | — |")
-                print(rows[-1], flush=True)
-                continue
+                results[method] = "OOM"
             except ValueError as err:  # e.g. a Lanczos complement series that diverges
                 failed.add(method)
-                rows.append(f"| {n} | {method} | failed: {str(err).split(';')[0]} | — | — | — |")
-                print(rows[-1], flush=True)
-                continue
-            if seconds > args.max_seconds:
-                failed.add(method)
-            errs = ["—", "—"]
-            steps = method.split(" T=")[-1]
-            if method.startswith("dense"):
-                dense_out[steps] = out
-            if method.startswith(("lanczos", "cg")) and steps in dense_out:
-                ref = dense_out[steps]
-                errs = [
-                    f"{float((a - b).abs().max() / b.abs().max()):.1e}"
-                    for a, b in ((out.mean, ref.mean), (out.variance, ref.variance))
-                ]
-            rows.append(f"| {n} | {method} | {seconds:.4f} | {peak} | {errs[0]} | {errs[1]} |")
-            print(rows[-1], flush=True)
+                results[method] = f"failed: {str(err).split(';')[0]}"
+            else:
+                if results[method][0] > args.max_seconds:
+                    failed.add(method)
+            # progress for a run cut short: the table itself is written once N is done
+            cell = results[method]
+            print(f"  N={n} {method}: {cell if isinstance(cell, str) else f'{cell[0]:.4f} s'}")
+        rows += _regression_rows(n, results)
+        print("\n".join(rows[-len(results) :]), flush=True)
         n *= 2
     return "\n".join(rows)
+
+
+def _regression_rows(n: int, results: dict) -> list[str]:
+    """The table rows at one N: times over GPyTorch's, errors against the dense path."""
+    baseline = min(
+        (r[0] for label, r in results.items() if label in GPYTORCH_ROWS and not isinstance(r, str)),
+        default=None,
+    )
+    dense_out = {
+        label.split(" T=")[-1]: r[2]
+        for label, r in results.items()
+        if label.startswith("dense") and not isinstance(r, str)
+    }
+    rows = []
+    for method, result in results.items():
+        if isinstance(result, str):
+            rows.append(f"| {n} | {method} | {result} | — | — | — | — |")
+            continue
+        seconds, peak, out = result
+        ratio = "—" if baseline is None else f"{seconds / baseline:.2f}"
+        if method in GPYTORCH_ROWS:
+            ref, out = dense_out.get("1"), _Posterior(*out)
+        elif method.startswith(("lanczos", "cg")):
+            ref = dense_out.get(method.split(" T=")[-1])
+        else:
+            ref = None
+        errs = ["—", "—"]
+        if ref is not None:
+            errs = [
+                f"{float((a - b).abs().max() / b.abs().max()):.1e}"
+                for a, b in ((out.mean, ref.mean), (out.variance, ref.variance))
+            ]
+        rows.append(
+            f"| {n} | {method} | {seconds:.4f} | {ratio} | {peak} | {errs[0]} | {errs[1]} |"
+        )
+    return rows
+
+
+class _Posterior(NamedTuple):
+    """GPyTorch's (mean, variance) under the names of gpsd's predictions."""
+
+    mean: torch.Tensor
+    variance: torch.Tensor
 
 
 def sgpr_predictor(x, y, test_x, inducing):
@@ -257,7 +306,7 @@ def sgpr_predictor(x, y, test_x, inducing):
     class SGPR(gpytorch.models.ExactGP):
         def __init__(self):
             likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x)
-            likelihood.noise = 0.1
+            likelihood.noise = torch.tensor(0.1, dtype=x.dtype, device=x.device)
             super().__init__(x, y, likelihood)
             self.mean_module = gpytorch.means.ZeroMean()
             self.covar_module = gpytorch.kernels.InducingPointKernel(
@@ -285,9 +334,9 @@ def kernel_distillation_table(args, dtype: torch.dtype) -> str:
         f"{args.kd_test} test points; times in seconds, peak in GiB.",
         "",
         "| N | distil (s) | student predict (s) | SGPR predict (s) | exact predict (s) | "
-        "student vs SGPR | peak distil (GiB) | RMS entry error of W K_UU Wᵀ | "
+        "student vs SGPR | student vs exact | peak distil (GiB) | RMS entry error of W K_UU Wᵀ | "
         "student mean vs exact (rel.) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     n = max(args.min_n, 4 * args.kd_m)
     exact_ok = True
@@ -310,19 +359,19 @@ def kernel_distillation_table(args, dtype: torch.dtype) -> str:
         )
         sgpr = sgpr_predictor(x, y, test_x, holder["inducing"])
         t_sgpr = timer(sgpr, 5)
-        exact_cell, agreement = "OOM", "n/a"
+        exact_cell, agreement, speedup = "OOM", "n/a", "—"
         if exact_ok:
             try:
                 exact = exact_gp(x, y, test_x)
                 t_exact, (exact_mean, _) = timed(exact, 3)
-                exact_cell = f"{t_exact:.4f}"
+                exact_cell, speedup = f"{t_exact:.4f}", f"{t_exact / t_student:.1f}x"
                 rel = (student_mean - exact_mean).norm() / exact_mean.norm()
                 agreement = f"{float(rel):.2e}"
             except (torch.OutOfMemoryError, MemoryError):
                 exact_ok = False
         rows.append(
             f"| {n} | {t_distil:.3f} | {t_student:.4f} | {t_sgpr:.4f} | {exact_cell} | "
-            f"{t_sgpr / t_student:.1f}x | {peak} | {holder['rms']:.2e} | {agreement} |"
+            f"{t_sgpr / t_student:.1f}x | {speedup} | {peak} | {holder['rms']:.2e} | {agreement} |"
         )
         print(rows[-1], flush=True)
         n *= 2
