@@ -67,8 +67,16 @@ def teacher_posterior(teacher: ExactGP) -> dict[str, object]:
     }
 
 
-def check_inputs(x: Tensor, train_inputs: Tensor, name: str = "x") -> None:
-    """Same device and feature dimension as the teacher's training inputs."""
+def check_inputs(x: Tensor, train_inputs: Tensor, name: str = "x") -> Tensor:
+    """``x`` in the dtype of the teacher's training inputs, after checking that it has their
+    device and feature dimension and a dtype that the factorisation holds without losing digits
+    (float32 inputs to a float64 teacher are promoted; float64 inputs to a float32 teacher are
+    refused)."""
+    if torch.promote_types(x.dtype, train_inputs.dtype) != train_inputs.dtype:
+        raise ValueError(
+            f"{name} has dtype {x.dtype} but the teacher's factorisation is {train_inputs.dtype}; "
+            f"pass {train_inputs.dtype} inputs or convert the module with .to({x.dtype})"
+        )
     if x.device != train_inputs.device:
         raise ValueError(
             f"{name} is on {x.device} but the teacher's factorisation is on "
@@ -79,3 +87,4 @@ def check_inputs(x: Tensor, train_inputs: Tensor, name: str = "x") -> None:
             f"{name} must have {train_inputs.shape[-1]} features like the teacher's training "
             f"inputs, got shape {tuple(x.shape)}"
         )
+    return x.to(train_inputs.dtype)

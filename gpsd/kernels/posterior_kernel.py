@@ -71,10 +71,11 @@ class PosteriorKernel(Kernel):
     ) -> Tensor:
         if last_dim_is_batch:
             raise ValueError("PosteriorKernel does not support last_dim_is_batch=True")
-        check_inputs(x1, self.train_inputs, "x1")
-        check_inputs(x2, self.train_inputs, "x2")
+        one_tensor = x1 is x2
+        x1 = check_inputs(x1, self.train_inputs, "x1")
+        x2 = check_inputs(x2, self.train_inputs, "x2")
         # Equal values may share one solve only where no gradient has to reach x1 and x2 apart.
-        same = x1 is x2 or (
+        same = one_tensor or (
             not (x1.requires_grad or x2.requires_grad)
             and x1.shape == x2.shape
             and torch.equal(x1, x2)

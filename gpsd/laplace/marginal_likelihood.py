@@ -2,6 +2,8 @@ r"""The Laplace log marginal likelihood, differentiable in the kernel and mean h
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -48,8 +50,17 @@ def laplace_log_marginal_likelihood(
     :param prior_mean: Prior mean with autograd history, ``(*batch, n)`` (default 0).
     :param temperature: :math:`\tau`, as used to find ``mode``.
     :return: :math:`\log q(\mathbf y \mid \theta)`, shape ``batch``.
+    :raises ValueError: if ``temperature`` is not positive and finite, or is not the one ``mode``
+        was found at (the surrogate's value and gradient hold only at that mode).
     """
     tau = float(temperature)
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"temperature must be a positive finite float, got {temperature}")
+    if tau != mode.temperature:
+        raise ValueError(
+            f"temperature={tau} differs from the temperature {mode.temperature} that mode was "
+            "found at; pass the same temperature to find_laplace_mode and here"
+        )
     a = mode.alpha.detach()
     f_hat = mode.f.detach()
     m = torch.zeros_like(f_hat) if prior_mean is None else prior_mean

@@ -33,6 +33,7 @@ class LaplaceMode:
         \mathbf m) + \tau \log p(\mathbf y \mid \hat{\mathbf f})`, shape ``batch``
     :ivar log_marginal_likelihood: :math:`\psi(\hat{\mathbf f}) - \sum_i \log L_{ii}` (R&W eq. 3.32)
     :ivar num_iter: Newton iterations used
+    :ivar temperature: :math:`\tau`, the power of the likelihood the mode was found at
     """
 
     f: Tensor
@@ -43,6 +44,7 @@ class LaplaceMode:
     objective: Tensor
     log_marginal_likelihood: Tensor
     num_iter: int
+    temperature: float = 1.0
 
 
 def _default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -281,4 +283,5 @@ def find_laplace_mode(
             objective=psi,
             log_marginal_likelihood=log_ml,
             num_iter=num_iter,
+            temperature=tau,
         )

@@ -36,6 +36,7 @@ def laplace_latent_predictive(
     K_cross: Tensor,
     K_test: Tensor,
     test_prior_mean: Tensor | None = None,
+    diag: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""Latent predictive mean and covariance (or variance) at test inputs.
 
@@ -53,17 +54,31 @@ def laplace_latent_predictive(
     :param K_test: :math:`k(\mathbf x_*, \mathbf x_*)` as a full matrix ``(*batch, m, m)`` (full
         covariance returned) or its diagonal ``(*batch, m)`` (variances returned).
     :param test_prior_mean: :math:`m(\mathbf x_*)`, shape ``(*batch, m)`` (default 0).
+    :param diag: Whether ``K_test`` is the diagonal. By default it is a full matrix when its last
+        two dimensions are ``(m, m)`` and it has at least as many dimensions as ``K_cross``; pass
+        ``diag`` where a batch of ``m`` diagonals would read as one matrix.
     :return: ``(mean, covariance_or_variance)``.
+    :raises ValueError: if the trailing shape of ``K_test`` fits neither reading.
     """
+    m = K_cross.shape[-2]
+    if diag is None:
+        diag = not (K_test.dim() >= max(2, K_cross.dim()) and K_test.shape[-2:] == (m, m))
+    expected = (m,) if diag else (m, m)
+    if K_test.dim() < len(expected) or tuple(K_test.shape[-len(expected) :]) != expected:
+        what = "diagonal" if diag else "full matrix"
+        raise ValueError(
+            f"K_test must end in shape {expected} (the {what} of the prior covariance at the "
+            f"m={m} test inputs of K_cross), got shape {tuple(K_test.shape)}"
+        )
     mean = (K_cross @ mode.alpha.unsqueeze(-1)).squeeze(-1)  # shape: (*batch, m)
     if test_prior_mean is not None:
         mean = mean + test_prior_mean
     scaled = mode.sqrt_W.unsqueeze(-1) * K_cross.transpose(-1, -2)  # shape: (*batch, n, m)
     v = torch.linalg.solve_triangular(mode.chol_B, scaled, upper=False)
-    if K_test.dim() == K_cross.dim():
-        cov = K_test - v.transpose(-1, -2) @ v
-    else:
+    if diag:
         cov = K_test - v.square().sum(-2)
+    else:
+        cov = K_test - v.transpose(-1, -2) @ v
     return mean, cov
 
 

@@ -39,6 +39,6 @@ class PosteriorMean(Mean):
         self.register_buffer("weights", post["weights"])
 
     def forward(self, x: Tensor) -> Tensor:
-        check_inputs(x, self.train_inputs)
+        x = check_inputs(x, self.train_inputs)
         cross = self.prior_covar(x, self.train_inputs)  # shape: (*b, M, N)
         return self.prior_mean(x) + (cross @ self.weights.unsqueeze(-1)).squeeze(-1)

@@ -150,3 +150,20 @@ def test_gradients_with_respect_to_equal_but_distinct_inputs_match_finite_differ
                     down = loss(xm, other) if first else loss(other, xm)
                 fd[i, j] = (up - down) / (2 * eps)
         torch.testing.assert_close(grad, fd, rtol=1e-6, atol=1e-7)
+
+
+def test_inputs_of_higher_precision_than_the_factorisation_are_refused_by_name(teacher):
+    # a float32 module given float64 inputs failed inside a matmul with "expected m1 and m2 to
+    # have the same dtype, but got: double != float"
+    pk32 = PosteriorKernel(teacher).to(torch.float32)
+    pm32 = PosteriorMean(teacher).to(torch.float32)
+    x = torch.rand(4, 2, dtype=DTYPE)
+    with pytest.raises(ValueError, match=r"^x has dtype torch.float64.*float32"):
+        pm32(x)
+    with pytest.raises(ValueError, match=r"^x2 has dtype torch.float64"):
+        pk32(x.float(), x).to_dense()
+    # float32 inputs to a float64 module are promoted: the float64 answer at the rounded inputs
+    pk, pm = PosteriorKernel(teacher), PosteriorMean(teacher)
+    rounded = x.float().double()
+    torch.testing.assert_close(pm(x.float()), pm(rounded), rtol=0, atol=0)
+    torch.testing.assert_close(pk(x.float()).to_dense(), pk(rounded).to_dense(), rtol=0, atol=0)
