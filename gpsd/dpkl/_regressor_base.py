@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import warnings
 from typing import Literal
 
@@ -37,6 +38,23 @@ def check_inputs(
             f"{name} must have {num_features} features (as the training inputs), got {x.shape[-1]}"
         )
     return check_finite(x, name)
+
+
+def check_positive_float(value: object, name: str) -> float:
+    """``value`` (a real number or a one-element real tensor) as a finite ``float > 0``, or a
+    ``ValueError`` naming ``name``; ``bool``, strings and tensors of several elements are bad."""
+    scalar_tensor = (
+        isinstance(value, Tensor)
+        and value.numel() == 1
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
+    if not (isinstance(value, numbers.Real) or scalar_tensor) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    return number
 
 
 def check_targets(y: object, name: str, n: int, like: Tensor) -> Tensor:
@@ -117,8 +135,7 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         Returns a history with ``"loss"`` per step and ``"val_nll"`` per check.
         """
         num_steps = check_int(num_steps, "num_steps", minimum=0)
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be a positive float, got {lr}")
+        lr = check_positive_float(lr, "lr")
         if (val_x is None) != (val_y is None):
             raise ValueError("val_x and val_y must be given together")
         check_every = check_int(check_every, "check_every")

@@ -7,7 +7,11 @@ import math
 import gpytorch
 from torch import Tensor
 
-from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs
+from gpsd.dpkl._regressor_base import (
+    EmbeddingGPRegressorBase,
+    check_inputs,
+    check_positive_float,
+)
 
 __all__ = ["ARDGPRegressor"]
 
@@ -34,8 +38,7 @@ class ARDGPRegressor(EmbeddingGPRegressorBase):
         train_x = check_inputs(train_x, "train_x")
         if initial_lengthscale is None:
             initial_lengthscale = math.sqrt(train_x.shape[-1])
-        if not (math.isfinite(initial_lengthscale) and initial_lengthscale > 0):
-            raise ValueError(f"initial_lengthscale must be positive, got {initial_lengthscale}")
+        initial_lengthscale = check_positive_float(initial_lengthscale, "initial_lengthscale")
         super().__init__(train_x, train_y, likelihood)
         self.covar_module = gpytorch.kernels.ScaleKernel(
             gpytorch.kernels.RBFKernel(ard_num_dims=train_x.shape[-1])

@@ -97,7 +97,10 @@ class DPKLClassifier(gpytorch.Module):
 
     @lengthscale.setter
     def lengthscale(self, value: float | Tensor) -> None:
-        value = torch.as_tensor(value).to(self.raw_lengthscale)
+        # read in the parameter's dtype: torch.as_tensor(0.7) would be float32, and 0.7 would
+        # become 0.699999988079071 in a float64 model
+        raw = self.raw_lengthscale
+        value = torch.as_tensor(value, dtype=raw.dtype, device=raw.device)
         self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(value))
 
     # ------------------------------------------------------------------ checks

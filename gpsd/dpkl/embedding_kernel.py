@@ -31,7 +31,8 @@ class ProbabilisticEmbeddingKernel(Kernel):
 
     So :math:`\hat{\mathbf{K}} = \bar{\boldsymbol{\Phi}} \bar{\boldsymbol{\Phi}}^\top` has rank at
     most :math:`2R` and is returned as a
-    :class:`~linear_operator.operators.LowRankRootLinearOperator` (when :math:`2R < n`): with the
+    :class:`~linear_operator.operators.LowRankRootLinearOperator` (when :math:`2R < n` or :math:`n`
+    exceeds ``gpytorch.settings.max_cholesky_size``): with the
     Gaussian noise added, GPyTorch's exact marginal log likelihood and predictions cost
     :math:`O(n R^2)` through the Woodbury identity. The lengthscale and outputscale live in
     ``random_features``; the prior variance is :math:`\lVert\bar{\boldsymbol{\phi}}(\mathbf{x})

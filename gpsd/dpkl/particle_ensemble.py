@@ -150,7 +150,13 @@ class ParticleEnsemble(nn.Module):
         module = copy.deepcopy(self._skeleton)
         state = {k: v[index].detach().clone() for k, v in self.stacked_parameters().items()}
         state.update({k: v[index].detach().clone() for k, v in self.stacked_buffers().items()})
-        module.load_state_dict(state, assign=True)
+        # Non-persistent buffers (stacked with the others) are not state_dict() keys of the network:
+        # load_state_dict would reject them, so they are assigned directly.
+        persistent = set(module.state_dict())
+        module.load_state_dict({k: v for k, v in state.items() if k in persistent}, assign=True)
+        for name in state.keys() - persistent:
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner)._buffers[leaf] = state[name]
         return module
 
     # ------------------------------------------------------------------ forward

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from gpytorch import settings
 from gpytorch.constraints import Interval, Positive
 from gpytorch.kernels import Kernel
 from gpytorch.models.exact_prediction_strategies import LinearPredictionStrategy
@@ -109,7 +110,9 @@ class RandomFeatureKernel(Kernel):
     :meth:`resample`.
 
     ``K(Z, Z)`` is returned as a :class:`~linear_operator.operators.LowRankRootLinearOperator`
-    when :math:`2R < n`, so that adding the likelihood noise gives a
+    when :math:`2R < n` or :math:`n` exceeds ``gpytorch.settings.max_cholesky_size`` (else as a
+    :class:`~linear_operator.operators.RootLinearOperator`, factorised densely), so that adding
+    the likelihood noise gives a
     :class:`~linear_operator.operators.LowRankRootAddedDiagLinearOperator`, whose solves and log
     determinant use the Woodbury identity and the matrix determinant lemma (O(n R^2));
     predictions use GPyTorch's :class:`~gpytorch.models.exact_prediction_strategies.LinearPredictionStrategy`.
@@ -167,7 +170,10 @@ class RandomFeatureKernel(Kernel):
     @outputscale.setter
     def outputscale(self, value: float | Tensor) -> None:
         if not torch.is_tensor(value):
-            value = torch.as_tensor(value).to(self.raw_outputscale)
+            # read in the parameter's dtype: torch.as_tensor(0.7) would be float32, and 0.7
+            # would become 0.699999988079071 in a float64 kernel
+            raw = self.raw_outputscale
+            value = torch.as_tensor(value, dtype=raw.dtype, device=raw.device)
         self.initialize(raw_outputscale=self.raw_outputscale_constraint.inverse_transform(value))
 
     def resample(self, generator: torch.Generator | None = None) -> None:
@@ -202,7 +208,11 @@ class RandomFeatureKernel(Kernel):
         if diag:
             return (phi1 * (phi1 if phi2 is None else phi2)).sum(-1)
         if phi2 is None:
-            if phi1.shape[-1] < phi1.shape[-2]:
+            num_rows, num_cols = phi1.shape[-2], phi1.shape[-1]  # phi1: (..., n, 2R)
+            # Above max_cholesky_size GPyTorch solves a RootLinearOperator plus noise by conjugate
+            # gradients and a stochastic (Lanczos) log determinant: a random, inexact marginal
+            # likelihood. The low-rank form is solved exactly by Woodbury at any size.
+            if num_cols < num_rows or num_rows > settings.max_cholesky_size.value():
                 return LowRankRootLinearOperator(phi1)
             return RootLinearOperator(phi1)
         return MatmulLinearOperator(phi1, phi2.mT)
