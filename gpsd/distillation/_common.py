@@ -411,6 +411,22 @@ def pair_batches(outer_product: Tensor, outer: torch.Size, inner: torch.Size) ->
     return padded[tuple(index)]  # shape: (*batch, *tail)
 
 
+def batched_gp_data(
+    train_x: Tensor, train_y: Tensor, mean_module: gpytorch.Module
+) -> tuple[Tensor, Tensor]:
+    """``train_x`` ``(*b, N, d)`` and ``train_y`` ``(*b, N)`` expanded (views) to one batch.
+
+    ``b`` broadcasts the batches of the inputs, the targets and the prior mean at the inputs: a
+    GPyTorch ``ExactGP`` cannot predict from unbatched inputs next to a batch of targets or a
+    batched mean (a shape error), so the students and the iterated models get batched inputs.
+    A kernel's own batch needs no expansion (GPyTorch broadcasts it).
+    """
+    with torch.no_grad():
+        mean_batch = mean_module(train_x).shape[:-1]
+    batch = torch.broadcast_shapes(train_x.shape[:-2], train_y.shape[:-1], mean_batch)
+    return train_x.expand(*batch, *train_x.shape[-2:]), train_y.expand(*batch, train_y.shape[-1])
+
+
 class ExactGPFromModules(ExactGP):
     """An ordinary GPyTorch exact GP assembled from a mean and a kernel module.
 

@@ -87,13 +87,15 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.register_buffer("train_y", train_y.detach())
         self.register_buffer("gamma", validate_gamma(gamma, train_x).detach())
         try:
-            torch.broadcast_shapes(self.gamma.shape[:-1], train_x.shape[:-2], kernel.batch_shape)
+            torch.broadcast_shapes(
+                self.gamma.shape[:-1], train_x.shape[:-2], train_y.shape[:-1], kernel.batch_shape
+            )
         except RuntimeError:
             raise ValueError(
                 f"the batch of schedules (gamma of shape {tuple(self.gamma.shape)}) must "
                 f"broadcast with the batch of the training data (train_x of shape "
-                f"{tuple(train_x.shape)}) and of the kernel (batch shape "
-                f"{tuple(kernel.batch_shape)})"
+                f"{tuple(train_x.shape)}, train_y of shape {tuple(train_y.shape)}) and of the "
+                f"kernel (batch shape {tuple(kernel.batch_shape)})"
             ) from None
         self.backend = backend
         self.linalg_dtype = linalg_dtype
@@ -227,6 +229,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         Returns a :class:`~gpsd.distillation.RegressionPath` with ``mean`` and ``variance`` of shape
         ``(*batch, T, M)``; with ``full_cov=True`` also the ``(*batch, T, M, M)`` covariances.
+        ``batch`` includes a batch of targets or of prior means; the variances and covariances,
+        which depend on neither, are expanded over it (views: clone before writing in place).
         Without ``full_cov`` the test points are processed in chunks of
         :data:`TEST_CHUNK_SIZE`, so memory stays at ``N x TEST_CHUNK_SIZE``.
         """
@@ -283,11 +287,15 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             prior_var = kernel(test_in, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
             variance = nonnegative_variance(prior_var - reduction, prior_var).to(test_x.dtype)
+            # The variances do not depend on the targets or the prior mean: expanded (a view)
+            # over their batch, so that they index as the means do.
+            variance = variance.expand(mean.shape)  # shape: (*batch, T, M)
             covariance = None
             if full_cov:
                 prior_cov = kernel(test_in).to_dense().unsqueeze(-3)
                 reduction = engine.cross(variance_filter, cross, cross).to(prior_cov)
                 covariance = (prior_cov - reduction).to(test_x.dtype)
+                covariance = covariance.expand(*mean.shape, mean.shape[-1])  # (*batch, T, M, M)
         return RegressionPath(mean, variance, covariance)
 
     def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:

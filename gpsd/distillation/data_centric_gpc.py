@@ -83,7 +83,8 @@ class DataCentricGPC(gpytorch.Module):
     Predictions refit every step (warm-started from the stored modes) when any parameter or buffer
     or a setting (``noise_schedule``, ``soft_target_likelihood``, ``threshold_targets``,
     ``target_method``, ``max_iter``) has changed since the last :meth:`fit`, so they always belong
-    to the current hyperparameters. The training data are stored detached.
+    to the current hyperparameters. The training data are stored detached. Every step is computed
+    in the training inputs' dtype, whatever the dtype of the kernel and the mean.
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
     :param train_y: Binary labels ``(*batch, n)`` in {0, 1}.
@@ -185,7 +186,7 @@ class DataCentricGPC(gpytorch.Module):
 
     def _soft_predictions(self, mode: LaplaceMode, K: Tensor, m: Tensor) -> Tensor:
         prior_var = torch.diagonal(K, dim1=-2, dim2=-1)
-        mean, var = laplace_latent_predictive(mode, K, prior_var, m)
+        mean, var = laplace_latent_predictive(mode, K, prior_var, m, diag=True)
         var = nonnegative_variance(var, prior_var)
         if self.target_method == "probit":
             return probit_approximation(mean, var)
@@ -198,8 +199,10 @@ class DataCentricGPC(gpytorch.Module):
         """
         with torch.no_grad():
             x = self.train_inputs
-            K = kernel_matrix(self.covar_module, x)  # shape: (*batch, n, n)
-            m = self.mean_module(x)
+            # in the data's dtype: a kernel or mean in another one (float64 modules on float32
+            # data) would mix dtypes in the Newton iterations
+            K = kernel_matrix(self.covar_module, x).to(x.dtype)  # shape: (*batch, n, n)
+            m = self.mean_module(x).to(x.dtype)
             batch = torch.broadcast_shapes(
                 K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1]
             )
@@ -258,9 +261,11 @@ class DataCentricGPC(gpytorch.Module):
         x = self._test_inputs(x)
         _, mode = self._mode(step)
         with torch.no_grad():
-            K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
-            K_diag = self.covar_module(x, diag=True)
-            mean, var = laplace_latent_predictive(mode, K_cross, K_diag, self.mean_module(x))
+            # shapes: (*batch, m, n), (*batch, m), in the data's dtype as in fit()
+            K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(x.dtype)
+            K_diag = self.covar_module(x, diag=True).to(x.dtype)
+            prior_mean = self.mean_module(x).to(x.dtype)
+            mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
         return mean, nonnegative_variance(var, K_diag)
 
     def predict_proba(

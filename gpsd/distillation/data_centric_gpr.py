@@ -13,6 +13,7 @@ from torch import Tensor
 from gpsd._validation import as_float_tensor, check_finite, check_int
 from gpsd.distillation._common import (
     ExactGPFromModules,
+    batched_gp_data,
     schedule_index,
     student_likelihood,
     validate_test_x,
@@ -204,7 +205,8 @@ class DataCentricGPR(SpectralGPR):
 
         Its training targets are :math:`\mathbf y_{t-1}` and its ``GaussianLikelihood`` noise is
         :math:`\gamma_t`; kernel and mean are copies of this model's. ``schedule`` indexes the
-        batch of schedules when ``gamma`` holds several.
+        batch of schedules when ``gamma`` holds several. With a batch of targets or a batched
+        prior mean, its training inputs are expanded to that batch (shape ``(*b, N, d)``).
         """
         t = check_int(t, "t")
         if t > self.num_steps:
@@ -216,10 +218,12 @@ class DataCentricGPR(SpectralGPR):
             else:
                 targets = self.train_targets_path()[..., t - 2, :]
                 targets = targets[schedule] if schedule else targets
+        mean_module = copy.deepcopy(self.mean_module)
+        train_x, targets = batched_gp_data(self.train_x, targets.detach().clone(), mean_module)
         return ExactGPFromModules(
-            self.train_x,
-            targets.detach().clone(),
+            train_x,
+            targets,
             student_likelihood(self.gamma[schedule + (t - 1,)], self.train_x),
-            copy.deepcopy(self.mean_module),
+            mean_module,
             copy.deepcopy(self.kernel),
         ).eval()

@@ -63,6 +63,8 @@ class DistributionCentricGPC(gpytorch.Module):
     Predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
     the likelihood, or ``max_iter``, has changed since the last fit (or ``load_state_dict``), so
     that every step belongs to the current hyperparameters. The training data are stored detached.
+    Every step is computed in the training inputs' dtype, whatever the dtype of the kernel and
+    the mean.
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
     :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones).
@@ -161,8 +163,10 @@ class DistributionCentricGPC(gpytorch.Module):
 
     def _prior(self) -> tuple[Tensor, Tensor]:
         x = self.train_inputs
-        K = kernel_matrix(self.covar_module, x)
-        m = self.mean_module(x)
+        # in the data's dtype: a kernel or mean in another one (float64 modules on float32 data)
+        # would mix dtypes in the Newton iterations
+        K = kernel_matrix(self.covar_module, x).to(x.dtype)  # shape: (*batch, n, n)
+        m = self.mean_module(x).to(x.dtype)  # shape: (*batch, n)
         batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1])
         n = K.shape[-1]
         return m.expand(*batch, n), K.expand(*batch, n, n)
@@ -297,11 +301,10 @@ class DistributionCentricGPC(gpytorch.Module):
         x = self._test_inputs(x)
         scale, c, Q = self._state(step)
         with torch.no_grad():
-            K_cross = kernel_matrix(
-                self.covar_module, x, self.train_inputs
-            )  # shape: (*batch, m, n)
-            K_diag = self.covar_module(x, diag=True)
-            mean = self.mean_module(x) + (K_cross @ c.unsqueeze(-1)).squeeze(-1)
+            # in the data's dtype, as in _prior()
+            K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(x.dtype)
+            K_diag = self.covar_module(x, diag=True).to(x.dtype)  # shape: (*batch, m)
+            mean = self.mean_module(x).to(x.dtype) + (K_cross @ c.unsqueeze(-1)).squeeze(-1)
             prior_var = scale * K_diag
             var = prior_var - ((K_cross @ Q) * K_cross).sum(-1)
         return mean, nonnegative_variance(var, prior_var)

@@ -16,6 +16,7 @@ from gpsd._validation import check_int
 from gpsd.distillation._common import (
     ExactGPFromModules,
     RegressionPath,
+    batched_gp_data,
     pair_batches,
     schedule_index,
     student_likelihood,
@@ -135,12 +136,12 @@ class DistributionCentricGPR(SpectralGPR):
         gamma = self.gamma[schedule_index(self.gamma, schedule)]
         mean_module = copy.deepcopy(self.mean_module)
         covar_module = copy.deepcopy(self.kernel)
+        # shapes: (*b, N, d), (*b, N), with b the batch of the inputs, targets and prior mean
+        train_x, train_y = batched_gp_data(self.train_x, self.train_y, mean_module)
         models = []
         for g in gamma:
             likelihood = student_likelihood(g, self.train_x)
-            model = ExactGPFromModules(
-                self.train_x, self.train_y, likelihood, mean_module, covar_module
-            )
+            model = ExactGPFromModules(train_x, train_y, likelihood, mean_module, covar_module)
             model.eval()
             models.append(model)
             mean_module, covar_module = PosteriorMean(model), PosteriorKernel(model)
@@ -172,15 +173,21 @@ class DistributionCentricGPR(SpectralGPR):
         return RegressionPath(gather(means), gather(variances), gather(covs) if full_cov else None)
 
     def student(self, t: int, schedule: tuple[int, ...] = ()) -> ExactGP:
-        r"""A plain ``ExactGP`` equal to step ``t`` by Theorem 3.3: noise :math:`\tilde\gamma_t`."""
+        r"""A plain ``ExactGP`` equal to step ``t`` by Theorem 3.3: noise :math:`\tilde\gamma_t`.
+
+        With a batch of targets or a batched prior mean, its training inputs are expanded to that
+        batch (shape ``(*b, N, d)``).
+        """
         t = check_int(t, "t")
         if t > self.num_steps:
             raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
         schedule = schedule_index(self.gamma, schedule, self.train_y)
+        mean_module = copy.deepcopy(self.mean_module)
+        train_x, train_y = batched_gp_data(self.train_x, self.train_y, mean_module)
         return ExactGPFromModules(
-            self.train_x,
-            self.train_y,
+            train_x,
+            train_y,
             student_likelihood(self.effective_noise[schedule + (t - 1,)], self.train_x),
-            copy.deepcopy(self.mean_module),
+            mean_module,
             copy.deepcopy(self.kernel),
         ).eval()

@@ -150,9 +150,11 @@ class LaplaceGPClassifier(gpytorch.Module):
         r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma\mathbf I`
         ``(*batch, n, n)`` of the training latents (with autograd history)."""
         x = self.train_inputs
-        K = kernel_matrix(self.covar_module, x)  # shape: (*batch, n, n)
+        # in the data's dtype: a kernel or mean in another one (float64 modules on float32 data)
+        # would mix dtypes in the Newton iterations
+        K = kernel_matrix(self.covar_module, x).to(x.dtype)  # shape: (*batch, n, n)
         K = K + self.noise * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-        m = self.mean_module(x)
+        m = self.mean_module(x).to(x.dtype)  # shape: (*batch, n)
         batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1])
         return m.expand(*batch, K.shape[-1]), K.expand(*batch, *K.shape[-2:])
 
@@ -217,9 +219,11 @@ class LaplaceGPClassifier(gpytorch.Module):
         """The latent predictive distribution at ``x`` (full covariance)."""
         x = self._test_inputs(x)
         mode = self.mode
-        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
-        K_test = self.covar_module(x).to_dense()
-        mean, cov = laplace_latent_predictive(mode, K_cross, K_test, self.mean_module(x))
+        dtype = self.train_inputs.dtype  # as in prior_train()
+        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(dtype)  # (*b, m, n)
+        K_test = self.covar_module(x).to_dense().to(dtype)  # shape: (*batch, m, m)
+        prior_mean = self.mean_module(x).to(dtype)
+        mean, cov = laplace_latent_predictive(mode, K_cross, K_test, prior_mean, diag=False)
         jitter = 1e-10 if cov.dtype == torch.float64 else 1e-6
         cov = cov + jitter * torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
         return MultivariateNormal(mean, cov)
@@ -228,9 +232,11 @@ class LaplaceGPClassifier(gpytorch.Module):
         """Latent predictive mean and variance at ``x``, each ``(*batch, m)``."""
         x = self._test_inputs(x)
         mode = self.mode
-        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs)
-        K_diag = self.covar_module(x, diag=True)
-        mean, var = laplace_latent_predictive(mode, K_cross, K_diag, self.mean_module(x))
+        dtype = self.train_inputs.dtype  # as in prior_train()
+        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(dtype)  # (*b, m, n)
+        K_diag = self.covar_module(x, diag=True).to(dtype)  # shape: (*batch, m)
+        prior_mean = self.mean_module(x).to(dtype)
+        mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
         return mean, nonnegative_variance(var, K_diag)
 
     def predict_proba(self, x: Tensor, method: str = "quadrature", num_points: int = 64) -> Tensor:

@@ -1,5 +1,7 @@
 """LaplaceGPClassifier predictions follow the hyperparameters; its training data carry no graph."""
 
+import copy
+
 import gpytorch
 import pytest
 import torch
@@ -76,3 +78,23 @@ def test_soft_targets_with_a_graph_are_stored_detached(toy):
             for p, q in zip(student.parameters(), reference.parameters(), strict=True):
                 q.copy_(p)
     assert all(p.grad is None for p in teacher.parameters())  # the loss reached the teacher
+
+
+def test_a_float64_kernel_on_float32_data_matches_the_float64_fit():
+    # fit() raised "expected m1 and m2 to have the same dtype, but got: double != float"; the
+    # classifier now works in the data's dtype, as DataCentricGPC and DistributionCentricGPC do
+    x, y, test_x = sine_classification(30, seed=0)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    model32 = LaplaceGPClassifier(x.float(), y.float(), kernel)
+    mean, var = model32.predict_latent(test_x.float())
+    proba = model32.predict_proba(test_x.float())
+    assert mean.dtype == var.dtype == proba.dtype == torch.float32
+    # the reference: everything in float64 at the same (float32-rounded) inputs
+    x64, test64 = x.float().double(), test_x.float().double()
+    model64 = LaplaceGPClassifier(x64, y.double(), copy.deepcopy(kernel))
+    ref_mean, ref_var = model64.predict_latent(test64)
+    torch.testing.assert_close(mean.double(), ref_mean, rtol=0, atol=1e-4)
+    torch.testing.assert_close(var.double(), ref_var, rtol=0, atol=1e-4)
+    torch.testing.assert_close(proba.double(), model64.predict_proba(test64), rtol=0, atol=1e-4)
+    cov = model32(test_x.float()).covariance_matrix
+    torch.testing.assert_close(torch.diagonal(cov).double(), ref_var, rtol=0, atol=1e-4)
