@@ -96,9 +96,7 @@ class ChunkedKernelOperator(LinearOperator):
             for start in range(0, n, self.chunk_size):
                 block = self._rows.blocks.get(start) if keep else None
                 if block is None:
-                    block = to_dense(
-                        self.kernel(self.x[..., start : start + self.chunk_size, :], self.x)
-                    )
+                    block = self._row_block(start)
                     if keep or rhs.shape[-1] >= DROP_MIN_COLUMNS:
                         block = drop_negligible(block, inplace=True)
                     keep = keep and self._rows.add(start, block, self.cache_bytes)
@@ -109,6 +107,38 @@ class ChunkedKernelOperator(LinearOperator):
         if out is None:  # no rows
             return rhs.new_empty(*self.batch_shape, 0, rhs.shape[-1])
         return out
+
+    def _row_block(self, start: int) -> Tensor:
+        r"""Rows ``start : start + chunk_size`` of :math:`\mathbf K`, shape ``(*b, c, N)``.
+
+        GPyTorch zeroes the distances of a point to itself only where ``x1`` equals ``x2``,
+        which a row chunk does not: the entries :math:`k(\mathbf x_i, \mathbf x_i)` of the
+        chunk then come from a distance of rounding size, about :math:`\sqrt{\epsilon}`, and
+        a kernel that is not smooth at 0 turns it into an error of that size. The Matérn-1/2
+        diagonal was :math:`1 - 4 \times 10^{-8}` in float64 and :math:`1 - 1.4 \times 10^{-3}`
+        in float32 instead of 1. They are replaced by ``kernel(x_I, diag=True)``, as the dense
+        ``kernel(x)`` has them.
+        """
+        rows = self.x[..., start : start + self.chunk_size, :]  # shape: (*bx, c, d)
+        block = to_dense(self.kernel(rows, self.x))  # shape: (*b, c, N)
+        diag = self._kernel_diagonal(rows, block.shape[:-1]).to(block)  # shape: (*b, c)
+        if block.is_contiguous():  # a fresh tensor: written in place
+            block.diagonal(offset=start, dim1=-2, dim2=-1).copy_(diag)
+            return block
+        return torch.diagonal_scatter(block, diag.expand(*block.shape[:-1]), start, -2, -1)
+
+    def _kernel_diagonal(self, rows: Tensor, shape: torch.Size) -> Tensor:
+        """``k(x_i, x_i)`` for ``rows`` (``(*bx, c, d)``), of the expected ``shape`` ``(*b, c)``.
+
+        GPyTorch's ``diag=True`` can drop a dimension: a ScaleKernel with batch shape ``(2,)``
+        on ``c = 2`` unbatched rows gives ``(2,)``, the output scales, so that the operator's
+        trace was their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the
+        ``c x c`` block, evaluated with ``x1 = x2``, is taken.
+        """
+        diag = self.kernel(rows, diag=True)
+        if diag.shape != shape:
+            diag = to_dense(self.kernel(rows, rows)).diagonal(dim1=-2, dim2=-1)
+        return diag
 
     def _size(self) -> torch.Size:
         n = self.x.shape[-2]
@@ -121,7 +151,7 @@ class ChunkedKernelOperator(LinearOperator):
 
     def _diagonal(self) -> Tensor:
         with torch.no_grad():
-            return self.kernel(self.x, diag=True)
+            return self._kernel_diagonal(self.x, self.shape[:-1])  # shape: (*b, N)
 
     def _expand_batch(self, batch_shape: torch.Size) -> ChunkedKernelOperator:
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])
