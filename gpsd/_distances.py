@@ -1,10 +1,25 @@
-"""Squared Euclidean distances by the expansion that matrix products make fast, centred first."""
+"""Squared Euclidean distances by the expansion that matrix products make fast, centred first;
+and when a kernel's two inputs may share one evaluation."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-__all__ = ["squared_distances"]
+__all__ = ["same_inputs", "squared_distances"]
+
+
+def same_inputs(x1: Tensor, x2: Tensor) -> bool:
+    """Whether a kernel may evaluate ``x1`` once and use it for ``x2`` too.
+
+    True for one tensor, or for equal values where no gradient has to reach the two apart: with
+    ``x1`` and ``x2`` distinct leaves, a shared evaluation sends ``x2``'s gradient to ``x1``.
+    """
+    if x1 is x2:
+        return True
+    if x1.requires_grad or x2.requires_grad or x1.shape != x2.shape:
+        return False
+    return torch.equal(x1, x2)
 
 
 def squared_distances(x1: Tensor, x2: Tensor) -> Tensor:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 from gpytorch.kernels import Kernel
 from gpytorch.models.exact_prediction_strategies import LinearPredictionStrategy
 from torch import Tensor
 
+from gpsd._distances import same_inputs
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
 
@@ -84,7 +84,7 @@ class ProbabilisticEmbeddingKernel(Kernel):
         if last_dim_is_batch:
             raise ValueError("last_dim_is_batch is not supported")
         phi1 = self.mean_features(x1)
-        if torch.equal(x1, x2):
+        if same_inputs(x1, x2):
             return RandomFeatureKernel.features_to_operator(phi1, None, diag)
         return RandomFeatureKernel.features_to_operator(phi1, self.mean_features(x2), diag)
 

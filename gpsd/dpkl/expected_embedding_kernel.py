@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
+from gpsd._distances import same_inputs
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 
 __all__ = ["ExpectedEmbeddingKernel"]
@@ -67,7 +67,7 @@ class ExpectedEmbeddingKernel(Kernel):
         if last_dim_is_batch:
             raise ValueError("last_dim_is_batch is not supported")
         z1 = self.latent_embeddings(x1)  # shape: (m, *batch, n1, d)
-        z2 = z1 if torch.equal(x1, x2) else self.latent_embeddings(x2)  # shape: (m, *batch, n2, d)
+        z2 = z1 if same_inputs(x1, x2) else self.latent_embeddings(x2)  # shape: (m, *batch, n2, d)
         m = z1.shape[0]
         a = z1.unsqueeze(1).expand(m, m, *z1.shape[1:])  # shape: (m, m, *batch, n1, d)
         b = z2.unsqueeze(0).expand(m, m, *z2.shape[1:])  # shape: (m, m, *batch, n2, d)

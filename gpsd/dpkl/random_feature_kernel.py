@@ -16,6 +16,7 @@ from linear_operator.operators import (
 )
 from torch import Tensor
 
+from gpsd._distances import same_inputs
 from gpsd._validation import check_int
 
 __all__ = ["RandomFeatureKernel", "sample_spectral_frequencies"]
@@ -223,7 +224,7 @@ class RandomFeatureKernel(Kernel):
         if last_dim_is_batch:
             raise ValueError("last_dim_is_batch is not supported by RandomFeatureKernel")
         phi1 = self.featurize(x1)
-        if torch.equal(x1, x2):
+        if same_inputs(x1, x2):
             return self.features_to_operator(phi1, None, diag)
         return self.features_to_operator(phi1, self.featurize(x2), diag)
 

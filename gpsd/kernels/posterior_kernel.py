@@ -8,6 +8,7 @@ from gpytorch.models import ExactGP
 from linear_operator import to_dense
 from torch import Tensor
 
+from gpsd._distances import same_inputs
 from gpsd._teacher import check_inputs, teacher_posterior
 
 __all__ = ["PosteriorKernel"]
@@ -71,15 +72,9 @@ class PosteriorKernel(Kernel):
     ) -> Tensor:
         if last_dim_is_batch:
             raise ValueError("PosteriorKernel does not support last_dim_is_batch=True")
-        one_tensor = x1 is x2
+        same = same_inputs(x1, x2)  # one solve serves both
         x1 = check_inputs(x1, self.train_inputs, "x1")
         x2 = check_inputs(x2, self.train_inputs, "x2")
-        # Equal values may share one solve only where no gradient has to reach x1 and x2 apart.
-        same = one_tensor or (
-            not (x1.requires_grad or x2.requires_grad)
-            and x1.shape == x2.shape
-            and torch.equal(x1, x2)
-        )
         k12, k_x1, k_x2 = self._prior_blocks(x1, None if same else x2, diag)
         a1 = torch.linalg.solve_triangular(self.cholesky, k_x1, upper=False)  # shape: (*b, N, M1)
         a2 = a1 if same else torch.linalg.solve_triangular(self.cholesky, k_x2, upper=False)
