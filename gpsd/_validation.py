@@ -6,6 +6,9 @@ was expected, so that bad input never turns into a silent NaN further down.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 import operator
 
 import torch
@@ -18,6 +21,7 @@ __all__ = [
     "check_finite",
     "check_int",
     "check_matrix",
+    "check_positive_float",
     "check_same_device",
     "check_vector",
 ]
@@ -43,11 +47,10 @@ def as_float_tensor(
     else:
         tensor = None
         if isinstance(value, (int, float, list, tuple)) and not isinstance(value, bool):
-            try:
+            # not real numbers: tensor stays None, and the conversion below names the argument
+            with contextlib.suppress(TypeError, ValueError, RuntimeError):
                 tensor = torch.as_tensor(value, dtype=torch.float64)
                 dtype = dtype or torch.get_default_dtype()
-            except (TypeError, ValueError, RuntimeError):
-                pass  # not real numbers: the conversion below names the argument
         if tensor is None:
             try:
                 tensor = torch.as_tensor(value)
@@ -145,3 +148,20 @@ def check_test_inputs(x: object, train_inputs: Tensor, name: str = "test_x") -> 
             f"got shape {tuple(x.shape)}"
         )
     return x
+
+
+def check_positive_float(value: object, name: str) -> float:
+    """``value`` (a real number or a one-element real tensor) as a finite ``float > 0``, or a
+    ``ValueError`` naming ``name``; ``bool``, strings and tensors of several elements are bad."""
+    scalar_tensor = (
+        isinstance(value, Tensor)
+        and value.numel() == 1
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
+    if not (isinstance(value, numbers.Real) or scalar_tensor) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    return number

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 import warnings
 from typing import Literal
 
@@ -13,7 +12,7 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_finite, check_int
+from gpsd._validation import as_float_tensor, check_finite, check_int, check_positive_float
 from gpsd.dpkl.svgd import SteinVariationalGradient
 
 __all__ = ["check_inputs", "EmbeddingGPRegressorBase"]
@@ -38,23 +37,6 @@ def check_inputs(
             f"{name} must have {num_features} features (as the training inputs), got {x.shape[-1]}"
         )
     return check_finite(x, name)
-
-
-def check_positive_float(value: object, name: str) -> float:
-    """``value`` (a real number or a one-element real tensor) as a finite ``float > 0``, or a
-    ``ValueError`` naming ``name``; ``bool``, strings and tensors of several elements are bad."""
-    scalar_tensor = (
-        isinstance(value, Tensor)
-        and value.numel() == 1
-        and not value.is_complex()
-        and value.dtype != torch.bool
-    )
-    if not (isinstance(value, numbers.Real) or scalar_tensor) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive float, got {value!r}")
-    number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name} must be a positive float, got {value!r}")
-    return number
 
 
 def check_targets(y: object, name: str, n: int, like: Tensor) -> Tensor:

@@ -7,11 +7,8 @@ import math
 import gpytorch
 from torch import Tensor
 
-from gpsd.dpkl._regressor_base import (
-    EmbeddingGPRegressorBase,
-    check_inputs,
-    check_positive_float,
-)
+from gpsd._validation import check_positive_float
+from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs
 
 __all__ = ["ARDGPRegressor"]
 

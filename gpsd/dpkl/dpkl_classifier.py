@@ -12,7 +12,7 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor, nn
 
-from gpsd._validation import as_float_tensor, check_finite, check_int
+from gpsd._validation import as_float_tensor, check_finite, check_int, check_positive_float
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth
 
@@ -72,8 +72,7 @@ class DPKLClassifier(gpytorch.Module):
         num_classes = check_int(num_classes, "num_classes", minimum=2)
         num_weight_particles = check_int(num_weight_particles, "num_weight_particles")
         latent_dim = check_int(latent_dim, "latent_dim")
-        if not (isinstance(prior_std, (int, float)) and prior_std > 0 and math.isfinite(prior_std)):
-            raise ValueError(f"prior_std must be a positive float, got {prior_std!r}")
+        prior_std = check_positive_float(prior_std, "prior_std")
         if update not in ("paper", "svgd"):
             raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
         check_bandwidth(bandwidth)
@@ -222,8 +221,7 @@ class DPKLClassifier(gpytorch.Module):
         num_epochs = check_int(num_epochs, "num_epochs", minimum=0)
         batch_size = check_int(batch_size, "batch_size")
         check_every = check_int(check_every, "check_every")
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be a positive float, got {lr!r}")
+        lr = check_positive_float(lr, "lr")
         x = self._check_query(x, "x", min_rows=1)
         y = self._check_y(y, x.shape[0])
         if (val_x is None) != (val_y is None):

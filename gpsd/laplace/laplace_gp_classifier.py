@@ -2,8 +2,6 @@ r"""Binary GP classification by the Laplace approximation, for any GPyTorch kern
 
 from __future__ import annotations
 
-import math
-
 import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
@@ -17,6 +15,7 @@ from gpsd._validation import (
     check_gp_modules,
     check_int,
     check_matrix,
+    check_positive_float,
     check_same_device,
     check_test_inputs,
     check_vector,
@@ -118,8 +117,7 @@ class LaplaceGPClassifier(gpytorch.Module):
             self.likelihood = self.terms.likelihood  # its parameters train with the kernel's
         if float(noise) < 0 or not torch.isfinite(torch.as_tensor(float(noise))):
             raise ValueError(f"noise must be a finite number >= 0, got {noise}")
-        if not (math.isfinite(float(temperature)) and float(temperature) > 0):
-            raise ValueError(f"temperature must be a positive finite float, got {temperature}")
+        temperature = check_positive_float(temperature, "temperature")
         max_iter = check_int(max_iter, "max_iter")
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()

@@ -2,11 +2,10 @@ r"""The Laplace log marginal likelihood, differentiable in the kernel and mean h
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from gpsd._validation import check_positive_float
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode
 
@@ -53,9 +52,7 @@ def laplace_log_marginal_likelihood(
     :raises ValueError: if ``temperature`` is not positive and finite, or is not the one ``mode``
         was found at (the surrogate's value and gradient hold only at that mode).
     """
-    tau = float(temperature)
-    if not (math.isfinite(tau) and tau > 0):
-        raise ValueError(f"temperature must be a positive finite float, got {temperature}")
+    tau = check_positive_float(temperature, "temperature")
     if tau != mode.temperature:
         raise ValueError(
             f"temperature={tau} differs from the temperature {mode.temperature} that mode was "

@@ -2,13 +2,12 @@ r"""Newton's method for the mode of the Laplace approximation (Rasmussen & Willi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_int
+from gpsd._validation import check_int, check_positive_float
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 
 __all__ = ["LaplaceConvergenceError", "LaplaceMode", "find_laplace_mode"]
@@ -166,8 +165,7 @@ def find_laplace_mode(
         too few digits for the kernel's scale).
     """
     max_iter = check_int(max_iter, "max_iter")
-    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
-        raise ValueError(f"temperature must be a positive finite float, got {temperature}")
+    temperature = check_positive_float(temperature, "temperature")
     with torch.no_grad():
         K = K.detach()
         y = y.detach()

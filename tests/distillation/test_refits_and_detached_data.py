@@ -15,13 +15,6 @@ from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
 DT = torch.float64
 
 
-def _kernel(outputscale=3.0, lengthscale=1.0):
-    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
-    k.outputscale = outputscale
-    k.base_kernel.lengthscale = lengthscale
-    return k
-
-
 @pytest.fixture
 def toy():
     return sine_classification(25, seed=4)
@@ -29,13 +22,13 @@ def toy():
 
 def test_data_centric_gpc_follows_hyperparameters_and_settings(toy):
     x, y, test_x = toy
-    model = DataCentricGPC(x, y, _kernel(), num_steps=3).fit()
+    model = DataCentricGPC(x, y, rbf_kernel(3.0, 1.0), num_steps=3).fit()
     model.predict_proba(test_x)
     model.covar_module.outputscale = 8.0
     model.covar_module.base_kernel.lengthscale = 0.6
     model.threshold_targets = True
     # the modes of the first kernel were combined with the new one: probabilities far off
-    fresh = DataCentricGPC(x, y, _kernel(8.0, 0.6), num_steps=3, threshold_targets=True).fit()
+    fresh = DataCentricGPC(x, y, rbf_kernel(8.0, 0.6), num_steps=3, threshold_targets=True).fit()
     for step in (1, 3):
         torch.testing.assert_close(
             model.predict_proba(test_x, step=step), fresh.predict_proba(test_x, step=step)
@@ -48,19 +41,19 @@ def test_data_centric_gpc_follows_hyperparameters_and_settings(toy):
 @pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
 def test_distribution_centric_gpc_follows_hyperparameters(toy, method):
     x, y, test_x = toy
-    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method).fit()
+    model = DistributionCentricGPC(x, y, rbf_kernel(3.0, 1.0), num_steps=3, method=method).fit()
     model.predict_proba(test_x)
     model.covar_module.outputscale = 8.0
     model.covar_module.base_kernel.lengthscale = 0.6
-    fresh = DistributionCentricGPC(x, y, _kernel(8.0, 0.6), num_steps=3, method=method).fit()
+    fresh = DistributionCentricGPC(x, y, rbf_kernel(8.0, 0.6), num_steps=3, method=method).fit()
     torch.testing.assert_close(model.predict_proba(test_x), fresh.predict_proba(test_x))
     torch.testing.assert_close(model.predict_latent(test_x), fresh.predict_latent(test_x))
 
 
 def test_distribution_centric_gpc_keeps_a_loaded_fit_and_a_fit_moved_to_float32(toy):
     x, y, test_x = toy
-    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method="iterated").fit()
-    loaded = DistributionCentricGPC(x, y, _kernel(1.0, 3.0), num_steps=3, method="iterated")
+    model = DistributionCentricGPC(x, y, rbf_kernel(3.0, 1.0), num_steps=3, method="iterated").fit()
+    loaded = DistributionCentricGPC(x, y, rbf_kernel(1.0, 3.0), num_steps=3, method="iterated")
     loaded.load_state_dict(model.state_dict())
     torch.testing.assert_close(loaded.predict_proba(test_x), model.predict_proba(test_x))
     assert loaded.newton_iterations == {}  # the loaded steps were used, not refitted

@@ -96,6 +96,9 @@ def test_errors():
     for bandwidth in (-2.0, 0.0, float("nan"), "mean", True):
         with pytest.raises(ValueError, match="bandwidth"):
             DPKLClassifier(_net, 3, bandwidth=bandwidth)
+    for prior_std in (True, 0.0, "1"):  # True was taken as 1.0
+        with pytest.raises(ValueError, match="prior_std must be a positive float"):
+            DPKLClassifier(_net, 3, prior_std=prior_std)
 
 
 @pytest.mark.parametrize(
@@ -108,6 +111,8 @@ def test_errors():
         (dict(check_every=0), "check_every must be a positive int"),
         (dict(lr=0.0), "lr must be a positive float"),
         (dict(lr=float("inf")), "lr"),
+        (dict(lr=True), "lr must be a positive float"),  # was taken as 1.0
+        (dict(lr="0.01"), "lr must be a positive float"),
     ],
 )
 def test_fit_names_the_bad_argument(kwargs, match):

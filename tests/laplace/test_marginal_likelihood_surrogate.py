@@ -50,5 +50,5 @@ def test_temperature_must_be_the_modes_and_positive():
     with pytest.raises(ValueError, match=r"temperature=1.0 differs from the temperature 2.0"):
         laplace_log_marginal_likelihood(K, y, terms, mode)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="temperature must be a positive finite float"):
+        with pytest.raises(ValueError, match="temperature must be a positive float"):
             laplace_log_marginal_likelihood(K, y, terms, mode, temperature=bad)
