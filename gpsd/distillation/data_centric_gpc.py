@@ -23,6 +23,7 @@ from gpsd._validation import (
     check_vector,
 )
 from gpsd._variance import nonnegative_variance
+from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -31,7 +32,6 @@ from gpsd.laplace.predictive import (
     probit_approximation,
     symmetric_response_expectation,
 )
-from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["DataCentricGPC"]
 
@@ -198,19 +198,13 @@ class DataCentricGPC(gpytorch.Module):
         :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``).
         """
         with torch.no_grad():
-            x = self.train_inputs
-            # in the data's dtype: a kernel or mean in another one (float64 modules on float32
-            # data) would mix dtypes in the Newton iterations
-            K = kernel_matrix(self.covar_module, x).to(x.dtype)  # shape: (*batch, n, n)
-            m = self.mean_module(x).to(x.dtype)
-            batch = torch.broadcast_shapes(
-                K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1]
+            # shapes: (*batch, n), (*batch, n, n)
+            m, K = prior_at_training(
+                self.covar_module, self.mean_module, self.train_inputs, self.train_targets
             )
             n = K.shape[-1]
-            K = K.expand(*batch, n, n)
-            m = m.expand(*batch, n)
             eye = torch.eye(n, dtype=K.dtype, device=K.device)
-            targets = self.train_targets.expand(*batch, n)
+            targets = self.train_targets.expand(m.shape)
             modes: list[LaplaceMode] = []
             self.newton_iterations = []
             init = None
@@ -261,10 +255,9 @@ class DataCentricGPC(gpytorch.Module):
         x = self._test_inputs(x)
         _, mode = self._mode(step)
         with torch.no_grad():
-            # shapes: (*batch, m, n), (*batch, m), in the data's dtype as in fit()
-            K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(x.dtype)
-            K_diag = self.covar_module(x, diag=True).to(x.dtype)
-            prior_mean = self.mean_module(x).to(x.dtype)
+            K_cross, K_diag, prior_mean = prior_at_test(
+                self.covar_module, self.mean_module, x, self.train_inputs, diag=True
+            )
             mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
         return mean, nonnegative_variance(var, K_diag)
 

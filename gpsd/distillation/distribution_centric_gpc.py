@@ -19,10 +19,10 @@ from gpsd._validation import (
     check_vector,
 )
 from gpsd._variance import nonnegative_variance
+from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import closed_form_probability, expected_response
 from gpsd.laplace.resolve import resolve_likelihood_terms
-from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["DistributionCentricGPC"]
 
@@ -162,14 +162,9 @@ class DistributionCentricGPC(gpytorch.Module):
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _prior(self) -> tuple[Tensor, Tensor]:
-        x = self.train_inputs
-        # in the data's dtype: a kernel or mean in another one (float64 modules on float32 data)
-        # would mix dtypes in the Newton iterations
-        K = kernel_matrix(self.covar_module, x).to(x.dtype)  # shape: (*batch, n, n)
-        m = self.mean_module(x).to(x.dtype)  # shape: (*batch, n)
-        batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1])
-        n = K.shape[-1]
-        return m.expand(*batch, n), K.expand(*batch, n, n)
+        return prior_at_training(
+            self.covar_module, self.mean_module, self.train_inputs, self.train_targets
+        )
 
     def _slot(self, step: int) -> int | None:
         if self.store_all_steps:
@@ -301,10 +296,10 @@ class DistributionCentricGPC(gpytorch.Module):
         x = self._test_inputs(x)
         scale, c, Q = self._state(step)
         with torch.no_grad():
-            # in the data's dtype, as in _prior()
-            K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(x.dtype)
-            K_diag = self.covar_module(x, diag=True).to(x.dtype)  # shape: (*batch, m)
-            mean = self.mean_module(x).to(x.dtype) + (K_cross @ c.unsqueeze(-1)).squeeze(-1)
+            K_cross, K_diag, prior_mean = prior_at_test(
+                self.covar_module, self.mean_module, x, self.train_inputs, diag=True
+            )
+            mean = prior_mean + (K_cross @ c.unsqueeze(-1)).squeeze(-1)  # shape: (*batch, m)
             prior_var = scale * K_diag
             var = prior_var - ((K_cross @ Q) * K_cross).sum(-1)
         return mean, nonnegative_variance(var, prior_var)

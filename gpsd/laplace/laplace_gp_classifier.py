@@ -21,6 +21,7 @@ from gpsd._validation import (
     check_vector,
 )
 from gpsd._variance import nonnegative_variance
+from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
@@ -31,7 +32,6 @@ from gpsd.laplace.predictive import (
     laplace_latent_predictive,
 )
 from gpsd.laplace.resolve import resolve_likelihood_terms
-from gpsd.linalg._negligible import kernel_matrix
 
 __all__ = ["LaplaceGPClassifier"]
 
@@ -147,14 +147,9 @@ class LaplaceGPClassifier(gpytorch.Module):
     def prior_train(self) -> tuple[Tensor, Tensor]:
         r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma\mathbf I`
         ``(*batch, n, n)`` of the training latents (with autograd history)."""
-        x = self.train_inputs
-        # in the data's dtype: a kernel or mean in another one (float64 modules on float32 data)
-        # would mix dtypes in the Newton iterations
-        K = kernel_matrix(self.covar_module, x).to(x.dtype)  # shape: (*batch, n, n)
-        K = K + self.noise * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-        m = self.mean_module(x).to(x.dtype)  # shape: (*batch, n)
-        batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], self.train_targets.shape[:-1])
-        return m.expand(*batch, K.shape[-1]), K.expand(*batch, *K.shape[-2:])
+        return prior_at_training(
+            self.covar_module, self.mean_module, self.train_inputs, self.train_targets, self.noise
+        )
 
     def _mode_is_current(self) -> bool:
         """Whether :attr:`_mode` was fitted at the current parameters, buffers and temperature."""
@@ -217,10 +212,9 @@ class LaplaceGPClassifier(gpytorch.Module):
         """The latent predictive distribution at ``x`` (full covariance)."""
         x = self._test_inputs(x)
         mode = self.mode
-        dtype = self.train_inputs.dtype  # as in prior_train()
-        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(dtype)  # (*b, m, n)
-        K_test = self.covar_module(x).to_dense().to(dtype)  # shape: (*batch, m, m)
-        prior_mean = self.mean_module(x).to(dtype)
+        K_cross, K_test, prior_mean = prior_at_test(
+            self.covar_module, self.mean_module, x, self.train_inputs, diag=False
+        )
         mean, cov = laplace_latent_predictive(mode, K_cross, K_test, prior_mean, diag=False)
         jitter = 1e-10 if cov.dtype == torch.float64 else 1e-6
         cov = cov + jitter * torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
@@ -230,10 +224,9 @@ class LaplaceGPClassifier(gpytorch.Module):
         """Latent predictive mean and variance at ``x``, each ``(*batch, m)``."""
         x = self._test_inputs(x)
         mode = self.mode
-        dtype = self.train_inputs.dtype  # as in prior_train()
-        K_cross = kernel_matrix(self.covar_module, x, self.train_inputs).to(dtype)  # (*b, m, n)
-        K_diag = self.covar_module(x, diag=True).to(dtype)  # shape: (*batch, m)
-        prior_mean = self.mean_module(x).to(dtype)
+        K_cross, K_diag, prior_mean = prior_at_test(
+            self.covar_module, self.mean_module, x, self.train_inputs, diag=True
+        )
         mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
         return mean, nonnegative_variance(var, K_diag)
 

@@ -1,0 +1,51 @@
+"""The GP prior's blocks that the Laplace classifiers work with, in the training data's dtype.
+
+A kernel or mean in another dtype than the data (float64 modules on float32 data) would otherwise
+mix dtypes in the Newton iterations and the predictions.
+"""
+
+from __future__ import annotations
+
+import gpytorch
+import torch
+from torch import Tensor
+
+from gpsd.linalg._negligible import kernel_matrix
+
+__all__ = ["prior_at_test", "prior_at_training"]
+
+
+def prior_at_training(
+    covar_module: gpytorch.kernels.Kernel,
+    mean_module: gpytorch.means.Mean,
+    x: Tensor,
+    targets: Tensor,
+    noise: Tensor | float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma \mathbf I`
+    ``(*batch, n, n)`` at the training inputs ``x`` (``(..., n, d)``), in ``x``'s dtype.
+
+    ``batch`` broadcasts the batches of the kernel, the mean and ``targets`` (``(..., n)``); the
+    results are expanded views and keep the modules' autograd history.
+    """
+    K = kernel_matrix(covar_module, x).to(x.dtype)  # shape: (*bk, n, n)
+    n = K.shape[-1]
+    K = K + noise * torch.eye(n, dtype=K.dtype, device=K.device)
+    m = mean_module(x).to(x.dtype)  # shape: (*bm, n)
+    batch = torch.broadcast_shapes(K.shape[:-2], m.shape[:-1], targets.shape[:-1])
+    return m.expand(*batch, n), K.expand(*batch, n, n)
+
+
+def prior_at_test(
+    covar_module: gpytorch.kernels.Kernel,
+    mean_module: gpytorch.means.Mean,
+    x: Tensor,
+    train_x: Tensor,
+    diag: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``k(x, X)`` ``(*b, m, n)``, ``k(x, x)`` (``(*b, m)`` with ``diag``, else ``(*b, m, m)``) and
+    the prior mean ``(*b, m)`` at test inputs ``x``, in the dtype of ``train_x``."""
+    dtype = train_x.dtype
+    K_cross = kernel_matrix(covar_module, x, train_x).to(dtype)
+    K_test = covar_module(x, diag=True) if diag else covar_module(x).to_dense()
+    return K_cross, K_test.to(dtype), mean_module(x).to(dtype)
