@@ -5,12 +5,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
+
+
+def cuda_missing(device: torch.device) -> bool:
+    """True (after saying so) where ``device`` is CUDA but none is here: the caller skips."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        script = os.path.basename(sys.argv[0])
+        print(f"{script}: no CUDA device here; nothing to measure (skipped).")
+        return True
+    return False
 
 
 def sync(device: torch.device) -> None:

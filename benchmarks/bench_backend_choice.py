@@ -33,7 +33,7 @@ import gpytorch
 import torch
 from _problems import rbf_kernel as rbf
 from _problems import uniform_square_problem as problem
-from _timing import sync, write_report
+from _timing import cuda_missing, sync, write_report
 
 from gpsd import DataCentricGPR
 from gpsd.linalg import KernelSpectrum, ShiftedCG, ShiftedCholesky
@@ -227,8 +227,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_backend_choice.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(device):
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     header = "\n".join(

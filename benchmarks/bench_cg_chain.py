@@ -28,7 +28,7 @@ import sys
 
 import gpytorch
 import torch
-from _timing import median_time, write_report
+from _timing import cuda_missing, median_time, write_report
 
 from gpsd.data import load_dataset
 from gpsd.linalg import ChunkedKernelOperator, KernelSpectrum, ShiftedCG
@@ -98,8 +98,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_cg_chain.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(device):
         return
     lines = [
         f"# The data-centric chain on the CG backend (float64, {device.type})",

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import gpytorch
 import numpy as np
 import torch
-from _timing import median_time
+from _timing import cuda_missing, median_time
 
 from gpsd import DataCentricGPC, DistributionCentricGPC, LaplaceGPClassifier
 from gpsd.data.toy import sine_classification
@@ -165,8 +165,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         threadpool_limits(args.threads)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_classification.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(device):
         return
     dtype = getattr(torch, args.dtype)
     if args.quick:

@@ -28,7 +28,7 @@ from pathlib import Path
 import gpytorch
 import numpy as np
 import torch
-from _timing import median_time
+from _timing import cuda_missing, median_time
 from linear_operator.operators import LowRankRootLinearOperator
 from torch import nn
 
@@ -342,8 +342,7 @@ def main():
         args.timing_particles, args.timing_ns, args.repeats = [1, 10], [500, 2000], 3
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_dpkl.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(device):
         return
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import median_time_and_output, peak_rss_kib, start_peak_rss, write_report
+from _timing import cuda_missing, median_time_and_output, peak_rss_kib, start_peak_rss, write_report
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 
@@ -438,8 +438,7 @@ def main() -> None:
     global DEVICE, LENGTHSCALE
     DEVICE = torch.device(args.device)
     LENGTHSCALE = args.lengthscale
-    if DEVICE.type == "cuda" and not torch.cuda.is_available():
-        print("bench_gpu.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(DEVICE):
         return
     dtype = getattr(torch, args.dtype)
     rate = matmul_rate(dtype, 8192 if DEVICE.type == "cuda" else 1024)

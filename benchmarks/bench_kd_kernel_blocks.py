@@ -23,7 +23,7 @@ import time
 
 import gpytorch
 import torch
-from _timing import median_time, sync, write_report
+from _timing import cuda_missing, median_time, sync, write_report
 
 from gpsd.kernel_distillation import KernelDistillation
 from gpsd.kernel_distillation import kernel_distillation as distillation_module
@@ -153,8 +153,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_kd_kernel_blocks.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(device):
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     header = "\n".join(

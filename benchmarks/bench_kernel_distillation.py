@@ -28,7 +28,7 @@ import warnings
 
 import gpytorch
 import torch
-from _timing import median_time
+from _timing import cuda_missing, median_time
 
 from gpsd.data import load_dataset
 from gpsd.kernel_distillation import KernelDistillation
@@ -227,8 +227,7 @@ def main() -> None:
         args.datasets = [s for s in args.datasets if s != "deliveries"]
         args.repeats = 3
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_kernel_distillation.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(device):
         return
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)

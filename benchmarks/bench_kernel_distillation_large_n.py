@@ -23,7 +23,7 @@ import time
 
 import gpytorch
 import torch
-from _timing import peak_rss_kib, sync, write_report
+from _timing import cuda_missing, peak_rss_kib, sync, write_report
 
 from gpsd import KernelDistillation
 
@@ -47,10 +47,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(
-            "bench_kernel_distillation_large_n.py: no CUDA device here; nothing to measure (skipped)."
-        )
+    if cuda_missing(device):
         return
     gen = torch.Generator(device=device).manual_seed(0)
     x = 10 * torch.rand(args.n, 2, generator=gen, device=device, dtype=dtype)

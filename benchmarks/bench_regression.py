@@ -30,7 +30,7 @@ import sys
 import gpytorch
 import numpy as np
 import torch
-from _timing import median_time, peak_rss_kib
+from _timing import cuda_missing, median_time, peak_rss_kib
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import load_dataset
@@ -355,8 +355,7 @@ def main() -> None:
         args.n, args.m, args.steps, args.sizes = 400, 200, [1, 10, 100], [250, 500]
         args.repeats, args.naive_max_steps = 2, 10
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_regression.py: no CUDA device here; nothing to measure (skipped).")
+    if cuda_missing(device):
         return
     parts = [header(args, device, dtype)]
     if not args.skip_fig15:
