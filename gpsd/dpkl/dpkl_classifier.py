@@ -18,6 +18,10 @@ from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth
 
 __all__ = ["DPKLClassifier"]
 
+# Largest (q, m, rows, C, d) block of embedding/class-weight differences formed at once
+# (2**24 entries: 128 MiB in float64).
+_MAX_DIFFERENCE_ELEMENTS = 2**24
+
 
 class DPKLClassifier(gpytorch.Module):
     r"""Kernel-normalised Bayesian logistic regression on probabilistic embeddings (Mallick §3.3).
@@ -147,10 +151,26 @@ class DPKLClassifier(gpytorch.Module):
         x = self._check_x(x)
         z = self.embed(x)  # shape: (m, n, d)
         theta = self.class_weights  # shape: (q, C, d)
+        q, num_classes, d = theta.shape
         m = z.shape[0]
-        sq = (z.unsqueeze(0).unsqueeze(-2) - theta.unsqueeze(1).unsqueeze(1)).pow(2).sum(-1)
-        # sq: (q, m, n, C)
-        log_k = torch.logsumexp(-sq / (2 * self.lengthscale**2), dim=1) - math.log(m)  # (q, n, C)
+        # The differences z - theta are formed exactly (no |z|^2 - 2 z.theta + |theta|^2
+        # cancellation) in row chunks of at most _MAX_DIFFERENCE_ELEMENTS entries, so that a
+        # large test set does not build one (q, m, n, C, d) tensor.
+        rows = max(1, _MAX_DIFFERENCE_ELEMENTS // (q * m * num_classes * d))
+        two_l2 = 2 * self.lengthscale**2
+        log_k = torch.cat(
+            [
+                torch.logsumexp(
+                    -(zc.unsqueeze(0).unsqueeze(-2) - theta.unsqueeze(1).unsqueeze(1))
+                    .pow(2)
+                    .sum(-1)  # shape: (q, m, rows, C)
+                    / two_l2,
+                    dim=1,
+                )
+                for zc in z.split(rows, dim=1)
+            ],
+            dim=1,
+        ) - math.log(m)  # shape: (q, n, C)
         return log_k - torch.logsumexp(log_k, dim=-1, keepdim=True)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -178,7 +178,12 @@ class RandomFeatureKernel(Kernel):
         self.initialize(raw_outputscale=self.raw_outputscale_constraint.inverse_transform(value))
 
     def resample(self, generator: torch.Generator | None = None) -> None:
-        """Draw new unit frequencies in place."""
+        """Draw new unit frequencies in place.
+
+        An :class:`~gpytorch.models.ExactGP` in evaluation mode keeps the training features
+        it cached at its first prediction; after resampling, call ``model.train()`` (then
+        ``model.eval()``) so that its next prediction uses the new frequencies.
+        """
         self.base_frequencies.copy_(
             sample_spectral_frequencies(
                 self.num_features,
