@@ -72,36 +72,52 @@ class ContinuousBernoulli(Distribution):
         return value * self.logits - cb_log_normalizer(self.logits)
 
     def cdf(self, value: Tensor) -> Tensor:
+        r"""The CDF :math:`F(y) = (e^{fy} - 1)/(e^f - 1)`, 0 below the support and 1 above it.
+
+        For :math:`|f| < 1` it is evaluated as :math:`F(y) = y\, e^{A(fy) - A(f)}`, whose gradient in
+        :math:`f` (through the series of :math:`A`) does not cancel near :math:`f = 0`.
+        """
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
-        # F(0) = 0 for every f; a stand-in value keeps log(0) out of the gradient there
-        positive = value > 0
-        value = torch.where(positive, value, torch.ones_like(value))
-        f = self.logits
-        small, pos, f_pos, f_neg = _logit_branches(f)
+        # clamped first: beyond the support exp(f (y - 1)) could overflow and give NaN gradients
+        value = value.clamp(0.0, 1.0)
+        # F(0) = 0 for every f; a stand-in value keeps log(0) out of the gradient there (a NaN
+        # value is not replaced and gives NaN)
+        zero = value <= 0
+        value = torch.where(zero, torch.ones_like(value), value)
+        small, f_small, pos, f_pos, f_neg = _logit_branches(self.logits)
         # F(y) = expm1(f y) / expm1(f), written without overflow for either sign of f
         log_pos = f_pos * (value - 1.0) + torch.log(-torch.expm1(-f_pos * value))
         log_pos = log_pos - torch.log(-torch.expm1(-f_pos))
         log_neg = torch.log(-torch.expm1(f_neg * value)) - torch.log(-torch.expm1(f_neg))
         out = torch.where(pos, torch.exp(log_pos), torch.exp(log_neg))
-        out = torch.where(small, value + 0.5 * f * value * (value - 1.0), out)
-        return torch.where(positive, out, torch.zeros_like(out)).clamp(0.0, 1.0)
+        near_zero = value * torch.exp(
+            cb_log_normalizer(f_small * value) - cb_log_normalizer(f_small)
+        )
+        out = torch.where(small, near_zero, out)
+        return torch.where(zero, torch.zeros_like(out), out).clamp(0.0, 1.0)
 
     def icdf(self, value: Tensor) -> Tensor:
+        r"""The inverse CDF :math:`F^{-1}(u) = \log(1 + u(e^f - 1)) / f`, used by :meth:`rsample`.
+
+        For :math:`|f| < 1` it is evaluated as :math:`F^{-1}(u) = u\, e^{A(f) - A(z)}` with
+        :math:`z = f F^{-1}(u) = \operatorname{log1p}(u \operatorname{expm1}(f))` (so that
+        :math:`\operatorname{expm1}(z) = u \operatorname{expm1}(f)`), whose gradient in :math:`f`
+        does not cancel near :math:`f = 0`.
+        """
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
-        # F^{-1}(0) = 0 for every f; a stand-in value keeps log(0) out of the gradient there
-        positive = value > 0
-        value = torch.where(positive, value, torch.ones_like(value))
-        f = self.logits
-        small, pos, f_pos, f_neg = _logit_branches(f)
-        # f < 0: log1p(u expm1(f)) / f.  f > 0: 1 + log(u + (1 - u) e^{-f}) / f (no overflow),
-        # as 1 + log1p((1 - u) expm1(-f)) / f below f = 1, where exp(-f)'s rounding over f grew.
+        # F^{-1}(0) = 0 for every f; a stand-in value keeps log(0) out of the gradient there (not 1:
+        # log1p(expm1(f)) is log1p(-1) = -inf once expm1(f) rounds to -1; a NaN value gives NaN)
+        zero = value <= 0
+        value = torch.where(zero, torch.full_like(value, 0.5), value)
+        small, f_small, pos, f_pos, f_neg = _logit_branches(self.logits)
+        # f <= -1: log1p(u expm1(f)) / f.  f >= 1: 1 + log(u + (1 - u) e^{-f}) / f (no overflow)
         neg_branch = torch.log1p(value * torch.expm1(f_neg)) / f_neg
-        near_zero = torch.log1p((1.0 - value) * torch.expm1(-f_pos))
-        far = torch.log(value + (1.0 - value) * torch.exp(-f_pos))
-        pos_branch = 1.0 + torch.where(f_pos < 1.0, near_zero, far) / f_pos
+        pos_branch = 1.0 + torch.log(value + (1.0 - value) * torch.exp(-f_pos)) / f_pos
         out = torch.where(pos, pos_branch, neg_branch)
-        out = torch.where(small, value + 0.5 * f * value * (1.0 - value), out)
-        return torch.where(positive, out, torch.zeros_like(out)).clamp(0.0, 1.0)
+        z = torch.log1p(value * torch.expm1(f_small))
+        near_zero = value * torch.exp(cb_log_normalizer(f_small) - cb_log_normalizer(z))
+        out = torch.where(small, near_zero, out)
+        return torch.where(zero, torch.zeros_like(out), out).clamp(0.0, 1.0)
 
     def rsample(self, sample_shape: torch.Size = _NO_SAMPLE_SHAPE) -> Tensor:
         shape = self._extended_shape(sample_shape)
@@ -117,16 +133,17 @@ class ContinuousBernoulli(Distribution):
         return cb_entropy(self.logits)
 
 
-def _logit_branches(f: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Masks and safe logits for formulas with separate branches for ``f > 0`` and ``f < 0``.
+def _logit_branches(f: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Masks and safe logits for formulas with branches for ``|f| < 1``, ``f >= 1`` and ``f <= -1``.
 
-    Returns ``(small, pos, f_pos, f_neg)``: ``|f| < 1e-6`` (where a series is used instead),
-    ``f > 0``, and ``f`` on its own branch with a harmless placeholder (1 or -1) elsewhere, so both
-    branches stay finite (and their gradients too) when evaluated with ``torch.where``.
+    Returns ``(small, f_small, pos, f_pos, f_neg)``: the mask ``|f| < 1`` (where formulas in
+    :math:`A` are used), ``f`` there and 0 elsewhere, the mask ``f > 0``, and ``f`` on the branches
+    ``f >= 1`` and ``f <= -1`` with a harmless placeholder (1 or -1) elsewhere, so that every branch
+    stays finite (and its gradient too) when they are combined with ``torch.where``.
     """
-    small = f.abs() < 1e-6
-    f_safe = torch.where(small, torch.ones_like(f), f)
-    pos = f_safe > 0
-    f_pos = torch.where(pos, f_safe, torch.ones_like(f))
-    f_neg = torch.where(pos, -torch.ones_like(f), f_safe)
-    return small, pos, f_pos, f_neg
+    small = f.abs() < 1.0
+    f_small = torch.where(small, f, torch.zeros_like(f))
+    pos = f > 0
+    f_pos = torch.where(pos & ~small, f, torch.ones_like(f))
+    f_neg = torch.where(pos | small, -torch.ones_like(f), f)
+    return small, f_small, pos, f_pos, f_neg
