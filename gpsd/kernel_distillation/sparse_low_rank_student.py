@@ -144,13 +144,14 @@ class SparseLowRankStudent(gpytorch.Module):
             if mat.shape != (m, m):
                 raise ValueError(f"{name} must have shape ({m}, {m}), got {tuple(mat.shape)}")
             check_finite(mat, name)
-        alpha = check_vector(
-            as_float_tensor(
-                predictive_mean_weights, "predictive_mean_weights", dtype=u.dtype
-            ).detach(),
-            "predictive_mean_weights",
-            m,
-        )
+        alpha = as_float_tensor(
+            predictive_mean_weights, "predictive_mean_weights", dtype=u.dtype
+        ).detach()
+        if alpha.shape != (m,):  # one weight per inducing point, no batch dimensions
+            raise ValueError(
+                f"predictive_mean_weights must have shape ({m},), got {tuple(alpha.shape)}"
+            )
+        check_finite(alpha, "predictive_mean_weights")
         sparsity = check_int(sparsity, "sparsity")
         if sparsity > m:
             raise ValueError(f"sparsity must be an int in [1, m={m}], got {sparsity!r}")
@@ -380,7 +381,9 @@ class SparseLowRankStudent(gpytorch.Module):
             )
             diag = self.kernel_outputscale.expand(x.shape[:-1])
             return cross, diag
-        with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(False):
+        # no torch.no_grad here: the frozen kernel builds no graph of its own, and the bare
+        # prediction path (prediction_module) is differentiable in x as for the kernels above
+        with gpytorch.settings.lazily_evaluate_kernels(False):
             cross = self.kernel(x.unsqueeze(-2), u_near).to_dense().squeeze(-2)
             diag = self.kernel(x, x, diag=True)
         return cross, diag
@@ -459,8 +462,9 @@ class SparseLowRankStudent(gpytorch.Module):
     def prediction_module(self) -> torch.nn.Module:
         """A module whose ``forward(x) -> (mean, variance)`` is the bare prediction path.
 
-        It skips input checks (so it can be traced) and shares this student's buffers. Export it
-        with ``torch.export.export(student.prediction_module(), (x,))`` when :attr:`exportable`.
+        It skips input checks (so it can be traced) and shares this student's buffers, and it is
+        differentiable in ``x`` (:meth:`predict` is not). Export it with
+        ``torch.export.export(student.prediction_module(), (x,))`` when :attr:`exportable`.
         """
         return _StudentPredictor(self)
 
