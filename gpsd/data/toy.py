@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from gpsd._validation import check_int
+
 __all__ = [
     "damped_sine_regression",
     "kernel_reconstruction_inputs",
@@ -25,10 +27,23 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _check(n: object, seed: object, dtype: object) -> tuple[int, int]:
+    """``n`` (a positive integer), ``seed`` (a non-negative integer) and a floating ``dtype``,
+    or a ``ValueError`` naming the argument."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return check_int(n, "n"), check_int(seed, "seed", minimum=0)
+
+
 def xsinx_regression(
     n: int = 10, seed: int = 0, noise_std: float = 1.0, dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, Tensor]:
     """``n`` equally spaced inputs on [0, 10] and ``y = x sin x + eps``, ``eps ~ N(0, noise_std^2)``."""
+    n, seed = _check(n, seed, dtype)
+    if isinstance(noise_std, bool) or not (
+        isinstance(noise_std, (int, float)) and math.isfinite(noise_std) and noise_std >= 0
+    ):
+        raise ValueError(f"noise_std must be a finite float >= 0, got {noise_std!r}")
     x = torch.linspace(0.0, 10.0, n, dtype=dtype)
     eps = torch.randn(n, generator=_generator(seed), dtype=dtype)
     return x, x * torch.sin(x) + noise_std * eps
@@ -41,6 +56,7 @@ def sine_classification(
 
     Returns ``(x, y, test_x)`` with ``test_x`` the 90 equally spaced points on [-2, 7].
     """
+    n, seed = _check(n, seed, dtype)
     gen = _generator(seed)
     x = 5.0 * torch.rand(n, generator=gen, dtype=dtype)
     p = torch.sigmoid(2.0 * torch.sin(math.pi * x / 2.0))
@@ -52,6 +68,7 @@ def kernel_reconstruction_inputs(
     n: int = 1000, seed: int = 0, dtype: torch.dtype = torch.float64
 ) -> Tensor:
     """``n`` sorted inputs from N(0, 25), shape ``(n, 1)``."""
+    n, seed = _check(n, seed, dtype)
     x = 5.0 * torch.randn(n, generator=_generator(seed), dtype=dtype)
     return x.sort().values.unsqueeze(-1)
 
@@ -60,6 +77,7 @@ def damped_sine_regression(
     n: int = 1000, seed: int = 0, dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, Tensor]:
     """``x ~ U(-10, 10)``, ``y = sin(x) exp(-x^2 / (2 * 5^2)) + eps``, ``eps ~ N(0, 1)``; x is (n, 1)."""
+    n, seed = _check(n, seed, dtype)
     gen = _generator(seed)
     x = 20.0 * torch.rand(n, generator=gen, dtype=dtype) - 10.0
     f = torch.sin(x) * torch.exp(-(x**2) / (2.0 * 25.0))

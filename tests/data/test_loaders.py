@@ -104,3 +104,17 @@ def test_non_integer_sizes_and_seeds_are_rejected(kwargs, name):
     # a float size used to be truncated silently (100.7 -> 100 rows)
     with pytest.raises(ValueError, match=name):
         load_dataset("diabetes", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, name",
+    [(xsinx_regression, {"n": -1}, "n"), (xsinx_regression, {"noise_std": -1.0}, "noise_std"),
+     (xsinx_regression, {"noise_std": float("nan")}, "noise_std"),
+     (sine_classification, {"n": 2.5}, "n"), (kernel_reconstruction_inputs, {"seed": -3}, "seed"),
+     (damped_sine_regression, {"dtype": torch.int64}, "dtype")],
+)  # fmt: skip
+def test_toy_settings_reject_bad_arguments(make, kwargs, name):
+    # before: a RuntimeError/TypeError from torch that named no argument, or (noise_std=-1, NaN;
+    # seed=-3) data returned silently
+    with pytest.raises(ValueError, match=name):
+        make(**kwargs)
