@@ -33,6 +33,13 @@ class SSDPKLRegressor(DPKLRegressor):
     distance of the embedding of :math:`p(\mathbf Z\mid\mathbf x)` from the span of the labelled
     embeddings). All other arguments are those of :class:`~gpsd.dpkl.DPKLRegressor`.
 
+    The regulariser's gradient reaches every parameter that :math:`\sigma^2` depends on: the
+    particles, the lengthscale, and also the outputscale (which scales
+    :math:`\sigma^2`) and the noise :math:`\sigma_\eta^2`, as in Jean et al.'s SSDKL. A large
+    :math:`\alpha` therefore pulls the outputscale and the noise down (the posterior variance
+    grows with both) as well as moving the embeddings; freeze them (``requires_grad_(False)``)
+    to regularise the embeddings alone.
+
     :param unlabelled_x: ``(n_u, D)`` unlabelled inputs.
     :param alpha: the regularisation weight :math:`\alpha \ge 0`.
     :param unlabelled_batch_size: minibatch size for the regulariser.
