@@ -12,6 +12,7 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.warnings import PerformanceWarning
 from torch import Tensor
 
+from gpsd._validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine
 from gpsd.linalg.backend import free_memory_bytes
 from gpsd.linalg.spectral_filter import SpectralFilter
@@ -34,15 +35,16 @@ class ShiftedCholesky(ShiftedSolveEngine):
     It offers the same ``apply``/``cross``/``quad_diag``/``trace`` as
     :class:`~gpsd.linalg.KernelSpectrum`, for the filters it can evaluate.
 
-    **Memory.** Each factor is as large as :math:`\mathbf K`. The factors are kept for reuse (the
-    variances need them again after the means) up to ``max_cached_bytes``, the least recently
-    used one dropped first; one that was dropped is factored again when needed, with a
-    ``PerformanceWarning`` the first time.
+    **Memory.** Each factor is as large as :math:`\mathbf K` times the schedules it covers. The
+    factors are kept for reuse (the variances need them again after the means) while their bytes
+    add up to at most ``max_cached_bytes``, the least recently used one dropped first; one that
+    was dropped is factored again when needed, with a ``PerformanceWarning`` the first time.
 
     :param kernel: :math:`\mathbf K`, shape ``(*b, N, N)``.
     :param dtype: the dtype of the factorisations (default: the kernel's).
-    :param max_cached_bytes: memory for cached factors (at least one is always kept). Default:
-        half the memory free on the kernel's device when the first factor is made.
+    :param max_cached_bytes: memory for cached factors, a non-negative integer (at least one
+        factor is always kept). Default: half the memory free on the kernel's device when the
+        first factor is made.
     """
 
     def __init__(
@@ -51,6 +53,8 @@ class ShiftedCholesky(ShiftedSolveEngine):
         dtype: torch.dtype | None = None,
         max_cached_bytes: int | None = None,
     ) -> None:
+        if max_cached_bytes is not None:
+            max_cached_bytes = check_int(max_cached_bytes, "max_cached_bytes", minimum=0)
         dense = to_dense(kernel)
         self.kernel_matrix = dense if dtype is None else dense.to(dtype)
         self.dtype = self.kernel_matrix.dtype
@@ -58,6 +62,7 @@ class ShiftedCholesky(ShiftedSolveEngine):
         self.max_cached_bytes = max_cached_bytes
         self._factors: OrderedDict[tuple, Tensor] = OrderedDict()
         self._dropped: set[tuple] = set()  # keys of factors dropped from the cache
+        self._cached_bytes = 0  # bytes of the factors in the cache
         self._warned = False
 
     def factor(self, gamma: Tensor) -> Tensor:
@@ -83,10 +88,15 @@ class ShiftedCholesky(ShiftedSolveEngine):
         del shifted
         if self.max_cached_bytes is None:
             self.max_cached_bytes = free_memory_bytes(factor.device) // 2
-        size = factor.numel() * factor.element_size()
-        while self._factors and size * (len(self._factors) + 1) > self.max_cached_bytes:
-            self._dropped.add(self._factors.popitem(last=False)[0])
+        # Factors of schedules of different batch shapes differ in size: count their bytes
+        # (counting the new factor's size once per cached one overfilled or emptied the cache).
+        size = _nbytes(factor)
+        while self._factors and self._cached_bytes + size > self.max_cached_bytes:
+            dropped_key, dropped = self._factors.popitem(last=False)
+            self._cached_bytes -= _nbytes(dropped)
+            self._dropped.add(dropped_key)
         self._factors[key] = factor
+        self._cached_bytes += size
         return factor
 
     def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
@@ -102,3 +112,8 @@ class ShiftedCholesky(ShiftedSolveEngine):
         eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
         eye = eye.expand(*self.kernel_matrix.shape[:-2], self.size, self.size)
         return self.apply(filt, eye).diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+def _nbytes(tensor: Tensor) -> int:
+    """Bytes of ``tensor``'s elements."""
+    return tensor.numel() * tensor.element_size()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -38,7 +41,11 @@ class SpectralFilter:
       test inputs after step :math:`t` (eq. 5) is :math:`\mathbf K_{*X} G_t(\mathbf K) \mathbf y`;
     * :meth:`resolvent`: :math:`R_t(d) = 1 / (d + \gamma_t)`, giving posterior variances.
 
-    The stack has shape ``(*s, T)``: a batch of schedules ``*s`` with ``T`` steps each.
+    The stack has shape ``(*s, T)``: a batch of schedules ``*s`` with ``T`` steps each. The class
+    methods check their arguments: ``gamma`` a floating-point tensor of shape ``(*s, T)`` with
+    ``T >= 1`` finite positive shifts, ``alpha`` in :math:`[0, 1]`. Eigenvalues below zero,
+    rounding errors of a positive semi-definite kernel, are evaluated as 0 (see
+    :class:`~gpsd.linalg._algebra.EigenvalueAlgebra`).
 
     :param evaluate: maps an :class:`~gpsd.linalg._algebra.EigenvalueAlgebra` or
         :class:`~gpsd.linalg._algebra.PowerSeriesAlgebra` to the stacked filter, shape ``(*s, T, k)``
@@ -89,7 +96,10 @@ class SpectralFilter:
         return self._evaluate(algebra)
 
     def values(self, eigenvalues: Tensor) -> Tensor:
-        """Filter values at ``eigenvalues`` of shape ``(*b, k)``; returns ``(*broadcast(s, b), T, k)``."""
+        """Filter values at ``eigenvalues`` of shape ``(*b, k)``; returns ``(*broadcast(s, b), T, k)``.
+
+        Negative eigenvalues (rounding errors of a positive semi-definite kernel) count as 0.
+        """
         return self._evaluate(EigenvalueAlgebra(eigenvalues))
 
     def series(self, order: int) -> Tensor:
@@ -100,6 +110,7 @@ class SpectralFilter:
     @classmethod
     def data_centric_targets(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
         """:math:`F_t` for ``t = 1..T``: the training targets after each data-centric step."""
+        gamma, alpha = _check_schedule(gamma), _check_alpha(alpha)
         return cls(
             lambda alg: _data_centric(alg, gamma, alpha)[0],
             gamma,
@@ -109,6 +120,7 @@ class SpectralFilter:
     @classmethod
     def data_centric_weights(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
         """:math:`G_t = F_{t-1} / (d + \\gamma_t)` for ``t = 1..T``: weights of the test mean."""
+        gamma, alpha = _check_schedule(gamma), _check_alpha(alpha)
         return cls(
             lambda alg: _data_centric(alg, gamma, alpha)[1],
             gamma,
@@ -118,6 +130,7 @@ class SpectralFilter:
     @classmethod
     def resolvent(cls, gamma: Tensor) -> SpectralFilter:
         """:math:`R_t = 1 / (d + \\gamma_t)` for ``t = 1..T``."""
+        gamma = _check_schedule(gamma)
 
         def evaluate(alg):
             one = alg.one(gamma[..., 0])
@@ -125,6 +138,38 @@ class SpectralFilter:
             return alg.stack(steps)
 
         return cls(evaluate, gamma, is_resolvent=True, rebuild=cls.resolvent)
+
+
+def _check_schedule(gamma: object) -> Tensor:
+    """``gamma`` if it is a floating-point tensor of shape ``(*s, T)``, ``T >= 1``, of finite
+    positive shifts; otherwise a ``TypeError`` or ``ValueError`` naming it (a zero, negative or
+    NaN shift made infinite or NaN filter values, an integer schedule truncated series
+    coefficients such as ``2 ** -1`` to 0)."""
+    if not isinstance(gamma, Tensor) or not gamma.is_floating_point():
+        kind = f"dtype {gamma.dtype}" if isinstance(gamma, Tensor) else type(gamma).__name__
+        raise TypeError(f"gamma must be a floating-point tensor of shape (*s, T), got {kind}")
+    if gamma.dim() == 0 or gamma.shape[-1] == 0:
+        raise ValueError(
+            f"gamma must have shape (*s, T) with T >= 1 steps, got shape {tuple(gamma.shape)}"
+        )
+    bad = ~((gamma.detach() > 0) & gamma.detach().isfinite())
+    if bool(bad.any()):
+        raise ValueError(
+            f"gamma must hold finite positive shifts; {int(bad.sum())} of them are not, "
+            f"such as {float(gamma.detach()[bad][0])}"
+        )
+    return gamma
+
+
+def _check_alpha(alpha: object) -> float:
+    """``alpha`` as a float in :math:`[0, 1]`, or a ``ValueError`` naming it (NaN gave NaN)."""
+    value = math.nan
+    if isinstance(alpha, (numbers.Real, Tensor)) and not isinstance(alpha, bool):
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):  # a tensor of several
+            value = float(alpha)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    return value
 
 
 def _data_centric(alg, gamma: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
