@@ -13,8 +13,9 @@ instead of 0.057 s, and 0.075 to 0.61 s with only the subnormal entries zeroed.
 
 :func:`drop_negligible` zeroes every entry at most :math:`\epsilon^2 \max_{ij}|a_{ij}|` in size
 (:math:`\epsilon` the dtype's machine epsilon). That changes the matrix by at most
-:math:`n\epsilon^2\max|a_{ij}|` in norm, for ``n`` columns: far below the rounding of any
-product with it. Every remaining entry is then at least :math:`\epsilon^2` times the largest,
+:math:`n\epsilon^2\max|a_{ij}|` in the :math:`\infty`-norm (``n`` columns) and
+:math:`\sqrt{nm}\,\epsilon^2\max|a_{ij}|` in the spectral norm (``m`` rows): far below the
+rounding of any product with it. Every remaining entry is then at least :math:`\epsilon^2` times the largest,
 so products with vectors of ordinary range stay normal. GPUs run subnormal arithmetic at full
 speed, so tensors on them are left alone.
 """

@@ -103,7 +103,7 @@ class ShiftedCholesky(ShiftedSolveEngine):
         return torch.cholesky_solve(rhs, self.factor(gamma))
 
     def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
-        """Column norms of :math:`\\mathbf L_\\gamma^{-1}\\mathbf C`: one triangular solve."""
+        """Squared column norms of :math:`\\mathbf L_\\gamma^{-1}\\mathbf C`: one triangular solve."""
         half = torch.linalg.solve_triangular(self.factor(gamma), left, upper=False)
         return half.square().sum(-2)
 
