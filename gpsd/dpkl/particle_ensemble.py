@@ -19,13 +19,18 @@ def _reinitialise(module: nn.Module) -> None:
     """``reset_parameters()`` on every submodule that has one, except frozen ones.
 
     A submodule whose own parameters all have ``requires_grad=False`` (a frozen, pretrained layer)
-    keeps its values.
+    is not reset (its buffers keep their values too); a frozen parameter of a partly frozen one (a
+    frozen weight beside a trainable bias) gets its value back after the reset.
     """
+    frozen = [(p, p.detach().clone()) for p in module.parameters() if not p.requires_grad]
     for sub in module.modules():
         reset = getattr(sub, "reset_parameters", None)
         own = list(sub.parameters(recurse=False))
         if callable(reset) and not (own and not any(p.requires_grad for p in own)):
             reset()
+    with torch.no_grad():
+        for p, value in frozen:
+            p.copy_(value)
 
 
 class ParticleEnsemble(nn.Module):
@@ -45,11 +50,13 @@ class ParticleEnsemble(nn.Module):
     ``.grad`` beforehand.
 
     :param module: a network (deep-copied ``m`` times, each copy re-initialised by calling
-        ``reset_parameters()`` on every submodule that has one) or a zero-argument callable that
+        ``reset_parameters()`` on every submodule that has one when ``m > 1``; a single particle
+        keeps the network's values) or a zero-argument callable that
         returns a freshly initialised network (called ``m`` times). Frozen parameters
-        (``requires_grad=False``, a pretrained layer, say) stay frozen in the ensemble: a
-        submodule whose own parameters are all frozen is not re-initialised, and the training
-        loops of the DPKL models neither step them nor count them in the particles' distances.
+        (``requires_grad=False``, a pretrained layer, say) stay frozen in the ensemble: they keep
+        their values when the copies are re-initialised (a submodule whose own parameters are all
+        frozen is not reset at all), and the training loops of the DPKL models neither step them
+        nor count them in the particles' distances.
     :param num_particles: the number of particles ``m >= 1``.
     :param reinitialise: when ``module`` is a network, re-initialise the copies (default) or keep
         ``m`` identical copies.
@@ -102,6 +109,11 @@ class ParticleEnsemble(nn.Module):
             )
         self.num_particles = num_particles
         params, buffers = stack_module_state(copies)
+        if not params and not buffers:  # vmap would fail later with nothing to map over
+            raise ValueError(
+                "module must have at least one parameter or buffer (m copies of a fixed map "
+                f"are one particle), got {type(copies[0]).__name__} with none"
+            )
         trainable = {k: p.requires_grad for k, p in copies[0].named_parameters()}
         self._param_names = list(params)
         self._buffer_names = list(buffers)

@@ -59,7 +59,9 @@ class SteinVariationalGradient:
     particles and the repulsion vanishes). A positive float fixes :math:`h`. :math:`h` is not
     differentiated.
 
-    :param parameters: tensors with ``.grad``, each of shape ``(m, ...)`` with the same ``m``.
+    :param parameters: tensors with ``.grad``, each of shape ``(m, ...)`` with the same ``m``;
+        those with ``requires_grad=False`` (frozen) are left alone by :meth:`transform_`, so
+        ``ensemble.parameters()`` may be passed whole.
     :param bandwidth: ``"median"`` or a fixed positive :math:`h`.
     :param repulsion: the weight :math:`\tau \ge 0` of the repulsive term (0: the paper's update).
     :param loss_type: ``"joint"`` or ``"per_particle"`` (see above).
@@ -110,10 +112,13 @@ class SteinVariationalGradient:
             return flat.new_tensor(1.0)
         sq = squared_distances(flat, flat)
         iu = torch.triu_indices(m, m, offset=1, device=flat.device)
-        med_sq = torch.quantile(sq[iu[0], iu[1]], 0.5)  # mean of the two middles if even
+        pairs = sq[iu[0], iu[1]]
+        if pairs.dtype not in (torch.float32, torch.float64):
+            pairs = pairs.float()  # torch.quantile takes neither float16 nor bfloat16
+        med_sq = torch.quantile(pairs, 0.5)  # mean of the two middles if even
         if not med_sq > 0:
             return flat.new_tensor(1.0)
-        return med_sq / math.log(m)
+        return (med_sq / math.log(m)).to(flat.dtype)
 
     def direction(self, flat_params: Tensor, flat_grads: Tensor) -> Tensor:
         r"""Transformed gradients :math:`\hat{\mathbf{g}}` for ``(m, P)`` particles and grads."""
@@ -139,21 +144,28 @@ class SteinVariationalGradient:
 
     @torch.no_grad()
     def transform_(self) -> None:
-        """Overwrite the parameters' ``.grad`` (a missing ``.grad`` counts as zero) in place."""
+        """Overwrite the parameters' ``.grad`` (a missing ``.grad`` counts as zero) in place.
+
+        Parameters with ``requires_grad=False`` (frozen) are skipped: their ``.grad`` is not
+        written and they do not enter the distances between the particles.
+        """
         m = self.num_particles
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
-        flat_p = torch.cat([p.detach().reshape(m, -1) for p in self.parameters], -1)
+        params = [p for p in self.parameters if p.requires_grad]
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat_p = torch.cat([p.detach().reshape(m, -1) for p in params], -1)
         flat_g = torch.cat([g.reshape(m, -1) for g in grads], -1)
         if not torch.isfinite(flat_g).all():
             raise ValueError("the particle gradients hold NaN or infinite values")
         new = self.direction(flat_p, flat_g)
         offset = 0
-        for p in self.parameters:
+        for p in params:
             k = p[0].numel()
             chunk = new[:, offset : offset + k].reshape(p.shape)
             offset += k
-            if p.grad is None:
-                p.grad = chunk.clone()
+            if p.grad is None:  # in the parameter's dtype: mixed dtypes are promoted in new
+                p.grad = chunk.to(dtype=p.dtype, copy=True)
             else:
                 p.grad.copy_(chunk)
 
