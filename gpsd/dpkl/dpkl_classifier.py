@@ -313,10 +313,11 @@ class DPKLClassifier(gpytorch.Module):
         return history
 
     def _check_input_width(self, x: Tensor, name: str = "x") -> None:
-        """Raise a ``ValueError`` if the feature extractor cannot take rows of ``x``."""
+        """Raise a ``ValueError`` if the feature extractor cannot take rows of ``x`` (tried on
+        one row in evaluation mode: BatchNorm in training mode refuses one row, and would fold it
+        into its running statistics)."""
         try:
-            with torch.no_grad():
-                self.embed(x[:1])
+            self._evaluate(lambda: self.embed(x[:1]))
         except RuntimeError as err:
             raise ValueError(
                 f"{name} with {x.shape[-1]} features does not fit the feature extractor: {err}"

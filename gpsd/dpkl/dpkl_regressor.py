@@ -91,13 +91,17 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             check_repulsion(repulsion)
         ensemble = ParticleEnsemble(feature_extractor, num_particles).to(train_x)
         try:
+            # in evaluation mode: BatchNorm in training mode refuses one row, and would fold
+            # it into its running statistics
             with torch.no_grad():
-                width = ensemble(train_x[:1]).shape[-1]
+                width = ensemble.eval()(train_x[:1]).shape[-1]
         except RuntimeError as err:
             raise ValueError(
                 f"train_x with {train_x.shape[-1]} features does not fit the feature extractor: "
                 f"{err}"
             ) from err
+        finally:
+            ensemble.train()
         if width != latent_dim:
             raise ValueError(
                 f"the feature extractor maps to {width} dimensions but latent_dim is {latent_dim}"

@@ -61,8 +61,9 @@ class ParticleEnsemble(nn.Module):
     :param reinitialise: when ``module`` is a network, re-initialise the copies (default) or keep
         ``m`` identical copies.
 
-    Modules whose forward pass updates buffers in place (``BatchNorm`` in training mode) are not
-    supported. Dropout draws different masks for different particles. :meth:`train` and
+    ``BatchNorm`` in training mode updates every particle's running statistics as the
+    stand-alone network would (tested against a loop over the particles). Dropout draws
+    different masks for different particles. :meth:`train` and
     :meth:`eval` reach the copies: in evaluation mode dropout is off and ``BatchNorm`` uses its
     running statistics, as in the stand-alone network.
 
