@@ -17,6 +17,17 @@ class PlainGP(gpytorch.models.ExactGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
+def explicit_targets(k, gammas, alpha=0.0):
+    """F_t(K) for t = 1..T as explicit matrices, one dense solve per step:
+    F_t = alpha I + (1 - alpha) K (K + g_t I)^-1 F_{t-1}, F_0 = I; shape (T, N, N)."""
+    eye = torch.eye(k.shape[-1], dtype=k.dtype)
+    f, out = eye, []
+    for g in gammas:
+        f = alpha * eye + (1 - alpha) * k @ torch.linalg.solve(k + g * eye, f)
+        out.append(f)
+    return torch.stack(out)
+
+
 def exact_settings():
     """GPyTorch with Cholesky everywhere (no CG, no Lanczos variances)."""
     return gpytorch.settings.fast_computations(False, False, False)

@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+from gpr_reference import explicit_targets
 from linear_operator.utils.warnings import PerformanceWarning
 
 from gpsd.linalg import (
@@ -20,16 +21,6 @@ def rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
     gen = torch.Generator().manual_seed(seed)
     x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=DTYPE)
     return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
-
-
-def explicit_targets(k, gammas, alpha):
-    """F_t(K) as explicit matrices: F_t = alpha I + (1 - alpha) K (K + g I)^-1 F_{t-1}."""
-    eye = torch.eye(k.shape[-1], dtype=DTYPE)
-    f, out = eye, []
-    for g in gammas:
-        f = alpha * eye + (1 - alpha) * k @ torch.linalg.solve(k + g * eye, f)
-        out.append(f)
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.4])
