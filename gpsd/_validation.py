@@ -150,9 +150,11 @@ def check_test_inputs(x: object, train_inputs: Tensor, name: str = "test_x") -> 
     return x
 
 
-def check_positive_float(value: object, name: str) -> float:
-    """``value`` (a real number or a one-element real tensor) as a finite ``float > 0``, or a
-    ``ValueError`` naming ``name``; ``bool``, strings and tensors of several elements are bad."""
+def check_positive_float(value: object, name: str, *, allow_zero: bool = False) -> float:
+    """``value`` (a real number or a one-element real tensor) as a finite ``float > 0`` (``>= 0``
+    with ``allow_zero``), or a ``ValueError`` naming ``name``; ``bool``, strings and tensors of
+    several elements are bad."""
+    kind = "a finite float >= 0" if allow_zero else "a positive float"
     scalar_tensor = (
         isinstance(value, Tensor)
         and value.numel() == 1
@@ -160,8 +162,8 @@ def check_positive_float(value: object, name: str) -> float:
         and value.dtype != torch.bool
     )
     if not (isinstance(value, numbers.Real) or scalar_tensor) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive float, got {value!r}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    if not (math.isfinite(number) and (number >= 0 if allow_zero else number > 0)):
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     return number

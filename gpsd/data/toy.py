@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_int
+from gpsd._validation import check_int, check_positive_float
 
 __all__ = [
     "damped_sine_regression",
@@ -40,10 +40,7 @@ def xsinx_regression(
 ) -> tuple[Tensor, Tensor]:
     """``n`` equally spaced inputs on [0, 10] and ``y = x sin x + eps``, ``eps ~ N(0, noise_std^2)``."""
     n, seed = _check(n, seed, dtype)
-    if isinstance(noise_std, bool) or not (
-        isinstance(noise_std, (int, float)) and math.isfinite(noise_std) and noise_std >= 0
-    ):
-        raise ValueError(f"noise_std must be a finite float >= 0, got {noise_std!r}")
+    noise_std = check_positive_float(noise_std, "noise_std", allow_zero=True)
     x = torch.linspace(0.0, 10.0, n, dtype=dtype)
     eps = torch.randn(n, generator=_generator(seed), dtype=dtype)
     return x, x * torch.sin(x) + noise_std * eps

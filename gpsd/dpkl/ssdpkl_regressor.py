@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from gpsd._validation import check_int
+from gpsd._validation import check_int, check_positive_float
 from gpsd.dpkl._regressor_base import check_inputs
 from gpsd.dpkl.dpkl_regressor import DPKLRegressor
 
@@ -58,13 +57,7 @@ class SSDPKLRegressor(DPKLRegressor):
     ) -> None:
         train_x = check_inputs(train_x, "train_x")
         unlabelled_x = check_inputs(unlabelled_x, "unlabelled_x", train_x.shape[-1], like=train_x)
-        if not (
-            isinstance(alpha, (int, float))
-            and not isinstance(alpha, bool)
-            and math.isfinite(alpha)
-            and alpha >= 0
-        ):
-            raise ValueError(f"alpha must be a finite float >= 0, got {alpha!r}")
+        alpha = check_positive_float(alpha, "alpha", allow_zero=True)
         unlabelled_batch_size = check_int(unlabelled_batch_size, "unlabelled_batch_size")
         super().__init__(train_x, train_y, feature_extractor, **kwargs)
         # data, as ExactGP's train_inputs: follows .to() but stays out of state_dict()

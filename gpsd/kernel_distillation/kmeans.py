@@ -6,13 +6,11 @@ centroids of a K-means clustering of the training inputs.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
 from gpsd._distances import squared_distances
-from gpsd._validation import as_float_tensor, check_int, check_matrix
+from gpsd._validation import as_float_tensor, check_int, check_matrix, check_positive_float
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 
 __all__ = ["kmeans", "kmeans_plus_plus"]
@@ -80,10 +78,7 @@ def kmeans(
     """
     num_iters = check_int(num_iters, "num_iters", minimum=0)
     chunk_size = check_int(chunk_size, "chunk_size", optional=True)
-    if isinstance(tol, Tensor) and tol.numel() == 1 and tol.dtype.is_floating_point:
-        tol = float(tol)
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
-        raise ValueError(f"tol must be non-negative, a real number, got {tol!r}")
+    tol = check_positive_float(tol, "tol", allow_zero=True)
     centres = kmeans_plus_plus(x, num_clusters, seed=seed)
     x = check_matrix(as_float_tensor(x, "x"), "x")
     # population variance: defined (no warning, no NaN) for a single input too

@@ -86,7 +86,7 @@ def test_student_refuses_predictive_mean_weights_with_a_batch_dimension(shape):
 @pytest.mark.parametrize("tol", [None, "1e-3", True])
 def test_kmeans_tol_must_be_a_non_negative_real_number(tol):
     x = torch.randn(20, 2, generator=torch.Generator().manual_seed(0), dtype=DT)
-    with pytest.raises(ValueError, match="tol must be non-negative"):
+    with pytest.raises(ValueError, match="tol must be a finite float >= 0"):
         kmeans(x, 3, tol=tol)
 
 

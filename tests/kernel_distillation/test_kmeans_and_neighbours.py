@@ -102,7 +102,7 @@ def test_affine_squared_distances_round_once_to_float32(n):
     "call, match",
     [
         (lambda x: kmeans(x, 3, num_iters=-1), "num_iters must be a non-negative int"),
-        (lambda x: kmeans(x, 3, tol=-1.0), "tol must be non-negative"),
+        (lambda x: kmeans(x, 3, tol=-1.0), "tol must be a finite float >= 0"),
         (lambda x: kmeans(x, 3, chunk_size=0), "chunk_size must be a positive integer or None"),
         (lambda x: kmeans_plus_plus(x, 2.5), "num_clusters must be a positive int"),
         (lambda x: kmeans_plus_plus(x, 0), "num_clusters"),
