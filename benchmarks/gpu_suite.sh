@@ -6,7 +6,8 @@
 #
 #     bash benchmarks/gpu_suite.sh 1 OUTDIR   # tests (CUDA ones run); KD kernel blocks; float32
 #                                             # accuracy; float32 regression
-#     bash benchmarks/gpu_suite.sh 2 OUTDIR   # float64 regression tables; kernel distillation
+#     bash benchmarks/gpu_suite.sh 2 OUTDIR   # float64 regression tables; kernel distillation;
+#                                             # continuous Bernoulli expectations
 #     bash benchmarks/gpu_suite.sh 3 OUTDIR   # backend-choice calibration; DPKL; CG chain
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
@@ -55,6 +56,8 @@ case "$stage" in
         --out "$out/gpu_float64.md"
     run 240 python3 bench_gpu.py --dtype float32 --skip regression rate --kd-max-n 65536 \
         --out "$out/gpu_kd.md"
+    run 40 python3 bench_cb_likelihood.py --device cuda --n 100000 --check 8 \
+        --out "$out/cb_likelihood_cuda.md"
     ;;
 3)
     run 240 python3 bench_backend_choice.py --device cuda --dtype float32 \

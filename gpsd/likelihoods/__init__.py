@@ -4,6 +4,7 @@ from gpsd.likelihoods.continuous_bernoulli import ContinuousBernoulli
 from gpsd.likelihoods.continuous_bernoulli_likelihood import ContinuousBernoulliLikelihood
 from gpsd.likelihoods.log_normalizer import (
     cb_entropy,
+    cb_log_density,
     cb_log_normalizer,
     cb_mean,
     cb_variance,
@@ -16,6 +17,7 @@ __all__ = [
     "ContinuousBernoulli",
     "ContinuousBernoulliLikelihood",
     "cb_entropy",
+    "cb_log_density",
     "cb_log_normalizer",
     "cb_mean",
     "cb_variance",

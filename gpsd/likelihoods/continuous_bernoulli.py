@@ -9,7 +9,13 @@ from torch import Tensor
 from torch.distributions import Distribution, constraints
 from torch.distributions.utils import broadcast_all
 
-from gpsd.likelihoods.log_normalizer import cb_entropy, cb_log_normalizer, cb_mean, cb_variance
+from gpsd.likelihoods.log_normalizer import (
+    cb_entropy,
+    cb_log_density,
+    cb_log_normalizer,
+    cb_mean,
+    cb_variance,
+)
 
 __all__ = ["ContinuousBernoulli"]
 
@@ -66,10 +72,12 @@ class ContinuousBernoulli(Distribution):
         return cb_variance(self.logits)
 
     def log_prob(self, value: Tensor) -> Tensor:
+        r""":math:`\log p(y \mid f) = y f - A(f)`, without cancellation at large :math:`|f|` (see
+        :func:`~gpsd.likelihoods.cb_log_density`)."""
         if self._validate_args:
             self._validate_sample(value)
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
-        return value * self.logits - cb_log_normalizer(self.logits)
+        return cb_log_density(value, self.logits)
 
     def cdf(self, value: Tensor) -> Tensor:
         r"""The CDF :math:`F(y) = (e^{fy} - 1)/(e^f - 1)`, 0 below the support and 1 above it.
