@@ -158,6 +158,8 @@ class SteinVariationalGradient:
         flat_g = torch.cat([g.reshape(m, -1) for g in grads], -1)
         if not torch.isfinite(flat_g).all():
             raise ValueError("the particle gradients hold NaN or infinite values")
+        if not torch.isfinite(flat_p).all():  # NaN distances would make every direction NaN
+            raise ValueError("the particle parameters hold NaN or infinite values")
         new = self.direction(flat_p, flat_g)
         offset = 0
         for p in params:

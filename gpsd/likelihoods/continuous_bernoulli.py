@@ -113,10 +113,11 @@ class ContinuousBernoulli(Distribution):
         does not cancel near :math:`f = 0`.
         """
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
-        # F^{-1}(0) = 0 for every f; a stand-in value keeps log(0) out of the gradient there (not 1:
-        # log1p(expm1(f)) is log1p(-1) = -inf once expm1(f) rounds to -1; a NaN value gives NaN)
-        zero = value <= 0
-        value = torch.where(zero, torch.full_like(value, 0.5), value)
+        # F^{-1}(0) = 0 and F^{-1}(1) = 1 for every f; a stand-in value keeps log(0) out of the
+        # gradient there (log1p(u expm1(f)) is log1p(-1) = -inf at u = 1 once expm1(f) rounds to
+        # -1; a NaN value gives NaN)
+        zero, one = value <= 0, value >= 1
+        value = torch.where(zero | one, torch.full_like(value, 0.5), value)
         small, f_small, pos, f_pos, f_neg = _logit_branches(self.logits)
         # f <= -1: log1p(u expm1(f)) / f.  f >= 1: 1 + log(u + (1 - u) e^{-f}) / f (no overflow)
         neg_branch = torch.log1p(value * torch.expm1(f_neg)) / f_neg
@@ -125,6 +126,7 @@ class ContinuousBernoulli(Distribution):
         z = torch.log1p(value * torch.expm1(f_small))
         near_zero = value * torch.exp(cb_log_normalizer(f_small) - cb_log_normalizer(z))
         out = torch.where(small, near_zero, out)
+        out = torch.where(one, torch.ones_like(out), out)
         return torch.where(zero, torch.zeros_like(out), out).clamp(0.0, 1.0)
 
     def rsample(self, sample_shape: torch.Size = _NO_SAMPLE_SHAPE) -> Tensor:

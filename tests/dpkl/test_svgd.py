@@ -104,7 +104,13 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="at least one"):
         SteinVariationalGradient([])
     w.grad = torch.full_like(w, float("nan"))
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="gradients hold NaN"):
+        SteinVariationalGradient([w]).transform_()
+    # a NaN in one particle made every particle's direction NaN, silently
+    w.grad = torch.ones_like(w)
+    with torch.no_grad():
+        w[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="parameters hold NaN"):
         SteinVariationalGradient([w]).transform_()
 
 

@@ -241,6 +241,17 @@ def test_cdf_and_icdf_gradients_at_zero_are_zero():
         assert float(logit.grad) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_icdf_at_one_is_one_with_zero_gradient(dtype):
+    # F^{-1}(1) = 1 for every f; at f << 0 expm1(f) rounds to -1 and log1p(u expm1(f)) was -inf,
+    # which gave the right value after clamping but a NaN gradient
+    logits = torch.tensor([-1e4, -100.0, -3.0, 0.5, 3.0, 1e4], dtype=dtype, requires_grad=True)
+    out = ContinuousBernoulli(logits).icdf(torch.ones(6, dtype=dtype))
+    out.sum().backward()
+    assert torch.equal(out.detach(), torch.ones(6, dtype=dtype))
+    assert torch.equal(logits.grad, torch.zeros(6, dtype=dtype))
+
+
 def test_float64_quadrature_is_float64_accurate_without_converting_the_likelihood():
     # GPyTorch's quadrature nodes are float32 until the likelihood itself is converted (models are
     # usually converted with .double(), likelihoods often not): both were off by up to 3e-8
