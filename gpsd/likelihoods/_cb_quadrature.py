@@ -85,7 +85,7 @@ def _counts(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 def _ndtr(x: Tensor) -> Tensor:
-    r""":math:`\Phi(x)` through ``erfc`` (several times faster than ``torch.special.ndtr``)."""
+    r""":math:`\Phi(x)` through ``erfc`` (1.4 times faster than ``torch.special.ndtr`` on a CPU)."""
     return 0.5 * torch.erfc(-x * _INV_SQRT2)
 
 
@@ -102,9 +102,10 @@ class _LogG(torch.autograd.Function):
     :math:`U = 2/(x + 3/(x + \dots))` (60 terms, converged to rounding there), which gives
     :math:`g = T/(x + T)` and the derivative :math:`-U` without cancellation. One value per element,
     so lower precisions are evaluated in float64 where the device has it (in float32 the
-    cancellation, with the rounding of ``erfc`` and ``exp``, cost up to :math:`8 \times 10^{-6}`
-    relative). The derivative is analytic rather than taped through the 60 steps, which made the
-    backward pass of :func:`log_marginal` three times slower; so it is differentiable once.
+    cancellation, with the rounding of ``erfc`` and ``exp``, cost up to :math:`1.1 \times 10^{-5}`
+    absolute on :math:`[0, 40]`, against :math:`3.5 \times 10^{-7}` this way). The derivative is
+    analytic rather than taped through the 60 steps (a taped forward and backward took 7 times as
+    long on a CPU), so it is differentiable once.
     """
 
     @staticmethod
