@@ -198,7 +198,15 @@ class KernelSpectrum:
         :param block_size: columns per block (default ``rank // 8`` between 4 and 64).
         :param residual_tol: Ritz pairs with
             :math:`\lVert \mathbf K\mathbf v - \theta\mathbf v\rVert \le` ``residual_tol`` are kept
-            as resolved; the rest of the Krylov space joins the complement.
+            as resolved; the rest of the Krylov space joins the complement. The default (absolute)
+            suits float64 kernels of moderate norm; residuals cannot fall much below
+            :math:`\varepsilon \lVert \mathbf K \rVert` of the working dtype (for a float32 RBF
+            matrix with :math:`N = 500`, :math:`\lVert \mathbf K\rVert = 300`, they stay between
+            :math:`2 \times 10^{-6}` and :math:`10^{-4}`, where float64 reaches
+            :math:`2 \times 10^{-13}`), so in float32 the default resolves no pair and
+            :meth:`error_estimate` is infinite.
+            The regression distillers pass :math:`0.1\, \text{rtol}\, \gamma_{\min}` and work in
+            float64 by default.
         :param series_order: Taylor order :math:`J` used on the complement.
         :param complement_tol: a complement norm small enough for the caller's accuracy: when the
             trace bound :math:`\operatorname{tr}\mathbf K - \sum_i d_i` (plus a rounding margin)
