@@ -280,11 +280,12 @@ def _lm_split(y: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
     # of rate kappa = rho + 1/s (which also resolves the Gaussian factor when s is small)
     u, weights = _rule("laguerre", _counts(mean.dtype)[2], mean.dtype, mean.device)
     rate = peel + shift + sign * (m / s)  # shape: (2, n)
-    kappa = rate + 1.0 / s
-    t = u.unsqueeze(-1) / kappa  # shape: (J, 2, n)
-    v = t / s
-    q = t / -torch.expm1(-t)
-    remainder = (weights.unsqueeze(-1) * q * torch.exp(v - 0.5 * v.square())).sum(0) / kappa
+    inv_kappa = 1.0 / (rate + 1.0 / s)
+    neg_t = u.unsqueeze(-1) * -inv_kappa  # -t at the nodes, shape: (J, 2, n)
+    v = u.unsqueeze(-1) * (inv_kappa / s)  # t / s
+    # q(t) e^{v - v^2/2}, with q(t) = t / (1 - e^{-t}) = -t / expm1(-t)
+    integrand = neg_t / torch.expm1(neg_t) * torch.exp(torch.addcmul(v, v, v, value=-0.5))
+    remainder = (weights.mT @ integrand.flatten(1)).view_as(inv_kappa) * inv_kappa
     remainder = torch.log(remainder) + base - log_s
     return torch.logsumexp(torch.cat([peeled.flatten(0, 1), remainder]), dim=0)
 
