@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from gpsd._mills_ratio import mills_ratio_fraction
 from gpsd.laplace.bernoulli_logit_terms import check_binary_targets
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 
@@ -55,17 +56,7 @@ _TAIL_START = 5.0
 
 
 def _mills_tail(t: Tensor, terms: int = 40) -> Tensor:
-    r""":math:`r(-t) - t` for :math:`t \ge 5`, with :math:`r(z) = \phi(z) / \Phi(z)`.
-
-    Laplace's continued fraction of the Mills ratio gives
-
-    .. math::
-
-        r(-t) - t = \cfrac{1}{t + \cfrac{2}{t + \cfrac{3}{t + \cdots}}},
-
-    which 40 terms evaluate to float64 rounding for :math:`t \ge 5` (checked against mpmath).
-    """
-    acc = torch.zeros_like(t)
-    for k in range(terms, 1, -1):
-        acc = k / (t + acc)
-    return 1.0 / (t + acc)
+    r""":math:`r(-t) - t` for :math:`t \ge 5`, with :math:`r(z) = \phi(z) / \Phi(z)`: the tail
+    :math:`T` of Laplace's continued fraction (:func:`~gpsd._mills_ratio.mills_ratio_fraction`),
+    which 40 terms evaluate to float64 rounding for :math:`t \ge 5` (checked against mpmath)."""
+    return mills_ratio_fraction(t, terms)[0]

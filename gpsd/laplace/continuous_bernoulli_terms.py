@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
-from gpsd.likelihoods.log_normalizer import cb_log_normalizer, cb_mean, cb_variance
+from gpsd.likelihoods.log_normalizer import cb_log_density, cb_mean, cb_variance
 
 __all__ = ["ContinuousBernoulliTerms"]
 
@@ -28,7 +28,7 @@ class ContinuousBernoulliTerms(LaplaceLikelihoodTerms):
     symmetric_response = True
 
     def log_prob(self, y: Tensor, f: Tensor) -> Tensor:
-        return y * f - cb_log_normalizer(f)
+        return cb_log_density(y, f)
 
     def derivatives(self, y: Tensor, f: Tensor) -> tuple[Tensor, Tensor]:
         return y - cb_mean(f), -cb_variance(f)

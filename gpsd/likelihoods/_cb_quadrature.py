@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from gpsd._mills_ratio import mills_ratio_fraction
 from gpsd.likelihoods.log_normalizer import cb_log_density, cb_mean, cb_variance
 
 #: latent variances above which the split rules replace Gauss-Hermite (20 nodes), near where their
@@ -115,10 +116,7 @@ class _LogG(torch.autograd.Function):
         mills = 0.5 * torch.erfc(x_low * _INV_SQRT2) / _npdf(x_low)
         g_low = 1.0 - x_low * mills
         x_high = x64.clamp(min=_CF_FROM)
-        u = torch.zeros_like(x_high)
-        for k in range(_CF_TERMS, 1, -1):
-            u = k / (x_high + u)
-        t = 1.0 / (x_high + u)
+        t, u = mills_ratio_fraction(x_high, _CF_TERMS)
         low = x64 < _CF_FROM
         value = torch.where(low, torch.log(g_low), torch.log(t) - torch.log(x_high + t))
         slope = torch.where(low, x_low - mills / g_low, -u)
