@@ -363,7 +363,7 @@ class SparseLowRankStudent(gpytorch.Module):
     def storage_bytes(self) -> int:
         """Bytes held by the student's tensors (buffers, kernel parameters): :math:`O(m^2)`."""
         tensors = list(self.buffers()) + list(self.parameters())
-        return int(sum(t.numel() * t.element_size() for t in tensors))
+        return int(sum(t.nbytes for t in tensors))
 
     def _relative_jitter(self) -> float:
         if self.jitter is not None:

@@ -197,7 +197,7 @@ class _KeptRows:
 
     def add(self, start: int, block: Tensor, budget: int) -> bool:
         """Keep ``block`` if it fits in ``budget``; returns whether later chunks may be kept."""
-        size = block.numel() * block.element_size()
+        size = block.nbytes
         if self._full or self.nbytes + size > budget:
             self._full = True
             return False

@@ -90,10 +90,10 @@ class ShiftedCholesky(ShiftedSolveEngine):
             self.max_cached_bytes = free_memory_bytes(factor.device) // 2
         # Factors of schedules of different batch shapes differ in size: count their bytes
         # (counting the new factor's size once per cached one overfilled or emptied the cache).
-        size = _nbytes(factor)
+        size = factor.nbytes
         while self._factors and self._cached_bytes + size > self.max_cached_bytes:
             dropped_key, dropped = self._factors.popitem(last=False)
-            self._cached_bytes -= _nbytes(dropped)
+            self._cached_bytes -= dropped.nbytes
             self._dropped.add(dropped_key)
         self._factors[key] = factor
         self._cached_bytes += size
@@ -112,8 +112,3 @@ class ShiftedCholesky(ShiftedSolveEngine):
         eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
         eye = eye.expand(*self.kernel_matrix.shape[:-2], self.size, self.size)
         return self.apply(filt, eye).diagonal(dim1=-2, dim2=-1).sum(-1)
-
-
-def _nbytes(tensor: Tensor) -> int:
-    """Bytes of ``tensor``'s elements."""
-    return tensor.numel() * tensor.element_size()
