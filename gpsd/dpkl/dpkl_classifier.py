@@ -235,8 +235,10 @@ class DPKLClassifier(gpytorch.Module):
         """Train with Adam on minibatches; early stopping on validation accuracy (then NLL).
 
         The steps run in training mode (dropout on), the validation checks in evaluation mode;
-        the module is left in the mode it was in before. Returns a history with ``"loss"`` (mean
-        eq. 17 loss per epoch) and ``"val_accuracy"``.
+        the module is left in the mode it was in before. Each epoch visits the rows in a random
+        order in minibatches of ``batch_size``; with ``batch_size > 1``, a last minibatch of one
+        row joins the one before it (BatchNorm cannot normalise one row in training mode).
+        Returns a history with ``"loss"`` (mean eq. 17 loss per epoch) and ``"val_accuracy"``.
         """
         num_epochs = check_int(num_epochs, "num_epochs", minimum=0)
         batch_size = check_int(batch_size, "batch_size")
@@ -282,8 +284,7 @@ class DPKLClassifier(gpytorch.Module):
                 check()
             perm = torch.randperm(n, device=x.device)
             total = 0.0
-            for start in range(0, n, batch_size):
-                idx = perm[start : start + batch_size]
+            for idx in _minibatches(perm, batch_size):
                 ce, potential = self.losses(x[idx], y[idx], n)
                 opt.zero_grad(set_to_none=True)
                 hyper = emb_params + [self.raw_lengthscale]
@@ -322,3 +323,12 @@ class DPKLClassifier(gpytorch.Module):
             raise ValueError(
                 f"{name} with {x.shape[-1]} features does not fit the feature extractor: {err}"
             ) from err
+
+
+def _minibatches(perm: Tensor, batch_size: int) -> list[Tensor]:
+    """Split ``perm`` into chunks of ``batch_size``; with ``batch_size > 1``, a last chunk of one
+    row joins the one before it."""
+    chunks = list(perm.split(batch_size))
+    if batch_size > 1 and len(chunks) > 1 and chunks[-1].numel() == 1:
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    return chunks

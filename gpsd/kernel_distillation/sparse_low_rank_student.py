@@ -267,7 +267,9 @@ class SparseLowRankStudent(gpytorch.Module):
                 raise ValueError(f"inducing_points must have shape (m, d), got {tuple(u.shape)}")
             m = u.shape[0]
             values = check_matrix(
-                as_float_tensor(weight_values, "weight_values", dtype=u.dtype).detach(),
+                as_float_tensor(
+                    weight_values, "weight_values", dtype=u.dtype, device=u.device
+                ).detach(),
                 "weight_values",
             )
             if values.dim() != 2:
@@ -288,14 +290,15 @@ class SparseLowRankStudent(gpytorch.Module):
                     f"[{int(idx.min())}, {int(idx.max())}]"
                 )
             n, b = values.shape
-            y = as_float_tensor(train_y, "train_y", dtype=u.dtype).detach()
+            y = as_float_tensor(train_y, "train_y", dtype=u.dtype, device=u.device).detach()
             if y.dim() != 1:
                 raise ValueError(f"train_y must have shape (n={n},), got {tuple(y.shape)}")
             y = check_vector(y, "train_y", n)
-            sigma2 = _one_positive_variance(noise, u.dtype)
-            mu = _one_finite_number(mean_constant, u.dtype)
-            if inducing_covariance is None:
-                inducing_covariance = kernel(u, u).to_dense()
+            sigma2 = _one_positive_variance(noise, u.dtype).to(u.device)
+            mu = _one_finite_number(mean_constant, u.dtype).to(u.device)
+            if inducing_covariance is None:  # the kernel in the inducing points' dtype and device
+                on_u = copy.deepcopy(kernel).to(device=u.device, dtype=u.dtype)
+                inducing_covariance = on_u(u, u).to_dense()
             kuu = as_float_tensor(inducing_covariance, "inducing_covariance").detach().to(u)
             if kuu.shape != (m, m):
                 raise ValueError(

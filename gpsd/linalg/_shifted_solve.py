@@ -17,7 +17,9 @@ class ShiftedSolveEngine(abc.ABC):
     Subclasses provide :meth:`solve` and the dtype the solves run in; this base turns solves into
     the ``apply``/``cross``/``quad_diag`` interface of :class:`~gpsd.linalg.KernelSpectrum`. A
     filter that is a plain resolvent (the posterior variance) needs one solve per distinct shift;
-    repeated shifts of a schedule (the usual constant noise) are solved once.
+    repeated shifts of a schedule (the usual constant noise) are solved once. Shifts that
+    require gradients are exact in autograd: each is solved for separately, as equal values from
+    different tensors (or different steps of one) must send their gradients to their own entries.
     """
 
     is_truncated = False
@@ -39,7 +41,9 @@ class ShiftedSolveEngine(abc.ABC):
         if self._last is not None and _same_rhs(self._last[0], self._last[1], rhs):
             last_gamma = self._last[2]
             if last_gamma is gamma or (
-                last_gamma.shape == gamma.shape and bool(torch.equal(last_gamma, gamma))
+                _graph_free(last_gamma, gamma)
+                and last_gamma.shape == gamma.shape
+                and bool(torch.equal(last_gamma, gamma))
             ):
                 return self._last[3]
         out = self._solve(gamma, rhs)
@@ -69,7 +73,8 @@ class ShiftedSolveEngine(abc.ABC):
         steps = []
         for t in range(gamma.shape[-1]):
             g = gamma[..., t]
-            key = g.detach().cpu().numpy().tobytes()
+            # equal shifts share a solve, unless their gradients must reach each one separately
+            key = t if g.requires_grad else g.detach().cpu().numpy().tobytes()
             if key not in done:
                 done[key] = self._resolvent_quad_diag(g, left)
             steps.append(done[key])
@@ -85,6 +90,12 @@ class ShiftedSolveEngine(abc.ABC):
 
     def check_accuracy(self, gamma_min: float, rtol: float) -> None:  # noqa: B027
         """Nothing to check before solving (iterative subclasses check every solve)."""
+
+
+def _graph_free(*shifts: Tensor) -> bool:
+    """Whether no shift carries an autograd graph: only then may equal values share a result
+    (one computed for another shift tensor would send its gradient to that tensor)."""
+    return not any(g.requires_grad for g in shifts)
 
 
 def _same_rhs(a: Tensor, version: int, b: Tensor) -> bool:

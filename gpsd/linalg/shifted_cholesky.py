@@ -66,8 +66,14 @@ class ShiftedCholesky(ShiftedSolveEngine):
         self._warned = False
 
     def factor(self, gamma: Tensor) -> Tensor:
-        """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``."""
-        key = (tuple(gamma.shape), gamma.detach().cpu().numpy().tobytes())
+        """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``.
+
+        A ``gamma`` that requires gradients is factored afresh and not cached: a cached factor
+        would carry the graph of the shift it was made for, not this one's.
+        """
+        if gamma.requires_grad:
+            return psd_safe_cholesky(self._shifted(gamma))
+        key = (tuple(gamma.shape), gamma.cpu().numpy().tobytes())
         if key in self._factors:
             self._factors.move_to_end(key)
             return self._factors[key]
@@ -82,10 +88,7 @@ class ShiftedCholesky(ShiftedSolveEngine):
                 PerformanceWarning,
                 stacklevel=2,
             )
-        eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
-        shifted = self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
-        factor = psd_safe_cholesky(shifted)
-        del shifted
+        factor = psd_safe_cholesky(self._shifted(gamma))
         if self.max_cached_bytes is None:
             self.max_cached_bytes = free_memory_bytes(factor.device) // 2
         # Factors of schedules of different batch shapes differ in size: count their bytes
@@ -98,6 +101,11 @@ class ShiftedCholesky(ShiftedSolveEngine):
         self._factors[key] = factor
         self._cached_bytes += size
         return factor
+
+    def _shifted(self, gamma: Tensor) -> Tensor:
+        """:math:`\\mathbf K + \\gamma\\mathbf I`, shape ``(*s, *b, N, N)``."""
+        eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
+        return self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
 
     def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         return torch.cholesky_solve(rhs, self.factor(gamma))

@@ -55,3 +55,24 @@ def test_ensemble_batchnorm_statistics_equal_a_loop_over_particles():
         torch.testing.assert_close(updated.running_mean, module[1].running_mean)
         torch.testing.assert_close(updated.running_var, module[1].running_var)
         assert updated.running_mean.abs().max() > 0
+
+
+def test_classifier_fit_with_batchnorm_and_a_one_row_remainder():
+    torch.manual_seed(2)
+    x = torch.randn(41, 3, dtype=torch.float64)  # 41 = 20 + 20 + 1
+    y = (x[:, 0] > 0).long()
+    clf = DPKLClassifier(_net, 2, num_particles=2, num_weight_particles=2)
+    # before: "Expected more than 1 value per channel when training" on the third minibatch
+    history = clf.fit(x, y, num_epochs=2, batch_size=20, lr=0.01)
+    assert len(history["loss"]) == 2 and all(torch.isfinite(torch.tensor(history["loss"])))
+
+
+def test_minibatches_cover_every_row_once_and_join_a_one_row_remainder():
+    from gpsd.dpkl.dpkl_classifier import _minibatches
+
+    perm = torch.randperm(41, generator=torch.Generator().manual_seed(0))
+    cases = {(41, 20): [20, 21], (40, 20): [20, 20], (41, 41): [41], (3, 1): [1, 1, 1], (1, 5): [1]}
+    for (n, batch_size), sizes in cases.items():
+        chunks = _minibatches(perm[:n], batch_size)
+        assert [len(c) for c in chunks] == sizes, (n, batch_size)
+        assert torch.equal(torch.cat(chunks), perm[:n])

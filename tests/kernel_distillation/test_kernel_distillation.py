@@ -471,6 +471,20 @@ def test_cuda_matches_cpu():
     )
 
 
+@requires_cuda
+def test_from_sparse_weights_takes_cpu_weights_and_targets_for_cuda_inducing_points():
+    kd = _distiller(n=40, m=8, b=3)
+    kd.prepare()
+    args = (kd.weight_values, kd.neighbour_indices, kd.train_y, 0.1)
+    s_cpu = SparseLowRankStudent.from_sparse_weights(kd.kernel, kd.inducing_points, *args)
+    # before: the kernel, weight_values and train_y stayed on the CPU and the precomputation
+    # failed
+    s_gpu = SparseLowRankStudent.from_sparse_weights(kd.kernel, kd.inducing_points.cuda(), *args)
+    test_x = torch.randn(9, 2, dtype=DT)
+    for got, want in zip(s_gpu.predict(test_x.cuda()), s_cpu.predict(test_x), strict=True):
+        torch.testing.assert_close(got.cpu(), want)
+
+
 @pytest.mark.parametrize("metric", ["lengthscale", "euclidean"])
 def test_neighbour_metric(metric):
     x, y = _data(80)
