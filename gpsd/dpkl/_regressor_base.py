@@ -12,6 +12,7 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
+from gpsd._module_state import ModuleState
 from gpsd._validation import as_float_tensor, check_finite, check_int, check_positive_float
 from gpsd.dpkl.svgd import SteinVariationalGradient
 
@@ -177,11 +178,18 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
     # ------------------------------------------------------------------ prediction
     @torch.no_grad()
     def predict(self, x: Tensor, *, include_noise: bool = True) -> tuple[Tensor, Tensor]:
-        """Predictive mean and variance at ``x`` (of ``y`` with the noise, or of ``f`` without)."""
+        """Predictive mean and variance at ``x`` (of ``y`` with the noise, or of ``f`` without).
+
+        Unlike a plain :class:`~gpytorch.models.ExactGP` in evaluation mode, which keeps the
+        prediction cache it built first, this notices any change of the parameters or buffers
+        since (a hyperparameter set by hand, resampled random features, ``load_state_dict``)
+        and predicts with the current values.
+        """
         train_x = self.train_inputs[0]
         x = check_inputs(x, "x", train_x.shape[-1], like=train_x)
         was_training = self.training
         self.eval()
+        self._drop_stale_prediction_cache()
         try:
             f = self(x)
             out = self.likelihood(f) if include_noise else f
@@ -198,6 +206,13 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
             )
             var = var.clamp_min(1e-12)
         return mean, var
+
+    def _drop_stale_prediction_cache(self) -> None:
+        """Forget GPyTorch's prediction cache if the state changed since it was built."""
+        built = getattr(self, "_prediction_cache_state", None)
+        if self.prediction_strategy is None or built is None or not built.matches(self):
+            self.prediction_strategy = None
+            self._prediction_cache_state = ModuleState(self)
 
     def nll(self, x: Tensor, y: Tensor) -> float:
         r"""Mean per-point Gaussian NLL, :math:`\tfrac{(y-\mu)^2}{2\sigma^2} + \tfrac12\log 2\pi\sigma^2`.

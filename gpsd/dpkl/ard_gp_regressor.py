@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import gpytorch
+import torch
 from torch import Tensor
 
 from gpsd._validation import check_positive_float
@@ -40,5 +41,8 @@ class ARDGPRegressor(EmbeddingGPRegressorBase):
         self.covar_module = gpytorch.kernels.ScaleKernel(
             gpytorch.kernels.RBFKernel(ard_num_dims=train_x.shape[-1])
         )
-        self.covar_module.base_kernel.lengthscale = initial_lengthscale
         self.to(train_x)
+        # a tensor in the data's dtype: a Python float passes through float32 in the setter
+        self.covar_module.base_kernel.lengthscale = torch.tensor(
+            initial_lengthscale, dtype=train_x.dtype, device=train_x.device
+        )

@@ -182,7 +182,8 @@ class RandomFeatureKernel(Kernel):
 
         An :class:`~gpytorch.models.ExactGP` in evaluation mode keeps the training features
         it cached at its first prediction; after resampling, call ``model.train()`` (then
-        ``model.eval()``) so that its next prediction uses the new frequencies.
+        ``model.eval()``) so that its next prediction uses the new frequencies. (The ``predict``
+        of gpsd's DPKL regressors notices the change by itself.)
         """
         self.base_frequencies.copy_(
             sample_spectral_frequencies(

@@ -415,7 +415,15 @@ class SparseLowRankStudent(gpytorch.Module):
         scale = self._relative_jitter() * kuu.diagonal().mean()
         eye = torch.eye(b, dtype=x.dtype, device=x.device)
         cross, diag = self._cross_covariance(x, neighbours)
-        values = torch.linalg.solve(local + scale * eye, cross.unsqueeze(-1)).squeeze(-1)
+        try:
+            values = torch.linalg.solve(local + scale * eye, cross.unsqueeze(-1)).squeeze(-1)
+        except torch.linalg.LinAlgError as err:
+            raise RuntimeError(
+                f"kernel distillation: K_UU at a test point's {b} nearest inducing points is "
+                f"singular with jitter={self.jitter} (coincident inducing points, as k-means "
+                "gives when the data hold fewer distinct points than num_inducing); use a "
+                "positive jitter (the default None adds 1e-10 in float64, 1e-6 in float32)"
+            ) from err
         return values, neighbours, diag
 
     def _predict(self, x: Tensor) -> tuple[Tensor, Tensor]:

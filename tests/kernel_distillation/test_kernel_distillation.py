@@ -722,3 +722,18 @@ def test_float32_student_of_inputs_far_from_the_origin_is_as_good_as_at_the_orig
         )
         mean = kd.fit().predict((test_x + offset).float())[0].double()
         assert float((mean - exact).abs().max()) < 0.05  # 0.037 in float64 at the origin
+
+
+def test_coincident_inducing_points_without_jitter_name_the_jitter():
+    # five distinct inputs, ten inducing points: k-means returns coincident centroids
+    x = torch.arange(5, dtype=DT).repeat(20).unsqueeze(-1)
+    kd = KernelDistillation.from_kernel(
+        _kernel(1), x, torch.sin(x[:, 0]), 0.01, 10, 3, num_steps=1, jitter=0.0
+    )
+    student = kd.fit()
+    assert torch.unique(student.inducing_points).numel() < 10
+    # before: "torch.linalg.solve: ... The solver failed because the input matrix is singular"
+    with pytest.raises(RuntimeError, match="positive jitter"):
+        student.predict(torch.tensor([[0.5]], dtype=DT))
+    student.jitter = None  # the default jitter predicts
+    assert torch.isfinite(torch.stack(student.predict(torch.tensor([[0.5]], dtype=DT)))).all()
