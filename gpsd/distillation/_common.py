@@ -339,27 +339,67 @@ class BackwardWatch:
 
 
 def student_likelihood(noise: Tensor, like: Tensor) -> GaussianLikelihood:
-    """A ``GaussianLikelihood`` with the scalar noise variance ``noise``, in ``like``'s dtype.
+    """A ``GaussianLikelihood`` with the noise variances ``noise`` (shape ``(*b,)``, its batch
+    shape), in ``like``'s dtype.
 
-    Its noise constraint is GPyTorch's default lower bound of 1e-4, lowered to half of ``noise``
-    where that is smaller (the students of small or many-step schedules need less noise).
+    Its noise constraint is GPyTorch's default lower bound of 1e-4, lowered to half of the
+    smallest noise where that is smaller (the students of small or many-step schedules need less).
     """
     noise = noise.detach().to(like)
     bound = min(1e-4, 0.5 * float(noise.min()))
-    likelihood = GaussianLikelihood(noise_constraint=GreaterThan(bound)).to(like)
-    likelihood.noise = noise
+    likelihood = GaussianLikelihood(noise_constraint=GreaterThan(bound), batch_shape=noise.shape)
+    likelihood = likelihood.to(like)
+    likelihood.noise = noise.unsqueeze(-1)
     return likelihood
 
 
+def student_batch(
+    train_x: Tensor, train_y: Tensor, mean_module: gpytorch.Module, kernel: gpytorch.Module
+) -> torch.Size:
+    """The broadcast batch shape of the training inputs, targets, prior mean and kernel."""
+    with torch.no_grad():
+        mean_batch = mean_module(train_x).shape[:-1]
+    return torch.broadcast_shapes(
+        train_x.shape[:-2], train_y.shape[:-1], mean_batch, getattr(kernel, "batch_shape", ())
+    )
+
+
+def student_gp(
+    train_x: Tensor,
+    targets: Tensor,
+    noise: Tensor,
+    mean_module: gpytorch.Module,
+    kernel: gpytorch.Module,
+) -> ExactGPFromModules:
+    """The student ``ExactGP`` (in evaluation mode) of copies of ``mean_module`` and ``kernel``.
+
+    ``targets`` ``(*b, N)`` and ``noise`` ``(*s,)`` may be batched: the student's batch is the
+    broadcast of theirs, the inputs', the prior mean's and the kernel's, as the distiller pairs
+    them, and its ``GaussianLikelihood`` holds one noise per member.
+    """
+    mean_module = copy.deepcopy(mean_module)
+    kernel = copy.deepcopy(kernel)
+    train_x, targets = batched_gp_data(train_x, targets, mean_module)
+    batch = torch.broadcast_shapes(targets.shape[:-1], noise.shape, kernel.batch_shape)
+    train_x = train_x.expand(*batch, *train_x.shape[-2:])
+    targets = targets.expand(*batch, targets.shape[-1])
+    likelihood = student_likelihood(noise.expand(batch), train_x)
+    return ExactGPFromModules(train_x, targets, likelihood, mean_module, kernel).eval()
+
+
 def schedule_index(
-    gamma: Tensor, schedule: object, train_y: Tensor | None = None
+    gamma: Tensor, schedule: object, student_batch: torch.Size | None = None
 ) -> tuple[int, ...]:
     """``schedule`` checked as an index of one schedule in the batch ``gamma.shape[:-1]``.
 
-    With ``train_y`` given, batched training data are refused (a schedule of a batch pairs with
-    the data batch by broadcasting, so one schedule alone has no batch of targets of its own).
+    For a student (``student_batch`` given: the batch of its data, prior mean and kernel, see
+    :func:`student_batch`), ``()`` takes the whole batch, and an index is refused where that
+    batch is not empty (a schedule of a batch pairs with it by broadcasting, so one schedule
+    alone has no targets, mean or kernel of its own).
     """
     batch = gamma.shape[:-1]
+    if student_batch is not None and isinstance(schedule, tuple) and not schedule:
+        return ()  # a student of the whole batch
     try:  # integer types as check_int takes them (NumPy's, 0-d integer tensors), bool not
         items = schedule if isinstance(schedule, tuple) else (schedule,)
         if any(isinstance(i, bool) for i in items):
@@ -371,11 +411,12 @@ def schedule_index(
         if schedule:
             raise ValueError(f"schedule must be () for a single schedule, got {schedule}")
         return ()
-    if train_y is not None and train_y.dim() > 1:
+    if student_batch:
         raise ValueError(
-            "a student of one schedule of a batch of schedules needs unbatched training data; "
-            f"got gamma of shape {tuple(gamma.shape)} and train_y of shape "
-            f"{tuple(train_y.shape)} (build a distiller with that schedule alone)"
+            "a student of one schedule of a batch of schedules needs unbatched training data, "
+            f"kernel and prior mean; got gamma of shape {tuple(gamma.shape)} and a batch of "
+            f"shape {tuple(student_batch)} of these (take the student of the whole batch with "
+            "schedule=(), or build a distiller with that schedule alone)"
         )
     if len(schedule) != len(batch) or not all(
         -n <= i < n for i, n in zip(schedule, batch, strict=False)

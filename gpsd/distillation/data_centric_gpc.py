@@ -135,8 +135,8 @@ class DataCentricGPC(gpytorch.Module):
         BernoulliLogitTerms().check_targets(train_y, "train_y")
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
-        self.num_steps = num_steps
-        self.noise_schedule = _schedule(noise, num_steps, "noise")
+        self._num_steps = num_steps
+        self._noise_schedule = tuple(_schedule(noise, num_steps, "noise"))
         self.soft_target_likelihood = soft_target_likelihood
         self.threshold_targets = bool(threshold_targets)
         self.warm_start = bool(warm_start)
@@ -153,6 +153,27 @@ class DataCentricGPC(gpytorch.Module):
         self._modes_state: tuple[ModuleState, tuple] | None = None
         self.newton_iterations: list[int] = []
 
+    @property
+    def num_steps(self) -> int:
+        """:math:`T`, fixed at construction (the buffers hold one set of targets per step)."""
+        return self._num_steps
+
+    @num_steps.setter
+    def num_steps(self, value: object) -> None:
+        raise AttributeError(
+            "num_steps is fixed at construction; build a new DataCentricGPC for another T"
+        )
+
+    @property
+    def noise_schedule(self) -> tuple[float, ...]:
+        """:math:`\\gamma_1, \\dots, \\gamma_T`; assigning a new schedule (one number, or
+        ``num_steps`` numbers) refits on use."""
+        return self._noise_schedule
+
+    @noise_schedule.setter
+    def noise_schedule(self, value: float | Sequence[float]) -> None:
+        self._noise_schedule = tuple(_schedule(value, self.num_steps, "noise_schedule"))
+
     def _apply(self, fn, *args, **kwargs):
         self._modes = None
         return super()._apply(fn, *args, **kwargs)
@@ -165,7 +186,7 @@ class DataCentricGPC(gpytorch.Module):
     def _settings(self) -> tuple:
         """The settings besides the module's state that the fitted steps depend on."""
         return (
-            tuple(self.noise_schedule),
+            self._noise_schedule,
             self.soft_target_likelihood,
             self.threshold_targets,
             self.target_method,
@@ -214,7 +235,7 @@ class DataCentricGPC(gpytorch.Module):
                 elif not self.warm_start:
                     init = None
                 mode = find_laplace_mode(
-                    K + self.noise_schedule[step - 1] * eye,
+                    K + self._noise_schedule[step - 1] * eye,
                     targets,
                     self._terms(step),
                     prior_mean=m,

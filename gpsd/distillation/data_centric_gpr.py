@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from gpytorch.kernels import Kernel
 from gpytorch.means import Mean
@@ -12,10 +10,9 @@ from torch import Tensor
 
 from gpsd._validation import as_float_tensor, check_finite, check_int
 from gpsd.distillation._common import (
-    ExactGPFromModules,
-    batched_gp_data,
     schedule_index,
-    student_likelihood,
+    student_batch,
+    student_gp,
     validate_test_x,
 )
 from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
@@ -204,26 +201,25 @@ class DataCentricGPR(SpectralGPR):
         r"""A plain GPyTorch ``ExactGP`` equal to step ``t`` (1-based) of the distillation.
 
         Its training targets are :math:`\mathbf y_{t-1}` and its ``GaussianLikelihood`` noise is
-        :math:`\gamma_t`; kernel and mean are copies of this model's. ``schedule`` indexes the
-        batch of schedules when ``gamma`` holds several. With a batch of targets or a batched
-        prior mean, its training inputs are expanded to that batch (shape ``(*b, N, d)``).
+        :math:`\gamma_t`; kernel and mean are copies of this model's. When ``gamma`` holds a
+        batch of schedules, ``schedule`` indexes one of them (with unbatched data, kernel and
+        prior mean); the default ``()`` gives the student of the whole batch, one member per
+        entry of :meth:`predict`'s batch with its own noise (a teacher batch from
+        :meth:`from_teacher`, say). With a batch of targets, kernels or prior means, its
+        training inputs are expanded to that batch (shape ``(*b, N, d)``).
         """
         t = check_int(t, "t")
         if t > self.num_steps:
             raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
-        schedule = schedule_index(self.gamma, schedule, self.train_y)
+        batch = student_batch(self.train_x, self.train_y, self.mean_module, self.kernel)
+        schedule = schedule_index(self.gamma, schedule, batch)
         with torch.no_grad():
             if t == 1:
                 targets = self.train_y
             else:
                 targets = self.train_targets_path()[..., t - 2, :]
                 targets = targets[schedule] if schedule else targets
-        mean_module = copy.deepcopy(self.mean_module)
-        train_x, targets = batched_gp_data(self.train_x, targets.detach().clone(), mean_module)
-        return ExactGPFromModules(
-            train_x,
-            targets,
-            student_likelihood(self.gamma[schedule + (t - 1,)], self.train_x),
-            mean_module,
-            copy.deepcopy(self.kernel),
-        ).eval()
+        noise = self.gamma[schedule][..., t - 1]
+        return student_gp(
+            self.train_x, targets.detach().clone(), noise, self.mean_module, self.kernel
+        )

@@ -61,8 +61,8 @@ class DistributionCentricGPC(gpytorch.Module):
     Step 1 of every method is the ordinary Laplace GPC.
 
     Predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
-    the likelihood, or ``max_iter``, has changed since the last fit (or ``load_state_dict``), so
-    that every step belongs to the current hyperparameters. The training data are stored detached.
+    the likelihood, the training inputs or labels, ``method`` or ``max_iter`` has changed since
+    the last fit (or ``load_state_dict``), so that every step belongs to the current model. The training data are stored detached.
     Every step is computed in the training inputs' dtype, whatever the dtype of the kernel and
     the mean.
 
@@ -93,8 +93,6 @@ class DistributionCentricGPC(gpytorch.Module):
         super().__init__()
         check_gp_modules(covar_module, mean_module)
         num_steps = check_int(num_steps, "num_steps")
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
         # detached: a graph into (say) a feature extractor would be stored in the buffers
         train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x").detach()
         train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
@@ -106,11 +104,11 @@ class DistributionCentricGPC(gpytorch.Module):
             self.likelihood = likelihood
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
-        self.num_steps = num_steps
+        self._num_steps = num_steps
         self.method = method
         self.max_iter = check_int(max_iter, "max_iter")
         n = train_x.shape[-2]
-        self.store_all_steps = bool(store_all_steps)
+        self._store_all_steps = bool(store_all_steps)
         T = num_steps if self.store_all_steps else 1
         self._scratch: tuple[int, Tensor, Tensor, Tensor] | None = None
         self.register_buffer("train_inputs", train_x)
@@ -122,8 +120,8 @@ class DistributionCentricGPC(gpytorch.Module):
             "computed_steps", torch.zeros(num_steps, dtype=torch.bool, device=train_x.device)
         )
         self.newton_iterations: dict[int, int] = {}
-        # the state of the prior and likelihood that the computed steps belong to
-        self._fitted_state: tuple[ModuleState, int] | None = None
+        # the prior, likelihood, data and settings that the computed steps belong to
+        self._fitted_state: tuple[ModuleState, ModuleState, tuple] | None = None
         self.register_load_state_dict_post_hook(DistributionCentricGPC._adopt_loaded_fit)
 
     def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the unkept step
@@ -134,21 +132,67 @@ class DistributionCentricGPC(gpytorch.Module):
             self._fitted_state = self._prior_state()
         return out
 
+    @property
+    def num_steps(self) -> int:
+        """:math:`T`, fixed at construction (the buffers hold one posterior per step)."""
+        return self._num_steps
+
+    @num_steps.setter
+    def num_steps(self, value: object) -> None:
+        raise AttributeError(
+            "num_steps is fixed at construction; build a new DistributionCentricGPC for another T"
+        )
+
+    @property
+    def store_all_steps(self) -> bool:
+        """Whether every step's posterior is kept (fixed at construction)."""
+        return self._store_all_steps
+
+    @store_all_steps.setter
+    def store_all_steps(self, value: object) -> None:
+        raise AttributeError(
+            "store_all_steps is fixed at construction; build a new DistributionCentricGPC"
+        )
+
+    @property
+    def method(self) -> str:
+        """``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``; a new one refits on use."""
+        return self._method
+
+    @method.setter
+    def method(self, value: str) -> None:
+        if value not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {value!r}")
+        self._method = value
+
     def _prior_modules(self) -> torch.nn.ModuleList:
         """The kernel, the mean and the likelihood (where it is a module): what a fit depends on."""
         modules = (self.covar_module, self.mean_module, getattr(self, "likelihood", None))
         return torch.nn.ModuleList([m for m in modules if m is not None])
 
-    def _prior_state(self) -> tuple[ModuleState, int]:
-        """The state of :meth:`_prior_modules` and ``max_iter`` now."""
-        return ModuleState(self._prior_modules()), self.max_iter
+    def _training_data(self) -> torch.nn.Module:
+        """The training inputs and labels as a module's state (to compare with a snapshot)."""
+        data = torch.nn.Module()
+        data.register_buffer("inputs", self.train_inputs)
+        data.register_buffer("targets", self.train_targets)
+        return data
+
+    def _prior_state(self) -> tuple[ModuleState, ModuleState, tuple]:
+        """The state of :meth:`_prior_modules`, the training data, ``method`` and ``max_iter``."""
+        settings = (self.method, self.max_iter)
+        return ModuleState(self._prior_modules()), ModuleState(self._training_data()), settings
 
     def _fit_is_current(self) -> bool:
-        """Whether the computed steps belong to the current prior, likelihood and ``max_iter``."""
+        """Whether the computed steps belong to the current prior, likelihood, training data,
+        ``method`` and ``max_iter``."""
         if self._fitted_state is None:
             return False
-        state, max_iter = self._fitted_state
-        return max_iter == self.max_iter and state.matches(self._prior_modules())
+        prior, data, settings = self._fitted_state
+        return (
+            settings == (self.method, self.max_iter)
+            and prior.matches(self._prior_modules())
+            and data.matches(self._training_data())
+        )
 
     @staticmethod
     def _adopt_loaded_fit(module: DistributionCentricGPC, incompatible_keys) -> None:

@@ -19,6 +19,8 @@ from gpsd.distillation._common import (
     batched_gp_data,
     pair_batches,
     schedule_index,
+    student_batch,
+    student_gp,
     student_likelihood,
     validate_test_x,
 )
@@ -81,8 +83,7 @@ class DistributionCentricGPR(SpectralGPR):
         rtol: float = 1e-6,
         kernel_cache_bytes: int | None = None,
     ) -> None:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.method = method  # checked before the base class does any work
         super().__init__(
             kernel,
             train_x,
@@ -95,7 +96,17 @@ class DistributionCentricGPR(SpectralGPR):
             rtol=rtol,
             kernel_cache_bytes=kernel_cache_bytes,
         )
-        self.method = method
+
+    @property
+    def method(self) -> str:
+        """``"collapsed"`` or ``"iterated"``; may be changed between predictions."""
+        return self._method
+
+    @method.setter
+    def method(self, value: str) -> None:
+        if value not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {value!r}")
+        self._method = value
 
     @property
     def effective_noise(self) -> Tensor:
@@ -175,19 +186,16 @@ class DistributionCentricGPR(SpectralGPR):
     def student(self, t: int, schedule: tuple[int, ...] = ()) -> ExactGP:
         r"""A plain ``ExactGP`` equal to step ``t`` by Theorem 3.3: noise :math:`\tilde\gamma_t`.
 
-        With a batch of targets or a batched prior mean, its training inputs are expanded to that
-        batch (shape ``(*b, N, d)``).
+        When ``gamma`` holds a batch of schedules, ``schedule`` indexes one of them (with
+        unbatched data, kernel and prior mean); the default ``()`` gives the student of the whole
+        batch, one member per entry of :meth:`predict`'s batch with its own noise. With a batch
+        of targets, kernels or prior means, its training inputs are expanded to that batch
+        (shape ``(*b, N, d)``).
         """
         t = check_int(t, "t")
         if t > self.num_steps:
             raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
-        schedule = schedule_index(self.gamma, schedule, self.train_y)
-        mean_module = copy.deepcopy(self.mean_module)
-        train_x, train_y = batched_gp_data(self.train_x, self.train_y, mean_module)
-        return ExactGPFromModules(
-            train_x,
-            train_y,
-            student_likelihood(self.effective_noise[schedule + (t - 1,)], self.train_x),
-            mean_module,
-            copy.deepcopy(self.kernel),
-        ).eval()
+        batch = student_batch(self.train_x, self.train_y, self.mean_module, self.kernel)
+        schedule = schedule_index(self.gamma, schedule, batch)
+        noise = self.effective_noise[schedule][..., t - 1]
+        return student_gp(self.train_x, self.train_y, noise, self.mean_module, self.kernel)

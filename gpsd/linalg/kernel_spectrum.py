@@ -523,18 +523,40 @@ class KernelSpectrum:
         if math.isinf(err):
             raise ValueError(
                 f"the truncated spectrum leaves a complement of norm {self.complement_norm:.3g}, "
-                f"not below the smallest noise {gamma_min:.3g}, so its series diverges; raise "
-                "rank=, or use backend='cg' (matrix-free) or backend='dense'"
+                f"not below the smallest noise {gamma_min:.3g}, so its series diverges; "
+                + self._way_out()
             )
         if err > rtol:
             warnings.warn(
                 f"the truncated spectrum (rank {int(self.num_resolved.max())}, complement norm "
                 f"{self.complement_norm:.3g}) gives an estimated relative error of {err:.3g} for "
-                f"the smallest noise {gamma_min:.3g}; raise rank=, or use backend='cg' "
-                "(matrix-free) or backend='dense'",
+                f"the smallest noise {gamma_min:.3g}; " + self._way_out(),
                 NumericalWarning,
                 stacklevel=3,
             )
+
+    def _way_out(self) -> str:
+        """What to change when the truncated spectrum is not accurate enough."""
+        others = "use backend='cg' (matrix-free) or backend='dense'"
+        computed = self.resolved.shape[-1]  # Ritz pairs computed
+        resolved = int(self.num_resolved.min())
+        low_precision = self.eigenvectors.dtype != torch.float64
+        if computed >= self.size:
+            advice = (
+                f"the Krylov space already spans all N = {self.size} dimensions "
+                f"({resolved} of its {computed} Ritz pairs resolved), so a higher rank= cannot "
+                f"help; {others}"
+            )
+        elif resolved == 0 and low_precision:
+            advice = (
+                f"none of the {computed} Ritz pairs met the residual tolerance, which "
+                f"{self.eigenvectors.dtype} residuals rarely reach; {others}"
+            )
+        else:
+            return f"raise rank= ({resolved} of {computed} Ritz pairs resolved), or {others}"
+        if low_precision:
+            advice += ", or factor in float64 (linalg_dtype=torch.float64)"
+        return advice
 
 
 def _trace_bound(kernel_trace: Tensor | None, evals: Tensor, dtype: torch.dtype) -> float:

@@ -90,7 +90,7 @@ def test_students_of_a_batch_of_schedules(cls):
     gamma = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.5, 0.5]], dtype=DT)
     model = cls(rbf_kernel(), x, y, gamma)
     with pytest.raises(ValueError, match="schedule must index one schedule"):
-        model.student(2)
+        model.student(2, schedule=(0, 1))
     with pytest.raises(TypeError, match="schedule must be an int or a tuple"):
         model.student(2, schedule=1.0)
     path = model.predict(test_x)
@@ -104,6 +104,86 @@ def test_students_of_a_batch_of_schedules(cls):
     batched = cls(rbf_kernel(), x.expand(2, -1, -1), y.expand(2, -1), gamma)
     with pytest.raises(ValueError, match="needs unbatched training data"):
         batched.student(1, schedule=0)
+    kernels = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])).to(DT)
+    with pytest.raises(ValueError, match="needs unbatched training data, kernel"):
+        cls(kernels, x, y, gamma).student(1, schedule=0)
+
+
+def _student_posterior(student, test_x):
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        post = student(test_x)
+    return post.mean, post.variance
+
+
+@pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
+def test_student_of_the_whole_batch_equals_each_member(cls):
+    """Before, a batched model had no student of its own: ``student(t)`` refused a batch of
+    schedules, and one schedule of a batch paired with batched targets or kernels was refused
+    or (with a batched kernel) came with every kernel but one schedule's noise."""
+    x, y, test_x = _data()
+    gamma = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.05, 0.4]], dtype=DT)
+    kernels = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])).to(DT)
+    kernels.lengthscale = torch.tensor([[[0.7]], [[1.5]]], dtype=DT)
+    targets = torch.stack([y, 2 * y.cos()])
+    cases = {
+        "schedules": (rbf_kernel(), y),
+        "schedules with targets": (rbf_kernel(), targets),
+        "schedules with kernels": (kernels, y),
+    }
+    for name, (kernel, train_y) in cases.items():
+        model = cls(kernel, x, train_y, gamma)
+        path = model.predict(test_x)
+        for t in (1, 3):
+            student = model.student(t)
+            mean, var = _student_posterior(student, test_x)
+            torch.testing.assert_close(mean, path.mean[:, t - 1], rtol=1e-7, atol=1e-9, msg=name)
+            torch.testing.assert_close(var, path.variance[:, t - 1], rtol=1e-6, atol=1e-9)
+            # each member against an exact GP of its own, from dense solves
+            for i in range(2):
+                k_i = kernel if kernel is not kernels else _member(kernels, i)
+                if cls is DataCentricGPR:
+                    noise = gamma[i, t - 1]
+                else:  # Theorem 3.3: one GP with noise 1 / sum_s 1 / gamma_s
+                    noise = 1.0 / (1.0 / gamma[i, :t]).sum()
+                y_i = train_y if train_y.dim() == 1 else train_y[i]
+                if cls is DataCentricGPR and t > 1:
+                    y_i = model.train_targets_path()[i, t - 2].detach()
+                k = k_i(x).to_dense() + noise * torch.eye(x.shape[0], dtype=DT)
+                ks = k_i(test_x, x).to_dense()
+                want = ks @ torch.linalg.solve(k, y_i)
+                torch.testing.assert_close(mean[i], want.detach(), rtol=1e-7, atol=1e-9)
+
+
+def _member(kernels, i):
+    member = gpytorch.kernels.RBFKernel().to(DT)
+    member.lengthscale = kernels.lengthscale[i]
+    return member
+
+
+@pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
+def test_student_of_a_batched_teacher(cls):
+    """``from_teacher`` of a batched ExactGP: gamma of shape (2, T) paired with (2, N) targets;
+    before, every ``student`` call was refused with advice about a batch of schedules."""
+    x, y, test_x = _data()
+    batch = torch.Size([2])
+    teacher = PlainGP(
+        x.expand(2, -1, -1),
+        torch.stack([y, -y]),
+        gpytorch.likelihoods.GaussianLikelihood(batch_shape=batch),
+        gpytorch.means.ZeroMean(),
+        gpytorch.kernels.RBFKernel(batch_shape=batch),
+    ).to(DT)
+    teacher.likelihood.noise = torch.tensor([[0.05], [0.2]], dtype=DT)
+    teacher.eval()
+    model = cls.from_teacher(teacher, num_steps=3)
+    path = model.predict(test_x)
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        taught = teacher(test_x.expand(2, -1, -1))
+    torch.testing.assert_close(path.mean[:, 0], taught.mean, rtol=1e-7, atol=1e-9)
+    for t in (1, 2, 3):
+        mean, var = _student_posterior(model.student(t), test_x)
+        torch.testing.assert_close(mean, path.mean[:, t - 1], rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(var, path.variance[:, t - 1], rtol=1e-6, atol=1e-9)
 
 
 def test_auto_backend_on_three_points():

@@ -236,6 +236,25 @@ def test_explicit_lanczos_stops_growing_and_names_the_matrix_free_way_out(
     assert max(ranks) == 32  # the cap, not N = 300
 
 
+def test_lanczos_over_the_whole_space_does_not_advise_a_higher_rank():
+    """Before, the advice was "raise rank=" even with the Krylov space already all of R^N."""
+    x, y, test_x = wiggly_data(n=30)
+    model = DataCentricGPR(rbf_kernel(), x, y, [1e-9] * 3, backend="lanczos")
+    with torch.no_grad(), pytest.raises(ValueError, match="a higher rank= cannot help") as err:
+        model.predict(test_x)
+    assert "all N = 30 dimensions" in str(err.value) and "raise rank" not in str(err.value)
+
+
+def test_float32_lanczos_names_float64():
+    x, y, test_x = wiggly_data(n=200)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0).float()
+    model = DataCentricGPR(
+        kernel, x.float(), y.float(), [0.1, 0.2], backend="lanczos", linalg_dtype=None, rtol=1e-3
+    )
+    with torch.no_grad(), pytest.raises(ValueError, match="linalg_dtype=torch.float64"):
+        model.predict(test_x.float())
+
+
 def test_cg_long_chain_matches_dense_on_a_hard_spectrum():
     x, y, test_x = wiggly_data()
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
