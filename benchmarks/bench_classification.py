@@ -95,6 +95,7 @@ def protocol_table(n: int, steps: list[int], repeats: int, device, dtype) -> lis
         "| T | scikit-learn fit | gpsd LaplaceGPClassifier (1 fit) | " + " | ".join(names) + " |",
         "|---|" + "---|" * (len(names) + 2),
     ]
+    print("\n".join(lines), flush=True)
     for T in steps:
         base = median_time(sklearn_fit(x.numpy(), y.numpy()), repeats, torch.device("cpu"))
         plain = median_time(
@@ -118,6 +119,7 @@ def scaling_table(sizes: list[int], T: int, repeats: int, device, dtype) -> list
         "| N | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
     ]
+    print("\n".join(lines), flush=True)
     for n in sizes:
         x, y, _ = sine_classification(n, seed=0, dtype=torch.float64)
         cells = [median_time(sklearn_fit(x.numpy(), y.numpy()), repeats, torch.device("cpu"))]
@@ -181,7 +183,7 @@ def main() -> None:
         "# Classification self-distillation timings",
         "",
         f"- machine: {os.cpu_count()}-core CPU, {torch.get_num_threads()} torch thread(s), "
-        f"processor `{platform.processor()}`, "
+        f"processor `{platform.processor() or platform.machine()}`, "
         f"{platform.system()} {platform.release()}",
         f"- device: {device}, dtype: {args.dtype}; scikit-learn always runs on CPU in float64",
         f"- torch {torch.__version__}, gpytorch {gpytorch.__version__}, python {platform.python_version()}",

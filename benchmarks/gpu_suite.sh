@@ -20,6 +20,11 @@ stage=${1:?usage: gpu_suite.sh STAGE(1|2|3) [OUTDIR]}
     echo "gpu_suite.sh: STAGE must be 1, 2 or 3, got $stage"
     exit 2
 }
+# Without CUDA, stop before installing anything or writing into OUTDIR.
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+    echo "gpu_suite.sh: no CUDA device here; nothing to measure"
+    exit 0
+}
 out=$(realpath -m "${2:-benchmarks/results}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -29,10 +34,6 @@ log="$out/gpu_stage$stage.log"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$log" 2>&1 || {
     echo "gpu_suite.sh: pip could not install gpsd (see $log); importing it from $PWD"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-}
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
-    echo "gpu_suite.sh: no CUDA device here; nothing to measure"
-    exit 0
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log" 2>&1
 

@@ -120,7 +120,7 @@ def make_engine(
     kernel: Kernel,
     x: Tensor,
     backend: str,
-    num_schedules: int,
+    schedule_shape: torch.Size,
     num_steps: int,
     eig_dtype: torch.dtype | None,
     rank: int | None,
@@ -197,14 +197,17 @@ def make_engine(
     try_lanczos_first = False
     if backend == "auto":
         # a kernel with a batch shape makes a batch of matrices from shared inputs too
-        batch_size = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape).numel()
+        matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
+        num_schedules = schedule_shape.numel()
         backend = choose_backend(
             n,
             num_schedules * num_steps,
             x.device,
             dtype=eig_dtype or x.dtype,
-            batch_size=batch_size,
+            batch_size=matrix_shape.numel(),
             num_schedules=num_schedules,
+            # a factor's batch: the schedules' broadcast against the matrices', as the shift is
+            factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
         )
         try_lanczos_first = backend == "dense" and not needs_grad
     # Without a graph to keep, K is evaluated in the factorisation's dtype, as the matrix-free

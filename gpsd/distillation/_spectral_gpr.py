@@ -70,13 +70,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         check_gp_modules(kernel, mean_module, "kernel")
         if not rtol > 0:
             raise ValueError(f"rtol must be positive, got {rtol}")
-        if kernel_cache_bytes is not None and (
-            not isinstance(kernel_cache_bytes, int) or kernel_cache_bytes < 0
-        ):
-            raise ValueError(
-                "kernel_cache_bytes must be None or a non-negative integer (bytes), "
-                f"got {kernel_cache_bytes!r}"
-            )
+        kernel_cache_bytes = check_int(
+            kernel_cache_bytes, "kernel_cache_bytes", minimum=0, optional=True
+        )
         train_x, train_y = validate_training_data(train_x, train_y)
         self.kernel = kernel
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
@@ -187,7 +183,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 self.kernel,
                 self.train_x,
                 self.backend,
-                self.gamma[..., 0].numel(),
+                self.gamma.shape[:-1],
                 self.num_steps,
                 self.linalg_dtype,
                 self.rank,

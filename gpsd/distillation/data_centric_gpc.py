@@ -99,6 +99,7 @@ class DataCentricGPC(gpytorch.Module):
     :param warm_start: Start each Newton run from the previous step's mode.
     :param target_method: ``"quadrature"`` (:func:`~gpsd.laplace.symmetric_response_expectation`)
         or ``"probit"`` (MacKay's approximation) for :math:`\mathbb{E}_q[\sigma(f)]`.
+    :param max_iter: Newton iterations allowed per Laplace fit.
     """
 
     def __init__(

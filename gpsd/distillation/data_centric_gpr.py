@@ -74,8 +74,9 @@ class DataCentricGPR(SpectralGPR):
     :param mean_module: the prior mean :math:`m` (default: zero).
     :param backend: ``"auto"``, ``"dense"``, ``"cholesky"``, ``"lanczos"`` or ``"cg"``.
     :param linalg_dtype: dtype of the factorisation (default float64; ``None`` keeps the data's).
-    :param rank: Krylov basis size of the Lanczos backend (default: grown from 64 until the
-        error estimate meets ``rtol``), or of the run that deflates CG (default 256).
+    :param rank: Krylov basis size of the Lanczos backend (default: grown block by block, an
+        eighth of ``min(N, 1024)`` columns per block, between 4 and 64, until the error estimate
+        meets ``rtol``), or of the run that deflates CG (default 256).
     :param rtol: accuracy target; the Lanczos backend warns when its estimate exceeds it, the CG
         backend's solves stop at this relative residual.
     :param kernel_cache_bytes: memory in bytes that the matrix-free backends (without a KeOps

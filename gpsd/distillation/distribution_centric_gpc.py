@@ -73,6 +73,7 @@ class DistributionCentricGPC(gpytorch.Module):
     :param method: ``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``.
     :param mean_module: Prior mean (default zero).
     :param likelihood: As for :class:`~gpsd.laplace.LaplaceGPClassifier` (default logistic).
+    :param max_iter: Newton iterations allowed per Laplace fit.
     :param store_all_steps: Keep every step's posterior (``T`` matrices of size ``n x n``) so that
         any step can be predicted; with ``False`` only the last step is kept (``"iterated"`` then
         predicts only step ``T``; the approximations recompute other steps on request).

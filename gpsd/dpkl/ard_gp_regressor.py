@@ -23,6 +23,11 @@ class ARDGPRegressor(EmbeddingGPRegressorBase):
     ``initial_lengthscale`` (default :math:`\sqrt{D}`, the scale of the distances between
     standardised inputs; GPyTorch's default 0.69 makes every kernel entry vanish for large
     :math:`D`, and a short Adam run then never leaves the noise-only solution).
+
+    :param train_x: ``(n, D)`` training inputs.
+    :param train_y: ``(n,)`` training targets (standardise them).
+    :param likelihood: a ``GaussianLikelihood`` (default: a new one).
+    :param initial_lengthscale: the starting value of every lengthscale (default :math:`\sqrt{D}`).
     """
 
     def __init__(

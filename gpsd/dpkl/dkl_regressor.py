@@ -20,6 +20,14 @@ class DKLRegressor(DPKLRegressor):
     :math:`\kappa(\mathbf{w}, \mathbf{w}) = 1` and the repulsive term vanishes, so the functional
     gradient is the ordinary gradient of the negative log marginal likelihood. Same API
     (``fit``, ``predict``, ``nll``, ``rmse``, ``embed``).
+
+    :param train_x: ``(n, D)`` training inputs.
+    :param train_y: ``(n,)`` training targets (standardise them).
+    :param feature_extractor: a network mapping ``(n, D)`` to ``(n, latent_dim)`` or a callable
+        returning one.
+    :param latent_dim: :math:`d`, checked against the network's output width.
+    :param nu: ``None`` (RBF kernel) or a Matérn smoothness in {0.5, 1.5, 2.5}.
+    :param likelihood: a ``GaussianLikelihood`` (default: a new one).
     """
 
     def __init__(

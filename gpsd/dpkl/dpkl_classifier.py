@@ -58,6 +58,8 @@ class DPKLClassifier(gpytorch.Module):
     :param latent_dim: :math:`d` (checked against the network on the first call).
     :param prior_std: :math:`\sigma_\theta` of the Gaussian prior on the class weights.
     :param update: ``"paper"`` or ``"svgd"`` for the embedding particles.
+    :param bandwidth: the Stein kernel bandwidth of both particle sets: ``"median"`` (the median
+        heuristic, see :class:`~gpsd.dpkl.SteinVariationalGradient`) or a fixed positive :math:`h`.
     """
 
     def __init__(

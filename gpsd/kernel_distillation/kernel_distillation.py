@@ -450,6 +450,7 @@ class KernelDistillation:
         r"""Squared error :math:`\|K_{XX} - W K_{UU} W^\top\|_F^2` and its gradient on the pattern.
 
         :param values: non-zeros of :math:`W`, shape ``(n, b)``.
+        :param gradient: also return the gradient (``False``: the objective alone, cheaper).
         :return: ``(objective (), gradient (n, b) or None)``.
         """
         w = self._pattern.matrix(values)

@@ -455,6 +455,8 @@ class SparseLowRankStudent(gpytorch.Module):
         whatever ``p`` (the bare :meth:`prediction_module` takes ``x`` in one block).
 
         :param x: test inputs, shape ``(p, d)``.
+        :param include_noise: add the teacher's noise variance :math:`\sigma^2` (the predictive
+            distribution of y rather than f).
         :return: ``(mean, variance)``, each of shape ``(p,)``.
         """
         x = self._check_inputs(x)

@@ -234,10 +234,12 @@ class LaplaceGPClassifier(gpytorch.Module):
         r"""Class probability :math:`\mathbb{E}_q[r(f_*)]` with :math:`r` the likelihood's response
         (:math:`\sigma` for logistic and continuous Bernoulli, :math:`\Phi` for probit).
 
+        :param x: test inputs, shape ``(m, d)`` or ``(m,)`` (as the training inputs).
         :param method: ``"quadrature"`` (:func:`~gpsd.laplace.expected_response` with ``num_points``
             nodes: accurate at any latent variance for the built-in likelihoods) or ``"probit"``
             (closed form: exact :math:`\Phi(\mu/\sqrt{1 + s^2})` for a probit response,
             MacKay's approximation :math:`\sigma(\mu/\sqrt{1 + \pi s^2/8})` otherwise).
+        :param num_points: quadrature nodes of ``"quadrature"`` (default 64).
         """
         mean, var = self.predict_latent(x)
         if method == "quadrature":

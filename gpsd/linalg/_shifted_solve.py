@@ -28,26 +28,31 @@ class ShiftedSolveEngine(abc.ABC):
     #: dtype of the solves.
     dtype: torch.dtype
 
-    #: ``(rhs, its version counter, gamma, result)`` of the latest solve: a data-centric step asks
-    #: for the same solve twice (once for its weights, once for its targets).
+    #: ``(rhs, its version counter, gamma, result, its version counter)`` of the latest solve: a
+    #: data-centric step asks for the same solve twice (once for its weights, once for its
+    #: targets).
     _last: tuple | None = None
 
     def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
 
         The previous result is reused when the same right-hand side (the same tensor, or a view of
-        the same unmodified memory with the same shape) comes again with equal shifts.
+        the same unmodified memory with the same shape) comes again with equal shifts, and the
+        result has not been written to since.
         """
         if self._last is not None and _same_rhs(self._last[0], self._last[1], rhs):
-            last_gamma = self._last[2]
-            if last_gamma is gamma or (
-                _graph_free(last_gamma, gamma)
-                and last_gamma.shape == gamma.shape
-                and bool(torch.equal(last_gamma, gamma))
+            last_gamma, last_out = self._last[2], self._last[3]
+            if last_out._version == self._last[4] and (
+                last_gamma is gamma
+                or (
+                    _graph_free(last_gamma, gamma)
+                    and last_gamma.shape == gamma.shape
+                    and bool(torch.equal(last_gamma, gamma))
+                )
             ):
-                return self._last[3]
+                return last_out
         out = self._solve(gamma, rhs)
-        self._last = (rhs, rhs._version, gamma, out)
+        self._last = (rhs, rhs._version, gamma, out, out._version)
         return out
 
     @abc.abstractmethod

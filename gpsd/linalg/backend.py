@@ -64,6 +64,7 @@ def choose_backend(
     batch_size: int = 1,
     num_schedules: int = 1,
     free_bytes: int | None = None,
+    factor_batch_size: int | None = None,
 ) -> str:
     r"""Pick ``"cholesky"``, ``"dense"`` or ``"lanczos"`` for an ``n``-point problem.
 
@@ -75,8 +76,8 @@ def choose_backend(
 
     Memory decides too (``free_bytes``, default: :func:`free_memory_bytes` of ``device``). Let
     :math:`s` be the size of the kernel matrices (``batch_size`` of them, ``n x n`` in ``dtype``)
-    and :math:`f = s\max(1, \texttt{num\_schedules}/\texttt{batch\_size})` that of one Cholesky
-    factor, which covers every schedule. The eigendecomposition is chosen only if :math:`4s`
+    and :math:`f` that of one Cholesky factor, which covers every schedule:
+    ``factor_batch_size`` matrices. The eigendecomposition is chosen only if :math:`4s`
     (matrix, eigenvectors, workspace) fits in 80 % of the free memory. The chain is chosen only if
     all its :math:`T` factors fit in the cache of :class:`~gpsd.linalg.ShiftedCholesky`, half the
     memory left beside the matrix and one more factor:
@@ -90,18 +91,26 @@ def choose_backend(
     :param batch_size: number of independent ``n x n`` kernel matrices.
     :param num_schedules: number of noise schedules (each Cholesky factor covers all of them).
     :param free_bytes: memory available; measured on ``device`` when not given.
+    :param factor_batch_size: ``n x n`` matrices in one factor: the broadcast of the schedules'
+        batch shape with the kernel matrices' (default ``max(batch_size, num_schedules)``, right
+        where the two batches pair; a schedule batch ``(3, 1)`` against a kernel batch ``(2,)``
+        makes 6).
     """
     n = check_int(n, "n")
     num_factorisations = check_int(num_factorisations, "num_factorisations")
     batch_size = check_int(batch_size, "batch_size")
     num_schedules = check_int(num_schedules, "num_schedules")
+    if factor_batch_size is None:
+        factor_batch_size = max(batch_size, num_schedules)
+    factor_batch_size = check_int(factor_batch_size, "factor_batch_size")
     kind = torch.device(device).type
     kind = kind if kind in _MAX_CHAIN_FACTORISATIONS else "cpu"
     if free_bytes is None:
         free_bytes = free_memory_bytes(device)
     budget = _MEMORY_FRACTION * free_bytes
-    matrix_bytes = batch_size * n * n * (torch.finfo(dtype).bits // 8)
-    factor_bytes = max(1.0, num_schedules / batch_size) * matrix_bytes
+    one_matrix = n * n * (torch.finfo(dtype).bits // 8)
+    matrix_bytes = batch_size * one_matrix
+    factor_bytes = factor_batch_size * one_matrix
     num_factors = math.ceil(num_factorisations / num_schedules)
     chain_fits = num_factors * factor_bytes <= (free_bytes - matrix_bytes - factor_bytes) / 2
     eigh_fits = _EIGH_MATRICES * matrix_bytes <= budget

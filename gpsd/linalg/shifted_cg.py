@@ -643,8 +643,10 @@ class ShiftedCG(ShiftedSolveEngine):
     def trace(self, filt: SpectralFilter) -> Tensor:
         """Not available matrix-free: it would take N solves."""
         raise ValueError(
-            "the trace of a filter (needed by gcv()) would take N conjugate-gradient solves with "
-            "backend='cg'; use backend='dense', 'cholesky' or 'lanczos', or validation_mse()"
+            "the trace of a filter (needed by gcv()) would take N conjugate-gradient solves on "
+            "the CG backend (backend='cg', or backend='auto' where Lanczos could not reach "
+            "rtol); use backend='dense' or 'cholesky' where an N x N matrix fits, "
+            "backend='lanczos' with a larger rtol, or validation_mse()"
         )
 
     def error_estimate(self, gamma_min: float) -> float:

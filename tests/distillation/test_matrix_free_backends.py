@@ -1,6 +1,7 @@
 """The matrix-free backends (Lanczos, deflated CG) inside the regression distillers."""
 
 import gpytorch
+import numpy as np
 import pytest
 import torch
 from gpr_reference import rbf_kernel, relative_error
@@ -361,10 +362,14 @@ def test_matrix_free_backends_keep_kernel_rows_between_products(backend):
 
 def test_kernel_cache_bytes_must_be_a_non_negative_integer():
     x, y, _ = wiggly_data(n=20)
-    with pytest.raises(ValueError, match="kernel_cache_bytes must be None or a non-negative"):
+    with pytest.raises(ValueError, match="kernel_cache_bytes must be a non-negative integer"):
         DataCentricGPR(rbf_kernel(), x, y, 0.1, backend="cg", kernel_cache_bytes=-5)
-    with pytest.raises(ValueError, match="kernel_cache_bytes"):
-        DistributionCentricGPR(rbf_kernel(), x, y, 0.1, kernel_cache_bytes=1.5)
+    for bad in (1.5, True):  # before, True was taken as 1 byte
+        with pytest.raises(ValueError, match="kernel_cache_bytes"):
+            DistributionCentricGPR(rbf_kernel(), x, y, 0.1, kernel_cache_bytes=bad)
+    # any integer type, as for the other counts (NumPy's was refused before)
+    model = DataCentricGPR(rbf_kernel(), x, y, 0.1, kernel_cache_bytes=np.int64(10**6))
+    assert model.kernel_cache_bytes == 10**6 and type(model.kernel_cache_bytes) is int
 
 
 def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monkeypatch):
@@ -421,3 +426,23 @@ def test_auto_counts_the_matrices_of_a_kernel_batch_on_shared_inputs(monkeypatch
             test_x.expand(4, -1, -1)
         )
     assert seen == [4, 4]
+
+
+def test_auto_plans_a_factor_of_the_schedules_against_the_kernel_batch(monkeypatch):
+    """Schedules of batch (3, 1) against a kernel batch of 2: each factor is 6 matrices."""
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["batch_size"], kwargs["num_schedules"], kwargs["factor_batch_size"]))
+        return backend_module.choose_backend(*args, **kwargs)
+
+    monkeypatch.setattr(common, "choose_backend", recording)
+    x, y, test_x = wiggly_data(n=40)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([2]))
+    gamma = torch.tensor([0.1, 0.2, 0.3], dtype=DTYPE).reshape(3, 1, 1).expand(3, 1, 2)
+    model = DataCentricGPR(kernel, x, y, gamma, backend="cholesky")
+    engine = model._state()["engine"]
+    with torch.no_grad():
+        DataCentricGPR(kernel, x, y, gamma).predict(test_x)
+        factor = engine.factor(gamma[..., 0].contiguous())
+    assert seen == [(2, 3, 6)] and factor.shape[:-2].numel() == 6

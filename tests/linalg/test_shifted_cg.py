@@ -487,3 +487,23 @@ def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     cg = DataCentricGPR(kernel, x, y, gamma, backend="cg", rtol=1e-8).predict(test_x).variance
     # relative error 2.3e-3 at the first-order quadratic form before
     assert float(((cg - exact).abs() / exact).max()) < 1e-6
+
+
+@pytest.mark.parametrize("engine_kind", ["cholesky", "cg"])
+def test_a_solve_written_to_by_the_caller_is_not_reused(engine_kind):
+    """``solve`` returns its cached result itself; before, a caller who scaled it in place got
+    the scaled values back from the next solve with the same right-hand side and shift."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.rand(20, 1, generator=gen, dtype=DTYPE)
+    k = rbf_matrix(x, 0.3)
+    rhs = torch.randn(20, 2, generator=gen, dtype=DTYPE)
+    gamma = torch.tensor(0.1, dtype=DTYPE)
+    if engine_kind == "cholesky":
+        engine = ShiftedCholesky(k)
+    else:
+        engine = ShiftedCG.from_spectrum(k, KernelSpectrum.from_lanczos(k, rank=4), tol=1e-12)
+    expected = dense_solves(k, gamma.reshape(1), rhs)[0]
+    first = engine.solve(gamma, rhs)
+    torch.testing.assert_close(first, expected, rtol=1e-9, atol=1e-10)
+    first.mul_(0.0)
+    torch.testing.assert_close(engine.solve(gamma, rhs), expected, rtol=1e-9, atol=1e-10)

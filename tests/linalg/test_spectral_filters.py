@@ -268,10 +268,28 @@ def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory():
     assert choose_backend(n, 100, "cuda", torch.float64, free_bytes=8 * gib) == "lanczos"
     assert choose_backend(n, 100, "cuda", batch_size=4, free_bytes=50 * gib) == "lanczos"
 
+    # A schedule batch (3, 1) against a kernel batch (2,): a factor holds 3 x 2 = 6 matrices.
+    # T = 4 factors in half of what 2 matrices and one more factor leave: 2 + 6 + 2 * 24 = 56.
+    sizes = {"batch_size": 2, "num_schedules": 3, "factor_batch_size": 6}
+    assert choose_backend(n, 12, "cuda", free_bytes=56 * matrix, **sizes) == "cholesky"
+    assert choose_backend(n, 12, "cuda", free_bytes=56 * matrix - 1, **sizes) == "dense"
+    # before, the factor was taken as max(2, 3) = 3 matrices: 2 + 3 + 2 * 12 = 29 sufficed
+    assert choose_backend(n, 12, "cuda", batch_size=2, num_schedules=3, free_bytes=29 * matrix) == (
+        "cholesky"
+    )
 
-@pytest.mark.parametrize("argument", ["n", "num_factorisations", "batch_size", "num_schedules"])
+
+@pytest.mark.parametrize(
+    "argument", ["n", "num_factorisations", "batch_size", "num_schedules", "factor_batch_size"]
+)
 def test_choose_backend_names_a_bad_count(argument):
-    kwargs = {"n": 100, "num_factorisations": 3, "batch_size": 1, "num_schedules": 1}
+    kwargs = {
+        "n": 100,
+        "num_factorisations": 3,
+        "batch_size": 1,
+        "num_schedules": 1,
+        "factor_batch_size": 1,
+    }
     kwargs[argument] = 0
     with pytest.raises(ValueError, match=argument):
         choose_backend(device="cpu", **kwargs)
