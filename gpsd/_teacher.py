@@ -21,6 +21,22 @@ def frozen_copy(module: gpytorch.Module) -> gpytorch.Module:
     return clone.eval()
 
 
+def set_mode_keeping_copies(module: gpytorch.Module, mode: bool) -> gpytorch.Module:
+    """``module.train(mode)`` for a module whose children are all :func:`frozen_copy` results:
+    only the module's own mode changes (and its caches are cleared as GPyTorch does).
+
+    The copies stay in evaluation mode (an ``InducingPointKernel`` or a ``GridKernel`` evaluates
+    differently in training mode), and are not visited: a chain of posterior modules would
+    otherwise be walked once per level.
+    """
+    if not isinstance(mode, bool):
+        raise ValueError("training mode is expected to be boolean")
+    if mode or module.training:
+        module._clear_cache()
+    module.training = mode
+    return module
+
+
 def validate_teacher(teacher: ExactGP, likelihood_type: type, likelihood_name: str) -> None:
     """A trained GPyTorch ``ExactGP`` with training data, ``mean_module`` and ``covar_module``."""
     if not isinstance(teacher, ExactGP):

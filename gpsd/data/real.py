@@ -165,6 +165,8 @@ def load_dataset(
     task = DATASETS.get(name)
     if task is None:
         raise ValueError(f"name must be one of {sorted(DATASETS)}, got {name!r}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
     n_train = check_int(n_train, "n_train", optional=True)

@@ -47,7 +47,9 @@ def sample_spectral_frequencies(
       last block is truncated to :math:`R` rows in total.
 
     ``nu`` must be a finite number :math:`> 0` (any, not only GPyTorch's three values).
-    Returns a tensor of shape ``(num_features, num_dims)``.
+    Returns a tensor of shape ``(num_features, num_dims)`` on ``device`` (default: the
+    generator's device, or the CPU). A ``generator`` draws on its own device and the result is
+    moved, so a CPU generator seeds a CUDA model (the same frequencies as on the CPU).
     """
     num_features = check_int(num_features, "num_features")
     num_dims = check_int(num_dims, "num_dims")
@@ -56,7 +58,8 @@ def sample_spectral_frequencies(
     ):
         raise ValueError(f"nu must be None (RBF) or a finite Matérn smoothness > 0, got {nu!r}")
     dtype = dtype or torch.get_default_dtype()
-    kw = {"dtype": dtype, "device": device}
+    # draw where the generator lives (torch refuses a CPU generator for CUDA draws), then move
+    kw = {"dtype": dtype, "device": generator.device if generator is not None else device}
     if orthogonal:
         num_blocks = math.ceil(num_features / num_dims)
         g = torch.randn(num_blocks, num_dims, num_dims, generator=generator, **kw)
@@ -69,7 +72,7 @@ def sample_spectral_frequencies(
         freq = torch.randn(num_features, num_dims, generator=generator, **kw)
     if nu is not None:
         freq = freq * torch.sqrt(2.0 * nu / _chi_square(2.0 * nu, num_features, generator, kw))
-    return freq
+    return freq if device is None else freq.to(device)
 
 
 def _chi_square(dof: float, num: int, generator: torch.Generator | None, kw: dict) -> Tensor:

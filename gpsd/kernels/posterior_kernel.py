@@ -9,7 +9,7 @@ from linear_operator import to_dense
 from torch import Tensor
 
 from gpsd._distances import same_inputs
-from gpsd._teacher import check_inputs, teacher_posterior
+from gpsd._teacher import check_inputs, set_mode_keeping_copies, teacher_posterior
 
 __all__ = ["PosteriorKernel"]
 
@@ -28,10 +28,18 @@ class PosteriorKernel(Kernel):
     ``PosteriorMean(teacher)`` and ``PosteriorKernel(teacher)`` (plus, optionally, a kernel of its
     own: ``PosteriorKernel(teacher) + ScaleKernel(RBFKernel())``) is the teacher's posterior used
     as a prior; conditioning it on new data equals ``teacher.get_fantasy_model``. Chains of
-    posterior kernels (distribution-centric distillation, eq. 7) evaluate in time linear in their
-    length: a prior that is itself a ``PosteriorKernel`` is evaluated once on the stacked inputs.
+    posterior kernels (distribution-centric distillation, eq. 7) evaluate a prior that is itself
+    a ``PosteriorKernel`` once on the stacked inputs (the test points and each level's training
+    inputs, so level :math:`t` of a chain sees :math:`M + tN` rows): the cost grows polynomially
+    with the chain's length, where evaluating each block separately would double it per level.
 
-    :param teacher: a trained ``gpytorch.models.ExactGP`` with a Gaussian likelihood.
+    The teacher's kernel is a frozen copy kept in evaluation mode, whatever mode this kernel is
+    put in (an ``InducingPointKernel`` or a ``GridKernel`` evaluates differently in training
+    mode, and the student of a training loop is in training mode).
+
+    :param teacher: a trained ``gpytorch.models.ExactGP`` with a Gaussian likelihood, whose
+        ``forward`` applies its ``mean_module`` and ``covar_module`` to the inputs as they come
+        (the GPyTorch convention; a ``forward`` that transforms them first is not reproduced).
     """
 
     is_stationary = False
@@ -42,6 +50,23 @@ class PosteriorKernel(Kernel):
         self.prior_covar = post["covar_module"]
         self.register_buffer("train_inputs", post["train_inputs"])
         self.register_buffer("cholesky", post["cholesky"])
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        """The batch shape of this kernel and the teacher's kernel, read through one level.
+
+        GPyTorch's default asks every kernel below for its own (which asks every kernel below it
+        again): exponential in the length of a chain of posterior kernels.
+        """
+        return torch.broadcast_shapes(self._batch_shape, self.prior_covar.batch_shape)
+
+    @batch_shape.setter
+    def batch_shape(self, value: torch.Size) -> None:
+        self._batch_shape = value
+
+    def train(self, mode: bool = True) -> PosteriorKernel:
+        """Set the mode of this kernel; the teacher's frozen kernel stays in evaluation mode."""
+        return set_mode_keeping_copies(self, mode)
 
     def _prior_blocks(self, x1: Tensor, x2: Tensor | None, diag: bool):
         """``k(x1, x2)`` (or its diagonal), ``k(X, x1)`` and ``k(X, x2)`` of the teacher's prior."""

@@ -73,7 +73,7 @@ class ShiftedSolveEngine(abc.ABC):
         left = left.to(self.dtype)
         if not filt.is_resolvent:
             return (left.unsqueeze(-3) * self.apply(filt, left)).sum(-2)
-        gamma = filt.gamma.to(self.dtype)
+        gamma = filt.gamma.to(dtype=self.dtype, device=left.device)
         done: dict[bytes, Tensor] = {}
         steps = []
         for t in range(gamma.shape[-1]):

@@ -192,7 +192,8 @@ class KernelSpectrum:
 
         :param kernel: a tensor or ``LinearOperator`` of shape ``(*b, N, N)`` (KeOps kernels work:
             only ``matmul`` is used), or a callable ``X -> K X`` together with ``size``,
-            ``batch_shape``, ``dtype`` and ``device``.
+            ``batch_shape``, ``dtype`` and ``device`` (the device of the blocks it is given;
+            default: the CPU, so pass ``device=`` for a callable that multiplies on a GPU).
         :param rank: size of the Krylov basis (rounded up to whole blocks); with ``stop_when``,
             the most it may grow to.
         :param block_size: columns per block (default ``rank // 8`` between 4 and 64).

@@ -283,12 +283,13 @@ class ShiftedCG(ShiftedSolveEngine):
         a long chain on a hard spectrum costs about one solve instead of :math:`T`.
         """
         filt = filt.to(self.dtype, self.ritz_vectors.device)
+        filt = filt.to(self.dtype, self.ritz_vectors.device)  # a schedule made on the CPU, say
         if filt.is_resolvent:
             if torch.unique(filt.gamma).numel() > 1:
-                return self.multishift_solve(filt.gamma.to(self.dtype), rhs.to(self.dtype))
+                return self.multishift_solve(filt.gamma, rhs.to(self.dtype))
             return super().apply(filt, rhs)
         if filt.num_filters > 1:
-            self.solve(filt.gamma.min().to(self.dtype), rhs.to(self.dtype))
+            self.solve(filt.gamma.min(), rhs.to(self.dtype))
             # the timed solve's iterations, also when it came from the reuse cache
             budget = (filt.num_filters - 1) * self._solve_iterations // 2
             if budget >= 2 * _FIRST_CHECK:  # the stopping rule needs two checkpoints
@@ -519,8 +520,9 @@ class ShiftedCG(ShiftedSolveEngine):
         A resolvent with several distinct shifts (the variances of a changing noise schedule)
         goes through :meth:`multishift_quad_diag`: one Krylov run serves every shift.
         """
+        filt = filt.to(self.dtype, self.ritz_vectors.device)
         if filt.is_resolvent and torch.unique(filt.gamma).numel() > 1:
-            return self.multishift_quad_diag(filt.gamma.to(self.dtype), left.to(self.dtype))
+            return self.multishift_quad_diag(filt.gamma, left.to(self.dtype))
         return super().quad_diag(filt, left)
 
     def multishift_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:

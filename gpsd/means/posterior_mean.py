@@ -6,7 +6,7 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._teacher import check_inputs, teacher_posterior
+from gpsd._teacher import check_inputs, set_mode_keeping_copies, teacher_posterior
 
 __all__ = ["PosteriorMean"]
 
@@ -24,10 +24,13 @@ class PosteriorMean(Mean):
     The weights :math:`(\mathbf K_{XX} + \boldsymbol\Sigma)^{-1}(\mathbf y - m(\mathbf X))` are
     computed once and stored as a buffer, next to frozen copies of the teacher's mean and kernel,
     so the student's ``train()``/``eval()`` never touches the teacher, and later changes to the
-    teacher do not leak in. The module has no trainable parameters.
+    teacher do not leak in. The copies stay in evaluation mode whatever mode this module is put
+    in (an ``InducingPointKernel`` evaluates differently in training mode). The module has no
+    trainable parameters.
 
     :param teacher: a trained ``gpytorch.models.ExactGP`` with a Gaussian likelihood, defining
-        ``mean_module`` and ``covar_module``.
+        ``mean_module`` and ``covar_module`` and applying them to the inputs as they come (the
+        GPyTorch convention; a ``forward`` that transforms them first is not reproduced).
     """
 
     def __init__(self, teacher: ExactGP) -> None:
@@ -37,6 +40,10 @@ class PosteriorMean(Mean):
         self.prior_covar = post["covar_module"]
         self.register_buffer("train_inputs", post["train_inputs"])
         self.register_buffer("weights", post["weights"])
+
+    def train(self, mode: bool = True) -> PosteriorMean:
+        """Set the mode of this module; the teacher's frozen copies stay in evaluation mode."""
+        return set_mode_keeping_copies(self, mode)
 
     def forward(self, x: Tensor) -> Tensor:
         x = check_inputs(x, self.train_inputs)

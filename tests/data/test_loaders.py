@@ -69,6 +69,10 @@ def test_bad_arguments():
         load_dataset("mnist")
     with pytest.raises(ValueError, match="n_train"):
         load_dataset("diabetes", n_train=500, n_test=100)
+    # before: integer tensors, the standardised inputs truncated to -2..2 and the means to 0
+    for dtype in (torch.int64, "float64"):
+        with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+            load_dataset("diabetes", dtype=dtype)
 
 
 def test_toy_settings_are_seeded():

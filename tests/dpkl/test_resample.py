@@ -1,6 +1,7 @@
 """RandomFeatureKernel.resample: reproducible draws, and what an ExactGP in eval mode sees."""
 
 import gpytorch
+import pytest
 import torch
 
 from gpsd.dpkl import RandomFeatureKernel, sample_spectral_frequencies
@@ -58,3 +59,45 @@ def test_eval_mode_model_sees_new_frequencies_after_train_eval():
     reference = _posterior_mean_from_features(kernel, x, y, xs, 0.05)
     torch.testing.assert_close(new, reference)
     assert (new - old).abs().max() > 1e-3  # the draw changed the predictor
+
+
+def _strict_randn(monkeypatch):
+    """torch.randn refusing a generator on another device than the draw, as CUDA does ("Expected
+    a 'cuda' device type for generator but found 'cpu'"); the CPU does not check."""
+    plain = torch.randn
+
+    def randn(*args, generator=None, device=None, **kwargs):
+        want = torch.device("cpu" if device is None else device)
+        if generator is not None and generator.device.type != want.type:
+            raise RuntimeError(f"Expected a '{want.type}' device type for generator")
+        return plain(*args, generator=generator, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", randn)
+
+
+def test_a_cpu_generator_draws_for_a_kernel_on_another_device(monkeypatch):
+    """Before, resample(cpu_generator) on a CUDA kernel raised: the draw was asked for on the
+    kernel's device with the CPU generator. The 'meta' device stands in for CUDA here."""
+    _strict_randn(monkeypatch)
+    for nu in (None, 1.5):
+        kernel = RandomFeatureKernel(8, 2, nu=nu).double().to("meta")
+        kernel.resample(torch.Generator().manual_seed(0))
+        assert kernel.base_frequencies.device.type == "meta"
+        on_cpu = sample_spectral_frequencies(
+            8, 2, nu=nu, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+        )
+        moved = sample_spectral_frequencies(
+            8, 2, nu=nu, generator=torch.Generator().manual_seed(0), dtype=torch.float64,
+            device="meta",
+        )  # fmt: skip
+        assert moved.device.type == "meta" and moved.shape == on_cpu.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernel_resampled_with_a_cpu_generator_equals_the_cpu_draw():
+    kernel = RandomFeatureKernel(8, 3, nu=2.5).double().cuda()
+    kernel.resample(torch.Generator().manual_seed(4))
+    expected = sample_spectral_frequencies(
+        8, 3, nu=2.5, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+    )
+    torch.testing.assert_close(kernel.base_frequencies.cpu(), expected, rtol=0, atol=0)

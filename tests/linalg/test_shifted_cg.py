@@ -507,3 +507,21 @@ def test_a_solve_written_to_by_the_caller_is_not_reused(engine_kind):
     torch.testing.assert_close(first, expected, rtol=1e-9, atol=1e-10)
     first.mul_(0.0)
     torch.testing.assert_close(engine.solve(gamma, rhs), expected, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_takes_a_filter_made_on_the_cpu():
+    """Before, ShiftedCG.quad_diag moved the schedule to its dtype but not to its device."""
+    gen = torch.Generator().manual_seed(12)
+    k = rbf_matrix(torch.rand(60, 1, generator=gen, dtype=DTYPE), 0.3)
+    left = torch.randn(60, 3, generator=gen, dtype=DTYPE)
+    filt = SF.resolvent(torch.tensor([0.1, 0.3], dtype=DTYPE))  # on the CPU
+    expected = ShiftedCholesky(k).quad_diag(filt, left)
+    kc = k.cuda()
+    engine = ShiftedCG.from_spectrum(kc, KernelSpectrum.from_lanczos(kc, rank=8), tol=1e-12)
+    got = engine.quad_diag(filt, left.cuda())
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-8, atol=1e-10)
+    got = engine.apply(filt, left.cuda())
+    torch.testing.assert_close(
+        got.cpu(), ShiftedCholesky(k).apply(filt, left), rtol=1e-8, atol=1e-10
+    )
