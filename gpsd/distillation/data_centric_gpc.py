@@ -246,7 +246,7 @@ class DataCentricGPC(gpytorch.Module):
                 modes.append(mode)
                 self.newton_iterations.append(mode.num_iter)
                 if self.step_targets[step - 1].shape != targets.shape:
-                    self.step_targets = torch.zeros(self.num_steps, *targets.shape).to(targets)
+                    self.step_targets = targets.new_zeros(self.num_steps, *targets.shape)
                     self.latent_modes = torch.zeros_like(self.step_targets)
                 self.step_targets[step - 1] = targets
                 self.latent_modes[step - 1] = mode.f

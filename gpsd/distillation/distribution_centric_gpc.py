@@ -223,9 +223,9 @@ class DistributionCentricGPC(gpytorch.Module):
             return
         if self.coefficients[slot].shape != c.shape:  # the kernel added a batch shape
             T = self.coefficients.shape[0]
-            self.latent_modes = torch.zeros(T, *f.shape).to(f)
-            self.coefficients = torch.zeros(T, *c.shape).to(c)
-            self.covariance_corrections = torch.zeros(T, *Q.shape).to(Q)
+            self.latent_modes = f.new_zeros(T, *f.shape)
+            self.coefficients = c.new_zeros(T, *c.shape)
+            self.covariance_corrections = Q.new_zeros(T, *Q.shape)
         self.latent_modes[slot] = f
         self.coefficients[slot] = c
         self.covariance_corrections[slot] = Q

@@ -65,7 +65,9 @@ def _batched_least_squares(design: Tensor, rhs: Tensor, gram: Tensor) -> Tensor:
     diag = chol.diagonal(dim1=-2, dim2=-1).abs()
     eps = torch.finfo(design.dtype).eps
     bad = (info != 0) | (diag.min(-1).values <= 10 * eps**0.5 * diag.max(-1).values)
-    chol = torch.where(bad[:, None, None], torch.eye(gram.shape[-1]).to(gram), chol)
+    chol = torch.where(
+        bad[:, None, None], torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device), chol
+    )
     sol = torch.cholesky_solve((design @ rhs.unsqueeze(-1)), chol)  # shape: (c, b, 1)
     for _ in range(2):
         resid = rhs.unsqueeze(-1) - design.transpose(-1, -2) @ sol  # shape: (c, m, 1)
