@@ -49,3 +49,18 @@ def adopt_buffer_shapes(
         current = getattr(module, name)
         if isinstance(saved, Tensor) and saved.shape != current.shape:
             setattr(module, name, current.new_empty(saved.shape))
+
+
+def fixed_setting(name: str, doc: str) -> property:
+    """A read-only property over ``self._<name>``: setting it raises an ``AttributeError`` that
+    says the setting is fixed at construction (buffers were sized by it)."""
+
+    def get(self):
+        return getattr(self, "_" + name)
+
+    def refuse(self, value: object) -> None:
+        raise AttributeError(
+            f"{name} is fixed at construction; build a new {type(self).__name__} to change it"
+        )
+
+    return property(get, refuse, doc=doc)

@@ -12,7 +12,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import ModuleState, adopt_buffer_shapes
+from gpsd._module_state import ModuleState, adopt_buffer_shapes, fixed_setting
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -154,16 +154,9 @@ class DataCentricGPC(gpytorch.Module):
         self._modes_state: tuple[ModuleState, tuple] | None = None
         self.newton_iterations: list[int] = []
 
-    @property
-    def num_steps(self) -> int:
-        """:math:`T`, fixed at construction (the buffers hold one set of targets per step)."""
-        return self._num_steps
-
-    @num_steps.setter
-    def num_steps(self, value: object) -> None:
-        raise AttributeError(
-            "num_steps is fixed at construction; build a new DataCentricGPC for another T"
-        )
+    num_steps = fixed_setting(
+        "num_steps", ":math:`T` (the buffers hold one set of targets per step)."
+    )
 
     @property
     def noise_schedule(self) -> tuple[float, ...]:

@@ -8,7 +8,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import ModuleState, adopt_buffer_shapes
+from gpsd._module_state import ModuleState, adopt_buffer_shapes, fixed_setting
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -133,27 +133,8 @@ class DistributionCentricGPC(gpytorch.Module):
             self._fitted_state = self._prior_state()
         return out
 
-    @property
-    def num_steps(self) -> int:
-        """:math:`T`, fixed at construction (the buffers hold one posterior per step)."""
-        return self._num_steps
-
-    @num_steps.setter
-    def num_steps(self, value: object) -> None:
-        raise AttributeError(
-            "num_steps is fixed at construction; build a new DistributionCentricGPC for another T"
-        )
-
-    @property
-    def store_all_steps(self) -> bool:
-        """Whether every step's posterior is kept (fixed at construction)."""
-        return self._store_all_steps
-
-    @store_all_steps.setter
-    def store_all_steps(self, value: object) -> None:
-        raise AttributeError(
-            "store_all_steps is fixed at construction; build a new DistributionCentricGPC"
-        )
+    num_steps = fixed_setting("num_steps", ":math:`T` (the buffers hold one posterior per step).")
+    store_all_steps = fixed_setting("store_all_steps", "Whether every step's posterior is kept.")
 
     @property
     def method(self) -> str:
