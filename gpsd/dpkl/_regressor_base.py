@@ -180,6 +180,8 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
     def predict(self, x: Tensor, *, include_noise: bool = True) -> tuple[Tensor, Tensor]:
         """Predictive mean and variance at ``x`` (of ``y`` with the noise, or of ``f`` without).
 
+        ``x`` (any array-like) is converted to the training inputs' dtype and device.
+
         Unlike a plain :class:`~gpytorch.models.ExactGP` in evaluation mode, which keeps the
         prediction cache it built first, this notices any change of the parameters or buffers
         since (a hyperparameter set by hand, resampled random features, ``load_state_dict``)

@@ -454,7 +454,8 @@ class SparseLowRankStudent(gpytorch.Module):
         Evaluated in blocks of rows, so that memory stays :math:`O(m + b^2)` per row of a block
         whatever ``p`` (the bare :meth:`prediction_module` takes ``x`` in one block).
 
-        :param x: test inputs, shape ``(p, d)``.
+        :param x: test inputs, shape ``(p, d)`` (any array-like; converted to the student's dtype
+            and device, so float64 inputs to a float32 student are rounded to float32).
         :param include_noise: add the teacher's noise variance :math:`\sigma^2` (the predictive
             distribution of y rather than f).
         :return: ``(mean, variance)``, each of shape ``(p,)``.
