@@ -36,6 +36,12 @@ class ModuleState:
         return not any(bool(torch.stack(flags).any()) for flags in differs.values())
 
 
+def write_count(tensor: Tensor) -> int | None:
+    """``tensor``'s version counter (it grows with every in-place write), or ``None`` for a
+    tensor made under ``torch.inference_mode()``, which keeps no counter."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def adopt_buffer_shapes(
     module: nn.Module, state_dict: dict, prefix: str, names: tuple[str, ...]
 ) -> None:

@@ -7,6 +7,7 @@ import abc
 import torch
 from torch import Tensor
 
+from gpsd._module_state import write_count
 from gpsd.linalg._algebra import ShiftedSolveAlgebra
 from gpsd.linalg.spectral_filter import SpectralFilter
 
@@ -38,21 +39,27 @@ class ShiftedSolveEngine(abc.ABC):
 
         The previous result is reused when the same right-hand side (the same tensor, or a view of
         the same unmodified memory with the same shape) comes again with equal shifts, and the
-        result has not been written to since.
+        result has not been written to since. Tensors made under ``torch.inference_mode()`` keep
+        no write counter, so their solves are not reused.
         """
         if self._last is not None and _same_rhs(self._last[0], self._last[1], rhs):
             last_gamma, last_out = self._last[2], self._last[3]
-            if last_out._version == self._last[4] and (
-                last_gamma is gamma
-                or (
-                    _graph_free(last_gamma, gamma)
-                    and last_gamma.shape == gamma.shape
-                    and bool(torch.equal(last_gamma, gamma))
+            written = write_count(last_out)
+            if (
+                written is not None
+                and written == self._last[4]
+                and (
+                    last_gamma is gamma
+                    or (
+                        _graph_free(last_gamma, gamma)
+                        and last_gamma.shape == gamma.shape
+                        and bool(torch.equal(last_gamma, gamma))
+                    )
                 )
             ):
                 return last_out
         out = self._solve(gamma, rhs)
-        self._last = (rhs, rhs._version, gamma, out, out._version)
+        self._last = (rhs, write_count(rhs), gamma, out, write_count(out))
         return out
 
     @abc.abstractmethod
@@ -115,5 +122,6 @@ def _same_rhs(a: Tensor, version: int, b: Tensor) -> bool:
         and a.stride() == b.stride()
         and a.dtype == b.dtype
         and a.device == b.device
-        and b._version == version
+        and version is not None
+        and write_count(b) == version
     )

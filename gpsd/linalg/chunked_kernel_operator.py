@@ -8,7 +8,7 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from gpsd._module_state import ModuleState
+from gpsd._module_state import ModuleState, write_count
 from gpsd._validation import check_int
 from gpsd.linalg._negligible import DROP_MIN_COLUMNS, drop_negligible
 
@@ -207,5 +207,7 @@ class _KeptRows:
 
 
 def _identity(x: Tensor) -> tuple:
-    """What identifies the values of ``x``: its memory, layout and write counter."""
-    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version)
+    """What identifies the values of ``x``: its memory, layout and write counter (``None`` for
+    inputs made under ``torch.inference_mode()``, which keep none: in-place writes to such inputs
+    go unnoticed)."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, write_count(x))
