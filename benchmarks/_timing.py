@@ -100,6 +100,23 @@ def median_time_and_output(
     return statistics.median(times), out
 
 
+class Report:
+    """Markdown lines printed as they come and, given a path ``out``, rewritten there after each
+    addition: a run cut short by a time limit leaves every row it measured."""
+
+    def __init__(self, out: str | None) -> None:
+        self.out = out
+        self.lines: list[str] = []
+
+    def add(self, *lines: str) -> None:
+        for line in lines:
+            print(line, flush=True)
+        self.lines.extend(lines)
+        if self.out:
+            with open(self.out, "w") as fh:
+                fh.write("\n".join(self.lines) + "\n")
+
+
 def write_report(text: str, out: str | None) -> None:
     """Print a Markdown report and, given a path ``out``, also write it there."""
     print(text)

@@ -33,7 +33,7 @@ import gpytorch
 import torch
 from _problems import rbf_kernel as rbf
 from _problems import uniform_square_problem as problem
-from _timing import cuda_missing, sync, write_report
+from _timing import Report, cuda_missing, sync
 
 from gpsd import DataCentricGPR
 from gpsd.linalg import KernelSpectrum, ShiftedCG, ShiftedCholesky
@@ -52,8 +52,12 @@ def seconds(fn, repeats: int, device: torch.device) -> tuple[float, object]:
         return time.perf_counter() - start, out
 
     first, out = once()  # the warm-up
-    runs = [once() for _ in range(repeats if first < 2.0 else min(repeats, 2))]
-    return statistics.median(r[0] for r in runs), runs[-1][1]
+    times = []
+    for _ in range(repeats if first < 2.0 else min(repeats, 2)):
+        out = None  # the previous model (its factorisation, its kept rows) freed before the next
+        elapsed, out = once()
+        times.append(elapsed)
+    return statistics.median(times), out
 
 
 def engine_name(model: DataCentricGPR) -> str:
@@ -74,12 +78,12 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
-def choice_table(args, device: torch.device, data_dtype: torch.dtype) -> tuple[str, list]:
-    """The per-(N, T) table and, for the summary, the rows as tuples."""
+def choice_table(args, device: torch.device, data_dtype: torch.dtype, report: Report) -> list:
+    """The per-(N, T) table (added to ``report`` row by row); returns the rows as tuples."""
     linalg_dtype = getattr(torch, args.linalg_dtype)
     header = "| N | T | " + " | ".join(BACKENDS) + " | fastest | auto chose | auto (s) | "
     header += "auto / fastest | auto mean err | auto var. err |"
-    rows = [header, "|---:|---:|" + "---:|" * len(BACKENDS) + "---|---|---:|---:|---:|---:|"]
+    report.add(header, "|---:|---:|" + "---:|" * len(BACKENDS) + "---|---|---:|---:|---:|---:|")
     records = []
     too_slow: dict[str, int] = {}  # backend -> smallest T at which it exceeded --max-seconds
     failed: dict[tuple, str] = {}  # (N, T, backend) -> "OOM" or "fails"
@@ -111,6 +115,7 @@ def choice_table(args, device: torch.device, data_dtype: torch.dtype) -> tuple[s
                     too_slow[backend] = min(too_slow.get(backend, 10**9), t)
                     continue
                 times[backend], outputs[backend] = elapsed, (engine_name(model), path)
+                del model  # its engine would shrink the free memory the next backend plans with
                 if elapsed > args.max_seconds:
                     stopped_here[backend] = t
                     too_slow[backend] = min(too_slow.get(backend, 10**9), t)
@@ -131,21 +136,21 @@ def choice_table(args, device: torch.device, data_dtype: torch.dtype) -> tuple[s
                         f"{relative_error(path.mean, ref.mean):.1e}",
                         f"{relative_error(path.variance, ref.variance):.1e}",
                     ]
-            rows.append(
+            report.add(
                 f"| {n} | {t} | {' | '.join(cells)} | {fastest or '—'} | {chose} | {auto_s} | "
                 f"{ratio} | {errs[0]} | {errs[1]} |"
             )
-            print(rows[-1], flush=True)
             records.append((n, t, measured, fastest))
-    return "\n".join(rows), records
+    return records
 
 
-def factorisation_table(args, device: torch.device) -> tuple[str, dict]:
-    """eigh and Cholesky of the same kernel matrix, float32 and float64; their ratio by dtype."""
-    rows = [
+def factorisation_table(args, device: torch.device, report: Report) -> dict:
+    """eigh and Cholesky of the same kernel matrix, float32 and float64 (added to ``report`` row
+    by row); returns their ratios by dtype."""
+    report.add(
         "| N | dtype | eigh (s) | cholesky (s) | eigh / cholesky |",
         "|---:|---|---:|---:|---:|",
-    ]
+    )
     ratios: dict[str, list[float]] = {}
     for n in args.sizes:
         for name in ("float32", "float64"):
@@ -157,13 +162,12 @@ def factorisation_table(args, device: torch.device) -> tuple[str, dict]:
                 t_eigh, _ = seconds(lambda k=k: torch.linalg.eigh(k), args.repeats, device)
                 t_chol, _ = seconds(lambda k=k: torch.linalg.cholesky(k), args.repeats, device)
             except (torch.OutOfMemoryError, MemoryError):
-                rows.append(f"| {n} | {name} | OOM | OOM | — |")
+                report.add(f"| {n} | {name} | OOM | OOM | — |")
                 continue
             ratios.setdefault(name, []).append(t_eigh / t_chol)
-            rows.append(f"| {n} | {name} | {t_eigh:.4f} | {t_chol:.4f} | {t_eigh / t_chol:.1f} |")
-            print(rows[-1], flush=True)
+            report.add(f"| {n} | {name} | {t_eigh:.4f} | {t_chol:.4f} | {t_eigh / t_chol:.1f} |")
             del k
-    return "\n".join(rows), ratios
+    return ratios
 
 
 def summary(records: list, ratios: dict, linalg_dtype: str) -> str:
@@ -246,15 +250,16 @@ def main() -> None:
             "",
         ]
     )
-    print(header, flush=True)
-    table, records = choice_table(args, device, getattr(torch, args.dtype))
-    parts = [header, "## Every backend against N and T", "", table, ""]
+    report = Report(args.out)  # rewritten after every row: a run cut short keeps its rows
+    report.add(header, "## Every backend against N and T", "")
+    records = choice_table(args, device, getattr(torch, args.dtype), report)
+    report.add("")
     ratios: dict = {}
     if not args.skip_factorisations:
-        fact, ratios = factorisation_table(args, device)
-        parts += ["## Bare factorisations", "", fact, ""]
-    parts += ["## What the measurements suggest", "", summary(records, ratios, args.linalg_dtype)]
-    write_report("\n".join(parts), args.out)
+        report.add("## Bare factorisations", "")
+        ratios = factorisation_table(args, device, report)
+        report.add("")
+    report.add("## What the measurements suggest", "", summary(records, ratios, args.linalg_dtype))
 
 
 if __name__ == "__main__":

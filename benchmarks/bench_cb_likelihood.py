@@ -27,7 +27,7 @@ import sys
 
 import gpytorch
 import torch
-from _timing import cuda_missing, median_time, write_report
+from _timing import Report, cuda_missing, median_time
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 
 from gpsd.likelihoods import ContinuousBernoulliLikelihood
@@ -55,7 +55,8 @@ def latents(n: int, regime: str, seed: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def expectations(method: str, kind: str, y, mean, variance) -> torch.Tensor:
-    likelihood = ContinuousBernoulliLikelihood().to(mean.dtype)  # GPyTorch's nodes in the dtype
+    # GPyTorch's quadrature nodes are a buffer: on the latents' device and in their dtype
+    likelihood = ContinuousBernoulliLikelihood().to(device=mean.device, dtype=mean.dtype)
     dist = torch.distributions.Normal(mean, variance.sqrt())
     if method == "gpsd":
         return getattr(likelihood, kind)(y, dist)
@@ -73,7 +74,8 @@ def main() -> None:
     device = torch.device(args.device)
     if cuda_missing(device):
         return
-    lines = [
+    report = Report(args.out)
+    report.add(
         f"# Continuous Bernoulli expectations: gpsd against plain Gauss-Hermite ({device.type})",
         "",
         f"- command (in `benchmarks/`): `python {' '.join(sys.argv)}`",
@@ -89,7 +91,7 @@ def main() -> None:
         "",
         "| regime | quantity | dtype | GH max err | gpsd max err | GH ms | gpsd ms | time ratio |",
         "|---|---|---|---:|---:|---:|---:|---:|",
-    ]
+    )
     for regime in REGIMES:
         y64, mean64, var64 = latents(args.n, regime, seed=0)
         picks = torch.linspace(0, args.n - 1, args.check).long()
@@ -115,12 +117,11 @@ def main() -> None:
                         return out
 
                     times[method] = median_time(step, args.repeats, device, warmup=2)
-                lines.append(
+                report.add(
                     f"| {regime} | {kind} | {str(dtype).split('.')[-1]} | {errors['gh']:.1e} | "
                     f"{errors['gpsd']:.1e} | {1e3 * times['gh']:.1f} | "
                     f"{1e3 * times['gpsd']:.1f} | {times['gpsd'] / times['gh']:.2f} |"
                 )
-    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,11 @@ the growth of the peak resident set) for:
 DPKL training steps per second against a per-particle loop on the GPU come from
 ``python benchmarks/bench_dpkl.py --skip-accuracy --device cuda``.
 
-A cell that runs out of memory reads "OOM", and one slower than ``--max-seconds`` is the last size
-of its method (the next doubling costs at least twice as much); larger sizes of either are skipped.
+A cell that runs out of memory reads "OOM" and one that fails reads "failed: ..."; a method whose
+next doubling is predicted to take longer than ``--max-seconds`` per call (8 times this size's
+time for the dense factorisations, 4 times for the matrix-free rows) stops there, and the dense
+rows stop above ``--max-dense-n``. The Markdown file is rewritten after every row, so a run cut
+short by a time limit keeps what it measured.
 ``--lengthscale`` sets the RBF lengthscale on inputs in [0, 10]^2: the default 1.0 gives a fast
 decaying spectrum (Lanczos resolves it), 0.1 a slowly decaying one (deflated CG's case).
 
@@ -50,7 +53,7 @@ from typing import NamedTuple
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import cuda_missing, median_time_and_output, peak_rss_kib, start_peak_rss, write_report
+from _timing import Report, cuda_missing, median_time_and_output, peak_rss_kib, start_peak_rss
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 
@@ -194,10 +197,10 @@ def regression_methods(families, steps) -> list[str]:
     return methods
 
 
-def regression_table(args, dtype: torch.dtype) -> str:
+def regression_table(args, dtype: torch.dtype, report: Report) -> None:
     methods = regression_methods(args.methods, args.steps)
     failed: set[str] = set()
-    rows = [
+    report.add(
         "Errors: max |method − dense| / max |dense| over every step and test point, against the "
         "dense path at the same N and T (GPyTorch's rows against dense T=1, the same posterior). "
         "× GPyTorch: time over the faster GPyTorch row at the same N. Peak: "
@@ -210,14 +213,14 @@ def regression_table(args, dtype: torch.dtype) -> str:
         "| N | method | time (s) | × GPyTorch | peak (GiB) | mean rel. err vs dense | "
         "variance rel. err |",
         "|---:|---|---:|---:|---:|---:|---:|",
-    ]
+    )
     n = args.min_n
     while n <= args.max_n:
         x, y, test_x = problem(n, args.m, dtype)
         # method -> (seconds, peak, output), or the cell that says why it did not run
         results: dict[str, tuple[float, str, object] | str] = {}
         for method in methods:
-            if method in failed:
+            if method in failed or (n > args.max_dense_n and _is_dense(method)):
                 continue
             if method in GPYTORCH_ROWS:
                 fn = exact_gp(x, y, test_x, iterative=GPYTORCH_ROWS[method])
@@ -242,19 +245,24 @@ def regression_table(args, dtype: torch.dtype) -> str:
             except (torch.OutOfMemoryError, MemoryError):
                 failed.add(method)
                 results[method] = "OOM"
-            except ValueError as err:  # e.g. a Lanczos complement series that diverges
+            except (ValueError, RuntimeError) as err:  # a diverging Lanczos series, a solver
                 failed.add(method)
-                results[method] = f"failed: {str(err).split(';')[0]}"
+                results[method] = f"failed: {str(err).split(';')[0][:80]}"
             else:
-                if results[method][0] > args.max_seconds:
+                # the next doubling costs about 8 times as much for a dense factorisation and
+                # 4 times for the matrix-free products: stop before it would pass the limit
+                growth = 4 if method.startswith(("lanczos", "cg")) else 8
+                if results[method][0] * growth > args.max_seconds:
                     failed.add(method)
-            # progress for a run cut short: the table itself is written once N is done
             cell = results[method]
             print(f"  N={n} {method}: {cell if isinstance(cell, str) else f'{cell[0]:.4f} s'}")
-        rows += _regression_rows(n, results)
-        print("\n".join(rows[-len(results) :]), flush=True)
+        report.add(*_regression_rows(n, results))
         n *= 2
-    return "\n".join(rows)
+
+
+def _is_dense(method: str) -> bool:
+    """Rows that factor the N x N matrix whole (limited by ``--max-dense-n``)."""
+    return method.startswith(("dense", "cholesky")) or GPYTORCH_ROWS.get(method) is False
 
 
 def _regression_rows(n: int, results: dict) -> list[str]:
@@ -328,16 +336,18 @@ def sgpr_predictor(x, y, test_x, inducing):
     return run
 
 
-def kernel_distillation_table(args, dtype: torch.dtype) -> str:
-    rows = [
+def kernel_distillation_table(args, dtype: torch.dtype, report: Report) -> None:
+    report.add(
         f"m = {args.kd_m} inducing points, b = {args.kd_b}, 2 line-search steps; "
-        f"{args.kd_test} test points; times in seconds, peak in GiB.",
+        f"{args.kd_test} test points; times in seconds, peak in GiB. Exact predict: a fresh "
+        "ExactGP's factorisation and prediction (nothing cached); SGPR predict: GPyTorch's "
+        "prediction with its caches from the warm-up call; student predict: the stored student.",
         "",
         "| N | distil (s) | student predict (s) | SGPR predict (s) | exact predict (s) | "
         "student vs SGPR | student vs exact | peak distil (GiB) | RMS entry error of W K_UU Wᵀ | "
         "student mean vs exact (rel.) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    )
     n = max(args.min_n, 4 * args.kd_m)
     exact_ok = True
     while n <= args.kd_max_n:
@@ -352,13 +362,18 @@ def kernel_distillation_table(args, dtype: torch.dtype) -> str:
             holder["student"], holder["inducing"] = kd.fit(), kd.inducing_points
             holder["rms"] = kd.frobenius_errors[-1] / x.shape[0]
 
-        t_distil, peak, _ = measure(distil, 1)
-        student = holder["student"]
-        t_student, (student_mean, _) = timed(
-            lambda student=student, test_x=test_x: student.predict(test_x), 5
-        )
-        sgpr = sgpr_predictor(x, y, test_x, holder["inducing"])
-        t_sgpr = timer(sgpr, 5)
+        try:
+            t_distil, peak, _ = measure(distil, 1)
+            student = holder["student"]
+            t_student, (student_mean, _) = timed(
+                lambda student=student, test_x=test_x: student.predict(test_x), 5
+            )
+            sgpr = sgpr_predictor(x, y, test_x, holder["inducing"])
+            t_sgpr = timer(sgpr, 5)
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+            cell = "OOM" if not isinstance(err, RuntimeError) else "failed"
+            report.add(f"| {n} | {cell}: {str(err).splitlines()[0][:80]} |" + " — |" * 9)
+            break
         exact_cell, agreement, speedup = "OOM", "n/a", "—"
         if exact_ok:
             try:
@@ -369,33 +384,34 @@ def kernel_distillation_table(args, dtype: torch.dtype) -> str:
                 agreement = f"{float(rel):.2e}"
             except (torch.OutOfMemoryError, MemoryError):
                 exact_ok = False
-        rows.append(
+        report.add(
             f"| {n} | {t_distil:.3f} | {t_student:.4f} | {t_sgpr:.4f} | {exact_cell} | "
             f"{t_sgpr / t_student:.1f}x | {speedup} | {peak} | {holder['rms']:.2e} | {agreement} |"
         )
-        print(rows[-1], flush=True)
         n *= 2
-    return "\n".join(rows)
 
 
-def factorisation_rate_table(args, dtype: torch.dtype, rate: float) -> str:
-    """Achieved FLOP/s of the dense factorisations: eigh (about 9 N^3) and Cholesky (N^3 / 3)."""
-    rows = [
+def factorisation_rate_table(args, dtype: torch.dtype, rate: float, report: Report) -> None:
+    """Achieved FLOP/s of the dense factorisations: eigh (about 9 N^3) and Cholesky (N^3 / 3).
+
+    Stops before a size whose eigendecomposition would take longer than ``--max-seconds``."""
+    report.add(
         "| N | eigh (s) | eigh fraction of matmul rate | cholesky (s) | cholesky fraction |",
         "|---:|---:|---:|---:|---:|",
-    ]
+    )
     n = args.min_n
     while n <= min(args.max_n, args.max_dense_n):
         x, _, _ = problem(n, 1, dtype)
         k = rbf(dtype)(x).to_dense().detach() + 0.1 * torch.eye(n, device=DEVICE, dtype=dtype)
         t_eigh = timer(lambda k=k: torch.linalg.eigh(k), 3)
         t_chol = timer(lambda k=k: torch.linalg.cholesky(k), 3)
-        rows.append(
+        report.add(
             f"| {n} | {t_eigh:.4f} | {9 * n**3 / t_eigh / rate:.3f} | {t_chol:.4f} | "
             f"{n**3 / 3 / t_chol / rate:.3f} |"
         )
+        if 8 * t_eigh > args.max_seconds:
+            break
         n *= 2
-    return "\n".join(rows)
 
 
 def main() -> None:
@@ -457,19 +473,19 @@ def main() -> None:
             "",
         ]
     )
-    print(header, flush=True)
-    parts = [header]
+    report = Report(args.out)  # rewritten after every row: a run cut short keeps its rows
+    report.add(header)
     if "regression" not in args.skip:
-        parts += ["## Self-distillation for regression", "", regression_table(args, dtype), ""]
+        report.add("## Self-distillation for regression", "")
+        regression_table(args, dtype, report)
+        report.add("")
     if "kd" not in args.skip:
-        parts += ["## Kernel distillation", "", kernel_distillation_table(args, dtype), ""]
+        report.add("## Kernel distillation", "")
+        kernel_distillation_table(args, dtype, report)
+        report.add("")
     if "rate" not in args.skip:
-        parts += [
-            "## Dense factorisations against the matmul rate",
-            "",
-            factorisation_rate_table(args, dtype, rate),
-        ]
-    write_report("\n".join(parts), args.out)
+        report.add("## Dense factorisations against the matmul rate", "")
+        factorisation_rate_table(args, dtype, rate, report)
 
 
 if __name__ == "__main__":
