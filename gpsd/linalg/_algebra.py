@@ -122,6 +122,9 @@ class ShiftedSolveAlgebra:
     def __init__(self, rhs: Tensor, solve) -> None:
         self.rhs = rhs
         self._solve = solve
+        # (a, g, solve): a data-centric step multiplies the same vectors by a reciprocal and a
+        # ratio of the same shift, which share one solve (kept by identity, for this evaluation)
+        self._last: tuple[Tensor, Tensor, Tensor] | None = None
 
     def one(self, like: Tensor) -> Tensor:
         shape = torch.broadcast_shapes(like.shape, self.rhs.shape[:-2])
@@ -135,7 +138,11 @@ class ShiftedSolveAlgebra:
 
     def mul(self, a: Tensor, b: tuple[str, Tensor]) -> Tensor:
         kind, g = b
-        solved = self._solve(g, a)
+        if self._last is not None and self._last[0] is a and self._last[1] is g:
+            solved = self._last[2]
+        else:
+            solved = self._solve(g, a)
+            self._last = (a, g, solved)
         if kind == "reciprocal":
             return solved
         return a - g[..., None, None] * solved

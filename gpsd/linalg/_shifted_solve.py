@@ -29,9 +29,9 @@ class ShiftedSolveEngine(abc.ABC):
     #: dtype of the solves.
     dtype: torch.dtype
 
-    #: ``(rhs, its version counter, gamma, result, its version counter)`` of the latest solve: a
-    #: data-centric step asks for the same solve twice (once for its weights, once for its
-    #: targets).
+    #: ``(rhs, its version counter, gamma, result, its version counter, grad mode)`` of the
+    #: latest solve, reused by the next call with the same right-hand side and shift (the CG
+    #: backend's timed solve serves the first step of a chain).
     _last: tuple | None = None
 
     def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
@@ -39,8 +39,9 @@ class ShiftedSolveEngine(abc.ABC):
 
         The previous result is reused when the same right-hand side (the same tensor, or a view of
         the same unmodified memory with the same shape) comes again with equal shifts, and the
-        result has not been written to since. Tensors made under ``torch.inference_mode()`` keep
-        no write counter, so their solves are not reused.
+        result has not been written to since, in the same grad mode (a result without a graph
+        must not serve a call that needs one). Tensors made under ``torch.inference_mode()``
+        keep no write counter, so their solves are not reused.
         """
         if self._last is not None and _same_rhs(self._last[0], self._last[1], rhs):
             last_gamma, last_out = self._last[2], self._last[3]
@@ -48,6 +49,7 @@ class ShiftedSolveEngine(abc.ABC):
             if (
                 written is not None
                 and written == self._last[4]
+                and self._last[5] == torch.is_grad_enabled()
                 and (
                     last_gamma is gamma
                     or (
@@ -59,7 +61,7 @@ class ShiftedSolveEngine(abc.ABC):
             ):
                 return last_out
         out = self._solve(gamma, rhs)
-        self._last = (rhs, write_count(rhs), gamma, out, write_count(out))
+        self._last = (rhs, write_count(rhs), gamma, out, write_count(out), torch.is_grad_enabled())
         return out
 
     @abc.abstractmethod
@@ -86,7 +88,7 @@ class ShiftedSolveEngine(abc.ABC):
         for t in range(gamma.shape[-1]):
             g = gamma[..., t]
             # equal shifts share a solve, unless their gradients must reach each one separately
-            key = t if g.requires_grad else g.detach().cpu().numpy().tobytes()
+            key = t if carries_graph(g) else g.detach().cpu().numpy().tobytes()
             if key not in done:
                 done[key] = self._resolvent_quad_diag(g, left)
             steps.append(done[key])
@@ -104,10 +106,15 @@ class ShiftedSolveEngine(abc.ABC):
         """Nothing to check before solving (iterative subclasses check every solve)."""
 
 
+def carries_graph(shift: Tensor) -> bool:
+    """Whether results computed from ``shift`` now would carry an autograd graph to it."""
+    return shift.requires_grad and torch.is_grad_enabled()
+
+
 def _graph_free(*shifts: Tensor) -> bool:
     """Whether no shift carries an autograd graph: only then may equal values share a result
     (one computed for another shift tensor would send its gradient to that tensor)."""
-    return not any(g.requires_grad for g in shifts)
+    return not any(carries_graph(g) for g in shifts)
 
 
 def _same_rhs(a: Tensor, version: int, b: Tensor) -> bool:

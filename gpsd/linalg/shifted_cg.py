@@ -282,7 +282,6 @@ class ShiftedCG(ShiftedSolveEngine):
         cost, and the chain reuses the timed solve when its first step has the smallest noise;
         a long chain on a hard spectrum costs about one solve instead of :math:`T`.
         """
-        filt = filt.to(self.dtype, self.ritz_vectors.device)
         filt = filt.to(self.dtype, self.ritz_vectors.device)  # a schedule made on the CPU, say
         if filt.is_resolvent:
             if torch.unique(filt.gamma).numel() > 1:

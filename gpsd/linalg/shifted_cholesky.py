@@ -13,7 +13,7 @@ from linear_operator.utils.warnings import PerformanceWarning
 from torch import Tensor
 
 from gpsd._validation import check_int
-from gpsd.linalg._shifted_solve import ShiftedSolveEngine
+from gpsd.linalg._shifted_solve import ShiftedSolveEngine, carries_graph
 from gpsd.linalg.backend import free_memory_bytes
 from gpsd.linalg.spectral_filter import SpectralFilter
 
@@ -68,12 +68,14 @@ class ShiftedCholesky(ShiftedSolveEngine):
     def factor(self, gamma: Tensor) -> Tensor:
         """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``.
 
-        A ``gamma`` that requires gradients is factored afresh and not cached: a cached factor
-        would carry the graph of the shift it was made for, not this one's.
+        A ``gamma`` that requires gradients (with gradients enabled) is factored afresh and not
+        cached: a cached factor would carry the graph of the shift it was made for, not this
+        one's. Factors made with and without a graph to the kernel matrix are cached apart.
         """
-        if gamma.requires_grad:
+        if carries_graph(gamma):
             return psd_safe_cholesky(self._shifted(gamma))
-        key = (tuple(gamma.shape), gamma.cpu().numpy().tobytes())
+        with_graph = self.kernel_matrix.requires_grad and torch.is_grad_enabled()
+        key = (tuple(gamma.shape), gamma.detach().cpu().numpy().tobytes(), with_graph)
         if key in self._factors:
             self._factors.move_to_end(key)
             return self._factors[key]

@@ -286,3 +286,65 @@ def test_bad_filter_arguments_are_named(make, error, match):
     truncated to 0 (1 / (d + 2) as [0, 0, 0]), or an IndexError from deep inside."""
     with pytest.raises(error, match=match):
         make()
+
+
+def _counting(monkeypatch, module, name):
+    calls = [0]
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_one_solve_per_data_centric_step_under_inference_mode(monkeypatch):
+    """A step needs (K + g I)^-1 f twice (weights and targets): the solve was shared through
+    the tensors' write counters, which inference tensors lack, so each step solved twice."""
+    gen = torch.Generator().manual_seed(9)
+    k = _rbf(10 * torch.rand(30, 1, generator=gen, dtype=F64))
+    rhs = torch.randn(30, 1, generator=gen, dtype=F64)
+    filt = SpectralFilter.data_centric_weights(torch.tensor([0.1, 0.2, 0.3], dtype=F64), 0.25)
+    expected = KernelSpectrum.from_dense(k).apply(filt, rhs)
+    for context in (torch.no_grad, torch.inference_mode):
+        engine = ShiftedCholesky(k)
+        solves = _counting(monkeypatch, engine, "_solve")
+        with context():
+            got = engine.apply(filt, rhs.clone())
+        assert solves[0] == 3, context.__name__
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_shifts_that_require_grad_share_factors_under_no_grad(monkeypatch):
+    """A Parameter schedule keeps requires_grad inside no_grad; it was factored per step there
+    too. Without a graph being built, equal shifts share one factor again."""
+    import gpsd.linalg.shifted_cholesky as module
+
+    gen = torch.Generator().manual_seed(10)
+    k = _rbf(10 * torch.rand(30, 1, generator=gen, dtype=F64))
+    rhs = torch.randn(30, 1, generator=gen, dtype=F64)
+    gamma = torch.nn.Parameter(torch.tensor([0.1, 0.1, 0.2, 0.1], dtype=F64))
+    factorisations = _counting(monkeypatch, module, "psd_safe_cholesky")
+    with torch.no_grad():
+        ShiftedCholesky(k).apply(SpectralFilter.data_centric_weights(gamma), rhs)
+    assert factorisations[0] == 2
+    factorisations[0] = 0
+    ShiftedCholesky(k).apply(SpectralFilter.data_centric_weights(gamma), rhs)
+    assert factorisations[0] == 4  # with a graph: one per step, so each gets its gradient
+
+
+def test_a_factor_made_without_a_graph_does_not_serve_a_call_that_needs_one():
+    x = torch.linspace(0, 5, 25, dtype=F64).unsqueeze(-1)
+    lengthscale = torch.tensor(0.8, dtype=F64, requires_grad=True)
+    k = torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
+    rhs = torch.ones(25, 1, dtype=F64)
+    filt = SpectralFilter.resolvent(torch.tensor([0.1], dtype=F64))
+    engine = ShiftedCholesky(k)
+    with torch.no_grad():
+        engine.apply(filt, rhs)  # caches a factor without a graph
+    (got,) = torch.autograd.grad(engine.apply(filt, rhs).sum(), lengthscale, retain_graph=True)
+    dense = torch.linalg.solve(k + 0.1 * torch.eye(25, dtype=F64), rhs).sum()
+    (want,) = torch.autograd.grad(dense, lengthscale)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
