@@ -74,3 +74,18 @@ def fixed_setting(name: str, doc: str) -> property:
         )
 
     return property(get, refuse, doc=doc)
+
+
+def choice_setting(name: str, choices: tuple[str, ...], doc: str) -> property:
+    """A property over ``self._<name>`` that takes only one of ``choices``, or raises a
+    ``ValueError`` naming the setting and the choices."""
+
+    def get(self):
+        return getattr(self, "_" + name)
+
+    def set_(self, value: str) -> None:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        setattr(self, "_" + name, value)
+
+    return property(get, set_, doc=doc)

@@ -14,6 +14,7 @@ from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
+from gpsd._module_state import choice_setting
 from gpsd._validation import check_gp_modules, check_int
 from gpsd._variance import nonnegative_variance
 from gpsd.distillation._common import (
@@ -106,16 +107,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         state = super().__getstate__()
         return {**state, "_cache": {}}
 
-    @property
-    def backend(self) -> str:
-        """The linear-algebra backend (one of :data:`~gpsd.linalg.BACKENDS`), checked when set."""
-        return self._backend
-
-    @backend.setter
-    def backend(self, value: str) -> None:
-        if value not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {value!r}")
-        self._backend = value
+    backend = choice_setting(
+        "backend", BACKENDS, "The linear-algebra backend (one of :data:`~gpsd.linalg.BACKENDS`)."
+    )
 
     @classmethod
     def from_teacher(

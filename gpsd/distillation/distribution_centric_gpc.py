@@ -8,7 +8,7 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import ModuleState, adopt_buffer_shapes, fixed_setting
+from gpsd._module_state import ModuleState, adopt_buffer_shapes, choice_setting, fixed_setting
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
@@ -136,16 +136,11 @@ class DistributionCentricGPC(gpytorch.Module):
     num_steps = fixed_setting("num_steps", ":math:`T` (the buffers hold one posterior per step).")
     store_all_steps = fixed_setting("store_all_steps", "Whether every step's posterior is kept.")
 
-    @property
-    def method(self) -> str:
-        """``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``; a new one refits on use."""
-        return self._method
-
-    @method.setter
-    def method(self, value: str) -> None:
-        if value not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {value!r}")
-        self._method = value
+    method = choice_setting(
+        "method",
+        _METHODS,
+        '``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``; a new one refits on use.',
+    )
 
     def _prior_modules(self) -> torch.nn.ModuleList:
         """The kernel, the mean and the likelihood (where it is a module): what a fit depends on."""

@@ -12,6 +12,7 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
+from gpsd._module_state import choice_setting
 from gpsd._validation import check_int
 from gpsd.distillation._common import (
     ExactGPFromModules,
@@ -97,16 +98,9 @@ class DistributionCentricGPR(SpectralGPR):
             kernel_cache_bytes=kernel_cache_bytes,
         )
 
-    @property
-    def method(self) -> str:
-        """``"collapsed"`` or ``"iterated"``; may be changed between predictions."""
-        return self._method
-
-    @method.setter
-    def method(self, value: str) -> None:
-        if value not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {value!r}")
-        self._method = value
+    method = choice_setting(
+        "method", METHODS, '``"collapsed"`` or ``"iterated"``; may be changed between predictions.'
+    )
 
     @property
     def effective_noise(self) -> Tensor:
