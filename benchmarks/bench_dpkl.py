@@ -28,7 +28,7 @@ from pathlib import Path
 import gpytorch
 import numpy as np
 import torch
-from _timing import cuda_missing, median_time
+from _timing import Report, cuda_missing, median_time
 from linear_operator.operators import LowRankRootLinearOperator
 from torch import nn
 
@@ -117,9 +117,11 @@ def run_trial(x, y, test_idx, pool_idx, n, seed, args, dtype, device):
     return out
 
 
-def accuracy_tables(args, dtype, device):
-    lines, plot_data = [], {}
+def accuracy_tables(args, dtype, device, report):
+    """Add each data set's tables to ``report`` as it finishes; returns the data to plot."""
+    plot_data = {}
     for name in args.datasets:
+        lines = []
         x, y = load_arrays(name)
         rng = np.random.default_rng(1234)
         perm = rng.permutation(len(y))
@@ -164,7 +166,8 @@ def accuracy_tables(args, dtype, device):
                 for m in METHODS
             ]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    return lines, plot_data
+        report.add(*lines)
+    return plot_data
 
 
 class LoopEnsemble(nn.Module):
@@ -178,22 +181,22 @@ class LoopEnsemble(nn.Module):
         return torch.stack([net(x) for net in self.nets])
 
 
-def timing_tables(args, dtype, device):
-    lines = []
+def timing_tables(args, dtype, device, report):
+    """Add the timing tables to ``report`` row by row."""
     d, n, R = 30, 500, args.features
     x = torch.randn(n, d, dtype=dtype, device=device)
     y = torch.randn(n, dtype=dtype, device=device)
-    lines.append(
+    report.add(
         f"\n### Training step: vmap ensemble vs per-particle Python loop (n = {n}, D = {d}, "
         f"R = {R}, median of {args.repeats} after a warm-up)\n"
     )
-    lines.append(
+    report.add(
         "Both columns compute the same loss (features -> low-rank MVN log-prob, backward, SVGD "
         "transform with repulsion); only the ensemble forward differs. The last column is a "
         "full `DPKLRegressor.training_loss()` step through GPyTorch's ExactGP machinery.\n"
     )
-    lines.append("| m | vmap step (ms) | loop step (ms) | loop / vmap | DPKLRegressor step (ms) |")
-    lines.append("|---|---|---|---|---|")
+    report.add("| m | vmap step (ms) | loop step (ms) | loop / vmap | DPKLRegressor step (ms) |")
+    report.add("|---|---|---|---|---|")
     for m in args.timing_particles:
         torch.manual_seed(0)
         model = DPKLRegressor(
@@ -245,14 +248,14 @@ def timing_tables(args, dtype, device):
         tv = median_time(step_vmap, args.repeats, device)
         tl = median_time(step_loop, args.repeats, device)
         tm = median_time(step_model, args.repeats, device)
-        lines.append(f"| {m} | {1e3 * tv:.2f} | {1e3 * tl:.2f} | {tl / tv:.2f} | {1e3 * tm:.2f} |")
+        report.add(f"| {m} | {1e3 * tv:.2f} | {1e3 * tl:.2f} | {tl / tv:.2f} | {1e3 * tm:.2f} |")
 
-    lines.append(
+    report.add(
         f"\n### Negative log marginal likelihood + backward: Woodbury (low rank, 2R = {2 * R}) "
         "vs dense Cholesky of the n x n matrix\n"
     )
-    lines.append("| n | Woodbury (ms) | dense Cholesky (ms) | dense / Woodbury |")
-    lines.append("|---|---|---|---|")
+    report.add("| n | Woodbury (ms) | dense Cholesky (ms) | dense / Woodbury |")
+    report.add("|---|---|---|---|")
     for n2 in args.timing_ns:
         phi0 = torch.randn(n2, 2 * R, dtype=dtype, device=device) / math.sqrt(2 * R)
         y2 = torch.randn(n2, dtype=dtype, device=device)
@@ -272,8 +275,7 @@ def timing_tables(args, dtype, device):
             (0.5 * (y2 @ a.squeeze(-1)) + torch.log(torch.diagonal(chol)).sum()).backward()
 
         tw, td = median_time(wood, args.repeats, device), median_time(dense, args.repeats, device)
-        lines.append(f"| {n2} | {1e3 * tw:.2f} | {1e3 * td:.2f} | {td / tw:.1f} |")
-    return lines
+        report.add(f"| {n2} | {1e3 * tw:.2f} | {1e3 * td:.2f} | {td / tw:.1f} |")
 
 
 def plot(plot_data, path):
@@ -360,23 +362,22 @@ def main():
         f"particles, R = {args.features} (2R features), network D-100-50-50-2 (ReLU); the GP "
         "noise, outputscale, lengthscale and constant mean are learned in every model.",
     ]
-    lines = []
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    report = Report(args.out)  # rewritten after every row: a run cut short keeps what it measured
+    report.add(*header)
     t0 = time.perf_counter()
     if not args.skip_accuracy:
-        acc_lines, plot_data = accuracy_tables(args, dtype, device)
-        lines += ["", "## Accuracy (small-data protocol of Appendix C.1)"] + acc_lines
+        report.add("", "## Accuracy (small-data protocol of Appendix C.1)")
+        plot_data = accuracy_tables(args, dtype, device, report)
         if args.out:
             png = Path(args.out).with_suffix(".png")
             plot(plot_data, png)
-            lines.append(f"\n![RMSE and NLL vs n]({png.name})")
+            report.add(f"\n![RMSE and NLL vs n]({png.name})")
     if not args.skip_timing:
-        lines += ["", "## Timing"] + timing_tables(args, dtype, device)
-    header.append(f"- total wall time: {time.perf_counter() - t0:.0f} s")
-    text = "\n".join(header + lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        report.add("", "## Timing")
+        timing_tables(args, dtype, device, report)
+    report.add("", f"- total wall time: {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":
