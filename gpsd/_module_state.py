@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -76,16 +78,26 @@ def fixed_setting(name: str, doc: str) -> property:
     return property(get, refuse, doc=doc)
 
 
-def choice_setting(name: str, choices: tuple[str, ...], doc: str) -> property:
-    """A property over ``self._<name>`` that takes only one of ``choices``, or raises a
-    ``ValueError`` naming the setting and the choices."""
+def checked_setting(name: str, check: Callable[[object], object], doc: str) -> property:
+    """A property over ``self._<name>`` whose setter stores ``check(value)``: ``check`` raises
+    a ``ValueError`` or ``TypeError`` naming the setting for a bad value."""
 
     def get(self):
         return getattr(self, "_" + name)
 
-    def set_(self, value: str) -> None:
-        if value not in choices:
-            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        setattr(self, "_" + name, value)
+    def set_(self, value: object) -> None:
+        setattr(self, "_" + name, check(value))
 
     return property(get, set_, doc=doc)
+
+
+def choice_setting(name: str, choices: tuple[str, ...], doc: str) -> property:
+    """A :func:`checked_setting` that takes only one of ``choices``, or raises a ``ValueError``
+    naming the setting and the choices."""
+
+    def check(value: object) -> object:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        return value
+
+    return checked_setting(name, check, doc)

@@ -12,6 +12,8 @@ from gpytorch.models import ExactGP
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
+from gpsd._validation import check_finite, check_matrix, check_vector
+
 
 def frozen_copy(module: gpytorch.Module) -> gpytorch.Module:
     """A deep copy of ``module`` whose parameters do not require gradients."""
@@ -49,6 +51,8 @@ def validate_teacher(teacher: ExactGP, likelihood_type: type, likelihood_name: s
         raise ValueError("teacher has no training data: call teacher.set_train_data(x, y) first")
     if len(teacher.train_inputs) != 1:
         raise ValueError("teacher must have exactly one training input tensor")
+    train_x = check_matrix(teacher.train_inputs[0], "teacher.train_inputs[0]", nonempty=True)
+    check_vector(teacher.train_targets, "teacher.train_targets", n=train_x.shape[-2])
     for name in ("mean_module", "covar_module"):
         if not isinstance(getattr(teacher, name, None), gpytorch.Module):
             raise ValueError(f"teacher must define {name} (the GPyTorch convention)")
@@ -103,4 +107,4 @@ def check_inputs(x: Tensor, train_inputs: Tensor, name: str = "x") -> Tensor:
             f"{name} must have {train_inputs.shape[-1]} features like the teacher's training "
             f"inputs, got shape {tuple(x.shape)}"
         )
-    return x.to(train_inputs.dtype)
+    return check_finite(x.to(train_inputs.dtype), name)

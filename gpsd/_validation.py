@@ -108,12 +108,17 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
     return number
 
 
-def check_matrix(tensor: Tensor, name: str) -> Tensor:
-    """Check that ``tensor`` has shape ``(*batch, n, d)`` (a 1-D tensor is read as ``(n, 1)``)."""
+def check_matrix(tensor: Tensor, name: str, *, nonempty: bool = False) -> Tensor:
+    """Check that ``tensor`` has shape ``(*batch, n, d)`` (a 1-D tensor is read as ``(n, 1)``)
+    and is finite; with ``nonempty``, that it holds at least one row (``n >= 1``)."""
     if tensor.dim() == 1:
         tensor = tensor.unsqueeze(-1)
     if tensor.dim() < 2:
         raise ValueError(f"{name} must have shape (*batch, n, d), got shape {tuple(tensor.shape)}")
+    if nonempty and tensor.shape[-2] == 0:
+        raise ValueError(
+            f"{name} must hold at least one input (n >= 1 rows), got shape {tuple(tensor.shape)}"
+        )
     return check_finite(tensor, name)
 
 

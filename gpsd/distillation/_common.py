@@ -77,7 +77,7 @@ def validate_training_data(train_x: object, train_y: object) -> tuple[Tensor, Te
     """``train_x`` as ``(*b, N, d)`` and ``train_y`` as ``(*b, N)``, finite, matching N."""
     train_x = as_float_tensor(train_x, "train_x")
     train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype, device=train_x.device)
-    train_x = check_matrix(train_x, "train_x")
+    train_x = check_matrix(train_x, "train_x", nonempty=True)
     train_y = check_vector(train_y, "train_y", n=train_x.shape[-2])
     try:
         torch.broadcast_shapes(train_x.shape[:-2], train_y.shape[:-1])

@@ -14,8 +14,8 @@ from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd._module_state import choice_setting
-from gpsd._validation import check_gp_modules, check_int
+from gpsd._module_state import checked_setting, choice_setting
+from gpsd._validation import check_gp_modules, check_int, check_positive_float
 from gpsd._variance import nonnegative_variance
 from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
@@ -45,6 +45,16 @@ def autograd_context(state: dict):
     return contextlib.nullcontext() if state["engine"].supports_autograd else torch.no_grad()
 
 
+def _check_linalg_dtype(value: object) -> torch.dtype | None:
+    """``None`` or a floating-point ``torch.dtype``, or a ``TypeError`` naming ``linalg_dtype``."""
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return value
+    raise TypeError(
+        f"linalg_dtype must be a floating-point torch.dtype (e.g. torch.float64) or None, "
+        f"got {value!r}"
+    )
+
+
 class SpectralGPR(gpytorch.Module, abc.ABC):
     """A GP regressor whose predictions for every distillation step are spectral filters of K.
 
@@ -69,8 +79,6 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     ) -> None:
         super().__init__()
         check_gp_modules(kernel, mean_module, "kernel")
-        if not rtol > 0:
-            raise ValueError(f"rtol must be positive, got {rtol}")
         kernel_cache_bytes = check_int(
             kernel_cache_bytes, "kernel_cache_bytes", minimum=0, optional=True
         )
@@ -96,7 +104,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             ) from None
         self.backend = backend
         self.linalg_dtype = linalg_dtype
-        self.rank = check_int(rank, "rank", optional=True)
+        self.rank = rank
         self.rtol = rtol
         self.kernel_cache_bytes = kernel_cache_bytes
         self._cache: dict = {}
@@ -109,6 +117,21 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
     backend = choice_setting(
         "backend", BACKENDS, "The linear-algebra backend (one of :data:`~gpsd.linalg.BACKENDS`)."
+    )
+    linalg_dtype = checked_setting(
+        "linalg_dtype",
+        _check_linalg_dtype,
+        "The dtype of the factorisation (``None``: the data's).",
+    )
+    rank = checked_setting(
+        "rank",
+        lambda value: check_int(value, "rank", optional=True),
+        "The Lanczos rank (``None``: grown until the error estimate meets ``rtol``).",
+    )
+    rtol = checked_setting(
+        "rtol",
+        lambda value: check_positive_float(value, "rtol"),
+        "The relative tolerance of the matrix-free backends.",
     )
 
     @classmethod

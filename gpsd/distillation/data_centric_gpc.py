@@ -14,16 +14,13 @@ from torch import Tensor
 
 from gpsd._module_state import ModuleState, adopt_buffer_shapes, fixed_setting
 from gpsd._validation import (
-    as_float_tensor,
     check_gp_modules,
     check_int,
-    check_matrix,
-    check_same_device,
     check_test_inputs,
-    check_vector,
 )
 from gpsd._variance import nonnegative_variance
 from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
+from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -56,7 +53,7 @@ def _schedule(value: float | Sequence[float], num_steps: int, name: str) -> list
     return values
 
 
-class DataCentricGPC(gpytorch.Module):
+class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
     r"""Data-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.1).
 
     Step 1 fits a Bernoulli-logistic Laplace GPC to the hard labels :math:`\mathbf y_0 \in \{0,1\}^N`.
@@ -128,12 +125,7 @@ class DataCentricGPC(gpytorch.Module):
             raise ValueError(
                 f"target_method must be 'quadrature' or 'probit', got {target_method!r}"
             )
-        # detached: a graph into (say) a feature extractor would be stored in the buffers
-        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x").detach()
-        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
-        check_same_device(train_x, train_y, "train_y", "train_x")
-        check_vector(train_y, "train_y", n=train_x.shape[-2])
-        BernoulliLogitTerms().check_targets(train_y, "train_y")
+        train_x, train_y = checked_classification_data(train_x, train_y, self._target_terms)
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self._num_steps = num_steps
@@ -153,6 +145,11 @@ class DataCentricGPC(gpytorch.Module):
         # the parameters, buffers and settings that self._modes were fitted at
         self._modes_state: tuple[ModuleState, tuple] | None = None
         self.newton_iterations: list[int] = []
+
+    @property
+    def _target_terms(self) -> BernoulliLogitTerms:
+        """The training targets are 0/1 labels (the first step's Bernoulli likelihood)."""
+        return BernoulliLogitTerms()
 
     num_steps = fixed_setting(
         "num_steps", ":math:`T` (the buffers hold one set of targets per step)."
@@ -224,8 +221,9 @@ class DataCentricGPC(gpytorch.Module):
             self.newton_iterations = []
             init = None
             for step in range(1, self.num_steps + 1):
-                if use_stored_modes and bool(self.is_fitted):
-                    init = self.latent_modes[step - 1]
+                stored = self.latent_modes[step - 1]
+                if use_stored_modes and bool(self.is_fitted) and stored.shape == targets.shape:
+                    init = stored
                 elif not self.warm_start:
                     init = None
                 mode = find_laplace_mode(
@@ -235,6 +233,7 @@ class DataCentricGPC(gpytorch.Module):
                     prior_mean=m,
                     init_f=init,
                     max_iter=self.max_iter,
+                    check_targets=step == 1,  # later steps: the last step's probabilities
                 )
                 modes.append(mode)
                 self.newton_iterations.append(mode.num_iter)

@@ -10,16 +10,14 @@ from torch import Tensor
 
 from gpsd._module_state import ModuleState, adopt_buffer_shapes, choice_setting, fixed_setting
 from gpsd._validation import (
-    as_float_tensor,
     check_gp_modules,
     check_int,
-    check_matrix,
-    check_same_device,
     check_test_inputs,
-    check_vector,
 )
 from gpsd._variance import nonnegative_variance
 from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
+from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import closed_form_probability, expected_response
 from gpsd.laplace.resolve import resolve_likelihood_terms
@@ -29,7 +27,7 @@ __all__ = ["DistributionCentricGPC"]
 _METHODS = ("iterated", "tempered", "scaled_kernel")
 
 
-class DistributionCentricGPC(gpytorch.Module):
+class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
     r"""Distribution-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.2).
 
     The Laplace posterior of step :math:`t` becomes the prior of step :math:`t + 1`, always with the
@@ -64,7 +62,11 @@ class DistributionCentricGPC(gpytorch.Module):
     the likelihood, the training inputs or labels, ``method`` or ``max_iter`` has changed since
     the last fit (or ``load_state_dict``), so that every step belongs to the current model. The training data are stored detached.
     Every step is computed in the training inputs' dtype, whatever the dtype of the kernel and
-    the mean.
+    the mean. In float32, ``"iterated"`` loses accuracy with the number of steps where the
+    kernel matrix is ill-conditioned (each step forms :math:`\mathbf K_t = \mathbf K(\mathbf I
+    - \mathbf Q_t \mathbf K)` explicitly): class probabilities 1.7e-3 off the float64 ones at
+    :math:`T = 10` with lengthscale 8, outputscale 50 and 40 points, where ``"tempered"`` is
+    8e-5 off; fit in float64 where that matters.
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
     :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones).
@@ -94,15 +96,12 @@ class DistributionCentricGPC(gpytorch.Module):
         super().__init__()
         check_gp_modules(covar_module, mean_module)
         num_steps = check_int(num_steps, "num_steps")
-        # detached: a graph into (say) a feature extractor would be stored in the buffers
-        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x").detach()
-        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
-        check_same_device(train_x, train_y, "train_y", "train_x")
-        check_vector(train_y, "train_y", n=train_x.shape[-2])
         self.terms = resolve_likelihood_terms(likelihood)
-        self.terms.check_targets(train_y, "train_y")
+        train_x, train_y = checked_classification_data(train_x, train_y, self.terms)
         if isinstance(likelihood, torch.nn.Module):
             self.likelihood = likelihood
+        elif isinstance(self.terms, AutogradLikelihoodTerms):
+            self.likelihood = self.terms.likelihood  # a refit follows its parameters
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self._num_steps = num_steps

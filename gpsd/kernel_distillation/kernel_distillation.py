@@ -19,6 +19,7 @@ from gpsd._validation import (
     as_float_tensor,
     check_int,
     check_matrix,
+    check_positive_float,
     check_same_device,
     check_vector,
 )
@@ -337,12 +338,12 @@ class KernelDistillation:
         kmeans_iters = check_int(kmeans_iters, "kmeans_iters", minimum=0)
         chunk_size = check_int(chunk_size, "chunk_size", optional=True)
         seed = check_int(seed, "seed", minimum=0)
-        if step_size is not None and not step_size > 0:
-            raise ValueError(f"step_size must be positive or None, got {step_size}")
+        if step_size is not None:
+            step_size = check_positive_float(step_size, "step_size")
         if step_size is not None and optimizer is not None:
             raise ValueError("give either step_size or optimizer, not both")
-        if jitter is not None and not jitter >= 0:
-            raise ValueError(f"jitter must be non-negative or None, got {jitter}")
+        if jitter is not None:
+            jitter = check_positive_float(jitter, "jitter", allow_zero=True)
         for name, fn in (("optimizer", optimizer), ("callback", callback)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
@@ -557,28 +558,58 @@ class KernelDistillation:
                 values = values - t * grad
             if not bool(torch.isfinite(values).all()):
                 raise RuntimeError(
-                    f"kernel distillation diverged at step {step}: the step size is too large"
+                    f"kernel distillation diverged at step {step}: {self._step_rule()} is too "
+                    "large; lower it, or use the exact line search (step_size=None, the default)"
                 )
         errors.append(self.frobenius_error(values))
         if self.num_steps > 0:
             self._report(self.num_steps - 1, errors[-1])
         self.weight_values = values
         self.frobenius_errors = errors
+        # the exact line search never raises the error (beyond rounding); fixed steps can
+        grew = self.step_size is not None or self.optimizer is not None
+        grew = grew and errors[-1] > 1.001 * errors[0]
+        if grew:
+            warnings.warn(
+                f"kernel distillation ended with a larger error ||K - WKW^T||_F = {errors[-1]:.3e} "
+                f"than it started with ({errors[0]:.3e}): {self._step_rule()} is too large; "
+                "lower it, or use the exact line search (step_size=None, the default)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         t1 = time.perf_counter()
-        self.student = SparseLowRankStudent.from_sparse_weights(
-            self.kernel,
-            self.inducing_points,
-            values,
-            self.neighbour_indices,
-            self.train_y,
-            self.noise,
-            mean_constant=self.mean_constant,
-            inducing_covariance=self.inducing_covariance,
-            jitter=self.jitter,
-            neighbour_scale=self.neighbour_scale,
-        )
+        try:
+            self.student = SparseLowRankStudent.from_sparse_weights(
+                self.kernel,
+                self.inducing_points,
+                values,
+                self.neighbour_indices,
+                self.train_y,
+                self.noise,
+                mean_constant=self.mean_constant,
+                inducing_covariance=self.inducing_covariance,
+                jitter=self.jitter,
+                neighbour_scale=self.neighbour_scale,
+            )
+        except RuntimeError as err:
+            if not grew:
+                raise
+            raise RuntimeError(
+                f"kernel distillation diverged (||K - WKW^T||_F grew from {errors[0]:.3e} to "
+                f"{errors[-1]:.3e}), and the student cannot be built from its weights: "
+                f"{self._step_rule()} is too large; lower it, or use the exact line search "
+                "(step_size=None, the default)"
+            ) from err
         self.timings.update(optimisation=t1 - t0, student=time.perf_counter() - t1)
         return self.student
+
+    def _step_rule(self) -> str:
+        """The setting that chose the steps, for messages about them."""
+        if self.optimizer is not None:
+            return "the optimizer's learning rate"
+        if self.step_size is not None:
+            return f"step_size={self.step_size:g}"
+        return "the line-search step"
 
     def _report(self, step: int, error: float) -> None:
         """Progress line and callback for step ``step`` (0-based), ``error`` measured after it."""

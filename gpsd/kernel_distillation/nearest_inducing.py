@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from gpsd._distances import squared_distances
-from gpsd._validation import check_finite, check_int, check_same_device
+from gpsd._validation import as_float_tensor, check_finite, check_int, check_same_device
 
 __all__ = ["nearest_inducing_points"]
 
@@ -51,6 +51,8 @@ def nearest_inducing_points(
         inducing point would make every distance NaN through the centring, and a NaN query would
         get arbitrary neighbours), or if they differ in dtype or device.
     """
+    x = as_float_tensor(x, "x")
+    inducing_points = as_float_tensor(inducing_points, "inducing_points")
     if x.dim() != 2 or inducing_points.dim() != 2 or x.shape[-1] != inducing_points.shape[-1]:
         raise ValueError(
             f"x of shape (n, d) and inducing_points of shape (m, d) must share d; got "

@@ -16,6 +16,7 @@ from gpsd._distances import squared_distances
 from gpsd._validation import (
     as_float_tensor,
     check_finite,
+    check_gp_modules,
     check_int,
     check_matrix,
     check_vector,
@@ -259,6 +260,7 @@ class SparseLowRankStudent(gpytorch.Module):
         :param sparsity: ``b`` at prediction (default: ``weight_values.shape[-1]``).
         :param neighbour_scale: see the class; it must match the metric that chose ``W``'s pattern.
         """
+        check_gp_modules(kernel, None, "kernel")
         with torch.no_grad():  # the student's buffers are values: build no autograd graph
             u = check_matrix(
                 as_float_tensor(inducing_points, "inducing_points").detach(), "inducing_points"
@@ -274,10 +276,18 @@ class SparseLowRankStudent(gpytorch.Module):
             )
             if values.dim() != 2:
                 raise ValueError(f"weight_values must have shape (n, b), got {tuple(values.shape)}")
-            if not isinstance(weight_indices, Tensor) or weight_indices.shape != values.shape:
+            if not isinstance(weight_indices, Tensor):
+                try:
+                    weight_indices = torch.as_tensor(weight_indices)
+                except (TypeError, ValueError, RuntimeError) as err:
+                    raise TypeError(
+                        "weight_indices must be a tensor or array-like of integer indices, got "
+                        f"{type(weight_indices).__name__}"
+                    ) from err
+            if weight_indices.shape != values.shape:
                 raise ValueError(
                     f"weight_indices must have the shape of weight_values {tuple(values.shape)}, "
-                    f"got {tuple(getattr(weight_indices, 'shape', ()))}"
+                    f"got {tuple(weight_indices.shape)}"
                 )
             if weight_indices.is_floating_point() or weight_indices.is_complex():
                 raise TypeError(

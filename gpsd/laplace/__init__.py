@@ -6,7 +6,7 @@ from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
-from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
+from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceConvergenceError, LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
     closed_form_probability,
@@ -27,8 +27,9 @@ __all__ = [
     "LaplaceGPClassifier",
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
-    "find_laplace_mode",
     "closed_form_probability",
+    "differentiable_mode",
+    "find_laplace_mode",
     "expected_response",
     "gauss_hermite_expectation",
     "laplace_latent_predictive",

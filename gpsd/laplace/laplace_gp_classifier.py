@@ -11,20 +11,17 @@ from torch import Tensor
 
 from gpsd._module_state import ModuleState, adopt_buffer_shapes
 from gpsd._validation import (
-    as_float_tensor,
     check_gp_modules,
     check_int,
-    check_matrix,
     check_positive_float,
-    check_same_device,
     check_test_inputs,
-    check_vector,
 )
 from gpsd._variance import nonnegative_variance
 from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
+from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
-from gpsd.laplace.marginal_likelihood import laplace_log_marginal_likelihood
+from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
     closed_form_probability,
@@ -36,7 +33,7 @@ from gpsd.laplace.resolve import resolve_likelihood_terms
 __all__ = ["LaplaceGPClassifier"]
 
 
-class LaplaceGPClassifier(gpytorch.Module):
+class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
     r"""A GP classifier (or soft-target model) with the Laplace approximation of the posterior.
 
     Prior :math:`f \sim \mathcal{GP}(m, k)`, observations :math:`y_i \mid f_i \sim p(y \mid f_i)`
@@ -103,20 +100,13 @@ class LaplaceGPClassifier(gpytorch.Module):
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
-        # detached: a graph into (say) a teacher's hyperparameters would be stored in the buffers,
-        # and every backward pass of the marginal likelihood would run into it
-        train_x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x").detach()
-        train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
-        check_same_device(train_x, train_y, "train_y", "train_x")
-        check_vector(train_y, "train_y", n=train_x.shape[-2])
         self.terms: LaplaceLikelihoodTerms = resolve_likelihood_terms(likelihood)
-        self.terms.check_targets(train_y, "train_y")
+        train_x, train_y = checked_classification_data(train_x, train_y, self.terms)
         if isinstance(likelihood, torch.nn.Module):
             self.likelihood = likelihood
         elif isinstance(self.terms, AutogradLikelihoodTerms):
             self.likelihood = self.terms.likelihood  # its parameters train with the kernel's
-        if float(noise) < 0 or not torch.isfinite(torch.as_tensor(float(noise))):
-            raise ValueError(f"noise must be a finite number >= 0, got {noise}")
+        noise = check_positive_float(noise, "noise", allow_zero=True)
         temperature = check_positive_float(temperature, "temperature")
         max_iter = check_int(max_iter, "max_iter")
         self.covar_module = covar_module
@@ -126,7 +116,7 @@ class LaplaceGPClassifier(gpytorch.Module):
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
         self.register_buffer(
-            "noise", torch.tensor(float(noise), dtype=train_x.dtype, device=train_x.device)
+            "noise", torch.tensor(noise, dtype=train_x.dtype, device=train_x.device)
         )
         self.register_buffer("latent_mode", torch.zeros_like(train_y))
         self.register_buffer("mode_available", torch.tensor(False, device=train_x.device))
@@ -176,7 +166,15 @@ class LaplaceGPClassifier(gpytorch.Module):
         """
         with torch.no_grad():
             m, K = self.prior_train()
-            if init_f is None and warm_start and bool(self.mode_available):
+            shape = torch.broadcast_shapes(K.shape[:-1], m.shape, self.train_targets.shape)
+            # the last mode serves as a start only for data of the same shape (new data may
+            # have another n or batch shape)
+            if (
+                init_f is None
+                and warm_start
+                and bool(self.mode_available)
+                and self.latent_mode.shape == shape
+            ):
                 init_f = self.latent_mode
             mode = find_laplace_mode(
                 K,
@@ -208,10 +206,21 @@ class LaplaceGPClassifier(gpytorch.Module):
     def _test_inputs(self, x: Tensor) -> Tensor:
         return check_test_inputs(x, self.train_inputs)
 
+    def _predictive_mode(self) -> LaplaceMode:
+        """:attr:`mode`, with the derivatives of the mode in the hyperparameters attached where
+        gradients are enabled and a parameter requires them (:func:`differentiable_mode`): the
+        mode is found without autograd, and predictions through it would otherwise miss how it
+        moves with the hyperparameters (a wrong gradient, not merely a partial one)."""
+        mode = self.mode
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            return mode
+        m, K = self.prior_train()
+        return differentiable_mode(K, self.train_targets, self.terms, mode, m)
+
     def forward(self, x: Tensor) -> MultivariateNormal:
         """The latent predictive distribution at ``x`` (full covariance)."""
         x = self._test_inputs(x)
-        mode = self.mode
+        mode = self._predictive_mode()
         K_cross, K_test, prior_mean = prior_at_test(
             self.covar_module, self.mean_module, x, self.train_inputs, diag=False
         )
@@ -221,9 +230,10 @@ class LaplaceGPClassifier(gpytorch.Module):
         return MultivariateNormal(mean, cov)
 
     def predict_latent(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Latent predictive mean and variance at ``x``, each ``(*batch, m)``."""
+        """Latent predictive mean and variance at ``x``, each ``(*batch, m)``; differentiable in
+        the hyperparameters (the mode's own dependence on them included)."""
         x = self._test_inputs(x)
-        mode = self.mode
+        mode = self._predictive_mode()
         K_cross, K_diag, prior_mean = prior_at_test(
             self.covar_module, self.mean_module, x, self.train_inputs, diag=True
         )

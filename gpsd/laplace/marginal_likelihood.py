@@ -2,6 +2,8 @@ r"""The Laplace log marginal likelihood, differentiable in the kernel and mean h
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -9,7 +11,64 @@ from gpsd._validation import check_positive_float
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode
 
-__all__ = ["laplace_log_marginal_likelihood"]
+__all__ = ["differentiable_mode", "laplace_log_marginal_likelihood"]
+
+
+def differentiable_mode(
+    K: Tensor, y: Tensor, terms: LaplaceLikelihoodTerms, mode: LaplaceMode, prior_mean: Tensor
+) -> LaplaceMode:
+    r"""``mode`` with the derivatives of the mode in the hyperparameters attached.
+
+    The mode :math:`\hat{\mathbf f}(\theta)` is found by iteration, without autograd. Its total
+    derivative :math:`\partial \hat{\mathbf f} = (\mathbf I + \mathbf K \mathbf W)^{-1}
+    (\partial \mathbf m + \partial \mathbf K\, \mathbf a + \mathbf K \partial_\theta
+    \mathbf g)`, :math:`\mathbf g = \tau \nabla \log p(\mathbf y \mid \hat{\mathbf f})`
+    (R&W eqs. 5.22-5.24; the last term for likelihood parameters), is carried by the surrogate
+    :math:`\tilde{\mathbf f}(\theta) = \hat{\mathbf f} + (\mathbf I + \mathbf K
+    \mathbf W)^{-1}[(\mathbf m + \mathbf K \mathbf g) - \operatorname{sg}(\mathbf m +
+    \mathbf K \mathbf g)]` (value :math:`\hat{\mathbf f}`). The returned mode holds
+    :math:`\tilde{\mathbf f}`, :math:`\mathbf a` with the derivative of
+    :math:`\tau\nabla\log p(\mathbf y \mid \tilde{\mathbf f})` (equal to :math:`\mathbf a`
+    at the mode), and :math:`\mathbf W`, :math:`\mathbf W^{1/2}` and the Cholesky factor of
+    :math:`\mathbf B` recomputed at :math:`\tilde{\mathbf f}` with ``K`` (values those of
+    ``mode`` up to rounding): whatever is computed from it (the marginal likelihood, predictive
+    means and variances) has the total derivative.
+
+    :param K: Prior covariance of the training latents with autograd history, ``(*batch, n, n)``.
+    :param y: Targets, ``(*batch, n)``.
+    :param terms: The likelihood terms used to find ``mode``.
+    :param mode: The converged mode at the current value of ``K`` and ``prior_mean``.
+    :param prior_mean: Prior mean with autograd history, ``(*batch, n)``.
+    """
+    tau = mode.temperature
+    a = mode.alpha.detach()
+    f_hat = mode.f.detach()
+    sqrt_W = mode.sqrt_W.detach()
+    chol_B = mode.chol_B.detach()
+    # g = tau d/df log p(y | f_hat) equals a at the mode; it carries the dependence on likelihood
+    # parameters (autograd terms)
+    g = tau * terms.derivatives(y, f_hat)[0]
+    if not g.requires_grad:
+        g = a
+    fitted = prior_mean + (K @ g.unsqueeze(-1)).squeeze(-1)  # value f_hat, carries its derivative
+    delta = fitted - fitted.detach()  # value 0
+    # (I + K W)^{-1} delta = delta - K W^1/2 B^{-1} W^1/2 delta
+    inner = torch.cholesky_solve((sqrt_W * delta).unsqueeze(-1), chol_B).squeeze(-1)
+    f_tilde = f_hat + delta - (K.detach() @ (sqrt_W * inner).unsqueeze(-1)).squeeze(-1)
+    d1, d2 = terms.derivatives(y, f_tilde)
+    gradient = tau * d1
+    W = (-tau * d2).clamp_min(torch.finfo(K.dtype).tiny)
+    s = W.sqrt()
+    B = s.unsqueeze(-1) * K * s.unsqueeze(-2)
+    B = B + torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+    return dataclasses.replace(
+        mode,
+        f=f_tilde,
+        alpha=a + (gradient - gradient.detach()),
+        W=W,
+        sqrt_W=s,
+        chol_B=torch.linalg.cholesky(B),
+    )
 
 
 def laplace_log_marginal_likelihood(
@@ -59,31 +118,11 @@ def laplace_log_marginal_likelihood(
             "found at; pass the same temperature to find_laplace_mode and here"
         )
     a = mode.alpha.detach()
-    f_hat = mode.f.detach()
-    m = torch.zeros_like(f_hat) if prior_mean is None else prior_mean
-    K_det = K.detach()
-    sqrt_W = mode.sqrt_W.detach()
-    chol_B = mode.chol_B.detach()
-
-    # g = tau d/df log p(y | f_hat) equals a at the mode; it carries the dependence on likelihood
-    # parameters (autograd terms), so that d f_hat = (I + K W)^{-1} (dm + dK a + K d_theta g)
-    g = tau * terms.derivatives(y, f_hat)[0]
-    if not g.requires_grad:
-        g = a
-    fitted = m + (K @ g.unsqueeze(-1)).squeeze(-1)  # value f_hat, carries its derivative
-    delta = fitted - fitted.detach()  # value 0
-    # (I + K W)^{-1} delta = delta - K W^1/2 B^{-1} W^1/2 delta
-    inner = torch.cholesky_solve((sqrt_W * delta).unsqueeze(-1), chol_B).squeeze(-1)
-    f_tilde = f_hat + delta - (K_det @ (sqrt_W * inner).unsqueeze(-1)).squeeze(-1)
-
+    m = torch.zeros_like(mode.f) if prior_mean is None else prior_mean
+    surrogate = differentiable_mode(K, y, terms, mode, m)
     # -1/2 (f - m)^T K^{-1} (f - m) to first order around the mode, without K^{-1}
-    quad = -(a * (f_tilde - m)).sum(-1) + 0.5 * (a * (K @ a.unsqueeze(-1)).squeeze(-1)).sum(-1)
-    data_fit = tau * terms.log_prob(y, f_tilde).sum(-1)
-    _, d2 = terms.derivatives(y, f_tilde)
-    W = (-tau * d2).clamp_min(torch.finfo(K.dtype).tiny)
-    s = W.sqrt()
-    B = s.unsqueeze(-1) * K * s.unsqueeze(-2)
-    B = B + torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-    L = torch.linalg.cholesky(B)
-    half_logdet = torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
+    quad = -(a * (surrogate.f - m)).sum(-1)
+    quad = quad + 0.5 * (a * (K @ a.unsqueeze(-1)).squeeze(-1)).sum(-1)
+    data_fit = tau * terms.log_prob(y, surrogate.f).sum(-1)
+    half_logdet = torch.diagonal(surrogate.chol_B, dim1=-2, dim2=-1).log().sum(-1)
     return quad + data_fit - half_logdet

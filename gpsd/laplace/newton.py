@@ -7,8 +7,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_int, check_positive_float
+from gpsd._validation import (
+    as_float_tensor,
+    check_finite,
+    check_int,
+    check_positive_float,
+    check_vector,
+)
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
+from gpsd.laplace.resolve import resolve_likelihood_terms
 
 __all__ = ["LaplaceConvergenceError", "LaplaceMode", "find_laplace_mode"]
 
@@ -120,6 +127,35 @@ def _check_short_steps_end_at_the_mode(
         )
 
 
+def _checked_problem(
+    K: object,
+    y: object,
+    prior_mean: object,
+    init_f: object,
+    terms: LaplaceLikelihoodTerms,
+    check_targets: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The arguments of :func:`find_laplace_mode` as tensors in ``K``'s dtype and device, after
+    checking their shapes, finiteness and (with ``check_targets``) the likelihood's support."""
+    if not isinstance(K, Tensor) or K.dim() < 2 or K.shape[-1] != K.shape[-2]:
+        shape = tuple(K.shape) if isinstance(K, Tensor) else type(K).__name__
+        raise ValueError(f"K must be a tensor of shape (*batch, n, n), got {shape}")
+    if not K.is_floating_point():
+        raise TypeError(f"K must be a floating-point tensor, got dtype {K.dtype}")
+    n = K.shape[-1]  # a K holding NaN raises LaplaceConvergenceError in the iteration
+    like = {"dtype": K.dtype, "device": K.device}
+    y = check_vector(as_float_tensor(y, "y", **like), "y", n=n)
+    if check_targets:
+        terms.check_targets(y, "y")
+    checked = []
+    for value, name in ((prior_mean, "prior_mean"), (init_f, "init_f")):
+        if value is not None:
+            value = as_float_tensor(value, name, **like)
+            value = check_vector(value, name, n=n) if value.dim() else check_finite(value, name)
+        checked.append(value)
+    return K, y, *checked
+
+
 def find_laplace_mode(
     K: Tensor,
     y: Tensor,
@@ -131,6 +167,7 @@ def find_laplace_mode(
     objective_tol: float | None = None,
     f_tol: float | None = None,
     max_halvings: int = 40,
+    check_targets: bool = True,
 ) -> LaplaceMode:
     r"""Find the mode of :math:`\psi(\mathbf f) = \log \mathcal N(\mathbf f; \mathbf m, \mathbf K) +
     \tau \log p(\mathbf y \mid \mathbf f)` by Newton's method in the stable form of Rasmussen &
@@ -155,10 +192,16 @@ def find_laplace_mode(
     The batch shapes of ``K``, ``y``, ``prior_mean`` and ``init_f`` broadcast against each other.
 
     :param K: Prior covariance of the training latents, shape ``(*batch, n, n)``.
-    :param y: Targets, shape ``(*batch, n)``.
-    :param terms: The likelihood terms (log-concave).
-    :param prior_mean: Prior mean :math:`\mathbf m`, shape ``(*batch, n)`` (default 0).
+    :param y: Targets, shape ``(*batch, n)``, in the support of the likelihood (checked by
+        ``terms.check_targets``); converted to the dtype and device of ``K``.
+    :param terms: The likelihood terms (log-concave), or a name or GPyTorch likelihood that
+        :func:`~gpsd.laplace.resolve_likelihood_terms` maps to terms.
+    :param prior_mean: Prior mean :math:`\mathbf m`, shape ``(*batch, n)`` or a scalar
+        (default 0).
     :param init_f: Warm start for :math:`\mathbf f`, shape ``(*batch, n)``.
+    :param check_targets: check ``y`` against the likelihood's support (``terms.check_targets``);
+        ``False`` for soft targets in :math:`[0, 1]` under a Bernoulli likelihood (the
+        cross-entropy), whose own check takes binary labels only.
     :param temperature: :math:`\tau > 0`, the power of the likelihood.
     :raises LaplaceConvergenceError: after ``max_iter`` iterations without convergence, or when
         the line search stops short of the mode (derivatives that disagree with ``log_prob``, or
@@ -166,6 +209,8 @@ def find_laplace_mode(
     """
     max_iter = check_int(max_iter, "max_iter")
     temperature = check_positive_float(temperature, "temperature")
+    terms = resolve_likelihood_terms(terms)
+    K, y, prior_mean, init_f = _checked_problem(K, y, prior_mean, init_f, terms, check_targets)
     with torch.no_grad():
         K = K.detach()
         y = y.detach()

@@ -31,6 +31,24 @@ __all__ = [
 _SPLIT_VARIANCE = 2.0
 
 
+def _latent_variance(variance: Tensor) -> Tensor:
+    r"""``variance`` clamped at 0 where it is negative by rounding; a ``ValueError`` where it is
+    negative beyond that (below :math:`-\max(10^{-6}, \sqrt{\epsilon})` times the largest of 1
+    and its largest magnitude: a log-variance or a mistaken sign, not rounding)."""
+    if torch.compiler.is_compiling():
+        return variance.clamp_min(0.0)
+    relative = max(1e-6, torch.finfo(variance.dtype).eps ** 0.5)
+    detached = variance.detach()
+    scale = detached.abs().amax().clamp_min(1.0) if detached.numel() else 1.0
+    if bool((detached < -relative * scale).any()):
+        raise ValueError(
+            f"variance must hold latent variances >= 0, got a minimum of "
+            f"{float(detached.min()):.4g} (negative beyond rounding; a log-variance or a "
+            "difference of variances with the wrong sign?)"
+        )
+    return variance.clamp_min(0.0)
+
+
 def laplace_latent_predictive(
     mode: LaplaceMode,
     K_cross: Tensor,
@@ -103,7 +121,7 @@ def gauss_hermite_expectation(
     nodes = torch.as_tensor(nodes, dtype=mean.dtype, device=mean.device)
     weights = torch.as_tensor(weights, dtype=mean.dtype, device=mean.device) / math.sqrt(math.pi)
     # clamped at the smallest normal number: a zero variance gets a finite (zero) gradient
-    std = variance.clamp_min(torch.finfo(variance.dtype).tiny).sqrt()
+    std = _latent_variance(variance).clamp_min(torch.finfo(variance.dtype).tiny).sqrt()
     points = mean.unsqueeze(-1) + math.sqrt(2.0) * std.unsqueeze(-1) * nodes  # shape: (..., J)
     return (function(points) * weights).sum(-1)
 
@@ -141,7 +159,7 @@ def symmetric_response_expectation(
     :param num_points: Nodes of each quadrature rule.
     """
     num_points = check_int(num_points, "num_points")
-    variance = variance.clamp_min(0.0)
+    variance = _latent_variance(variance)
     split = variance > _SPLIT_VARIANCE
     hermite = gauss_hermite_expectation(
         response, mean, torch.where(split, torch.zeros_like(variance), variance), num_points
@@ -189,7 +207,7 @@ def closed_form_probability(terms: object, mean: Tensor, variance: Tensor) -> Te
     """
     response = terms._response if isinstance(terms, AutogradLikelihoodTerms) else None
     if isinstance(terms, BernoulliProbitTerms) or response is torch.special.ndtr:
-        return torch.special.ndtr(mean / torch.sqrt(1.0 + variance.clamp_min(0.0)))
+        return torch.special.ndtr(mean / torch.sqrt(1.0 + _latent_variance(variance)))
     if response is not None and response is not torch.sigmoid:
         raise ValueError(
             f"the closed-form (probit) class probability needs a logistic or probit response, but "
@@ -201,4 +219,4 @@ def closed_form_probability(terms: object, mean: Tensor, variance: Tensor) -> Te
 def probit_approximation(mean: Tensor, variance: Tensor) -> Tensor:
     r"""MacKay's probit approximation :math:`\mathbb{E}[\sigma(f)] \approx
     \sigma\bigl(\mu / \sqrt{1 + \pi s^2 / 8}\bigr)` (Rasmussen & Williams, eq. 3.25 footnote)."""
-    return torch.sigmoid(mean / torch.sqrt(1.0 + math.pi * variance.clamp_min(0.0) / 8.0))
+    return torch.sigmoid(mean / torch.sqrt(1.0 + math.pi * _latent_variance(variance) / 8.0))

@@ -73,7 +73,20 @@ class ContinuousBernoulliLikelihood(_OneDimensionalLikelihood):
         """Targets, means and variances broadcast and flattened, in the latent dtype and device."""
         mean, variance = function_dist.mean, function_dist.variance  # shape: (*batch, n)
         observations = torch.as_tensor(observations, dtype=mean.dtype, device=mean.device)
-        observations, mean, variance = torch.broadcast_tensors(observations, mean, variance)
+        n = mean.shape[-1] if mean.dim() else 1
+        if observations.dim() and observations.shape[-1] != n:
+            # (n, 1) targets against n latents would broadcast to an (n, n) term without this
+            raise ValueError(
+                f"observations must have shape (*batch, {n}), one target per latent function "
+                f"value, got shape {tuple(observations.shape)}"
+            )
+        try:
+            observations, mean, variance = torch.broadcast_tensors(observations, mean, variance)
+        except RuntimeError:
+            raise ValueError(
+                f"the batch shape of observations {tuple(observations.shape)} does not broadcast "
+                f"against the latent distribution's {tuple(mean.shape)}"
+            ) from None
         dist = self.forward(mean.detach())
         if dist._validate_args:  # the support check of log_prob: targets outside [0, 1] raise
             dist._validate_sample(observations)

@@ -13,7 +13,7 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from gpsd._validation import check_int
+from gpsd._validation import check_finite, check_int
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["KernelSpectrum", "SpectralCoordinates"]
@@ -161,8 +161,12 @@ class KernelSpectrum:
         """Full eigendecomposition of ``kernel`` (shape ``(*b, N, N)``) in ``dtype``.
 
         ``dtype=None`` keeps the kernel's dtype. Gradients flow through ``torch.linalg.eigh``.
+
+        :raises ValueError: if the kernel matrix holds NaN or infinite entries (from NaN
+            hyperparameters, say), which ``eigh`` reports as a failure to converge.
         """
         dense = to_dense(kernel)
+        check_finite(dense.detach(), "kernel")
         if dtype is not None:
             dense = dense.to(dtype)
         dense = 0.5 * (dense + dense.mT)

@@ -71,11 +71,24 @@ class ShiftedCholesky(ShiftedSolveEngine):
         A ``gamma`` that requires gradients (with gradients enabled) is factored afresh and not
         cached: a cached factor would carry the graph of the shift it was made for, not this
         one's. Factors made with and without a graph to the kernel matrix are cached apart.
+
+        :raises TypeError: if ``gamma`` is not a floating-point tensor.
+        :raises ValueError: if a shift is zero, negative, NaN or infinite.
         """
+        if not isinstance(gamma, Tensor) or not gamma.is_floating_point():
+            kind = f"dtype {gamma.dtype}" if isinstance(gamma, Tensor) else type(gamma).__name__
+            raise TypeError(f"gamma must be a floating-point tensor of shifts, got {kind}")
+        host = gamma.detach().cpu()  # the cache key and the check in one transfer
+        bad = ~((host > 0) & host.isfinite())
+        if bool(bad.any()):
+            raise ValueError(
+                f"gamma must hold finite positive shifts; {int(bad.sum())} of them are not, "
+                f"such as {float(host[bad][0])}"
+            )
         if carries_graph(gamma):
             return psd_safe_cholesky(self._shifted(gamma))
         with_graph = self.kernel_matrix.requires_grad and torch.is_grad_enabled()
-        key = (tuple(gamma.shape), gamma.detach().cpu().numpy().tobytes(), with_graph)
+        key = (tuple(gamma.shape), host.numpy().tobytes(), with_graph)
         if key in self._factors:
             self._factors.move_to_end(key)
             return self._factors[key]

@@ -1,0 +1,57 @@
+"""The training data of the Laplace classifiers: checked at construction and on replacement."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from gpsd._validation import as_float_tensor, check_matrix, check_same_device, check_vector
+from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
+
+__all__ = ["ClassificationTrainingData", "checked_classification_data"]
+
+
+def checked_classification_data(
+    train_x: object, train_y: object, terms: LaplaceLikelihoodTerms, like: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``train_x`` as ``(*b, n, d)`` (a 1-D tensor is ``(n, 1)``, ``n >= 1``) and ``train_y`` as
+    ``(*b, n)`` in its dtype, both finite, detached and on one device, ``train_y`` in the support
+    of ``terms``; with ``like``, in the dtype and on the device of ``like``.
+
+    Detached: a graph into (say) a feature extractor would be stored in the buffers, and every
+    backward pass of the marginal likelihood would run into it.
+    """
+    where = {} if like is None else {"dtype": like.dtype}
+    train_x = as_float_tensor(train_x, "train_x", **where)
+    train_x = check_matrix(train_x, "train_x", nonempty=True).detach()
+    if like is not None:
+        check_same_device(like, train_x, "train_x", "the model")
+    train_y = as_float_tensor(train_y, "train_y", dtype=train_x.dtype).detach()
+    check_same_device(train_x, train_y, "train_y", "train_x")
+    check_vector(train_y, "train_y", n=train_x.shape[-2])
+    terms.check_targets(train_y, "train_y")
+    return train_x, train_y
+
+
+class ClassificationTrainingData:
+    """``set_train_data`` for a classifier with ``train_inputs``/``train_targets`` buffers whose
+    targets :attr:`_target_terms` checks."""
+
+    @property
+    def _target_terms(self) -> LaplaceLikelihoodTerms:
+        """The likelihood terms whose ``check_targets`` the training targets pass."""
+        return self.terms
+
+    def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> None:
+        """Replace the training inputs, targets or both (GPyTorch's ``ExactGP`` convention).
+
+        They are checked as at construction and converted to the model's dtype; they must be on
+        its device. The number of points and the batch shape may change. The next prediction
+        refits the model.
+
+        :param inputs: New training inputs ``(*b, n, d)`` or ``(n,)``; ``None`` keeps the current.
+        :param targets: New targets ``(*b, n)``; ``None`` keeps the current.
+        """
+        x = self.train_inputs if inputs is None else inputs
+        y = self.train_targets if targets is None else targets
+        x, y = checked_classification_data(x, y, self._target_terms, like=self.train_inputs)
+        self.train_inputs, self.train_targets = x, y
