@@ -15,7 +15,13 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from gpsd._module_state import checked_setting, choice_setting
-from gpsd._validation import check_gp_modules, check_int, check_positive_float
+from gpsd._validation import (
+    as_float_tensor,
+    check_gp_modules,
+    check_int,
+    check_positive_float,
+    check_same_device,
+)
 from gpsd._variance import nonnegative_variance
 from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
@@ -91,23 +97,49 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.register_buffer("train_x", train_x.detach())
         self.register_buffer("train_y", train_y.detach())
         self.register_buffer("gamma", validate_gamma(gamma, train_x).detach())
-        try:
-            torch.broadcast_shapes(
-                self.gamma.shape[:-1], train_x.shape[:-2], train_y.shape[:-1], kernel.batch_shape
-            )
-        except RuntimeError:
-            raise ValueError(
-                f"the batch of schedules (gamma of shape {tuple(self.gamma.shape)}) must "
-                f"broadcast with the batch of the training data (train_x of shape "
-                f"{tuple(train_x.shape)}, train_y of shape {tuple(train_y.shape)}) and of the "
-                f"kernel (batch shape {tuple(kernel.batch_shape)})"
-            ) from None
+        self._check_batches(train_x, train_y)
         self.backend = backend
         self.linalg_dtype = linalg_dtype
         self.rank = rank
         self.rtol = rtol
         self.kernel_cache_bytes = kernel_cache_bytes
         self._cache: dict = {}
+
+    def _check_batches(self, train_x: Tensor, train_y: Tensor) -> None:
+        """A ``ValueError`` unless the batches of the schedules, the data and the kernel
+        broadcast."""
+        try:
+            torch.broadcast_shapes(
+                self.gamma.shape[:-1],
+                train_x.shape[:-2],
+                train_y.shape[:-1],
+                self.kernel.batch_shape,
+            )
+        except RuntimeError:
+            raise ValueError(
+                f"the batch of schedules (gamma of shape {tuple(self.gamma.shape)}) must "
+                f"broadcast with the batch of the training data (train_x of shape "
+                f"{tuple(train_x.shape)}, train_y of shape {tuple(train_y.shape)}) and of the "
+                f"kernel (batch shape {tuple(self.kernel.batch_shape)})"
+            ) from None
+
+    def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> None:
+        """Replace the training inputs, targets or both (GPyTorch's ``ExactGP`` convention).
+
+        They are checked as at construction and converted to the model's dtype; they must be on
+        its device. The number of points and the batch shape may change (within what broadcasts
+        with ``gamma`` and the kernel). The next prediction refactors.
+
+        :param inputs: New training inputs ``(*b, N, d)`` or ``(N,)``; ``None`` keeps the current.
+        :param targets: New targets ``(*b, N)``; ``None`` keeps the current.
+        """
+        like = {"dtype": self.train_x.dtype}
+        x = self.train_x if inputs is None else as_float_tensor(inputs, "train_x", **like)
+        y = self.train_y if targets is None else as_float_tensor(targets, "train_y", **like)
+        x, y = validate_training_data(x, y)
+        check_same_device(self.train_x, x, "train_x", "the model")
+        self._check_batches(x, y)
+        self.train_x, self.train_y = x.detach(), y.detach()
 
     def __getstate__(self) -> dict:
         """The module's state without the cached factorisation, which ``copy.deepcopy`` and
