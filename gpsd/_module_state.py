@@ -54,7 +54,8 @@ def adopt_buffer_shapes(
     """Resize ``module``'s buffers ``names`` to the shapes they have in ``state_dict``.
 
     For ``_load_from_state_dict``: the fitted buffers of the classifiers take the kernel's batch
-    shape, known only after ``fit()``, so a freshly built model must adopt the saved shapes.
+    shape, known only after ``fit()``, and ``set_train_data`` may change the number of training
+    points, so a freshly built model must adopt the saved shapes.
     """
     for name in names:
         saved = state_dict.get(prefix + name)

@@ -24,6 +24,7 @@ __all__ = [
     "check_positive_float",
     "check_same_device",
     "check_vector",
+    "replacement_data",
 ]
 
 
@@ -172,3 +173,30 @@ def check_positive_float(value: object, name: str, *, allow_zero: bool = False) 
     if not (math.isfinite(number) and (number >= 0 if allow_zero else number > 0)):
         raise ValueError(f"{name} must be {kind}, got {value!r}")
     return number
+
+
+def replacement_data(
+    inputs: object, targets: object, current_x: Tensor, current_y: Tensor, strict: bool
+) -> tuple[object, object]:
+    """The new ``(inputs, targets)`` of a ``set_train_data`` call, GPyTorch's ``ExactGP``
+    convention: ``None`` keeps the current one, a one-element tuple or list of inputs is
+    unpacked, and with ``strict`` a new tensor must have the current one's shape, dtype and
+    device (``strict=False`` lets them change). The caller checks the values."""
+    if isinstance(inputs, (tuple, list)) and len(inputs) == 1 and isinstance(inputs[0], Tensor):
+        inputs = inputs[0]
+    pairs = ((inputs, current_x, "inputs"), (targets, current_y, "targets"))
+    for new, current, name in pairs:
+        if not strict or new is None:
+            continue
+        old = (tuple(current.shape), current.dtype, current.device)
+        got = type(new)
+        if isinstance(new, Tensor):
+            # 1-D inputs are read as (n, 1), as at construction
+            shape = (*new.shape, 1) if name == "inputs" and new.dim() == 1 else tuple(new.shape)
+            got = (shape, new.dtype, new.device)
+        if got != old:
+            raise ValueError(
+                f"{name} must have the current shape, dtype and device {old} with strict=True, "
+                f"got {got}; pass strict=False to change them"
+            )
+    return (current_x if inputs is None else inputs), (current_y if targets is None else targets)

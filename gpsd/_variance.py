@@ -8,7 +8,17 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-__all__ = ["nonnegative_variance"]
+__all__ = ["can_branch_on", "nonnegative_variance"]
+
+
+def can_branch_on(tensor: Tensor) -> bool:
+    """Whether Python may branch on the values of ``tensor``: not while ``torch.compile`` or
+    ``torch.export`` traces, nor inside ``torch.func.vmap`` (whose batched tensors refuse
+    data-dependent control flow). Checks that read values are skipped there."""
+    if torch.compiler.is_compiling():
+        return False
+    is_batched = getattr(torch._C._functorch, "is_batchedtensor", None)
+    return not (is_batched is not None and is_batched(tensor))
 
 
 def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -> Tensor:
@@ -21,14 +31,14 @@ def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -
     10^{-4}`) means an indefinite kernel matrix or a badly conditioned solve, and is reported
     rather than hidden.
 
-    Under ``torch.compile`` or ``torch.export`` only the clamp is traced: the check is a
-    data-dependent branch.
+    Under ``torch.compile``, ``torch.export`` or ``torch.func.vmap`` only the clamp runs: the
+    check is a data-dependent branch (:func:`can_branch_on`).
 
     :param variance: the computed variances, any shape.
     :param scale: the prior variances, broadcastable against ``variance``.
     :param stacklevel: passed to ``warnings.warn`` (3: the caller's caller).
     """
-    if torch.compiler.is_compiling():
+    if not can_branch_on(variance):
         return variance.clamp_min(0.0)
     tiny = torch.finfo(variance.dtype).tiny
     relative = max(1e-6, torch.finfo(variance.dtype).eps ** 0.5)

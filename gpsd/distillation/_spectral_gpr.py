@@ -14,13 +14,14 @@ from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd._module_state import checked_setting, choice_setting
+from gpsd._module_state import adopt_buffer_shapes, checked_setting, choice_setting
 from gpsd._validation import (
     as_float_tensor,
     check_gp_modules,
     check_int,
     check_positive_float,
     check_same_device,
+    replacement_data,
 )
 from gpsd._variance import nonnegative_variance
 from gpsd.distillation._common import (
@@ -123,23 +124,34 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 f"kernel (batch shape {tuple(self.kernel.batch_shape)})"
             ) from None
 
-    def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> None:
+    def set_train_data(
+        self, inputs: Tensor | None = None, targets: Tensor | None = None, strict: bool = True
+    ) -> None:
         """Replace the training inputs, targets or both (GPyTorch's ``ExactGP`` convention).
 
-        They are checked as at construction and converted to the model's dtype; they must be on
-        its device. The number of points and the batch shape may change (within what broadcasts
-        with ``gamma`` and the kernel). The next prediction refactors.
+        They are checked as at construction. With ``strict`` (the default, as in GPyTorch) they
+        must have the current shape, dtype and device; with ``strict=False`` the number of points
+        and the batch shape may change (within what broadcasts with ``gamma`` and the kernel) and
+        they are converted to the model's dtype (they must still be on its device). The next
+        prediction refactors.
 
-        :param inputs: New training inputs ``(*b, N, d)`` or ``(N,)``; ``None`` keeps the current.
+        :param inputs: New training inputs ``(*b, N, d)`` or ``(N,)`` (or a one-element tuple of
+            them); ``None`` keeps the current.
         :param targets: New targets ``(*b, N)``; ``None`` keeps the current.
+        :param strict: Refuse a new shape, dtype or device.
         """
+        x, y = replacement_data(inputs, targets, self.train_x, self.train_y, strict)
         like = {"dtype": self.train_x.dtype}
-        x = self.train_x if inputs is None else as_float_tensor(inputs, "train_x", **like)
-        y = self.train_y if targets is None else as_float_tensor(targets, "train_y", **like)
+        x, y = as_float_tensor(x, "train_x", **like), as_float_tensor(y, "train_y", **like)
         x, y = validate_training_data(x, y)
         check_same_device(self.train_x, x, "train_x", "the model")
         self._check_batches(x, y)
         self.train_x, self.train_y = x.detach(), y.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # data of another N (``set_train_data``) load into a model built on the old ones
+        adopt_buffer_shapes(self, state_dict, prefix, ("train_x", "train_y"))
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self) -> dict:
         """The module's state without the cached factorisation, which ``copy.deepcopy`` and

@@ -170,7 +170,8 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        adopt_buffer_shapes(self, state_dict, prefix, ("step_targets", "latent_modes"))
+        names = ("step_targets", "latent_modes", "train_inputs", "train_targets")
+        adopt_buffer_shapes(self, state_dict, prefix, names)
         self._modes = None
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

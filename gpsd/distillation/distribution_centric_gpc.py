@@ -178,6 +178,7 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._scratch = None
         names = ("latent_modes", "coefficients", "covariance_corrections")
+        names += ("train_inputs", "train_targets")
         adopt_buffer_shapes(self, state_dict, prefix, names)
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

@@ -557,10 +557,14 @@ class KernelDistillation:
                 t, _ = self._line_search(values, grad)
                 values = values - t * grad
             if not bool(torch.isfinite(values).all()):
-                raise RuntimeError(
-                    f"kernel distillation diverged at step {step}: {self._step_rule()} is too "
-                    "large; lower it, or use the exact line search (step_size=None, the default)"
+                advice = (
+                    f"{self._step_rule()} is too large; lower it, or use the exact line search "
+                    "(step_size=None, the default)"
+                    if self._step_rule()
+                    else "the exact line search took a non-finite step (an ill-conditioned "
+                    "K_UU: use float64, or fewer or more spread-out inducing points)"
                 )
+                raise RuntimeError(f"kernel distillation diverged at step {step}: {advice}")
         errors.append(self.frobenius_error(values))
         if self.num_steps > 0:
             self._report(self.num_steps - 1, errors[-1])
@@ -604,12 +608,13 @@ class KernelDistillation:
         return self.student
 
     def _step_rule(self) -> str:
-        """The setting that chose the steps, for messages about them."""
+        """The setting that chose the steps, for messages about them (empty for the line
+        search)."""
         if self.optimizer is not None:
             return "the optimizer's learning rate"
         if self.step_size is not None:
             return f"step_size={self.step_size:g}"
-        return "the line-search step"
+        return ""  # the exact line search
 
     def _report(self, step: int, error: float) -> None:
         """Progress line and callback for step ``step`` (0-based), ``error`` measured after it."""

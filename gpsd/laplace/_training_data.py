@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_matrix, check_same_device, check_vector
+from gpsd._validation import (
+    as_float_tensor,
+    check_matrix,
+    check_same_device,
+    check_vector,
+    replacement_data,
+)
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 
 __all__ = ["ClassificationTrainingData", "checked_classification_data"]
@@ -41,17 +47,21 @@ class ClassificationTrainingData:
         """The likelihood terms whose ``check_targets`` the training targets pass."""
         return self.terms
 
-    def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> None:
+    def set_train_data(
+        self, inputs: Tensor | None = None, targets: Tensor | None = None, strict: bool = True
+    ) -> None:
         """Replace the training inputs, targets or both (GPyTorch's ``ExactGP`` convention).
 
-        They are checked as at construction and converted to the model's dtype; they must be on
-        its device. The number of points and the batch shape may change. The next prediction
-        refits the model.
+        They are checked as at construction. With ``strict`` (the default, as in GPyTorch) they
+        must have the current shape, dtype and device; with ``strict=False`` the number of points
+        and the batch shape may change and they are converted to the model's dtype (they must
+        still be on its device). The next prediction refits.
 
-        :param inputs: New training inputs ``(*b, n, d)`` or ``(n,)``; ``None`` keeps the current.
+        :param inputs: New training inputs ``(*b, n, d)`` or ``(n,)`` (or a one-element tuple of
+            them); ``None`` keeps the current.
         :param targets: New targets ``(*b, n)``; ``None`` keeps the current.
+        :param strict: Refuse a new shape, dtype or device.
         """
-        x = self.train_inputs if inputs is None else inputs
-        y = self.train_targets if targets is None else targets
+        x, y = replacement_data(inputs, targets, self.train_inputs, self.train_targets, strict)
         x, y = checked_classification_data(x, y, self._target_terms, like=self.train_inputs)
         self.train_inputs, self.train_targets = x, y

@@ -62,6 +62,13 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
     temperature) has changed since the last :meth:`fit`, so they always belong to the current
     hyperparameters.
 
+    With gradients enabled and a parameter that requires them (the default outside
+    ``torch.no_grad()``), predictions are differentiable in the hyperparameters through the
+    mode (:func:`~gpsd.laplace.differentiable_mode`), which costs one more evaluation of the
+    training kernel and factorisation of :math:`\mathbf B` per call: 200 ms against 5.6 ms
+    under ``torch.no_grad()`` at :math:`n = 2000`, 10 test points, one CPU thread. Evaluate
+    under ``torch.no_grad()`` where no gradient is needed.
+
     The training data are stored detached: targets that carry an autograd graph (a teacher's
     differentiable ``predict_proba``, say) are constants to this model.
 
@@ -130,7 +137,9 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        adopt_buffer_shapes(self, state_dict, prefix, ("latent_mode",))
+        adopt_buffer_shapes(
+            self, state_dict, prefix, ("latent_mode", "train_inputs", "train_targets")
+        )
         self._mode = None
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd._validation import (
@@ -137,6 +138,8 @@ def _checked_problem(
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The arguments of :func:`find_laplace_mode` as tensors in ``K``'s dtype and device, after
     checking their shapes, finiteness and (with ``check_targets``) the likelihood's support."""
+    if isinstance(K, LinearOperator):  # a GPyTorch kernel's output: Newton factors it densely
+        K = K.to_dense()
     if not isinstance(K, Tensor) or K.dim() < 2 or K.shape[-1] != K.shape[-2]:
         shape = tuple(K.shape) if isinstance(K, Tensor) else type(K).__name__
         raise ValueError(f"K must be a tensor of shape (*batch, n, n), got {shape}")
@@ -150,8 +153,12 @@ def _checked_problem(
     checked = []
     for value, name in ((prior_mean, "prior_mean"), (init_f, "init_f")):
         if value is not None:
-            value = as_float_tensor(value, name, **like)
-            value = check_vector(value, name, n=n) if value.dim() else check_finite(value, name)
+            value = check_finite(as_float_tensor(value, name, **like), name)
+            if value.dim() and value.shape[-1] not in (1, n):
+                raise ValueError(
+                    f"{name} must have shape (*batch, {n}) or broadcast to it, got shape "
+                    f"{tuple(value.shape)}"
+                )
         checked.append(value)
     return K, y, *checked
 
@@ -191,14 +198,15 @@ def find_laplace_mode(
     Runs without autograd; see :func:`gpsd.laplace.laplace_log_marginal_likelihood` for gradients.
     The batch shapes of ``K``, ``y``, ``prior_mean`` and ``init_f`` broadcast against each other.
 
-    :param K: Prior covariance of the training latents, shape ``(*batch, n, n)``.
+    :param K: Prior covariance of the training latents, shape ``(*batch, n, n)`` (a tensor, or a
+        ``LinearOperator`` such as a GPyTorch kernel's output, made dense).
     :param y: Targets, shape ``(*batch, n)``, in the support of the likelihood (checked by
         ``terms.check_targets``); converted to the dtype and device of ``K``.
     :param terms: The likelihood terms (log-concave), or a name or GPyTorch likelihood that
         :func:`~gpsd.laplace.resolve_likelihood_terms` maps to terms.
-    :param prior_mean: Prior mean :math:`\mathbf m`, shape ``(*batch, n)`` or a scalar
-        (default 0).
-    :param init_f: Warm start for :math:`\mathbf f`, shape ``(*batch, n)``.
+    :param prior_mean: Prior mean :math:`\mathbf m`, shape ``(*batch, n)`` or anything that
+        broadcasts to it (a scalar, ``(*batch, 1)``; default 0).
+    :param init_f: Warm start for :math:`\mathbf f`, shape ``(*batch, n)`` or broadcasting to it.
     :param check_targets: check ``y`` against the likelihood's support (``terms.check_targets``);
         ``False`` for soft targets in :math:`[0, 1]` under a Bernoulli likelihood (the
         cross-entropy), whose own check takes binary labels only.

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from gpsd._validation import check_int
+from gpsd._variance import can_branch_on
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
@@ -35,7 +36,7 @@ def _latent_variance(variance: Tensor) -> Tensor:
     r"""``variance`` clamped at 0 where it is negative by rounding; a ``ValueError`` where it is
     negative beyond that (below :math:`-\max(10^{-6}, \sqrt{\epsilon})` times the largest of 1
     and its largest magnitude: a log-variance or a mistaken sign, not rounding)."""
-    if torch.compiler.is_compiling():
+    if not can_branch_on(variance):  # compiled or vmapped: the clamp alone
         return variance.clamp_min(0.0)
     relative = max(1e-6, torch.finfo(variance.dtype).eps ** 0.5)
     detached = variance.detach()

@@ -74,8 +74,9 @@ class ContinuousBernoulliLikelihood(_OneDimensionalLikelihood):
         mean, variance = function_dist.mean, function_dist.variance  # shape: (*batch, n)
         observations = torch.as_tensor(observations, dtype=mean.dtype, device=mean.device)
         n = mean.shape[-1] if mean.dim() else 1
-        if observations.dim() and observations.shape[-1] != n:
-            # (n, 1) targets against n latents would broadcast to an (n, n) term without this
+        if observations.dim() and observations.shape[-1] != n and n != 1:
+            # (n, 1) targets against n latents would broadcast to an (n, n) term without this;
+            # one latent value against n targets broadcasts as intended
             raise ValueError(
                 f"observations must have shape (*batch, {n}), one target per latent function "
                 f"value, got shape {tuple(observations.shape)}"

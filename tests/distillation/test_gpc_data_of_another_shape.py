@@ -53,7 +53,9 @@ def test_new_data_with_another_number_of_points(name, how):
     build = BUILDERS[name]
     model = build(x, y).fit()
     if how == "set_train_data":
-        model.set_train_data(x2, y2)
+        with pytest.raises(ValueError, match="strict=True"):
+            model.set_train_data(x2, y2)  # GPyTorch's default refuses a new shape
+        model.set_train_data((x2,), y2, strict=False)
     else:
         model.train_inputs = x2.unsqueeze(-1).clone()
         model.train_targets = y2.clone()
@@ -66,14 +68,31 @@ def test_set_train_data_checks_as_the_constructor_does(name):
     x, y, _ = sine_classification(25, seed=4)
     model = BUILDERS[name](x, y)
     with pytest.raises(ValueError, match="train_y must have 25 entries"):
-        model.set_train_data(targets=y[:-1])
+        model.set_train_data(targets=y[:-1], strict=False)
     with pytest.raises(ValueError, match="train_y must hold binary labels"):
         model.set_train_data(targets=2 * y - 1)
     with pytest.raises(ValueError, match="train_x must hold at least one input"):
-        model.set_train_data(x[:0], y[:0])
-    model.set_train_data(targets=(1 - y).float())  # converted to the model's dtype
+        model.set_train_data(x[:0], y[:0], strict=False)
+    with pytest.raises(ValueError, match="targets must have the current shape, dtype"):
+        model.set_train_data(targets=(1 - y).float())
+    model.set_train_data(x, targets=(1 - y).float(), strict=False)  # converted to float64
     assert model.train_targets.dtype == torch.float64
     torch.testing.assert_close(model.train_targets, 1 - y)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_a_state_dict_of_another_n_loads(name):
+    x, y, test_x = sine_classification(25, seed=4)
+    x2, y2, _ = sine_classification(30, seed=5)
+    build = BUILDERS[name]
+    saved = build(x2, y2).fit()
+    model = build(x, y).fit()
+    model.load_state_dict(saved.state_dict())
+    assert model.train_inputs.shape == (30, 1)
+    _close(model, build(x2, y2).fit(), test_x[::20])
+    model.set_train_data(x, y, strict=False)
+    model.load_state_dict(build(x, y).fit().state_dict())  # and back
+    _close(model, build(x, y).fit(), test_x[::20])
 
 
 class _ScaledLogit(_OneDimensionalLikelihood):

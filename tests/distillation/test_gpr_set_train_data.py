@@ -33,7 +33,7 @@ def test_new_data_with_another_n_give_the_fresh_model(cls, backend):
     model = cls(kernel, x, y, GAMMA, backend=backend)
     with torch.no_grad():
         model.predict(test_x)
-        model.set_train_data(x2, y2)
+        model.set_train_data(x2, y2, strict=False)
         got = model.predict(test_x)
         fresh = cls(kernel, x2, y2, GAMMA, backend=backend).predict(test_x)
     assert model.train_x.shape == (27, 1)
@@ -56,15 +56,33 @@ def test_targets_alone_and_checks():
         model.set_train_data(targets=y)
         once = model.predict_mean(x)
     torch.testing.assert_close(twice, 2 * once, rtol=1e-10, atol=1e-12)  # linear in the targets
-    model.set_train_data(targets=y.float())  # converted to the model's dtype
+    with pytest.raises(ValueError, match="targets must have the current shape, dtype"):
+        model.set_train_data(targets=y.float())
+    model.set_train_data(targets=y.float(), strict=False)  # converted to the model's dtype
     assert model.train_y.dtype == DT
     assert torch.equal(model.train_y, y.float().to(DT))
     with pytest.raises(ValueError, match="train_y must have 20 entries"):
-        model.set_train_data(targets=y[:-1])
+        model.set_train_data(targets=y[:-1], strict=False)
     with pytest.raises(ValueError, match="train_y must be finite"):
         model.set_train_data(targets=y * torch.nan)
     with pytest.raises(ValueError, match="train_x must hold at least one input"):
-        model.set_train_data(x[:0], y[:0])
+        model.set_train_data(x[:0], y[:0], strict=False)
     batched = DataCentricGPR(_kernel(), x, y, torch.tensor([GAMMA, GAMMA], dtype=DT))
     with pytest.raises(ValueError, match="must broadcast"):
-        batched.set_train_data(targets=y.expand(3, 20))
+        batched.set_train_data(targets=y.expand(3, 20), strict=False)
+
+
+@pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
+def test_a_state_dict_of_another_n_loads(cls):
+    x, y = _data(20, 0)
+    x2, y2 = _data(27, 1)
+    test_x = torch.linspace(0, 1, 9, dtype=DT)
+    kernel = _kernel()
+    model = cls(kernel, x, y, GAMMA, backend="dense")
+    with torch.no_grad():
+        model.predict(test_x)
+        model.load_state_dict(cls(kernel, x2, y2, GAMMA).state_dict())
+        got = model.predict(test_x)
+        fresh = cls(kernel, x2, y2, GAMMA, backend="dense").predict(test_x)
+    torch.testing.assert_close(got.mean, fresh.mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got.variance, fresh.variance, rtol=1e-10, atol=1e-10)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from linear_operator.operators import DenseLinearOperator
 
 from gpsd.laplace import (
     BernoulliLogitTerms,
@@ -52,8 +53,8 @@ def test_soft_targets_under_a_bernoulli_likelihood_need_check_targets_false():
     "kwargs, message",
     [
         (dict(K=K[:3]), r"K must be a tensor of shape \(\*batch, n, n\), got \(3, 4\)"),
-        (dict(init_f=torch.zeros(5, dtype=DT)), "init_f must have 4 entries"),
-        (dict(prior_mean=torch.zeros(3, dtype=DT)), "prior_mean must have 4 entries"),
+        (dict(init_f=torch.zeros(5, dtype=DT)), r"init_f must have shape \(\*batch, 4\)"),
+        (dict(prior_mean=torch.zeros(3, dtype=DT)), r"prior_mean must have shape \(\*batch, 4\)"),
         (dict(prior_mean=torch.full((4,), math.nan, dtype=DT)), "prior_mean must be finite"),
     ],
 )
@@ -99,3 +100,31 @@ def test_a_rounding_negative_variance_counts_as_zero(name):
     # at zero variance every rule is the response at the mean
     response = torch.special.ndtr if name == "closed_form_probability" else torch.sigmoid
     torch.testing.assert_close(got[1], response(MEAN[1]), rtol=1e-12, atol=1e-12)
+
+
+def test_prior_means_that_broadcast_and_a_kernel_operator_are_taken():
+    y2 = torch.stack([Y, 1 - Y])  # shape: (2, 4)
+    reference = find_laplace_mode(
+        K, y2, BernoulliLogitTerms(), prior_mean=torch.tensor([[0.5] * 4, [-0.3] * 4], dtype=DT)
+    )
+    mode = find_laplace_mode(
+        K, y2, BernoulliLogitTerms(), prior_mean=torch.tensor([[0.5], [-0.3]], dtype=DT)
+    )
+    torch.testing.assert_close(mode.f, reference.f, rtol=1e-12, atol=1e-12)
+    single = find_laplace_mode(
+        K, Y, BernoulliLogitTerms(), prior_mean=torch.tensor([0.5], dtype=DT)
+    )
+    torch.testing.assert_close(single.f, reference.f[0], rtol=1e-12, atol=1e-12)
+    as_operator = find_laplace_mode(DenseLinearOperator(K), Y, BernoulliLogitTerms())
+    torch.testing.assert_close(
+        as_operator.f, find_laplace_mode(K, Y, BernoulliLogitTerms()).f, rtol=0, atol=0
+    )
+
+
+def test_variances_are_not_branched_on_under_vmap():
+    variances = torch.tensor([[0.1, 1.0, 4.0], [0.0, 2.0, 9.0]], dtype=DT)
+    means = torch.tensor([[0.5, -1.0, 2.0], [0.0, 1.0, -3.0]], dtype=DT)
+    got = torch.func.vmap(probit_approximation)(means, variances)
+    # MacKay's formula, written out
+    expected = torch.sigmoid(means / torch.sqrt(1 + math.pi * variances / 8))
+    torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-15)

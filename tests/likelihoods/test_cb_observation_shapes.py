@@ -62,3 +62,12 @@ def test_a_batch_of_targets_against_one_latent_is_the_loop_over_targets():
         dtype=DT,
     )
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_one_latent_value_against_several_targets_broadcasts():
+    latent = torch.distributions.Normal(torch.tensor(0.7, dtype=DT), torch.tensor(1.3, dtype=DT))
+    got = ContinuousBernoulliLikelihood().expected_log_prob(TARGETS, latent)
+    expected = torch.tensor(
+        [_expected_log_density(float(y), 0.7, 1.3**2) for y in TARGETS], dtype=DT
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
