@@ -36,6 +36,7 @@ from gpsd.distillation._common import (
     validate_gamma,
     validate_test_x,
     validate_training_data,
+    warn_low_precision_factorisation,
 )
 from gpsd.linalg import BACKENDS, SpectralFilter
 from gpsd.linalg._negligible import kernel_matrix
@@ -254,15 +255,21 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 kernel_cache_bytes=self.kernel_cache_bytes,
             )
             engine.check_accuracy(self._smallest_shift(), self.rtol)
+            warn_low_precision_factorisation(
+                self.kernel,
+                self.train_x,
+                self.linalg_dtype or self.train_x.dtype,
+                self._smallest_shift(),
+            )
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
             needs_grad = engine.supports_autograd and needs_graph(self.kernel, self.train_x)
             self._cache.update(
                 engine=engine,
-                # Test covariances in the factorisation's dtype where no graph is needed: the
-                # variance k** - k*^T R k* cancels, and float32 entries of k* cost up to ~1e-3.
-                test_kernel=(self.kernel, self.train_x)
-                if needs_grad
-                else kernel_in_dtype(self.kernel, self.train_x, self.linalg_dtype),
+                # Test covariances in the factorisation's dtype: the variance k** - k*^T R k*
+                # cancels, and float32 entries of k* cost up to ~1e-3.
+                test_kernel=kernel_in_dtype(
+                    self.kernel, self.train_x, self.linalg_dtype, keep_graph=needs_grad
+                ),
                 prior_mean=prior_mean,
                 centred=centred,
                 coords=engine.project(centred) if hasattr(engine, "project") else centred,

@@ -164,24 +164,27 @@ class DataCentricGPR(SpectralGPR):
 
         Step :math:`t`'s fit at the training inputs is a linear smoother of the targets,
         :math:`\boldsymbol\mu_t - m = \mathbf S_t(\mathbf y - m)` with
-        :math:`\mathbf S_t = (F_t(\mathbf K) - \alpha\mathbf I)/(1 - \alpha)`, and
+        :math:`\mathbf S_t = \mathbf K G_t(\mathbf K) = (F_t(\mathbf K) - \alpha\mathbf I)/(1 -
+        \alpha)`, and
 
         .. math::
             \operatorname{GCV}(t) = \frac{N \lVert \mathbf y - \boldsymbol\mu_t \rVert^2}
             {\big(N - \operatorname{tr}\mathbf S_t\big)^2},
 
         with :math:`\operatorname{tr}\mathbf S_t` read off the eigenvalues (smaller is better).
+        :math:`\mathbf I - \mathbf S_t = E_t(\mathbf K)` is evaluated by its own recurrence
+        (:meth:`~gpsd.linalg.SpectralFilter.data_centric_residuals`), not as differences:
+        :math:`\mathbf y - \boldsymbol\mu_t` and :math:`N - \operatorname{tr}\mathbf S_t`
+        cancel to rounding where the noise is tiny, which made the score NaN, infinite or wrong.
         """
         state = self._state()
-        targets_filter = self._targets_filter()
+        residuals = SpectralFilter.data_centric_residuals(self._schedule(self.gamma), self.alpha)
         n = self.train_x.shape[-2]
         with autograd_context(state):
-            centred = state["centred"].squeeze(-1)
-            targets = state["engine"].apply(targets_filter, state["coords"]).squeeze(-1)
-            fitted = (targets - self.alpha * centred.unsqueeze(-2).to(targets)) / (1.0 - self.alpha)
-            rss = (centred.unsqueeze(-2).to(fitted) - fitted).square().sum(-1)
-            trace = (state["engine"].trace(targets_filter) - self.alpha * n) / (1.0 - self.alpha)
-            return (n * rss / (n - trace).square()).to(self.train_y.dtype)
+            dof = state["engine"].trace(residuals)  # N - tr S_t
+            resid = state["engine"].apply(residuals, state["coords"]).squeeze(-1)
+            rss = resid.square().sum(-1)  # ||y - mu_t||^2
+            return (n * rss / dof.square()).to(self.train_y.dtype)
 
     def validation_mse(self, val_x: Tensor, val_y: Tensor) -> Tensor:
         """Mean squared error of every step's predictive mean on a validation set, ``(*batch, T)``."""

@@ -341,10 +341,18 @@ class SparseLowRankStudent(gpytorch.Module):
         mat = 0.5 * (mat + mat.transpose(-1, -2))
         chol, info = torch.linalg.cholesky_ex(mat)
         if int(info) != 0:
+            size = float(torch.linalg.matrix_norm(root @ gram @ root, ord=2))
+            advice = (
+                "near-coincident or duplicated inducing points give large weights W, and the "
+                "noise is lost in their rounding: spread the inducing points out (K-means on "
+                "distinct inputs), raise jitter, or lower num_inducing"
+            )
+            if u.dtype != torch.float64:
+                advice += f"; or distil in float64 (now {u.dtype})"
             raise RuntimeError(
                 "kernel distillation: sigma^2 I + K_UU^1/2 W^T W K_UU^1/2 is not positive "
-                "definite; "
-                "the noise is too small for the working precision (try float64)"
+                f"definite at working precision (sigma^2 = {float(sigma2):.3g} against a norm of "
+                f"{size:.3g} for the rest); {advice}"
             )
         minv_root = torch.cholesky_solve(root, chol)  # M^{-1} K^{1/2}, shape: (m, m)
         alpha = root @ (minv_root @ wty)
@@ -487,8 +495,14 @@ class SparseLowRankStudent(gpytorch.Module):
         """A module whose ``forward(x) -> (mean, variance)`` is the bare prediction path.
 
         It skips input checks (so it can be traced) and shares this student's buffers, and it is
-        differentiable in ``x`` (:meth:`predict` is not). Export it with
-        ``torch.export.export(student.prediction_module(), (x,))`` when :attr:`exportable`.
+        differentiable in ``x`` (:meth:`predict` is not). Export it when :attr:`exportable`
+        (tracing it otherwise raises a ``RuntimeError`` that says so); for any number of test
+        points, mark the first dimension dynamic::
+
+            rows = torch.export.Dim("rows")
+            program = torch.export.export(
+                student.prediction_module(), (x,), dynamic_shapes=({0: rows},)
+            )
         """
         return _StudentPredictor(self)
 
@@ -499,4 +513,10 @@ class _StudentPredictor(torch.nn.Module):
         self.student = student
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if torch.compiler.is_compiling() and not self.student.exportable:
+            raise RuntimeError(
+                "this student's kernel is not exportable (exportable is False: only RBF and "
+                "Matern kernels, optionally scaled, have a traceable prediction path); use "
+                "student.predict instead"
+            )
         return self.student._predict(x)

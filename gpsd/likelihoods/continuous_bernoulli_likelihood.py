@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gpytorch.distributions import MultitaskMultivariateNormal
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 from torch import Tensor
 from torch.distributions import Distribution
@@ -101,14 +102,18 @@ class ContinuousBernoulliLikelihood(_OneDimensionalLikelihood):
 
         See the class description for the method and its accuracy.
 
-        :param observations: Targets :math:`y \in [0, 1]`, shape ``(*batch, n)``.
-        :param function_dist: :math:`q(f)`, a ``MultivariateNormal`` (its marginal variances are used)
-            or a ``torch.distributions.Normal``.
-        :return: Shape ``(*batch, n)`` (the broadcast shape of targets and latents).
+        :param observations: Targets :math:`y \in [0, 1]`, shape ``(*batch, n)``, or
+            ``(*batch, n, T)`` for a ``MultitaskMultivariateNormal`` of ``T`` tasks.
+        :param function_dist: :math:`q(f)`, a ``MultivariateNormal`` (its marginal variances are used),
+            a ``MultitaskMultivariateNormal`` or a ``torch.distributions.Normal``.
+        :return: Shape ``(*batch, n)`` (the broadcast shape of targets and latents), summed over
+            the tasks of a ``MultitaskMultivariateNormal`` (one term per data point, as
+            ``VariationalELBO`` expects).
         """
         y, mean, variance, shape = self._prepare(observations, function_dist)
         num_locs = self.quadrature.num_locs
-        return _cb_quadrature.expected_log_prob(y, mean, variance, num_locs).reshape(shape)
+        out = _cb_quadrature.expected_log_prob(y, mean, variance, num_locs).reshape(shape)
+        return _sum_tasks(out, function_dist)
 
     def log_marginal(
         self, observations: Tensor, function_dist: Distribution, *args: Any, **kwargs: Any
@@ -118,10 +123,22 @@ class ContinuousBernoulliLikelihood(_OneDimensionalLikelihood):
 
         See the class description for the method and its accuracy.
 
-        :param observations: Targets :math:`y \in [0, 1]`, shape ``(*batch, n)``.
+        :param observations: Targets :math:`y \in [0, 1]`, as for :meth:`expected_log_prob`.
         :param function_dist: :math:`q(f)`, as for :meth:`expected_log_prob`.
-        :return: Shape ``(*batch, n)`` (the broadcast shape of targets and latents).
+        :return: Shape ``(*batch, n)`` (the broadcast shape of targets and latents), summed over
+            the tasks of a ``MultitaskMultivariateNormal``: the log marginal of each point's
+            tasks taken as independent given their marginals (exact for independent tasks, as
+            with ``IndependentMultitaskVariationalStrategy``).
         """
         y, mean, variance, shape = self._prepare(observations, function_dist)
         num_locs = self.quadrature.num_locs
-        return _cb_quadrature.log_marginal(y, mean, variance, num_locs).reshape(shape)
+        out = _cb_quadrature.log_marginal(y, mean, variance, num_locs).reshape(shape)
+        return _sum_tasks(out, function_dist)
+
+
+def _sum_tasks(values: Tensor, function_dist: Distribution) -> Tensor:
+    """``values`` of shape ``(*batch, n, T)`` summed over the ``T`` tasks of a
+    ``MultitaskMultivariateNormal`` (GPyTorch's ELBO sums only over the data points)."""
+    if isinstance(function_dist, MultitaskMultivariateNormal):
+        return values.sum(-1)
+    return values

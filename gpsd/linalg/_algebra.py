@@ -1,7 +1,7 @@
 """Two number systems in which gpsd evaluates its spectral filters.
 
-A spectral filter of the data-centric family is built from the functions ``d / (d + g)`` and
-``1 / (d + g)`` by products and affine combinations. Writing the recurrence once against a tiny
+A spectral filter of the data-centric family is built from the functions ``d / (d + g)``,
+``g / (d + g)`` and ``1 / (d + g)`` by products and affine combinations. Writing the recurrence once against a tiny
 "algebra" lets the same code give
 
 * the filter's values at the eigenvalues ``d`` of a kernel matrix (:class:`EigenvalueAlgebra`), and
@@ -42,6 +42,11 @@ class EigenvalueAlgebra:
     def reciprocal(self, g: Tensor) -> Tensor:
         """``1 / (d + g)``."""
         return 1.0 / (self.d + g.unsqueeze(-1))
+
+    def complement(self, g: Tensor) -> Tensor:
+        """``g / (d + g)`` (``1 - d / (d + g)`` without the cancellation)."""
+        g = g.unsqueeze(-1)
+        return g / (self.d + g)
 
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         return a * b
@@ -87,6 +92,11 @@ class PowerSeriesAlgebra:
         out[..., 0] = 0.0
         return out
 
+    def complement(self, g: Tensor) -> Tensor:
+        """``g / (d + g) = sum_j (-1)^j d^j / g^j``."""
+        sign = 1.0 - 2.0 * (self._powers % 2)
+        return sign * g.unsqueeze(-1).pow(-self._powers)
+
     def mul(self, a: Tensor, b: Tensor) -> Tensor:
         """Cauchy product truncated at order ``J``."""
         a, b = torch.broadcast_tensors(a, b)
@@ -108,10 +118,11 @@ class PowerSeriesAlgebra:
 class ShiftedSolveAlgebra:
     r"""Filters applied to a right-hand side by shifted solves instead of an eigendecomposition.
 
-    Elements are the vectors :math:`f(\mathbf K)\mathbf B` themselves. ``reciprocal(g)`` and
-    ``ratio(g)`` return markers that :meth:`mul` applies: :math:`(\mathbf K + g\mathbf I)^{-1}
-    \mathbf a` by a cached Cholesky factor, and :math:`\mathbf K (\mathbf K + g \mathbf I)^{-1}
-    \mathbf a = \mathbf a - g (\mathbf K + g\mathbf I)^{-1}\mathbf a`. This evaluates exactly the
+    Elements are the vectors :math:`f(\mathbf K)\mathbf B` themselves. ``reciprocal(g)``,
+    ``ratio(g)`` and ``complement(g)`` return markers that :meth:`mul` applies:
+    :math:`(\mathbf K + g\mathbf I)^{-1} \mathbf a` by a cached Cholesky factor,
+    :math:`\mathbf K (\mathbf K + g \mathbf I)^{-1} \mathbf a = \mathbf a - g (\mathbf K +
+    g\mathbf I)^{-1}\mathbf a` and :math:`g (\mathbf K + g\mathbf I)^{-1}\mathbf a`. This evaluates exactly the
     filters built by a product chain (the data-centric family), one solve per step.
 
     :param rhs: :math:`\mathbf B`, shape ``(*b, N, r)``.
@@ -136,6 +147,9 @@ class ShiftedSolveAlgebra:
     def ratio(self, g: Tensor) -> tuple[str, Tensor]:
         return ("ratio", g)
 
+    def complement(self, g: Tensor) -> tuple[str, Tensor]:
+        return ("complement", g)
+
     def mul(self, a: Tensor, b: tuple[str, Tensor]) -> Tensor:
         kind, g = b
         if self._last is not None and self._last[0] is a and self._last[1] is g:
@@ -145,6 +159,8 @@ class ShiftedSolveAlgebra:
             self._last = (a, g, solved)
         if kind == "reciprocal":
             return solved
+        if kind == "complement":
+            return g[..., None, None] * solved
         return a - g[..., None, None] * solved
 
     def add_constant(self, a: Tensor, c: float) -> Tensor:

@@ -92,3 +92,16 @@ def test_nearest_inducing_points_takes_arrays():
     np.testing.assert_allclose(
         distances.numpy(), np.take_along_axis(brute, expected, 1), rtol=1e-12
     )
+
+
+def test_near_coincident_inducing_points_are_named_not_the_precision():
+    # float64 and a noise of 1e-2: the old message blamed the noise and advised float64
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(60, 1, generator=gen, dtype=DT)
+    u = torch.cat([x[:10], x[:10] + 1e-9])
+    kd = KernelDistillation.from_kernel(
+        _kernel(), x, torch.sin(x.squeeze(-1)), 1e-2, 20, 10, num_steps=10, inducing_points=u
+    )
+    with pytest.raises(RuntimeError, match="near-coincident or duplicated inducing points") as err:
+        kd.fit()
+    assert "float64" not in str(err.value)

@@ -71,3 +71,51 @@ def test_one_latent_value_against_several_targets_broadcasts():
         [_expected_log_density(float(y), 0.7, 1.3**2) for y in TARGETS], dtype=DT
     )
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_a_multitask_latent_gives_one_term_per_point_and_a_scalar_elbo():
+    # IndependentMultitaskVariationalStrategy: the ELBO used to come back with shape (n,), and
+    # its .sum() counted the KL divergence n times
+    torch.manual_seed(0)
+    n, tasks, m = 40, 3, 8
+    x = torch.rand(n, 1, dtype=DT) * 4 - 2
+    soft = torch.stack([torch.sigmoid(2 * torch.sin(k * x[:, 0])) for k in (1, 2, 3)], -1)
+    batch = torch.Size([tasks])
+
+    class Multitask(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            z = torch.linspace(-2, 2, m, dtype=DT).view(1, m, 1).repeat(tasks, 1, 1)
+            dist = gpytorch.variational.CholeskyVariationalDistribution(m, batch_shape=batch)
+            strategy = gpytorch.variational.IndependentMultitaskVariationalStrategy(
+                gpytorch.variational.VariationalStrategy(self, z, dist), num_tasks=tasks
+            )
+            super().__init__(strategy)
+            self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
+            self.covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch
+            )
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    model = Multitask().to(DT)
+    model(x)  # the first call initialises q(u) from the prior
+    with torch.no_grad():  # a variational distribution away from the prior: KL > 0
+        strategy = model.variational_strategy.base_variational_strategy
+        strategy._variational_distribution.variational_mean.fill_(1.5)
+    likelihood = ContinuousBernoulliLikelihood()
+    latent = model(x)
+    elbo = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=n)(latent, soft)
+    assert elbo.shape == ()
+    # independently: each task's marginal Normal, one expected log density per entry
+    mean, var = latent.mean, latent.variance  # shape: (n, tasks)
+    terms = ContinuousBernoulliLikelihood().expected_log_prob(
+        soft.T, torch.distributions.Normal(mean.T, var.T.sqrt())
+    )  # shape: (tasks, n)
+    kl = model.variational_strategy.kl_divergence().sum()
+    assert kl > 1.0
+    torch.testing.assert_close(elbo, (terms.sum() - kl) / n, rtol=1e-12, atol=1e-12)
+    predictive = gpytorch.mlls.PredictiveLogLikelihood(likelihood, model, num_data=n)
+    assert predictive(latent, soft).shape == ()
