@@ -3,7 +3,7 @@
 import gpytorch
 import pytest
 import torch
-from gpr_reference import PlainGP, rbf_kernel
+from gpr_reference import PlainGP, dense_data_centric_means, rbf_kernel
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, PosteriorKernel
 
@@ -16,18 +16,6 @@ def _data(n=30, seed=0):
     return x, torch.sin(x[:, 0]), torch.linspace(0, 10, 7, dtype=DT).unsqueeze(-1)
 
 
-def _dense_means(kernel, x, y, gammas, test_x):
-    """Data-centric means of every step by dense solves, with the kernel's autograd graph."""
-    k, ks = kernel(x).to_dense(), kernel(test_x, x).to_dense()
-    eye = torch.eye(x.shape[0], dtype=DT)
-    means, targets = [], y
-    for g in gammas:
-        weights = torch.linalg.solve(k + g * eye, targets)
-        means.append(ks @ weights)
-        targets = k @ weights
-    return torch.stack(means)
-
-
 @pytest.mark.parametrize("backend", ["dense", "cholesky"])
 def test_gradients_accumulate_over_two_backward_passes(backend):
     x, y, test_x = _data()
@@ -38,7 +26,7 @@ def test_gradients_accumulate_over_two_backward_passes(backend):
     model.predict(test_x[3:]).mean.sum().backward()  # used to fail: the graph was freed
     got = [p.grad.clone() for p in kernel.parameters()]
     reference = rbf_kernel()
-    _dense_means(reference, x, y, gammas, test_x).sum().backward()
+    dense_data_centric_means(reference, x, y, gammas, test_x).sum().backward()
     for g, r in zip(got, reference.parameters(), strict=True):
         torch.testing.assert_close(g, r.grad, rtol=1e-6, atol=1e-8)
 
