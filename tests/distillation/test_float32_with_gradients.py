@@ -69,3 +69,32 @@ def test_float32_factorisation_warns_where_its_rounding_matters(cls):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", NumericalWarning)
         fine.predict_mean(TEST_X)
+
+
+def test_a_submodule_used_twice_keeps_its_parameter_and_its_gradient():
+    # torch.func.functional_call swapped the shared submodule twice and left a float64 non-leaf
+    # tensor in place of the parameter: training silently stopped updating it
+    rbf = gpytorch.kernels.RBFKernel()
+    kernel = gpytorch.kernels.AdditiveKernel(rbf, gpytorch.kernels.ScaleKernel(rbf))
+    model = DataCentricGPR(kernel, X, Y, [0.01, 0.02], backend="cholesky")
+    loss = model.predict(TEST_X).mean.square().sum()
+    loss.backward()
+    param = rbf.raw_lengthscale
+    assert isinstance(param, torch.nn.Parameter) and param.is_leaf
+    assert param.dtype == torch.float32 and param.grad.dtype == torch.float32
+    # the same model in float64 (one shared copy of the submodule there too)
+    rbf64 = gpytorch.kernels.RBFKernel().double()
+    kernel64 = gpytorch.kernels.AdditiveKernel(rbf64, gpytorch.kernels.ScaleKernel(rbf64))
+    with torch.no_grad():
+        rbf64.raw_lengthscale.copy_(param.double())
+    model64 = DataCentricGPR(kernel64, X.double(), Y.double(), [0.01, 0.02], backend="cholesky")
+    model64.predict(TEST_X.double()).mean.square().sum().backward()
+    torch.testing.assert_close(param.grad.double(), rbf64.raw_lengthscale.grad, rtol=1e-5, atol=0)
+
+
+def test_buffers_a_kernel_creates_in_the_call_keep_its_dtype():
+    kernel = gpytorch.kernels.RFFKernel(num_samples=20)
+    model = DataCentricGPR(kernel, X, Y, [0.1], backend="dense")
+    model.predict(TEST_X)  # gradients enabled: the cast path draws RFFKernel's weights
+    assert kernel.randn_weights.dtype == torch.float32
+    assert kernel(TEST_X).to_dense().dtype == torch.float32  # a plain float32 call still works
