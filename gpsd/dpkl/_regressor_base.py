@@ -87,7 +87,13 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         return [] if ensemble is None else [p for p in ensemble.parameters() if p.requires_grad]
 
     def training_loss(self) -> Tensor:
-        r"""Negative log marginal likelihood per training point, :math:`\hat L / n`."""
+        r"""Negative log marginal likelihood per training point, :math:`\hat L / n`.
+
+        In training mode (:meth:`fit` switches to it; :meth:`fit` and :meth:`predict` leave the
+        model in evaluation mode): there, as for any GPyTorch ``ExactGP``, the model's output at
+        the training inputs is the posterior, not the prior, and the value is not the marginal
+        likelihood (GPyTorch warns).
+        """
         x, y = self.train_inputs[0], self.train_targets
         mll = gpytorch.mlls.ExactMarginalLogLikelihood(self.likelihood, self)
         return -mll(self(x), y)

@@ -236,6 +236,8 @@ class DPKLClassifier(gpytorch.Module):
     ) -> dict[str, list[float]]:
         """Train with Adam on minibatches; early stopping on validation accuracy (then NLL).
 
+        Parameters with ``requires_grad=False`` (the lengthscale, to keep the paper's fixed
+        kernel; the class weights; parts of the feature extractor) are not stepped.
         The steps run in training mode (dropout on), the validation checks in evaluation mode;
         the module is left in the mode it was in before. Each epoch visits the rows in a random
         order in minibatches of ``batch_size``; with ``batch_size > 1``, a last minibatch of one
@@ -264,9 +266,16 @@ class DPKLClassifier(gpytorch.Module):
                 repulsion=1.0 if self.update == "svgd" else 0.0,
                 loss_type="joint",
             )
-        theta_transform = SteinVariationalGradient(
-            [self.class_weights], repulsion=1.0, loss_type="per_particle"
-        )
+        # frozen class weights or lengthscale (the paper's fixed kernel, say) are not stepped
+        theta_transform = None
+        if self.class_weights.requires_grad:
+            theta_transform = SteinVariationalGradient(
+                [self.class_weights],
+                bandwidth=self.bandwidth,
+                repulsion=1.0,
+                loss_type="per_particle",
+            )
+        hyper = emb_params + [p for p in (self.raw_lengthscale,) if p.requires_grad]
         opt = torch.optim.Adam(self.parameters(), lr=lr)
         history: dict[str, list[float]] = {"loss": [], "val_accuracy": []}
         best = (-math.inf, math.inf)
@@ -289,13 +298,18 @@ class DPKLClassifier(gpytorch.Module):
             for idx in _minibatches(perm, batch_size):
                 ce, potential = self.losses(x[idx], y[idx], n)
                 opt.zero_grad(set_to_none=True)
-                hyper = emb_params + [self.raw_lengthscale]
                 # a parameter the forward pass does not use (a spare head) gets a zero gradient
-                grads = torch.autograd.grad(ce, hyper, retain_graph=True, allow_unused=True)
-                (theta_grad,) = torch.autograd.grad(potential, [self.class_weights])
+                grads = (
+                    torch.autograd.grad(ce, hyper, retain_graph=True, allow_unused=True)
+                    if hyper
+                    else ()
+                )
                 for p, g in zip(hyper, grads, strict=True):
                     p.grad = torch.zeros_like(p) if g is None else g
-                self.class_weights.grad = theta_grad
+                if theta_transform is not None:
+                    (self.class_weights.grad,) = torch.autograd.grad(
+                        potential, [self.class_weights]
+                    )
                 if emb_transform is not None:
                     with torch.no_grad():
                         for p in emb_params:
@@ -304,7 +318,8 @@ class DPKLClassifier(gpytorch.Module):
                     with torch.no_grad():
                         for p in emb_params:
                             p.grad.div_(n)
-                theta_transform.transform_()
+                if theta_transform is not None:
+                    theta_transform.transform_()
                 opt.step()
                 total += float(ce.detach()) * idx.numel()
             history["loss"].append(total / n)

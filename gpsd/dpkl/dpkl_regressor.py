@@ -132,9 +132,19 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
 
     @torch.no_grad()
     def embed(self, x: Tensor) -> Tensor:
-        """Latent embeddings of ``x`` by every particle: ``(m, n, latent_dim)``."""
+        """Latent embeddings of ``x`` by every particle: ``(m, n, latent_dim)``.
+
+        The networks run in evaluation mode (no dropout, BatchNorm's running statistics used
+        and left alone), whatever mode the model is in, as in :meth:`predict`.
+        """
         x = check_inputs(x, "x", self.train_inputs[0].shape[-1], like=self.train_inputs[0])
-        return self.covar_module.latent_embeddings(x)
+        extractor = self.covar_module.feature_extractor
+        was_training = extractor.training
+        extractor.eval()
+        try:
+            return self.covar_module.latent_embeddings(x)
+        finally:
+            extractor.train(was_training)
 
     def latent_posterior_variance(self, x: Tensor) -> Tensor:
         r"""Posterior variance of the latent :math:`f` at ``x`` given the training data, with grad.

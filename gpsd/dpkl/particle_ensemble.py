@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -116,6 +117,18 @@ class ParticleEnsemble(nn.Module):
                 f"are one particle), got {type(copies[0]).__name__} with none"
             )
         trainable = {k: p.requires_grad for k, p in copies[0].named_parameters()}
+        varied = [v for k, v in params.items() if trainable[k]]
+        should_differ = reinitialise or not isinstance(module, nn.Module)
+        if num_particles > 1 and should_differ and varied:
+            if all(bool((v == v[:1]).all()) for v in varied):
+                warnings.warn(
+                    f"all {num_particles} particles start with identical trainable parameters "
+                    "(no submodule has reset_parameters(), or the factory returns the same "
+                    "values); Stein repulsion cannot separate identical particles, so the "
+                    "ensemble stays one network. Pass a factory that initialises fresh ones.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         self._param_names = list(params)
         self._buffer_names = list(buffers)
         self.particle_parameters = nn.ParameterDict(
