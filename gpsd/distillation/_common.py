@@ -400,12 +400,15 @@ class StateSnapshot:
 
     def __init__(self, module: gpytorch.Module, config: tuple) -> None:
         self.grad_enabled = torch.is_grad_enabled()
+        #: whether the grad mode matters: ``False`` for an engine that never builds a graph (the
+        #: matrix-free backends), whose factorisation serves both modes
+        self.grad_matters = True
         self.config = config
         self.state = ModuleState(module)
 
     def matches(self, module: gpytorch.Module, config: tuple) -> bool:
         return (
-            self.grad_enabled == torch.is_grad_enabled()
+            (not self.grad_matters or self.grad_enabled == torch.is_grad_enabled())
             and self.config == config
             and self.state.matches(module)
         )

@@ -241,6 +241,12 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         ):
             self._cache = {"snapshot": StateSnapshot(self, config), "backward": BackwardWatch()}
             prior_mean = self.mean_module(self.train_x)
+            warn_low_precision_factorisation(  # before a factorisation that it may explain fails
+                self.kernel,
+                self.train_x,
+                self.linalg_dtype or self.train_x.dtype,
+                self._smallest_shift(),
+            )
             engine = make_engine(
                 self.kernel,
                 self.train_x,
@@ -255,12 +261,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 kernel_cache_bytes=self.kernel_cache_bytes,
             )
             engine.check_accuracy(self._smallest_shift(), self.rtol)
-            warn_low_precision_factorisation(
-                self.kernel,
-                self.train_x,
-                self.linalg_dtype or self.train_x.dtype,
-                self._smallest_shift(),
-            )
+            # a matrix-free engine builds no graph: the grad mode need not rebuild it
+            self._cache["snapshot"].grad_matters = engine.supports_autograd
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
             needs_grad = engine.supports_autograd and needs_graph(self.kernel, self.train_x)
             self._cache.update(

@@ -203,13 +203,15 @@ class KernelSpectrum:
         :param block_size: columns per block (default ``rank // 8`` between 4 and 64).
         :param residual_tol: Ritz pairs with
             :math:`\lVert \mathbf K\mathbf v - \theta\mathbf v\rVert \le` ``residual_tol`` are kept
-            as resolved; the rest of the Krylov space joins the complement. The default (absolute)
-            suits float64 kernels of moderate norm; residuals cannot fall much below
-            :math:`\varepsilon \lVert \mathbf K \rVert` of the working dtype (for a float32 RBF
-            matrix with :math:`N = 500`, :math:`\lVert \mathbf K\rVert = 300`, they stay between
-            :math:`2 \times 10^{-6}` and :math:`10^{-4}`, where float64 reaches
-            :math:`2 \times 10^{-13}`), so in float32 the default resolves no pair and
-            :meth:`error_estimate` is infinite.
+            as resolved; the rest of the Krylov space joins the complement. Residuals cannot fall
+            much below :math:`\varepsilon \lVert \mathbf K \rVert` of the working dtype (for a
+            float32 RBF matrix with :math:`N = 500`, :math:`\lVert \mathbf K\rVert = 300`, they
+            stay between :math:`2 \times 10^{-6}` and :math:`10^{-4}`, where float64 reaches
+            :math:`2 \times 10^{-13}`), so pairs within :math:`16\varepsilon\,\theta_{\max}`
+            count as resolved whatever ``residual_tol`` says, and their residuals enter
+            :meth:`error_estimate` (a tolerance below rounding put the largest, best-converged
+            pairs in the complement, whose series then diverged: "complement of norm 240" on a
+            Krylov space spanning all of :math:`\mathbb R^N`).
             The regression distillers pass :math:`0.1\, \text{rtol}\, \gamma_{\min}` and work in
             float64 by default.
         :param series_order: Taylor order :math:`J` used on the complement.
@@ -279,7 +281,11 @@ class KernelSpectrum:
         kvecs = kbasis @ rotation
         residual_vectors = kvecs - vecs * theta.unsqueeze(-2)  # shape: (*b, N, qb)
         residuals = torch.linalg.vector_norm(residual_vectors, dim=-2)
-        resolved = residuals <= residual_tol  # shape: (*b, qb)
+        # residuals at the rounding level of the working dtype count as resolved
+        floor = (
+            16.0 * torch.finfo(theta.dtype).eps * float(theta.abs().max()) if theta.numel() else 0.0
+        )
+        resolved = residuals <= max(residual_tol, floor)  # shape: (*b, qb)
         evals = torch.where(resolved, theta, torch.zeros_like(theta))
         evecs = vecs * resolved.unsqueeze(-2)
         unresolved_theta = torch.where(resolved, torch.zeros_like(theta), theta)

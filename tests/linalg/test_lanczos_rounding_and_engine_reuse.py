@@ -1,0 +1,88 @@
+"""Matrix-free fixes from an audit against dense float64 references: Ritz pairs whose residuals
+sit at rounding level count as resolved (a tolerance below rounding put the largest pairs in the
+complement and raised "series diverges" on a Krylov space spanning all of R^N); a matrix-free
+engine is not rebuilt when only the grad mode changes (it builds no graph; the rebuild lost the
+residuals CG reached); the float32 warning comes before a factorisation that may fail."""
+
+import gpytorch
+import pytest
+import torch
+from gpytorch.utils.warnings import NumericalWarning
+
+import gpsd.distillation._spectral_gpr as spectral_gpr
+from gpsd import DataCentricGPR
+
+DT = torch.float64
+
+
+def _kernel(lengthscale=1.0):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    k.base_kernel.lengthscale = lengthscale
+    return k
+
+
+def _data(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=DT)
+    return x, torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(n, generator=gen, dtype=DT)
+
+
+def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
+    x, y = _data(600)
+    test_x = torch.linspace(0, 10, 50, dtype=DT).unsqueeze(-1)
+    gamma = torch.tensor([1e-4, 1e-3], dtype=DT)
+    with torch.no_grad():
+        model = DataCentricGPR(_kernel(), x, y, gamma, backend="lanczos", rtol=1e-8)
+        got = model.predict_mean(test_x)
+        dense = DataCentricGPR(_kernel(), x, y, gamma, backend="dense").predict_mean(test_x)
+    assert model.error_estimate <= 1e-8
+    scale = dense.abs().max()
+    assert float((got - dense).abs().max() / scale) < 1e-8
+
+
+def test_switching_the_grad_mode_keeps_a_matrix_free_engine():
+    x, y = _data(300)
+    model = DataCentricGPR(_kernel(0.3), x, y, [0.01, 0.02], backend="cg", rtol=1e-6)
+    with torch.no_grad():
+        first = model.predict_mean(x[:5])
+    engine = model._cache["engine"]
+    second = model.predict_mean(x[:5])  # gradients enabled now
+    assert model._cache["engine"] is engine and not second.requires_grad
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    # a dense engine carries a graph with gradients enabled: rebuilt
+    dense = DataCentricGPR(_kernel(0.3), x, y, [0.01, 0.02], backend="dense")
+    with torch.no_grad():
+        dense.predict_mean(x[:5])
+    engine = dense._cache["engine"]
+    assert dense.predict_mean(x[:5]).requires_grad and dense._cache["engine"] is not engine
+
+
+def test_the_low_precision_warning_comes_before_the_factorisation(monkeypatch):
+    def failing_engine(*args, **kwargs):
+        raise RuntimeError("the factorisation failed")
+
+    monkeypatch.setattr(spectral_gpr, "make_engine", failing_engine)
+    x, y = _data(40)
+    kernel = gpytorch.kernels.RBFKernel()
+    model = DataCentricGPR(kernel, x.float(), y.float(), [1e-6], linalg_dtype=None)
+    with (
+        pytest.warns(NumericalWarning, match="factored in torch.float32"),
+        pytest.raises(RuntimeError, match="the factorisation failed"),
+        torch.no_grad(),
+    ):
+        model.predict_mean(x[:3].float())
+
+
+def test_a_float32_lanczos_spectrum_warns_instead_of_refusing():
+    # every pair's residual is at float32 rounding: none used to count as resolved
+    x, y = _data(300)
+    test_x = torch.linspace(0, 10, 20, dtype=DT).unsqueeze(-1)
+    model = DataCentricGPR(
+        _kernel().float(), x.float(), y.float(), [1e-2], backend="lanczos", linalg_dtype=None
+    )
+    with torch.no_grad(), pytest.warns(NumericalWarning, match="estimated relative error"):
+        got = model.predict_mean(test_x.float())
+    with torch.no_grad():
+        dense = DataCentricGPR(_kernel(), x, y, [1e-2], backend="dense").predict_mean(test_x)
+    error = float((got.double() - dense).abs().max() / dense.abs().max())
+    assert error < 10 * model.error_estimate and model.error_estimate < 0.05
