@@ -261,8 +261,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 kernel_cache_bytes=self.kernel_cache_bytes,
             )
             engine.check_accuracy(self._smallest_shift(), self.rtol)
-            # a matrix-free engine builds no graph: the grad mode need not rebuild it
-            self._cache["snapshot"].grad_matters = engine.supports_autograd
+            # a matrix-free backend builds no graph: the grad mode need not rebuild it (with
+            # backend="auto" the grad mode chooses the engine, so it always matters)
+            matrix_free = self.backend in ("lanczos", "cg")
+            self._cache["snapshot"].grad_matters = engine.supports_autograd or not matrix_free
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
             needs_grad = engine.supports_autograd and needs_graph(self.kernel, self.train_x)
             self._cache.update(

@@ -142,7 +142,7 @@ class ShiftedCG(ShiftedSolveEngine):
             kernel,
             spectrum.ritz_values,
             spectrum.ritz_vectors,
-            resolved=spectrum.resolved,
+            resolved=spectrum.ritz_resolved,  # within residual_tol, not the rounding floor
             tol=tol,
             max_iter=max_iter,
         )

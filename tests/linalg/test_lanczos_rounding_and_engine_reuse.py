@@ -86,3 +86,53 @@ def test_a_float32_lanczos_spectrum_warns_instead_of_refusing():
         dense = DataCentricGPR(_kernel(), x, y, [1e-2], backend="dense").predict_mean(test_x)
     error = float((got.double() - dense).abs().max() / dense.abs().max())
     assert error < 10 * model.error_estimate and model.error_estimate < 0.05
+
+
+def test_auto_rebuilds_for_gradients_after_a_no_grad_prediction():
+    # under no_grad, auto may take a truncated Lanczos spectrum (no graph); a later prediction
+    # with gradients must not reuse it
+    x, y = _data(300)
+    gammas = torch.full((30,), 0.1, dtype=DT)
+    model = DataCentricGPR(_kernel(2.0), x, y, gammas)
+    with torch.no_grad():
+        model.predict_mean(x[:5])
+    mean = model.predict_mean(x[:5])
+    assert mean.requires_grad
+    (got,) = torch.autograd.grad(mean.sum(), model.kernel.base_kernel.raw_lengthscale)
+    fresh = DataCentricGPR(_kernel(2.0), x, y, gammas)
+    (expected,) = torch.autograd.grad(
+        fresh.predict_mean(x[:5]).sum(), fresh.kernel.base_kernel.raw_lengthscale
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
+
+
+def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
+    # the rounding floor that lets Lanczos count pairs as resolved is not for CG, whose
+    # estimate ignores the split-off pairs' residuals: float32 chains came out 1.4 off
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(300, 1, generator=gen, dtype=DT)
+    y = torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(300, generator=gen, dtype=DT)
+    test_x = torch.linspace(0, 10, 40, dtype=DT).unsqueeze(-1)
+    gammas = torch.logspace(0, 1, 20, dtype=DT) * 1e-4
+
+    def kernel(dtype):
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).to(DT)
+        return k.to(dtype)
+
+    with torch.no_grad():
+        dense = DataCentricGPR(kernel(DT), x, y, gammas, backend="dense").predict_mean(test_x)
+        model = DataCentricGPR(
+            kernel(torch.float32),
+            x.float(),
+            y.float(),
+            gammas.float(),
+            backend="cg",
+            linalg_dtype=None,
+            rtol=1e-3,
+        )
+        with pytest.warns(NumericalWarning):  # the float32 warning
+            got = model.predict_mean(test_x.float())
+    engine = model._cache["engine"]
+    error = (got.double() - dense).abs().amax(-1) / dense.abs().amax(-1)
+    assert float(error.max()) < 0.05
+    assert int(engine.resolved.sum()) == 0  # none within residual_tol in float32 here
