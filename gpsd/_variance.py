@@ -8,7 +8,7 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-__all__ = ["can_branch_on", "nonnegative_variance"]
+__all__ = ["can_branch_on", "checked_latent_variance", "nonnegative_variance"]
 
 
 def can_branch_on(tensor: Tensor) -> bool:
@@ -19,6 +19,29 @@ def can_branch_on(tensor: Tensor) -> bool:
         return False
     is_batched = getattr(torch._C._functorch, "is_batchedtensor", None)
     return not (is_batched is not None and is_batched(tensor))
+
+
+def _rounding_tolerance(dtype: torch.dtype) -> float:
+    """How far below 0, relative to its scale, a variance may come out by rounding alone."""
+    return max(1e-6, torch.finfo(dtype).eps ** 0.5)
+
+
+def checked_latent_variance(variance: Tensor) -> Tensor:
+    r"""A latent variance passed in by a caller, clamped at 0 where it is negative by rounding;
+    a ``ValueError`` where it is negative beyond that (below :math:`-\max(10^{-6},
+    \sqrt{\epsilon})` times the largest of 1 and its largest magnitude: a log-variance or a
+    mistaken sign, not rounding). Compiled or vmapped: the clamp alone (:func:`can_branch_on`)."""
+    if not can_branch_on(variance):
+        return variance.clamp_min(0.0)
+    detached = variance.detach()
+    scale = detached.abs().amax().clamp_min(1.0) if detached.numel() else 1.0
+    if bool((detached < -_rounding_tolerance(variance.dtype) * scale).any()):
+        raise ValueError(
+            f"variance must hold latent variances >= 0, got a minimum of "
+            f"{float(detached.min()):.4g} (negative beyond rounding; a log-variance or a "
+            "difference of variances with the wrong sign?)"
+        )
+    return variance.clamp_min(0.0)
 
 
 def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -> Tensor:
@@ -41,7 +64,7 @@ def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -
     if not can_branch_on(variance):
         return variance.clamp_min(0.0)
     tiny = torch.finfo(variance.dtype).tiny
-    relative = max(1e-6, torch.finfo(variance.dtype).eps ** 0.5)
+    relative = _rounding_tolerance(variance.dtype)
     size = scale.detach().abs().clamp_min(tiny)
     if bool((variance.detach() < -relative * size).any()):
         worst = float((-variance.detach() / size).max())

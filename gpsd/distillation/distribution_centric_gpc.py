@@ -17,10 +17,9 @@ from gpsd._validation import (
 from gpsd._variance import nonnegative_variance
 from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
 from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
-from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import closed_form_probability, expected_response
-from gpsd.laplace.resolve import resolve_likelihood_terms
+from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
 
 __all__ = ["DistributionCentricGPC"]
 
@@ -98,10 +97,9 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         num_steps = check_int(num_steps, "num_steps")
         self.terms = resolve_likelihood_terms(likelihood)
         train_x, train_y = checked_classification_data(train_x, train_y, self.terms)
-        if isinstance(likelihood, torch.nn.Module):
-            self.likelihood = likelihood
-        elif isinstance(self.terms, AutogradLikelihoodTerms):
-            self.likelihood = self.terms.likelihood  # a refit follows its parameters
+        module = likelihood_module(likelihood, self.terms)
+        if module is not None:
+            self.likelihood = module  # its parameters train with the kernel's; a change refits
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self._num_steps = num_steps

@@ -558,11 +558,11 @@ class KernelDistillation:
                 values = values - t * grad
             if not bool(torch.isfinite(values).all()):
                 advice = (
-                    f"{self._step_rule()} is too large; lower it, or use the exact line search "
-                    "(step_size=None, the default)"
-                    if self._step_rule()
-                    else "the exact line search took a non-finite step (an ill-conditioned "
+                    "the exact line search took a non-finite step (an ill-conditioned "
                     "K_UU: use float64, or fewer or more spread-out inducing points)"
+                    if self._uses_line_search
+                    else f"{self._step_rule()} is too large; lower it, or use the exact line "
+                    "search (step_size=None, the default)"
                 )
                 raise RuntimeError(f"kernel distillation diverged at step {step}: {advice}")
         errors.append(self.frobenius_error(values))
@@ -571,8 +571,7 @@ class KernelDistillation:
         self.weight_values = values
         self.frobenius_errors = errors
         # the exact line search never raises the error (beyond rounding); fixed steps can
-        grew = self.step_size is not None or self.optimizer is not None
-        grew = grew and errors[-1] > 1.001 * errors[0]
+        grew = not self._uses_line_search and errors[-1] > 1.001 * errors[0]
         if grew:
             warnings.warn(
                 f"kernel distillation ended with a larger error ||K - WKW^T||_F = {errors[-1]:.3e} "
@@ -607,14 +606,16 @@ class KernelDistillation:
         self.timings.update(optimisation=t1 - t0, student=time.perf_counter() - t1)
         return self.student
 
+    @property
+    def _uses_line_search(self) -> bool:
+        """Whether the steps come from the exact line search (no fixed step, no optimiser)."""
+        return self.step_size is None and self.optimizer is None
+
     def _step_rule(self) -> str:
-        """The setting that chose the steps, for messages about them (empty for the line
-        search)."""
+        """The fixed-step setting that chose the steps, for messages about them."""
         if self.optimizer is not None:
             return "the optimizer's learning rate"
-        if self.step_size is not None:
-            return f"step_size={self.step_size:g}"
-        return ""  # the exact line search
+        return f"step_size={self.step_size:g}"
 
     def _report(self, step: int, error: float) -> None:
         """Progress line and callback for step ``step`` (0-based), ``error`` measured after it."""

@@ -19,7 +19,6 @@ from gpsd._validation import (
 from gpsd._variance import nonnegative_variance
 from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
 from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
-from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -28,7 +27,7 @@ from gpsd.laplace.predictive import (
     expected_response,
     laplace_latent_predictive,
 )
-from gpsd.laplace.resolve import resolve_likelihood_terms
+from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
 
 __all__ = ["LaplaceGPClassifier"]
 
@@ -115,10 +114,9 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         check_gp_modules(covar_module, mean_module)
         self.terms: LaplaceLikelihoodTerms = resolve_likelihood_terms(likelihood)
         train_x, train_y = checked_classification_data(train_x, train_y, self.terms)
-        if isinstance(likelihood, torch.nn.Module):
-            self.likelihood = likelihood
-        elif isinstance(self.terms, AutogradLikelihoodTerms):
-            self.likelihood = self.terms.likelihood  # its parameters train with the kernel's
+        module = likelihood_module(likelihood, self.terms)
+        if module is not None:
+            self.likelihood = module  # its parameters train with the kernel's; a change refits
         noise = check_positive_float(noise, "noise", allow_zero=True)
         temperature = check_positive_float(temperature, "temperature")
         max_iter = check_int(max_iter, "max_iter")

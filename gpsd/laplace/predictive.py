@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from gpsd._validation import check_int
-from gpsd._variance import can_branch_on
+from gpsd._variance import checked_latent_variance
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
@@ -30,24 +30,6 @@ __all__ = [
 #: above this latent variance :func:`symmetric_response_expectation` leaves Gauss-Hermite for the
 #: Gauss-Laguerre split (the crossover of their errors with 64 nodes, see its docstring)
 _SPLIT_VARIANCE = 2.0
-
-
-def _latent_variance(variance: Tensor) -> Tensor:
-    r"""``variance`` clamped at 0 where it is negative by rounding; a ``ValueError`` where it is
-    negative beyond that (below :math:`-\max(10^{-6}, \sqrt{\epsilon})` times the largest of 1
-    and its largest magnitude: a log-variance or a mistaken sign, not rounding)."""
-    if not can_branch_on(variance):  # compiled or vmapped: the clamp alone
-        return variance.clamp_min(0.0)
-    relative = max(1e-6, torch.finfo(variance.dtype).eps ** 0.5)
-    detached = variance.detach()
-    scale = detached.abs().amax().clamp_min(1.0) if detached.numel() else 1.0
-    if bool((detached < -relative * scale).any()):
-        raise ValueError(
-            f"variance must hold latent variances >= 0, got a minimum of "
-            f"{float(detached.min()):.4g} (negative beyond rounding; a log-variance or a "
-            "difference of variances with the wrong sign?)"
-        )
-    return variance.clamp_min(0.0)
 
 
 def laplace_latent_predictive(
@@ -118,11 +100,18 @@ def gauss_hermite_expectation(
     :param num_points: :math:`J`.
     """
     num_points = check_int(num_points, "num_points")
+    return _hermite(function, mean, checked_latent_variance(variance), num_points)
+
+
+def _hermite(
+    function: Callable[[Tensor], Tensor], mean: Tensor, variance: Tensor, num_points: int
+) -> Tensor:
+    """The body of :func:`gauss_hermite_expectation`, for a checked, non-negative variance."""
     nodes, weights = np.polynomial.hermite.hermgauss(num_points)
     nodes = torch.as_tensor(nodes, dtype=mean.dtype, device=mean.device)
     weights = torch.as_tensor(weights, dtype=mean.dtype, device=mean.device) / math.sqrt(math.pi)
     # clamped at the smallest normal number: a zero variance gets a finite (zero) gradient
-    std = _latent_variance(variance).clamp_min(torch.finfo(variance.dtype).tiny).sqrt()
+    std = variance.clamp_min(torch.finfo(variance.dtype).tiny).sqrt()
     points = mean.unsqueeze(-1) + math.sqrt(2.0) * std.unsqueeze(-1) * nodes  # shape: (..., J)
     return (function(points) * weights).sum(-1)
 
@@ -160,9 +149,9 @@ def symmetric_response_expectation(
     :param num_points: Nodes of each quadrature rule.
     """
     num_points = check_int(num_points, "num_points")
-    variance = _latent_variance(variance)
+    variance = checked_latent_variance(variance)
     split = variance > _SPLIT_VARIANCE
-    hermite = gauss_hermite_expectation(
+    hermite = _hermite(
         response, mean, torch.where(split, torch.zeros_like(variance), variance), num_points
     )
     nodes, weights = np.polynomial.laguerre.laggauss(num_points)
@@ -208,7 +197,7 @@ def closed_form_probability(terms: object, mean: Tensor, variance: Tensor) -> Te
     """
     response = terms._response if isinstance(terms, AutogradLikelihoodTerms) else None
     if isinstance(terms, BernoulliProbitTerms) or response is torch.special.ndtr:
-        return torch.special.ndtr(mean / torch.sqrt(1.0 + _latent_variance(variance)))
+        return torch.special.ndtr(mean / torch.sqrt(1.0 + checked_latent_variance(variance)))
     if response is not None and response is not torch.sigmoid:
         raise ValueError(
             f"the closed-form (probit) class probability needs a logistic or probit response, but "
@@ -220,4 +209,4 @@ def closed_form_probability(terms: object, mean: Tensor, variance: Tensor) -> Te
 def probit_approximation(mean: Tensor, variance: Tensor) -> Tensor:
     r"""MacKay's probit approximation :math:`\mathbb{E}[\sigma(f)] \approx
     \sigma\bigl(\mu / \sqrt{1 + \pi s^2 / 8}\bigr)` (Rasmussen & Williams, eq. 3.25 footnote)."""
-    return torch.sigmoid(mean / torch.sqrt(1.0 + math.pi * _latent_variance(variance) / 8.0))
+    return torch.sigmoid(mean / torch.sqrt(1.0 + math.pi * checked_latent_variance(variance) / 8.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from gpytorch.likelihoods import BernoulliLikelihood, Likelihood
 
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
@@ -11,7 +12,7 @@ from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.likelihoods.continuous_bernoulli_likelihood import ContinuousBernoulliLikelihood
 
-__all__ = ["LIKELIHOOD_NAMES", "resolve_likelihood_terms"]
+__all__ = ["LIKELIHOOD_NAMES", "likelihood_module", "resolve_likelihood_terms"]
 
 LIKELIHOOD_NAMES = {
     "bernoulli_logit": BernoulliLogitTerms,
@@ -51,3 +52,15 @@ def resolve_likelihood_terms(likelihood: object) -> LaplaceLikelihoodTerms:
         "likelihood must be a name, a gpytorch Likelihood or LaplaceLikelihoodTerms, "
         f"got {type(likelihood)}"
     )
+
+
+def likelihood_module(likelihood: object, terms: LaplaceLikelihoodTerms) -> torch.nn.Module | None:
+    """The module whose parameters a classifier built with ``likelihood`` (resolved to ``terms``)
+    must register, so that they train with the kernel's and a change of them refits: the
+    likelihood itself when it is a module, the wrapped one of :class:`AutogradLikelihoodTerms`,
+    else ``None``."""
+    if isinstance(likelihood, torch.nn.Module):
+        return likelihood
+    if isinstance(terms, AutogradLikelihoodTerms):
+        return terms.likelihood
+    return None

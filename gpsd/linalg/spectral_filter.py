@@ -136,7 +136,7 @@ class SpectralFilter:
         :math:`1 - F_t = (1 - \alpha) E_t`."""
         gamma, alpha = _check_schedule(gamma), _check_alpha(alpha)
         return cls(
-            lambda alg: _data_centric(alg, gamma, alpha)[2],
+            lambda alg: _data_centric(alg, gamma, alpha, residuals=True)[2],
             gamma,
             rebuild=lambda g: cls.data_centric_residuals(g, alpha),
         )
@@ -186,25 +186,28 @@ def _check_alpha(alpha: object) -> float:
     return value
 
 
-def _data_centric(alg, gamma: Tensor, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+def _data_centric(
+    alg, gamma: Tensor, alpha: float, residuals: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
     r"""Run the data-centric recurrence in ``alg``; returns ``(F_1..F_T, G_1..G_T, E_1..E_T)``
-    stacked on -2.
+    stacked on -2 (``E`` only with ``residuals``, else ``None``).
 
     :math:`E_t = 1 - d\,G_t = (1 - F_{t-1}) + F_{t-1}\, g_t / (d + g_t)` is the residual of step
     :math:`t`'s fit, a sum of non-negative terms with :math:`1 - F_t = (1 - \alpha) E_t` carried
     by the same recurrence (``1 - F_t`` itself cancels where :math:`F_t \approx 1`: tiny shifts).
     """
-    n_steps = gamma.shape[-1]
     f_prev = alg.one(gamma[..., 0])
     r_prev = 0.0 * f_prev  # 1 - F_0
-    targets, weights, residuals = [], [], []
-    for t in range(n_steps):
+    targets, weights, errors = [], [], []
+    for t in range(gamma.shape[-1]):
         g = gamma[..., t]
         weights.append(alg.mul(f_prev, alg.reciprocal(g)))
-        residuals.append(r_prev + alg.mul(f_prev, alg.complement(g)))
+        if residuals:
+            errors.append(r_prev + alg.mul(f_prev, alg.complement(g)))
+            r_prev = (1.0 - alpha) * errors[-1]
         f_next = alg.mul(f_prev, alg.ratio(g))
         if alpha != 0.0:
             f_next = alg.add_constant((1.0 - alpha) * f_next, alpha)
         targets.append(f_next)
-        f_prev, r_prev = f_next, (1.0 - alpha) * residuals[-1]
-    return alg.stack(targets), alg.stack(weights), alg.stack(residuals)
+        f_prev = f_next
+    return alg.stack(targets), alg.stack(weights), alg.stack(errors) if residuals else None
