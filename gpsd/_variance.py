@@ -8,7 +8,12 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-__all__ = ["can_branch_on", "checked_latent_variance", "nonnegative_variance"]
+__all__ = [
+    "can_branch_on",
+    "checked_latent_variance",
+    "nonnegative_variance",
+    "warn_if_variance_error_large",
+]
 
 
 def can_branch_on(tensor: Tensor) -> bool:
@@ -76,3 +81,38 @@ def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -
             stacklevel=stacklevel,
         )
     return variance.clamp_min(0.0)
+
+
+def warn_if_variance_error_large(
+    variance: Tensor, bound: Tensor, scale: Tensor, stacklevel: int = 3
+) -> None:
+    r"""Warn with a ``NumericalWarning`` where an iterative solve's error bound could make a
+    predictive variance more than 10 % off.
+
+    A variance :math:`k_{**} - q` from a quadratic form :math:`q` known to within ``bound``
+    (absolute) may be off by that much. Bounds below :math:`\max(10^{-6}, \sqrt{\epsilon})`
+    times the prior variance are not reported: rounding of the difference alone is of that order
+    (see :func:`nonnegative_variance`). Compiled or vmapped: nothing is checked
+    (:func:`can_branch_on`).
+
+    :param variance: the computed variances, any shape.
+    :param bound: bounds on their absolute errors, broadcastable against ``variance``.
+    :param scale: the prior variances, broadcastable against ``variance``.
+    :param stacklevel: passed to ``warnings.warn`` (3: the caller's caller).
+    """
+    if not can_branch_on(variance):
+        return
+    value = variance.detach()
+    bound = bound.detach().to(value)
+    floor = _rounding_tolerance(value.dtype) * scale.detach().abs().to(value)
+    tolerable = torch.maximum(0.1 * value.abs(), floor)
+    if bool((bound > tolerable).any()):
+        worst = float((bound / torch.maximum(value.abs(), floor)).max())
+        warnings.warn(
+            f"the conjugate-gradient solves leave some predictive variances uncertain by up to "
+            f"{worst:.3g} times their value (the bound |r|^2 / noise of a residual r within "
+            "rtol of the right-hand side; small noise makes it large): lower rtol, or use "
+            "backend='cholesky' where an N x N matrix fits",
+            NumericalWarning,
+            stacklevel=stacklevel,
+        )

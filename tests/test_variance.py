@@ -8,7 +8,7 @@ import torch
 from gpr_reference import rbf_kernel
 from gpytorch.utils.warnings import NumericalWarning
 
-from gpsd._variance import nonnegative_variance
+from gpsd._variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.data.toy import sine_classification
 from gpsd.distillation.data_centric_gpc import DataCentricGPC
 from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
@@ -117,3 +117,17 @@ def test_regression_distiller_reports_a_negative_variance():
     with torch.no_grad(), pytest.warns(NumericalWarning, match="negative"):
         variance = model.predict(test_x).variance
     assert bool((variance == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_error_bound_above_a_tenth_of_a_variance_is_reported(dtype):
+    scale = torch.tensor([2.0, 2.0, 2.0], dtype=dtype)
+    variance = torch.tensor([1.0, 1e-2, 0.0], dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # within 10 % of each variance, or below rounding of the prior variance (1e-6 * 2)
+        warn_if_variance_error_large(variance, torch.tensor([0.09, 9e-4, 1e-6], dtype=dtype), scale)
+    with pytest.warns(NumericalWarning, match="up to 2 times their value"):
+        warn_if_variance_error_large(variance, torch.tensor([0.0, 2e-2, 0.0], dtype=dtype), scale)
+    with pytest.warns(NumericalWarning, match="lower rtol"):  # a zero variance: vs its floor
+        warn_if_variance_error_large(variance, torch.tensor([0.0, 0.0, 1e-3], dtype=dtype), scale)

@@ -23,7 +23,7 @@ from gpsd._validation import (
     check_same_device,
     replacement_data,
 )
-from gpsd._variance import nonnegative_variance
+from gpsd._variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
     BackwardWatch,
@@ -288,7 +288,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
     @property
     def error_estimate(self) -> float:
-        """Estimated relative error of the backend (0 for the exact dense and Cholesky ones)."""
+        """Estimated relative truncation error of the backend (0 for the direct dense and Cholesky
+        ones). Rounding is not counted: it costs every backend a relative error of up to about
+        ``eps * (lambda_max + noise) / noise``, ``eps`` the unit roundoff of the solves' dtype."""
         return self._state()["engine"].error_estimate(self._smallest_shift())
 
     # ------------------------------------------------------------------ prediction
@@ -354,7 +356,12 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             mean = self._mean_chunk(state, test_x, cross)
             prior_var = kernel(test_in, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
-            variance = nonnegative_variance(prior_var - reduction, prior_var).to(test_x.dtype)
+            variance = nonnegative_variance(prior_var - reduction, prior_var)
+            # the shifted-solve engines bound the error of their quadratic forms (None: exact)
+            bound = getattr(engine, "quad_error_bound", None)
+            if bound is not None:
+                warn_if_variance_error_large(variance, bound, prior_var, stacklevel=4)
+            variance = variance.to(test_x.dtype)
             # The variances do not depend on the targets or the prior mean: expanded (a view)
             # over their batch, so that they index as the means do.
             variance = variance.expand(mean.shape)  # shape: (*batch, T, M)

@@ -33,6 +33,9 @@ class ShiftedSolveEngine(abc.ABC):
     #: latest solve, reused by the next call with the same right-hand side and shift (the CG
     #: backend's timed solve serves the first step of a chain).
     _last: tuple | None = None
+    #: Bounds ``(*, F, M)`` on the absolute error of the latest :meth:`quad_diag`'s values, where
+    #: the engine has them (the iterative ones); ``None`` where the solves are exact up to rounding.
+    quad_error_bound: Tensor | None = None
 
     def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
@@ -80,10 +83,11 @@ class ShiftedSolveEngine(abc.ABC):
     def quad_diag(self, filt: SpectralFilter, left: Tensor) -> Tensor:
         """:math:`\\operatorname{diag}(\\mathbf C^\\top f_t(\\mathbf K)\\mathbf C)`; ``(*, F, M)``."""
         left = left.to(self.dtype)
+        self.quad_error_bound = None
         if not filt.is_resolvent:
             return (left.unsqueeze(-3) * self.apply(filt, left)).sum(-2)
         gamma = filt.gamma.to(dtype=self.dtype, device=left.device)
-        done: dict[bytes, Tensor] = {}
+        done: dict[bytes, tuple[Tensor, Tensor | None]] = {}
         steps = []
         for t in range(gamma.shape[-1]):
             g = gamma[..., t]
@@ -92,11 +96,14 @@ class ShiftedSolveEngine(abc.ABC):
             if key not in done:
                 done[key] = self._resolvent_quad_diag(g, left)
             steps.append(done[key])
-        return torch.stack(steps, dim=-2)
+        if steps[0][1] is not None:
+            self.quad_error_bound = torch.stack([bound for _, bound in steps], dim=-2)
+        return torch.stack([value for value, _ in steps], dim=-2)
 
-    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
-        """:math:`\\operatorname{diag}(\\mathbf C^\\top(\\mathbf K + \\gamma\\mathbf I)^{-1}\\mathbf C)`."""
-        return (left * self.solve(gamma, left)).sum(-2)
+    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> tuple[Tensor, Tensor | None]:
+        """:math:`\\operatorname{diag}(\\mathbf C^\\top(\\mathbf K + \\gamma\\mathbf I)^{-1}\\mathbf C)`
+        and a bound on its absolute error (``None``: exact up to rounding)."""
+        return (left * self.solve(gamma, left)).sum(-2), None
 
     def error_estimate(self, gamma_min: float) -> float:
         """Zero: exact up to rounding (subclasses that iterate override this)."""

@@ -65,7 +65,9 @@ class ShiftedCG(ShiftedSolveEngine):
     to the targets. The quadratic forms of the predictive variances,
     :math:`\mathbf c^\top(\mathbf K + \gamma\mathbf I)^{-1}\mathbf c`, err by at most
     :math:`\text{tol}^2\lVert\mathbf c\rVert^2/\gamma` (second order; see
-    :meth:`_resolvent_quad_diag` and :meth:`multishift_quad_diag`). A solve whose true residual
+    :meth:`_resolvent_quad_diag` and :meth:`multishift_quad_diag`); :meth:`quad_diag` leaves the
+    bound :math:`\lVert\mathbf r\rVert^2/\gamma` of each form in :attr:`quad_error_bound`, and
+    the regression distillers warn where it exceeds 10 % of a variance. A solve whose true residual
     ends above ``10 * tol`` (``max_iter`` iterations were not enough, or rounding stalled it)
     warns with a ``NumericalWarning`` naming the residual it reached.
 
@@ -237,9 +239,10 @@ class ShiftedCG(ShiftedSolveEngine):
             )
         return x
 
-    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
+    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> tuple[Tensor, Tensor]:
         r""":math:`\mathbf c^\top(\mathbf K + \gamma\mathbf I)^{-1}\mathbf c` per column, to second
-        order in the solve's error.
+        order in the solve's error, and the bound :math:`\lVert\mathbf r\rVert^2/\gamma` on that
+        error.
 
         With :math:`\mathbf A = \mathbf K + \gamma\mathbf I`, the iterate :math:`\hat{\mathbf x}`,
         its error :math:`\mathbf e = \mathbf A^{-1}\mathbf c - \hat{\mathbf x}` and residual
@@ -257,9 +260,11 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`k_{**} - \mathbf c^\top\mathbf A^{-1}\mathbf c` is a small difference when
         :math:`\gamma` is small, so the first-order term dominated its error: at
         :math:`\gamma = 10^{-8}` and ``tol`` :math:`= 10^{-8}` the variances were
-        :math:`3.5 \times 10^{-3}` off a 40-digit reference, now :math:`3.3 \times 10^{-9}`
-        (``benchmarks/bench_cg_variance_accuracy.py``). The residual is the one the solve
-        computed for its final check.
+        :math:`3.5 \times 10^{-3}` off a 40-digit reference, against :math:`3.3 \times 10^{-9}`
+        for the second-order form (``benchmarks/bench_cg_variance_accuracy.py`` when it was
+        written). The residual is the one the solve computed for its final check. The value returned is below the true one by
+        :math:`\mathbf r^\top\mathbf A^{-1}\mathbf r \in [0, \lVert\mathbf r\rVert^2/\gamma]`,
+        the bound returned with it (:attr:`quad_error_bound` after :meth:`quad_diag`).
         """
         x = self.solve(gamma, left)
         cached, self._residual = self._residual, None
@@ -268,7 +273,9 @@ class ShiftedCG(ShiftedSolveEngine):
         else:  # a solve reused from before: its residual again
             g = gamma.to(self.dtype).expand(x.shape[:-2])[..., None, None]
             residual = left - self._kernel_matmul(x).addcmul_(x, g)
-        return (x * (left + residual)).sum(-2)
+        value = (x * (left + residual)).sum(-2)  # shape: (*, M)
+        g = gamma.to(self.dtype).expand(residual.shape[:-2]).unsqueeze(-1)  # shape: (*, 1)
+        return value, residual.square().sum(-2) / g
 
     # ------------------------------------------------------------------ all shifts at once
     def apply(self, filt: SpectralFilter, rhs: Tensor) -> Tensor:
@@ -329,9 +336,14 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`\lVert\mathbf c^{(k)}_t - \mathbf c^{(k')}_t\rVert` is the exact distance
         between the two approximations, an estimate of the error of the older one. A column stops
         once this is at most ``tol`` times :math:`\lVert f_t(\mathbf K)\mathbf b\rVert` for every
-        filter, or when its Krylov space is exhausted (then the result is exact). If ``max_iter``
-        iterations do not get there, it warns with a ``NumericalWarning``; the estimate reached is
-        kept in :attr:`krylov_error_estimate`.
+        filter, or when its Krylov space is exhausted: :math:`\beta_k \le 100\,\varepsilon
+        \max_j|\alpha_j|`, after which the estimate is 0. The estimate counts truncation only:
+        rounding limits any solver's relative error to about :math:`\varepsilon\,(\lambda_{\max}
+        + \gamma_0)/\gamma_0`, and at exhaustion the neglected :math:`\beta_k` leaves an error of
+        that order (float64, :math:`\gamma_0 = 10^{-4}`: 2e-8, as far from the dense solution as
+        a step-by-step LU chain is from an eigendecomposition). If ``max_iter`` iterations do not
+        get there, it warns with a ``NumericalWarning``; the estimate reached is kept in
+        :attr:`krylov_error_estimate`.
 
         Memory: the basis, ``k`` vectors of length ``N`` per column.
 
@@ -547,11 +559,17 @@ class ShiftedCG(ShiftedSolveEngine):
             + \lVert\mathbf c_\perp\rVert^2\,
             \mathbf e_1^\top\big(\mathbf T_k + (\gamma - \gamma_0)\mathbf I\big)^{-1}\mathbf e_1 ,
 
-        the last term a continued fraction. Each column stops when its residual for
-        :math:`\gamma_0` is below ``tol`` :math:`\lVert\mathbf c_\perp\rVert`; the quadrature
-        error is then at most :math:`\text{tol}^2\lVert\mathbf c_\perp\rVert^2/\gamma_0` for
-        every :math:`\gamma \ge \gamma_0`. Memory stays at a few ``N x M`` blocks, whatever the
-        number of shifts.
+        the last term a continued fraction. Each column stops when its residual
+        :math:`\mathbf r_0` for :math:`\gamma_0` is below ``tol``
+        :math:`\lVert\mathbf c_\perp\rVert`. The quadrature equals the CG iterate's
+        :math:`\mathbf c^\top\hat{\mathbf x}_t`, short of the true value by
+        :math:`\mathbf r_t^\top(\mathbf K_\perp + \gamma\mathbf I)^{-1}\mathbf r_t
+        \le \lVert\mathbf r_0\rVert^2/\gamma_0` (the residual of shift :math:`\gamma` is
+        :math:`\zeta_t\mathbf r_0`, :math:`|\zeta_t| \le 1`), at most
+        :math:`\text{tol}^2\lVert\mathbf c_\perp\rVert^2/\gamma_0` for every
+        :math:`\gamma \ge \gamma_0` (:math:`\mathbf r_0` the recursion's residual); that bound
+        is kept in :attr:`quad_error_bound`. Memory stays at a few ``N x M`` blocks, whatever
+        the number of shifts.
 
         :param gamma: shifts, shape ``(*s, T)``.
         :param left: :math:`\mathbf C`, shape ``(*b, N, M)``.
@@ -561,7 +579,8 @@ class ShiftedCG(ShiftedSolveEngine):
             d, v, z, complement = self._split_resolved(left)
             shifts = gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
             exact = (z.square().unsqueeze(-3) / (d[..., None, :, None] + shifts)).sum(-2)
-            alphas, betas, actives, norm2 = self._complement_cg(complement, v, gamma.min())
+            gamma0 = gamma.min()
+            alphas, betas, actives, norm2, rr = self._complement_cg(complement, v, gamma0)
             delta = (gamma - gamma.min())[..., :, None]  # shape: (*s, T, 1)
             fraction = torch.ones_like(exact)
             for j in range(len(alphas) - 1, -1, -1):  # continued fraction, from the bottom
@@ -576,11 +595,15 @@ class ShiftedCG(ShiftedSolveEngine):
                     diag = diag - couple.unsqueeze(-2) / fraction
                 fraction = diag
             complement = norm2.unsqueeze(-2) / fraction if len(alphas) else torch.zeros_like(exact)
-        return exact + complement
+            out = exact + complement
+            # shape: (*b, M) -> (*broadcast(s, b), T, M)
+            self.quad_error_bound = (rr / gamma0).unsqueeze(-2).expand_as(out)
+        return out
 
     def _complement_cg(self, b: Tensor, v: Tensor, gamma0: Tensor):
         r"""CG on :math:`(\mathbf K_\perp + \gamma_0\mathbf I)\mathbf x = \mathbf b`; returns the
-        step sizes, the activity masks per iteration and :math:`\lVert\mathbf b\rVert^2`."""
+        step sizes, the activity masks per iteration, :math:`\lVert\mathbf b\rVert^2` and the
+        final squared residual norms."""
         shifted = self._complement_operator(v, gamma0)
         norm2 = (b * b).sum(-2)  # shape: (*b, M)
         threshold = self.tol**2 * norm2
@@ -605,7 +628,7 @@ class ShiftedCG(ShiftedSolveEngine):
             rr = rr_new
         self.last_iterations = len(alphas)
         self._check_multishift(rr, norm2)
-        return alphas.values, betas.values, actives.values, norm2
+        return alphas.values, betas.values, actives.values, norm2, rr
 
     def _split_resolved(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The resolved Ritz values ``d`` ``(*b, p)`` and vectors ``V`` ``(*b, N, p)``, ``V^T x``

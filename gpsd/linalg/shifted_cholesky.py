@@ -125,10 +125,11 @@ class ShiftedCholesky(ShiftedSolveEngine):
     def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         return torch.cholesky_solve(rhs, self.factor(gamma))
 
-    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
-        """Squared column norms of :math:`\\mathbf L_\\gamma^{-1}\\mathbf C`: one triangular solve."""
+    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> tuple[Tensor, None]:
+        """Squared column norms of :math:`\\mathbf L_\\gamma^{-1}\\mathbf C`: one triangular solve
+        (exact up to rounding: no error bound)."""
         half = torch.linalg.solve_triangular(self.factor(gamma), left, upper=False)
-        return half.square().sum(-2)
+        return half.square().sum(-2), None
 
     def trace(self, filt: SpectralFilter) -> Tensor:
         """:math:`\\operatorname{tr} f_t(\\mathbf K)` by solves with the identity; ``(*, F)``."""

@@ -469,6 +469,37 @@ def test_repeated_shift_quadratic_forms_err_at_second_order():
     assert float((expected - plain).abs().max()) > 10 * float(error.abs().max())
 
 
+@pytest.mark.parametrize("shifts", [(1e-4, 1e-4), (1e-4, 3e-4, 1e-3)])
+def test_quad_error_bound_bounds_the_error_of_every_quadratic_form(shifts):
+    """After quad_diag, quad_error_bound holds |r|^2 / g per form (one shift: the solve's true
+    residual; several: the base shift's, which bounds every larger shift's): the forms lie below
+    the dense ones by at most that. A loose tol makes the truncation visible above rounding."""
+    gen = torch.Generator().manual_seed(22)
+    x = 10 * torch.rand(400, 1, generator=gen, dtype=DTYPE)
+    test_x = 10 * torch.rand(6, 1, generator=gen, dtype=DTYPE)
+
+    def matern32(a, b):
+        d = torch.cdist(a, b) * 3**0.5
+        return (1 + d) * torch.exp(-d)
+
+    k, left = matern32(x, x), matern32(x, test_x)
+    gamma = torch.tensor(shifts, dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=32, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-3)
+    got = cg.quad_diag(SF.resolvent(gamma), left)
+    bound = cg.quad_error_bound
+    assert bound.shape == got.shape == (len(shifts), 6)
+    expected = (left * dense_solves(k, gamma, left)).sum(-2)
+    error = expected - got
+    assert float(error.max()) > 1e-8 * float(expected.max())  # truncation, not rounding
+    assert bool((error >= -1e-10 * expected).all())
+    assert bool((error <= bound * (1 + 1e-6)).all())
+    assert bool((bound <= (1e-3) ** 2 * left.square().sum(-2) / gamma.min()).all())
+    chol = ShiftedCholesky(k)
+    chol.quad_diag(SF.resolvent(gamma), left)
+    assert chol.quad_error_bound is None  # exact up to rounding
+
+
 def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     import gpytorch
 
@@ -484,7 +515,9 @@ def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     exact = (
         DataCentricGPR(kernel, x, y, gamma, backend="cholesky").predict(test_x).variance.detach()
     )
-    cg = DataCentricGPR(kernel, x, y, gamma, backend="cg", rtol=1e-8).predict(test_x).variance
+    # rank 64 < N = 150: CG iterates (758 times); rank >= N would make it one step
+    model = DataCentricGPR(kernel, x, y, gamma, backend="cg", rtol=1e-8, rank=64)
+    cg = model.predict(test_x).variance
     # relative error 2.3e-3 at the first-order quadratic form before
     assert float(((cg - exact).abs() / exact).max()) < 1e-6
 
