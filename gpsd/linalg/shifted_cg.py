@@ -262,9 +262,10 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`\gamma = 10^{-8}` and ``tol`` :math:`= 10^{-8}` the variances were
         :math:`3.5 \times 10^{-3}` off a 40-digit reference, against :math:`3.3 \times 10^{-9}`
         for the second-order form (``benchmarks/bench_cg_variance_accuracy.py`` when it was
-        written). The residual is the one the solve computed for its final check. The value returned is below the true one by
-        :math:`\mathbf r^\top\mathbf A^{-1}\mathbf r \in [0, \lVert\mathbf r\rVert^2/\gamma]`,
-        the bound returned with it (:attr:`quad_error_bound` after :meth:`quad_diag`).
+        written). The residual is the one the solve computed for its final check. The value
+        returned is below the true one by :math:`\mathbf r^\top\mathbf A^{-1}\mathbf r \in
+        [0, \lVert\mathbf r\rVert^2/\gamma]`, the bound returned with it
+        (:attr:`quad_error_bound` after :meth:`quad_diag`).
         """
         x = self.solve(gamma, left)
         cached, self._residual = self._residual, None
@@ -581,7 +582,7 @@ class ShiftedCG(ShiftedSolveEngine):
             exact = (z.square().unsqueeze(-3) / (d[..., None, :, None] + shifts)).sum(-2)
             gamma0 = gamma.min()
             alphas, betas, actives, norm2, rr = self._complement_cg(complement, v, gamma0)
-            delta = (gamma - gamma.min())[..., :, None]  # shape: (*s, T, 1)
+            delta = (gamma - gamma0)[..., :, None]  # shape: (*s, T, 1)
             fraction = torch.ones_like(exact)
             for j in range(len(alphas) - 1, -1, -1):  # continued fraction, from the bottom
                 alpha, active = alphas[j], actives[j]
