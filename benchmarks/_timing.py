@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import platform
 import resource
 import statistics
 import sys
@@ -13,6 +14,20 @@ import time
 from collections.abc import Callable
 
 import torch
+
+
+@functools.cache
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows: results
+    from two machines of the same architecture can differ in timing and in float32 rounding."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cuda_missing(device: torch.device) -> bool:

@@ -33,7 +33,7 @@ import gpytorch
 import torch
 from _problems import rbf_kernel as rbf
 from _problems import uniform_square_problem as problem
-from _timing import Report, cuda_missing, sync
+from _timing import Report, cpu_name, cuda_missing, sync
 
 from gpsd import DataCentricGPR
 from gpsd.linalg import KernelSpectrum, ShiftedCG, ShiftedCholesky
@@ -233,14 +233,14 @@ def main() -> None:
     device = torch.device(args.device)
     if cuda_missing(device):
         return
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     header = "\n".join(
         [
             f"# Backend choice on {device.type}: data {args.dtype}, factorisations "
             f"{args.linalg_dtype}",
             "",
             f"- command: `python benchmarks/bench_backend_choice.py {' '.join(sys.argv[1:])}`",
-            f"- machine: {platform.system()} {platform.machine()} ({name or 'cpu'}), "
+            f"- machine: {platform.system()}, {name}, "
             f"{torch.get_num_threads()} torch threads",
             f"- torch {torch.__version__} (CUDA {torch.version.cuda}), gpytorch "
             f"{gpytorch.__version__}, Python {platform.python_version()}",

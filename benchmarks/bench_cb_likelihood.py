@@ -27,7 +27,7 @@ import sys
 
 import gpytorch
 import torch
-from _timing import Report, cuda_missing, median_time
+from _timing import Report, cpu_name, cuda_missing, median_time
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 
 from gpsd.likelihoods import ContinuousBernoulliLikelihood
@@ -79,7 +79,7 @@ def main() -> None:
         f"# Continuous Bernoulli expectations: gpsd against plain Gauss-Hermite ({device.type})",
         "",
         f"- command (in `benchmarks/`): `python {' '.join(sys.argv)}`",
-        f"- machine: {platform.machine()}, {torch.get_num_threads()} threads, torch "
+        f"- machine: {cpu_name()}, {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}, gpytorch {gpytorch.__version__}, Python "
         f"{platform.python_version()}"
         + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),

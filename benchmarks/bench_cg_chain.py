@@ -28,7 +28,7 @@ import sys
 
 import gpytorch
 import torch
-from _timing import Report, cuda_missing, median_time
+from _timing import Report, cpu_name, cuda_missing, median_time
 
 from gpsd.data import load_dataset
 from gpsd.linalg import ChunkedKernelOperator, KernelSpectrum, ShiftedCG
@@ -109,7 +109,7 @@ def main() -> None:
         f"# The data-centric chain on the CG backend (float64, {device.type})",
         "",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- machine: {platform.machine()}, {torch.get_num_threads()} threads, torch "
+        f"- machine: {cpu_name()}, {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}, gpytorch {gpytorch.__version__}, Python {platform.python_version()}",
         f"- noise {NOISE} at every step, rtol {RTOL}, deflation by a rank-{DEFLATION_RANK} "
         "Lanczos run, K as a `ChunkedKernelOperator`; times are medians of "

@@ -98,6 +98,7 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("CUDA is not available: nothing to measure on the GPU.")
         return
+    from _timing import cpu_name
 
     import gpsd
 
@@ -105,7 +106,7 @@ def main() -> None:
         f"# Memory and time of backend='cg' ({args.device}, float64)",
         "",
         f"- command (in `benchmarks/`): `python {' '.join(sys.argv)}`",
-        f"- machine: {platform.machine()}, {torch.get_num_threads()} threads, torch "
+        f"- machine: {cpu_name()}, {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}, gpytorch {gpytorch.__version__}, Python "
         f"{platform.python_version()}; gpsd from {gpsd.__file__}",
         f"- {args.m} test points; RBF lengthscale 0.1 on [0, 10]^2; each case in a new process",

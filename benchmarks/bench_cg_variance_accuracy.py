@@ -27,7 +27,7 @@ import warnings
 import gpytorch
 import mpmath
 import torch
-from _timing import write_report
+from _timing import cpu_name, write_report
 
 from gpsd import DataCentricGPR
 
@@ -69,7 +69,7 @@ def main() -> None:
         "# Predictive variances at small noise against a 40-digit reference (cpu, float64)",
         "",
         f"- command (in `benchmarks/`): `python {' '.join(sys.argv)}`",
-        f"- machine: {platform.machine()}, torch {torch.__version__}, gpytorch "
+        f"- machine: {cpu_name()}, torch {torch.__version__}, gpytorch "
         f"{gpytorch.__version__}, mpmath {mpmath.__version__}, Python {platform.python_version()}",
         f"- N = {args.n} inputs on [0, 10], Matérn-3/2 (lengthscale 1), 8 test points; reference: "
         f"mpmath at {args.digits} digits from the same float64 kernel matrices; CG deflated by "

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import gpytorch
 import numpy as np
 import torch
-from _timing import cuda_missing, median_time
+from _timing import cpu_name, cuda_missing, median_time
 
 from gpsd import DataCentricGPC, DistributionCentricGPC, LaplaceGPClassifier
 from gpsd.data.toy import sine_classification
@@ -183,7 +183,7 @@ def main() -> None:
         "# Classification self-distillation timings",
         "",
         f"- machine: {os.cpu_count()}-core CPU, {torch.get_num_threads()} torch thread(s), "
-        f"processor `{platform.processor() or platform.machine()}`, "
+        f"processor `{cpu_name()}`, "
         f"{platform.system()} {platform.release()}",
         f"- device: {device}, dtype: {args.dtype}; scikit-learn always runs on CPU in float64",
         f"- torch {torch.__version__}, gpytorch {gpytorch.__version__}, python {platform.python_version()}",

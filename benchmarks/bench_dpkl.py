@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import gpytorch
 import numpy as np
 import torch
-from _timing import Report, cuda_missing, median_time
+from _timing import Report, cpu_name, cuda_missing, median_time
 from linear_operator.operators import LowRankRootLinearOperator
 from torch import nn
 
@@ -353,7 +352,7 @@ def main():
     header = [
         "# DPKL benchmark",
         "",
-        f"- machine: {platform.machine()} `{platform.processor() or 'unknown'}`, "
+        f"- machine: `{cpu_name()}`, "
         f"{torch.get_num_threads()} torch threads; device: {device}; dtype: {args.dtype}",
         f"- torch {torch.__version__}, gpytorch {gpytorch.__version__}",
         f"- command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",

@@ -22,7 +22,7 @@ import sys
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import write_report
+from _timing import cpu_name, write_report
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 
@@ -48,7 +48,7 @@ def main() -> None:
         f"# float32 data against the float64 answer ({device.type})",
         "",
         f"- command (in `benchmarks/`): `python {' '.join(sys.argv)}`",
-        f"- machine: {platform.machine()}, torch {torch.__version__}, gpytorch "
+        f"- machine: {cpu_name()}, torch {torch.__version__}, gpytorch "
         f"{gpytorch.__version__}, Python {platform.python_version()}",
         f"- N = {args.n}, {args.m} test points, T = 10 noises from 0.1 to 1; reference: the same "
         "float32 values in float64, backend='dense'",

@@ -53,7 +53,14 @@ from typing import NamedTuple
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import Report, cuda_missing, median_time_and_output, peak_rss_kib, start_peak_rss
+from _timing import (
+    Report,
+    cpu_name,
+    cuda_missing,
+    median_time_and_output,
+    peak_rss_kib,
+    start_peak_rss,
+)
 
 from gpsd import DataCentricGPR, DistributionCentricGPR, KernelDistillation
 
@@ -463,7 +470,7 @@ def main() -> None:
             f"# Large-N benchmark on {DEVICE.type} ({args.dtype})",
             "",
             f"- command: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`",
-            f"- device: {torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu'}, "
+            f"- device: {torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu, ' + cpu_name()}, "
             f"CUDA {torch.version.cuda}, "
             f"torch {torch.__version__}, gpytorch {gpytorch.__version__}, "
             f"Python {platform.python_version()}",

@@ -23,7 +23,7 @@ import time
 
 import gpytorch
 import torch
-from _timing import cuda_missing, median_time, sync, write_report
+from _timing import cpu_name, cuda_missing, median_time, sync, write_report
 
 from gpsd.kernel_distillation import KernelDistillation
 from gpsd.kernel_distillation import kernel_distillation as distillation_module
@@ -155,7 +155,7 @@ def main() -> None:
     device = torch.device(args.device)
     if cuda_missing(device):
         return
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {cpu_name()}"
     header = "\n".join(
         [
             "# Kernel blocks for kernel distillation: gpsd against GPyTorch",

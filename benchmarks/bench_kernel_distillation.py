@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import sys
 import time
 import warnings
 
 import gpytorch
 import torch
-from _timing import cuda_missing, median_time
+from _timing import cpu_name, cuda_missing, median_time
 
 from gpsd.data import load_dataset
 from gpsd.kernel_distillation import KernelDistillation
@@ -245,7 +244,7 @@ def main() -> None:
         lines.append(s)
 
     out("# Kernel distillation benchmark (Song & Sun, Tables 2-3, Fig. 1)\n")
-    out(f"- machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads "
+    out(f"- machine: {cpu_name()}, {torch.get_num_threads()} threads "
         f"(2-core CPU box); device: {device}; dtype: {args.dtype}")  # fmt: skip
     out(f"- torch {torch.__version__}, gpytorch {gpytorch.__version__}")
     out(f"- command: `python {' '.join(sys.argv)}`")

@@ -23,7 +23,7 @@ import time
 
 import gpytorch
 import torch
-from _timing import cuda_missing, peak_rss_kib, sync, write_report
+from _timing import cpu_name, cuda_missing, peak_rss_kib, sync, write_report
 
 from gpsd import KernelDistillation
 
@@ -71,7 +71,9 @@ def main() -> None:
     t_predict = time.perf_counter() - start
     finite = bool(torch.isfinite(mean).all() and torch.isfinite(variance).all())
     k_xx_gib = args.n**2 * torch.finfo(dtype).bits / 8 / 2**30
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_name = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {cpu_name()}"
+    )
     lines = [
         "# Kernel distillation at large n",
         "",

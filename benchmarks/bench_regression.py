@@ -30,7 +30,7 @@ import sys
 import gpytorch
 import numpy as np
 import torch
-from _timing import cuda_missing, median_time, peak_rss_kib
+from _timing import cpu_name, cuda_missing, median_time, peak_rss_kib
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import load_dataset
@@ -294,7 +294,7 @@ def scaling_table(args, device, dtype) -> str:
 def header(args, device, dtype) -> str:
     import sklearn
 
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
     return "\n".join(
         [
