@@ -240,8 +240,7 @@ def main() -> None:
             f"{args.linalg_dtype}",
             "",
             f"- command: `python benchmarks/bench_backend_choice.py {' '.join(sys.argv[1:])}`",
-            f"- machine: {platform.system()}, {name}, "
-            f"{torch.get_num_threads()} torch threads",
+            f"- machine: {platform.system()}, {name}, {torch.get_num_threads()} torch threads",
             f"- torch {torch.__version__} (CUDA {torch.version.cuda}), gpytorch "
             f"{gpytorch.__version__}, Python {platform.python_version()}",
             f"- data: inputs uniform on [0, 10]^2, RBF lengthscale {args.lengthscale}, "

@@ -533,6 +533,39 @@ class ShiftedCG(ShiftedSolveEngine):
             self._check_multishift(rr, norm2)
         return exact + x_t
 
+    def cross(self, filt: SpectralFilter, left: Tensor, rhs: Tensor) -> Tensor:
+        r""":math:`\mathbf C^\top f_t(\mathbf K)\mathbf B`; returns ``(*, F, M, r)``.
+
+        For a resolvent with ``left is rhs`` (predictive covariances), the form of
+        :meth:`_resolvent_quad_diag` extended to every pair of columns: from the iterates
+        :math:`\hat{\mathbf X}` and residuals :math:`\mathbf R = \mathbf C - \mathbf A
+        \hat{\mathbf X}`,
+
+        .. math::
+            \mathbf C^\top\mathbf A^{-1}\mathbf C = \tfrac12\big(\hat{\mathbf X}^\top
+            (\mathbf C + \mathbf R) + (\mathbf C + \mathbf R)^\top\hat{\mathbf X}\big)
+            + \mathbf R^\top\mathbf A^{-1}\mathbf R ,
+
+        symmetric, with a positive semi-definite error of second order (its diagonal is the
+        quadratic forms' error); the plain :math:`\mathbf C^\top\hat{\mathbf X}` errs at first
+        order, so the diagonal of a covariance disagreed with the variances (at noise
+        :math:`10^{-6}`, ``tol`` :math:`= 10^{-6}`: 9.4e-2 off against 3.1e-2). Costs one more
+        product with :math:`\mathbf K` for the residuals of every shift.
+        """
+        if not (filt.is_resolvent and left is rhs):
+            return super().cross(filt, left, rhs)
+        left = left.to(self.dtype)
+        filt = filt.to(self.dtype, left.device)
+        x = self.apply(filt, left)  # shape: (*, T, N, M)
+        with torch.no_grad():
+            # steps first, so that the kernel's batch dimensions stay next to N
+            steps_first = x.movedim(-3, 0)
+            product = self._kernel_matmul(steps_first).movedim(0, -3)
+            shifts = filt.gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
+            corrected = 2 * left.unsqueeze(-3) - product - shifts * x  # C + R
+            half = x.mT @ corrected
+            return 0.5 * (half + half.mT)
+
     def quad_diag(self, filt: SpectralFilter, left: Tensor) -> Tensor:
         r""":math:`\operatorname{diag}(\mathbf C^\top f_t(\mathbf K)\mathbf C)`; ``(*, F, M)``.
 

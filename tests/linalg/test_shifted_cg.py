@@ -500,6 +500,38 @@ def test_quad_error_bound_bounds_the_error_of_every_quadratic_form(shifts):
     assert chol.quad_error_bound is None  # exact up to rounding
 
 
+@pytest.mark.parametrize("shifts, tol", [((1e-6, 1e-6), 1e-8), ((1e-6, 3e-6, 1e-5), 1e-7)])
+def test_resolvent_cross_products_err_by_a_psd_matrix_of_second_order(shifts, tol):
+    """C^T (K + g I)^-1 C from iterates X and residuals R is the symmetric part of
+    X^T (C + R), short of the dense value by R^T (K + g I)^-1 R: positive semi-definite and of
+    second order. The plain C^T X errs at first order (x^T r, large at a small shift) and is
+    not symmetric; the setting of test_repeated_shift_quadratic_forms_err_at_second_order."""
+    gen = torch.Generator().manual_seed(21)
+    x = 10 * torch.rand(400, 1, generator=gen, dtype=DTYPE)
+    test_x = 10 * torch.rand(6, 1, generator=gen, dtype=DTYPE)
+
+    def matern32(a, b):
+        d = torch.cdist(a, b) * 3**0.5
+        return (1 + d) * torch.exp(-d)
+
+    k, left = matern32(x, x), matern32(x, test_x)
+    gamma = torch.tensor(shifts, dtype=DTYPE)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)  # multi-shift stalls at 1.8e-8
+    got = cg.cross(SF.resolvent(gamma), left, left)
+    assert got.shape == (len(shifts), 6, 6)
+    assert torch.equal(got, got.mT)
+    expected = left.mT @ dense_solves(k, gamma, left)
+    error = expected - got
+    scale = float(expected.abs().max())
+    assert float(torch.linalg.eigvalsh(error).min()) >= -1e-10 * scale
+    plain = left.mT @ cg.apply(SF.resolvent(gamma), left)
+    assert float((expected - plain).abs().max()) > 10 * float(error.abs().max())
+    other = 2 * left[:, :2]  # C is not B: the plain product
+    crossed = cg.cross(SF.resolvent(gamma), left, other)
+    assert torch.allclose(crossed, left.mT @ cg.apply(SF.resolvent(gamma), other))
+
+
 def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     import gpytorch
 
