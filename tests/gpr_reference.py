@@ -87,3 +87,14 @@ def rbf_kernel(outputscale=4.0, lengthscale=1.5, dtype=torch.float64, **kwargs):
 def relative_error(a, b):
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max())
+
+
+def matern_regression_problem():
+    """150 inputs on [0, 10], targets sin(x), a float64 Matérn-3/2 kernel of lengthscale 1 (a
+    slowly decaying spectrum) and 8 test inputs: ``(kernel, x, y, test_x)``."""
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(150, 1, generator=gen, dtype=torch.float64)
+    y = torch.sin(x[:, 0])
+    kernel = gpytorch.kernels.MaternKernel(nu=1.5).double()
+    kernel.lengthscale = torch.tensor(1.0, dtype=torch.float64)
+    return kernel, x, y, 10 * torch.rand(8, 1, generator=gen, dtype=torch.float64)

@@ -6,7 +6,7 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
-from gpr_reference import rbf_kernel, relative_error
+from gpr_reference import matern_regression_problem, rbf_kernel, relative_error
 from gpytorch.utils.warnings import NumericalWarning
 
 import gpsd.distillation._common as common
@@ -467,31 +467,23 @@ def test_auto_plans_a_factor_of_the_schedules_against_the_kernel_batch(monkeypat
     assert seen == [(2, 3, 6)] and factor.shape[:-2].numel() == 6
 
 
-def _matern_problem():
-    gen = torch.Generator().manual_seed(0)
-    x = 10 * torch.rand(150, 1, generator=gen, dtype=DTYPE)
-    y = torch.sin(x[:, 0])
-    kernel = gpytorch.kernels.MaternKernel(nu=1.5).double()
-    kernel.lengthscale = torch.tensor(1.0, dtype=DTYPE)
-    return kernel, x, y, 10 * torch.rand(8, 1, generator=gen, dtype=DTYPE)
-
-
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_cg_variances_that_a_loose_rtol_leaves_uncertain_are_reported(cls):
     """At noise 1e-8 a residual within rtol = 1e-6 leaves the quadratic form k*^T A^-1 k*
     uncertain by up to |r|^2 / 1e-8, far more than the variances: it said nothing before, with
-    variances 30 % to 3.4 times off."""
-    kernel, x, y, test_x = _matern_problem()
+    variances 14 % (data-centric) and 31 % (distribution-centric) off; the error depends on
+    rounding (8 % to 11 % at rank 96 with one or two threads), hence the margin below."""
+    kernel, x, y, test_x = matern_regression_problem()
     gamma = torch.tensor([1e-8, 1e-8], dtype=DTYPE)
     exact = cls(kernel, x, y, gamma, backend="cholesky").predict(test_x).variance.detach()
-    model = cls(kernel, x, y, gamma, backend="cg", rank=96, rtol=1e-6)
+    model = cls(kernel, x, y, gamma, backend="cg", rank=64, rtol=1e-6)
     with pytest.warns(NumericalWarning, match="uncertain by up to"):
         variance = model.predict(test_x).variance.detach()
-    assert float(((variance - exact).abs() / exact).max()) > 0.1  # the warning was due
+    assert float(((variance - exact).abs() / exact).max()) > 0.05  # 5e4 times rtol
     assert bool((variance >= exact * (1 - 1e-9)).all())  # the form errs low: variances high
     with warnings.catch_warnings():  # a larger noise: the same rtol is ample
         warnings.simplefilter("error")
-        calm = cls(kernel, x, y, gamma * 1e6, backend="cg", rank=96, rtol=1e-6)
+        calm = cls(kernel, x, y, gamma * 1e6, backend="cg", rank=64, rtol=1e-6)
         calm.predict(test_x)
 
 
@@ -499,7 +491,7 @@ def test_cg_variances_that_a_loose_rtol_leaves_uncertain_are_reported(cls):
 def test_cg_covariance_diagonals_equal_the_variances(gamma):
     """Before, the covariances took the first-order C^T X: at noise 1e-6 and rtol 1e-6 their
     diagonal was 9.4e-2 off the Cholesky variances where the variances were 3.1e-2 off."""
-    kernel, x, y, test_x = _matern_problem()
+    kernel, x, y, test_x = matern_regression_problem()
     gamma = torch.tensor(gamma, dtype=DTYPE)
     exact = DataCentricGPR(kernel, x, y, gamma, backend="cholesky").predict(test_x, full_cov=True)
     model = DataCentricGPR(kernel, x, y, gamma, backend="cg", rank=64, rtol=1e-6)

@@ -442,19 +442,25 @@ def test_runs_longer_than_the_first_record_block_equal_dense_answers():
     assert relative_error(chain, naive_chain(k, steps, 0.0, left[:, :1])[1]) < 1e-8
 
 
+def matern32_problem(seed):
+    """A Matérn-3/2 kernel matrix (lengthscale 1: a slowly decaying spectrum) on 400 inputs
+    in [0, 10] and its cross-covariance with 6 test points: ``(K, C)``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(400, 1, generator=gen, dtype=DTYPE)
+    test_x = 10 * torch.rand(6, 1, generator=gen, dtype=DTYPE)
+
+    def matern32(a, b):
+        d = torch.cdist(a, b) * 3**0.5
+        return (1 + d) * torch.exp(-d)
+
+    return matern32(x, x), matern32(x, test_x), gen
+
+
 def test_repeated_shift_quadratic_forms_err_at_second_order():
     """c^T (K + g I)^-1 c from an iterate x with residual r is x^T (c + r), whose error
     r^T (K + g I)^-1 r is non-negative and at most tol^2 |c|^2 / g; the plain c^T x errs at
     first order. The predictive variance k** - c^T (K + g I)^-1 c inherits it."""
-    gen = torch.Generator().manual_seed(21)
-    x = 10 * torch.rand(400, 1, generator=gen, dtype=DTYPE)
-    test_x = 10 * torch.rand(6, 1, generator=gen, dtype=DTYPE)
-
-    def matern32(a, b):  # lengthscale 1: a slowly decaying spectrum
-        d = torch.cdist(a, b) * 3**0.5
-        return (1 + d) * torch.exp(-d)
-
-    k, left = matern32(x, x), matern32(x, test_x)
+    k, left, gen = matern32_problem(21)
     gamma, tol = 1e-6, 1e-8
     spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)
@@ -474,15 +480,7 @@ def test_quad_error_bound_bounds_the_error_of_every_quadratic_form(shifts):
     """After quad_diag, quad_error_bound holds |r|^2 / g per form (one shift: the solve's true
     residual; several: the base shift's, which bounds every larger shift's): the forms lie below
     the dense ones by at most that. A loose tol makes the truncation visible above rounding."""
-    gen = torch.Generator().manual_seed(22)
-    x = 10 * torch.rand(400, 1, generator=gen, dtype=DTYPE)
-    test_x = 10 * torch.rand(6, 1, generator=gen, dtype=DTYPE)
-
-    def matern32(a, b):
-        d = torch.cdist(a, b) * 3**0.5
-        return (1 + d) * torch.exp(-d)
-
-    k, left = matern32(x, x), matern32(x, test_x)
+    k, left, gen = matern32_problem(22)
     gamma = torch.tensor(shifts, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=32, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-3)
@@ -506,15 +504,7 @@ def test_resolvent_cross_products_err_by_a_psd_matrix_of_second_order(shifts, to
     X^T (C + R), short of the dense value by R^T (K + g I)^-1 R: positive semi-definite and of
     second order. The plain C^T X errs at first order (x^T r, large at a small shift) and is
     not symmetric; the setting of test_repeated_shift_quadratic_forms_err_at_second_order."""
-    gen = torch.Generator().manual_seed(21)
-    x = 10 * torch.rand(400, 1, generator=gen, dtype=DTYPE)
-    test_x = 10 * torch.rand(6, 1, generator=gen, dtype=DTYPE)
-
-    def matern32(a, b):
-        d = torch.cdist(a, b) * 3**0.5
-        return (1 + d) * torch.exp(-d)
-
-    k, left = matern32(x, x), matern32(x, test_x)
+    k, left, gen = matern32_problem(21)
     gamma = torch.tensor(shifts, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)  # multi-shift stalls at 1.8e-8
@@ -533,16 +523,11 @@ def test_resolvent_cross_products_err_by_a_psd_matrix_of_second_order(shifts, to
 
 
 def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
-    import gpytorch
+    from gpr_reference import matern_regression_problem
 
     from gpsd import DataCentricGPR
 
-    gen = torch.Generator().manual_seed(0)
-    x = 10 * torch.rand(150, 1, generator=gen, dtype=DTYPE)
-    y = torch.sin(x[:, 0])
-    kernel = gpytorch.kernels.MaternKernel(nu=1.5).double()
-    kernel.lengthscale = torch.tensor(1.0, dtype=DTYPE)
-    test_x = 10 * torch.rand(8, 1, generator=gen, dtype=DTYPE)
+    kernel, x, y, test_x = matern_regression_problem()
     gamma = torch.tensor([1e-8], dtype=DTYPE)
     exact = (
         DataCentricGPR(kernel, x, y, gamma, backend="cholesky").predict(test_x).variance.detach()
