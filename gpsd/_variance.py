@@ -91,9 +91,10 @@ def warn_if_variance_error_large(
 
     A variance :math:`k_{**} - q` from a quadratic form :math:`q` known to within ``bound``
     (absolute) may be off by that much. Bounds below :math:`\max(10^{-6}, \sqrt{\epsilon})`
-    times the prior variance are not reported: rounding of the difference alone is of that order
-    (see :func:`nonnegative_variance`). Compiled or vmapped: nothing is checked
-    (:func:`can_branch_on`).
+    times the prior variance are not reported, the floor :func:`nonnegative_variance` allows a
+    negative variance (a heuristic: rounding itself, about :math:`\epsilon\lambda_{\max}/\gamma`
+    relative, is not bounded here; float32 solves have their own warning). Compiled or vmapped:
+    nothing is checked (:func:`can_branch_on`).
 
     :param variance: the computed variances, any shape.
     :param bound: bounds on their absolute errors, broadcastable against ``variance``.

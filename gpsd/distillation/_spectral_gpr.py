@@ -307,10 +307,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         test_x = validate_test_x(test_x, self.train_x)
         if full_cov or test_x.shape[-2] <= TEST_CHUNK_SIZE:
             return self._predict_chunk(test_x, full_cov)
-        parts = [
-            self._predict_chunk(test_x[..., i : i + TEST_CHUNK_SIZE, :], False)
-            for i in range(0, test_x.shape[-2], TEST_CHUNK_SIZE)
-        ]
+        parts = []
+        for i in range(0, test_x.shape[-2], TEST_CHUNK_SIZE):  # a loop, not a comprehension:
+            # warnings point past predict (stacklevel) on every Python version
+            parts.append(self._predict_chunk(test_x[..., i : i + TEST_CHUNK_SIZE, :], False))
         return RegressionPath(
             torch.cat([p.mean for p in parts], dim=-1),
             torch.cat([p.variance for p in parts], dim=-1),

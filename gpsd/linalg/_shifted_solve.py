@@ -33,8 +33,9 @@ class ShiftedSolveEngine(abc.ABC):
     #: latest solve, reused by the next call with the same right-hand side and shift (the CG
     #: backend's timed solve serves the first step of a chain).
     _last: tuple | None = None
-    #: Bounds ``(*, F, M)`` on the absolute error of the latest :meth:`quad_diag`'s values, where
-    #: the engine has them (the iterative ones); ``None`` where the solves are exact up to rounding.
+    #: Bounds ``(*, F, M)`` on the absolute truncation error of the latest :meth:`quad_diag`'s
+    #: values, where the engine has them (the iterative ones; rounding and, for several shifts in
+    #: CG, split-off Ritz pairs aside); ``None`` where the solves are exact up to rounding.
     quad_error_bound: Tensor | None = None
 
     def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:

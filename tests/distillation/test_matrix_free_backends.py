@@ -506,3 +506,19 @@ def test_cg_covariance_diagonals_equal_the_variances(gamma):
     if gamma[0] == gamma[1]:  # one shift: the same iterate and residual for both
         assert torch.allclose(diagonal, path.variance, rtol=1e-9, atol=0)
     assert float(torch.linalg.eigvalsh(error).min()) >= -1e-12
+
+
+def test_the_uncertain_variance_warning_points_at_the_caller_across_chunks(monkeypatch):
+    """With the test points in several chunks, a list comprehension in predict made the warning
+    point inside gpsd on Python 3.11."""
+    import gpsd.distillation._spectral_gpr as spectral
+
+    monkeypatch.setattr(spectral, "TEST_CHUNK_SIZE", 3)
+    kernel, x, y, test_x = matern_regression_problem()
+    model = DataCentricGPR(kernel, x, y, [1e-8], backend="cg", rank=64, rtol=1e-6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = model.predict(test_x)  # 8 points: chunks of 3, 3 and 2
+    assert path.variance.shape == (1, 8)
+    uncertain = [w for w in caught if "uncertain" in str(w.message)]
+    assert uncertain and all(w.filename == __file__ for w in uncertain)
