@@ -357,10 +357,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             prior_var = kernel(test_in, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
             variance = nonnegative_variance(prior_var - reduction, prior_var)
-            # the shifted-solve engines bound the error of their quadratic forms (None: exact)
-            bound = getattr(engine, "quad_error_bound", None)
-            if bound is not None:
-                warn_if_variance_error_large(variance, bound, prior_var, stacklevel=4)
+            if engine.quad_error_bound is not None:  # the iterative solvers bound their forms
+                warn_if_variance_error_large(variance, engine.quad_error_bound, prior_var, 4)
             variance = variance.to(test_x.dtype)
             # The variances do not depend on the targets or the prior mean: expanded (a view)
             # over their batch, so that they index as the means do.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -10,6 +12,8 @@ from torch import Tensor
 from gpsd._module_state import write_count
 from gpsd.linalg._algebra import ShiftedSolveAlgebra
 from gpsd.linalg.spectral_filter import SpectralFilter
+
+T = TypeVar("T")
 
 
 class ShiftedSolveEngine(abc.ABC):
@@ -88,15 +92,7 @@ class ShiftedSolveEngine(abc.ABC):
         if not filt.is_resolvent:
             return (left.unsqueeze(-3) * self.apply(filt, left)).sum(-2)
         gamma = filt.gamma.to(dtype=self.dtype, device=left.device)
-        done: dict[bytes, tuple[Tensor, Tensor | None]] = {}
-        steps = []
-        for t in range(gamma.shape[-1]):
-            g = gamma[..., t]
-            # equal shifts share a solve, unless their gradients must reach each one separately
-            key = t if carries_graph(g) else g.detach().cpu().numpy().tobytes()
-            if key not in done:
-                done[key] = self._resolvent_quad_diag(g, left)
-            steps.append(done[key])
+        steps = per_distinct_shift(gamma, lambda t, g: self._resolvent_quad_diag(g, left))
         if steps[0][1] is not None:
             self.quad_error_bound = torch.stack([bound for _, bound in steps], dim=-2)
         return torch.stack([value for value, _ in steps], dim=-2)
@@ -112,6 +108,21 @@ class ShiftedSolveEngine(abc.ABC):
 
     def check_accuracy(self, gamma_min: float, rtol: float) -> None:  # noqa: B027
         """Nothing to check before solving (iterative subclasses check every solve)."""
+
+
+def per_distinct_shift(gamma: Tensor, compute: Callable[[int, Tensor], T]) -> list[T]:
+    """``compute(t, gamma[..., t])`` for every step ``t`` of ``gamma`` ``(*s, T)``, computed once
+    per distinct shift: equal shifts share a result, unless their gradients must reach each one
+    separately (:func:`carries_graph`)."""
+    done: dict[object, T] = {}
+    out = []
+    for t in range(gamma.shape[-1]):
+        g = gamma[..., t]
+        key = t if carries_graph(g) else g.detach().cpu().numpy().tobytes()
+        if key not in done:
+            done[key] = compute(t, g)
+        out.append(done[key])
+    return out
 
 
 def carries_graph(shift: Tensor) -> bool:

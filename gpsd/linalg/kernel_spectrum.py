@@ -98,6 +98,10 @@ class KernelSpectrum:
         non-zero columns of ``eigenvectors``, found by one pass over them).
     """
 
+    #: No per-form error bounds: :meth:`error_estimate` covers the quadratic forms too (the
+    #: shifted-solve engines keep theirs here after ``quad_diag``).
+    quad_error_bound: Tensor | None = None
+
     def __init__(
         self,
         eigenvalues: Tensor,
