@@ -64,6 +64,19 @@ def adopt_buffer_shapes(
             setattr(module, name, current.new_empty(saved.shape))
 
 
+def check_saved_num_steps(module: nn.Module, saved: object) -> None:
+    """Raise a ``ValueError`` naming ``num_steps`` if ``saved``, a buffer of a state dict with one
+    entry per distillation step along its first dimension, comes from a model with another
+    ``num_steps`` than ``module``'s. For ``_load_from_state_dict``: the steps of one model do not
+    belong to another's (and would not fit its buffers)."""
+    if isinstance(saved, Tensor) and saved.dim() and saved.shape[0] != module.num_steps:
+        raise ValueError(
+            f"the state comes from a {type(module).__name__} with num_steps={saved.shape[0]}, "
+            f"but this one has num_steps={module.num_steps}; build one with "
+            f"num_steps={saved.shape[0]} to load it"
+        )
+
+
 def fixed_setting(name: str, doc: str) -> property:
     """A read-only property over ``self._<name>``: setting it raises an ``AttributeError`` that
     says the setting is fixed at construction (buffers were sized by it)."""

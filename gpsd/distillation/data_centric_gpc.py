@@ -12,14 +12,20 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import ModuleState, adopt_buffer_shapes, fixed_setting
+from gpsd._module_state import (
+    ModuleState,
+    adopt_buffer_shapes,
+    check_saved_num_steps,
+    choice_setting,
+    fixed_setting,
+)
 from gpsd._validation import (
     check_gp_modules,
     check_int,
     check_test_inputs,
 )
 from gpsd._variance import nonnegative_variance
-from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
+from gpsd.laplace._prior_blocks import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
@@ -80,8 +86,11 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
     Predictions refit every step (warm-started from the stored modes) when any parameter or buffer
     or a setting (``noise_schedule``, ``soft_target_likelihood``, ``threshold_targets``,
     ``target_method``, ``max_iter``) has changed since the last :meth:`fit`, so they always belong
-    to the current hyperparameters. The training data are stored detached. Every step is computed
-    in the training inputs' dtype, whatever the dtype of the kernel and the mean.
+    to the current hyperparameters. Predictions are differentiable in the test inputs; the
+    hyperparameters are constants to them (the steps are fitted without autograd, so a gradient
+    through the test-point kernel alone would be wrong). A state saved by a model with another
+    ``num_steps`` is refused. The training data are stored detached. Every step is computed in
+    the training inputs' dtype, whatever the dtype of the kernel and the mean.
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
     :param train_y: Binary labels ``(*batch, n)`` in {0, 1}.
@@ -116,24 +125,15 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         super().__init__()
         check_gp_modules(covar_module, mean_module)
         num_steps = check_int(num_steps, "num_steps")
-        if soft_target_likelihood not in ("continuous_bernoulli", "bernoulli"):
-            raise ValueError(
-                "soft_target_likelihood must be 'continuous_bernoulli' or 'bernoulli', "
-                f"got {soft_target_likelihood!r}"
-            )
-        if target_method not in ("quadrature", "probit"):
-            raise ValueError(
-                f"target_method must be 'quadrature' or 'probit', got {target_method!r}"
-            )
+        self.soft_target_likelihood = soft_target_likelihood
+        self.threshold_targets = threshold_targets
+        self.target_method = target_method
         train_x, train_y = checked_classification_data(train_x, train_y, self._target_terms)
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self._num_steps = num_steps
         self._noise_schedule = tuple(_schedule(noise, num_steps, "noise"))
-        self.soft_target_likelihood = soft_target_likelihood
-        self.threshold_targets = bool(threshold_targets)
         self.warm_start = bool(warm_start)
-        self.target_method = target_method
         self.max_iter = check_int(max_iter, "max_iter")
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
@@ -155,6 +155,22 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         "num_steps", ":math:`T` (the buffers hold one set of targets per step)."
     )
 
+    soft_target_likelihood = choice_setting(
+        "soft_target_likelihood",
+        ("continuous_bernoulli", "bernoulli"),
+        "The likelihood of steps :math:`t \\ge 2`; a new one refits on use.",
+    )
+    threshold_targets = choice_setting(
+        "threshold_targets",
+        (False, True),
+        "Whether steps :math:`t \\ge 2` get the thresholded targets; a new value refits on use.",
+    )
+    target_method = choice_setting(
+        "target_method",
+        ("quadrature", "probit"),
+        "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
+    )
+
     @property
     def noise_schedule(self) -> tuple[float, ...]:
         """:math:`\\gamma_1, \\dots, \\gamma_T`; assigning a new schedule (one number, or
@@ -170,6 +186,7 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        check_saved_num_steps(self, state_dict.get(prefix + "step_targets"))
         names = ("step_targets", "latent_modes", "train_inputs", "train_targets")
         adopt_buffer_shapes(self, state_dict, prefix, names)
         self._modes = None
@@ -266,14 +283,16 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         return check_test_inputs(x, self.train_inputs)
 
     def predict_latent(self, x: Tensor, step: int | None = None) -> tuple[Tensor, Tensor]:
-        """Latent predictive mean and variance of step ``step`` (default: the last) at ``x``."""
+        """Latent predictive mean and variance of step ``step`` (default: the last) at ``x``,
+        differentiable in ``x`` (the hyperparameters are constants to them: the steps are fitted
+        without autograd)."""
         x = self._test_inputs(x)
         _, mode = self._mode(step)
-        with torch.no_grad():
+        with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
                 self.covar_module, self.mean_module, x, self.train_inputs, diag=True
             )
-            mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
+        mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
         return mean, nonnegative_variance(var, K_diag)
 
     def predict_proba(

@@ -8,14 +8,20 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import ModuleState, adopt_buffer_shapes, choice_setting, fixed_setting
+from gpsd._module_state import (
+    ModuleState,
+    adopt_buffer_shapes,
+    check_saved_num_steps,
+    choice_setting,
+    fixed_setting,
+)
 from gpsd._validation import (
     check_gp_modules,
     check_int,
     check_test_inputs,
 )
 from gpsd._variance import nonnegative_variance
-from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
+from gpsd.laplace._prior_blocks import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import closed_form_probability, expected_response
@@ -59,9 +65,14 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
 
     Predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
     the likelihood, the training inputs or labels, ``method`` or ``max_iter`` has changed since
-    the last fit (or ``load_state_dict``), so that every step belongs to the current model. The training data are stored detached.
-    Every step is computed in the training inputs' dtype, whatever the dtype of the kernel and
-    the mean. In float32, ``"iterated"`` loses accuracy with the number of steps where the
+    the last fit (or ``load_state_dict``), so that every step belongs to the current model. A
+    loaded state's steps are kept only where they were fitted with this model's ``method``,
+    ``max_iter``, likelihood and ``store_all_steps`` (saved with them); otherwise the next
+    prediction refits. A state saved by a model with another ``num_steps`` is refused.
+    Predictions are differentiable in the test inputs; the hyperparameters are constants to them
+    (the steps are fitted without autograd, so a gradient through the test-point kernel alone
+    would be wrong). The training data are stored detached. Every step is computed in the
+    training inputs' dtype, whatever the dtype of the kernel and the mean. In float32, ``"iterated"`` loses accuracy with the number of steps where the
     kernel matrix is ill-conditioned (each step forms :math:`\mathbf K_t = \mathbf K(\mathbf I
     - \mathbf Q_t \mathbf K)` explicitly): class probabilities 1.7e-3 off the float64 ones at
     :math:`T = 10` with lengthscale 8, outputscale 50 and 40 points, where ``"tempered"`` is
@@ -120,6 +131,8 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         self.newton_iterations: dict[int, int] = {}
         # the prior, likelihood, data and settings that the computed steps belong to
         self._fitted_state: tuple[ModuleState, ModuleState, tuple] | None = None
+        # the settings that a loaded state's steps were fitted with (None: with none)
+        self._loaded_fit_settings: tuple | None = None
         self.register_load_state_dict_post_hook(DistributionCentricGPC._adopt_loaded_fit)
 
     def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the unkept step
@@ -151,30 +164,55 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         data.register_buffer("targets", self.train_targets)
         return data
 
+    def _settings(self) -> tuple:
+        """What the steps depend on besides the modules' state and the training data: ``method``,
+        ``max_iter``, the likelihood (the types of its terms and module) and ``store_all_steps``
+        (which steps the buffers hold)."""
+        likelihood = (type(self.terms), type(getattr(self, "likelihood", None)))
+        names = tuple(f"{cls.__module__}.{cls.__qualname__}" for cls in likelihood)
+        return self.method, self.max_iter, names, self.store_all_steps
+
     def _prior_state(self) -> tuple[ModuleState, ModuleState, tuple]:
-        """The state of :meth:`_prior_modules`, the training data, ``method`` and ``max_iter``."""
-        settings = (self.method, self.max_iter)
-        return ModuleState(self._prior_modules()), ModuleState(self._training_data()), settings
+        """The state of :meth:`_prior_modules`, the training data and :meth:`_settings`."""
+        return (
+            ModuleState(self._prior_modules()),
+            ModuleState(self._training_data()),
+            self._settings(),
+        )
 
     def _fit_is_current(self) -> bool:
-        """Whether the computed steps belong to the current prior, likelihood, training data,
-        ``method`` and ``max_iter``."""
+        """Whether the computed steps belong to the current prior, likelihood, training data and
+        :meth:`_settings`."""
         if self._fitted_state is None:
             return False
         prior, data, settings = self._fitted_state
         return (
-            settings == (self.method, self.max_iter)
+            settings == self._settings()
             and prior.matches(self._prior_modules())
             and data.matches(self._training_data())
         )
 
+    def get_extra_state(self) -> dict:
+        """Saved in ``state_dict``: the :meth:`_settings` that the saved steps were fitted with, or
+        ``None`` where they belong to no fit of the saved state (unfitted, or fitted before a
+        hyperparameter or setting changed)."""
+        return {"fit_settings": self._settings() if self._fit_is_current() else None}
+
+    def set_extra_state(self, state: dict) -> None:
+        self._loaded_fit_settings = state["fit_settings"]
+
     @staticmethod
     def _adopt_loaded_fit(module: DistributionCentricGPC, incompatible_keys) -> None:
-        """After ``load_state_dict``: the loaded steps belong to the loaded hyperparameters."""
-        module._fitted_state = module._prior_state()
+        """After ``load_state_dict``: the loaded steps belong to the loaded hyperparameters if they
+        were fitted with this model's :meth:`_settings` (``method``, ``max_iter``, likelihood,
+        ``store_all_steps``); otherwise the next prediction refits."""
+        fitted_with = module._loaded_fit_settings
+        module._fitted_state = module._prior_state() if fitted_with == module._settings() else None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        check_saved_num_steps(self, state_dict.get(prefix + "computed_steps"))
         self._scratch = None
+        self._loaded_fit_settings = None  # a state without the settings: refit
         names = ("latent_modes", "coefficients", "covariance_corrections")
         names += ("train_inputs", "train_targets")
         adopt_buffer_shapes(self, state_dict, prefix, names)
@@ -195,8 +233,9 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         if slot is None:  # not kept in the buffers
             self._scratch = (step, f, c, Q)
             return
-        if self.coefficients[slot].shape != c.shape:  # the kernel added a batch shape
-            T = self.coefficients.shape[0]
+        T = self.num_steps if self.store_all_steps else 1
+        # the kernel added a batch shape, or a loaded state held another number of steps
+        if self.coefficients.shape != (T, *c.shape):
             self.latent_modes = f.new_zeros(T, *f.shape)
             self.coefficients = c.new_zeros(T, *c.shape)
             self.covariance_corrections = Q.new_zeros(T, *Q.shape)
@@ -311,16 +350,18 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         return check_test_inputs(x, self.train_inputs)
 
     def predict_latent(self, x: Tensor, step: int | None = None) -> tuple[Tensor, Tensor]:
-        r"""Latent mean and variance of the posterior after ``step`` steps (default: the last)."""
+        r"""Latent mean and variance of the posterior after ``step`` steps (default: the last),
+        differentiable in the test inputs ``x`` (the hyperparameters are constants to them: the
+        steps are fitted without autograd)."""
         x = self._test_inputs(x)
         scale, c, Q = self._state(step)
-        with torch.no_grad():
+        with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
                 self.covar_module, self.mean_module, x, self.train_inputs, diag=True
             )
-            mean = prior_mean + (K_cross @ c.unsqueeze(-1)).squeeze(-1)  # shape: (*batch, m)
-            prior_var = scale * K_diag
-            var = prior_var - ((K_cross @ Q) * K_cross).sum(-1)
+        mean = prior_mean + (K_cross @ c.unsqueeze(-1)).squeeze(-1)  # shape: (*batch, m)
+        prior_var = scale * K_diag
+        var = prior_var - ((K_cross @ Q) * K_cross).sum(-1)
         return mean, nonnegative_variance(var, prior_var)
 
     def predict_proba(

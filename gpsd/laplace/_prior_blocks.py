@@ -6,13 +6,16 @@ mix dtypes in the Newton iterations and the predictions.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import gpytorch
 import torch
 from torch import Tensor
 
 from gpsd.linalg._negligible import kernel_matrix
 
-__all__ = ["prior_at_test", "prior_at_training"]
+__all__ = ["constant_parameters", "prior_at_test", "prior_at_training"]
 
 
 def prior_at_training(
@@ -49,3 +52,22 @@ def prior_at_test(
     K_cross = kernel_matrix(covar_module, x, train_x).to(dtype)
     K_test = covar_module(x, diag=True) if diag else covar_module(x).to_dense()
     return K_cross, K_test.to(dtype), mean_module(x).to(dtype)
+
+
+@contextlib.contextmanager
+def constant_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``module``'s parameters do not require gradients (restored afterwards).
+
+    For predictions from steps fitted without autograd: what is computed from the test inputs
+    then carries their gradient only, not a partial one in the hyperparameters through the
+    test-point kernel alone (a wrong gradient, as the fitted steps move with them too). Not
+    thread-safe: another thread using the parameters meanwhile sees them as constants too.
+    """
+    params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)

@@ -209,7 +209,10 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
 
     def log_marginal_likelihood(self) -> Tensor:
         r"""The Laplace approximation of :math:`\log p(\mathbf y)`, shape ``batch``, differentiable in
-        the hyperparameters (see :func:`~gpsd.laplace.laplace_log_marginal_likelihood`)."""
+        the hyperparameters (see :func:`~gpsd.laplace.laplace_log_marginal_likelihood`).
+
+        The evidence alone: hyperpriors registered on the modules are not included (see
+        :meth:`log_prior`; :meth:`optimize_hyperparameters` adds them)."""
         self.fit()
         m, K = self.prior_train()
         return laplace_log_marginal_likelihood(
@@ -271,8 +274,29 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
             return closed_form_probability(self.terms, mean, var)
         raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")
 
+    def log_prior(self) -> Tensor:
+        r""":math:`\sum_j \log p_j(\theta_j)` over the hyperpriors registered on the kernel, the
+        mean and the likelihood, a scalar (0 without priors): as in GPyTorch's marginal
+        likelihoods, ``prior.log_prob(closure(module))`` summed over ``named_priors()``."""
+        total = self.train_inputs.new_zeros(())
+        for _, module, prior, closure, _ in self.named_priors():
+            total = total + prior.log_prob(closure(module)).sum()
+        return total
+
     def optimize_hyperparameters(self, num_iter: int = 50, lr: float = 0.05) -> list[float]:
-        """Maximise :meth:`log_marginal_likelihood` with Adam; returns the loss history."""
+        r"""Maximise the log posterior of the hyperparameters with Adam (``num_iter`` steps,
+        learning rate ``lr``), then refit; returns the loss history.
+
+        The loss is
+
+        .. math::
+
+            -\sum_b \log q(\mathbf y_b \mid \theta) - \sum_j \log p_j(\theta_j),
+
+        the negated :meth:`log_marginal_likelihood` summed over the batch and :meth:`log_prior`,
+        the hyperpriors registered on the modules (as GPyTorch's marginal likelihoods add them);
+        without priors, the evidence alone.
+        """
         num_iter = check_int(num_iter, "num_iter", minimum=0)
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}")
@@ -283,7 +307,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         history = []
         for _ in range(num_iter):
             optimizer.zero_grad()
-            loss = -self.log_marginal_likelihood().sum()
+            loss = -(self.log_marginal_likelihood().sum() + self.log_prior())
             loss.backward()
             optimizer.step()
             history.append(loss.item())

@@ -53,6 +53,15 @@ class LaplaceMode:
     num_iter: int
     temperature: float = 1.0
 
+    def check_dtype(self, tensor: object, name: str) -> None:
+        """Raise a ``ValueError`` naming ``name`` if ``tensor`` is a tensor in another dtype than
+        the mode (a product with :attr:`alpha` or :attr:`chol_B` would fail on it)."""
+        if isinstance(tensor, Tensor) and tensor.dtype != self.f.dtype:
+            raise ValueError(
+                f"{name} has dtype {tensor.dtype} but the mode was found in {self.f.dtype}; "
+                f"pass {name} in the mode's dtype"
+            )
+
 
 def _default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
     if dtype == torch.float64:
@@ -211,12 +220,26 @@ def find_laplace_mode(
         ``False`` for soft targets in :math:`[0, 1]` under a Bernoulli likelihood (the
         cross-entropy), whose own check takes binary labels only.
     :param temperature: :math:`\tau > 0`, the power of the likelihood.
+    :param max_iter: Newton iterations allowed.
+    :param objective_tol: Convergence tolerance (finite, :math:`\ge 0`) on the change of
+        :math:`\psi` relative to :math:`1 + |\psi|` (default :math:`10^{-13}` in float64,
+        :math:`10^{-6}` otherwise).
+    :param f_tol: Convergence tolerance (finite, :math:`\ge 0`) on the change of
+        :math:`\mathbf f` relative to :math:`1 + \max|\mathbf f|` (default :math:`10^{-10}` in
+        float64, :math:`10^{-4}` otherwise).
+    :param max_halvings: How often the step may be halved in one iteration (an integer
+        :math:`\ge 0`; 0 tries the full Newton step only).
     :raises LaplaceConvergenceError: after ``max_iter`` iterations without convergence, or when
         the line search stops short of the mode (derivatives that disagree with ``log_prob``, or
         too few digits for the kernel's scale).
     """
     max_iter = check_int(max_iter, "max_iter")
+    max_halvings = check_int(max_halvings, "max_halvings", minimum=0)
     temperature = check_positive_float(temperature, "temperature")
+    if objective_tol is not None:
+        objective_tol = check_positive_float(objective_tol, "objective_tol", allow_zero=True)
+    if f_tol is not None:
+        f_tol = check_positive_float(f_tol, "f_tol", allow_zero=True)
     terms = resolve_likelihood_terms(terms)
     K, y, prior_mean, init_f = _checked_problem(K, y, prior_mean, init_f, terms, check_targets)
     with torch.no_grad():
@@ -276,7 +299,7 @@ def find_laplace_mode(
             step = torch.ones_like(psi)
             accepted = torch.zeros_like(psi, dtype=torch.bool)
             new_alpha, new_f, new_psi = alpha, f, psi
-            for _ in range(max_halvings):
+            for _ in range(max_halvings + 1):  # the full step, then max_halvings shorter ones
                 cand_alpha = alpha + step.unsqueeze(-1) * direction
                 cand_f = m + (K @ cand_alpha.unsqueeze(-1)).squeeze(-1)
                 cand_psi = _objective(cand_alpha, cand_f, m, y, terms, tau)

@@ -59,8 +59,15 @@ def laplace_latent_predictive(
         two dimensions are ``(m, m)`` and it has at least as many dimensions as ``K_cross``; pass
         ``diag`` where a batch of ``m`` diagonals would read as one matrix.
     :return: ``(mean, covariance_or_variance)``.
-    :raises ValueError: if the trailing shape of ``K_test`` fits neither reading.
+    :raises ValueError: if the trailing shape of ``K_test`` fits neither reading, or a tensor is
+        in another dtype than ``mode``.
     """
+    for tensor, name in (
+        (K_cross, "K_cross"),
+        (K_test, "K_test"),
+        (test_prior_mean, "test_prior_mean"),
+    ):
+        mode.check_dtype(tensor, name)
     m = K_cross.shape[-2]
     if diag is None:
         diag = not (K_test.dim() >= max(2, K_cross.dim()) and K_test.shape[-2:] == (m, m))

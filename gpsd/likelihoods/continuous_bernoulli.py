@@ -2,6 +2,7 @@ r"""A numerically stable continuous Bernoulli distribution parameterised by its 
 
 from __future__ import annotations
 
+import math
 from numbers import Number
 
 import torch
@@ -105,27 +106,51 @@ class ContinuousBernoulli(Distribution):
         return torch.where(zero, torch.zeros_like(out), out).clamp(0.0, 1.0)
 
     def icdf(self, value: Tensor) -> Tensor:
-        r"""The inverse CDF :math:`F^{-1}(u) = \log(1 + u(e^f - 1)) / f`, used by :meth:`rsample`.
+        r"""The inverse CDF :math:`F^{-1}(u) = \operatorname{log1p}(u \operatorname{expm1}(f)) / f`,
+        used by :meth:`rsample`.
 
-        For :math:`|f| < 1` it is evaluated as :math:`F^{-1}(u) = u\, e^{A(f) - A(z)}` with
-        :math:`z = f F^{-1}(u) = \operatorname{log1p}(u \operatorname{expm1}(f))` (so that
-        :math:`\operatorname{expm1}(z) = u \operatorname{expm1}(f)`), whose gradient in :math:`f`
-        does not cancel near :math:`f = 0`.
+        Written so that neither the value nor its gradient in :math:`f` cancels. With
+        :math:`v = 1 - u` and :math:`M(p, f) = \log(1 + p \operatorname{expm1}(f))`
+        (:func:`_log_mix`), for :math:`|f| \ge 1`
+
+        .. math::
+
+            F^{-1}(u) = \frac{M(u, f)}{f} = 1 + \frac{M(v, -f)}{f}
+
+        (the symmetry :math:`F_f^{-1}(u) = 1 - F_{-f}^{-1}(v)`): the first form where the quantile
+        is at most 1/2, the second above, so that a quantile near 1 is not the ratio of nearly
+        equal terms (whose gradient in :math:`f` cancels). For :math:`|f| < 1`,
+
+        .. math::
+
+            F^{-1}(u) = u\, e^{A(f) - A(M(u, f))} = 1 - v\, e^{A(-f) - A(M(v, -f))}
+
+        (as :math:`\operatorname{expm1}(M(u, f)) = u \operatorname{expm1}(f)`), the first for
+        :math:`u \le 1/2`: neither divides by a small :math:`f`. Where
+        :math:`\operatorname{expm1}(f)` overflows, the second form is used throughout; it
+        cancels only where :math:`u e^f` is not large, for :math:`u` below the smallest normal
+        number there.
         """
         value = torch.as_tensor(value, dtype=self.logits.dtype, device=self.logits.device)
         # F^{-1}(0) = 0 and F^{-1}(1) = 1 for every f; a stand-in value keeps log(0) out of the
-        # gradient there (log1p(u expm1(f)) is log1p(-1) = -inf at u = 1 once expm1(f) rounds to
-        # -1; a NaN value gives NaN)
+        # gradient there (a NaN value gives NaN)
         zero, one = value <= 0, value >= 1
-        value = torch.where(zero | one, torch.full_like(value, 0.5), value)
+        u = torch.where(zero | one, torch.full_like(value, 0.5), value)
+        v = 1.0 - u  # exact for u >= 1/2, the only place where it is small
         small, f_small, pos, f_pos, f_neg = _logit_branches(self.logits)
-        # f <= -1: log1p(u expm1(f)) / f.  f >= 1: 1 + log(u + (1 - u) e^{-f}) / f (no overflow)
-        neg_branch = torch.log1p(value * torch.expm1(f_neg)) / f_neg
-        pos_branch = 1.0 + torch.log(value + (1.0 - value) * torch.exp(-f_pos)) / f_pos
-        out = torch.where(pos, pos_branch, neg_branch)
-        z = torch.log1p(value * torch.expm1(f_small))
-        near_zero = value * torch.exp(cb_log_normalizer(f_small) - cb_log_normalizer(z))
-        out = torch.where(small, near_zero, out)
+        A = cb_log_normalizer
+        near_zero_low = u * torch.exp(A(f_small) - A(_log_mix(u, v, f_small)))
+        near_zero_high = 1.0 - v * torch.exp(A(-f_small) - A(_log_mix(v, u, -f_small)))
+        near_zero = torch.where(u <= 0.5, near_zero_low, near_zero_high)
+        # |f| >= 1 (a placeholder elsewhere); expm1(|f|) above the cap overflows, or its derivative
+        f_far = torch.where(pos, f_pos, f_neg)
+        cap = math.log(torch.finfo(f_far.dtype).max) - 1.0
+        f_low, f_high = f_far.clamp_max(cap), f_far.clamp_min(-cap)
+        low = _log_mix(u, v, f_low) / f_low
+        high = 1.0 + _log_mix(v, u, -f_high) / f_high
+        # decided on the form that does not overflow: high for f > 0 (and beyond the cap), low below
+        use_high = torch.where(pos, (high >= 0.5) | (f_far > cap), low > 0.5)
+        out = torch.where(small, near_zero, torch.where(use_high, high, low))
         out = torch.where(one, torch.ones_like(out), out)
         return torch.where(zero, torch.zeros_like(out), out).clamp(0.0, 1.0)
 
@@ -141,6 +166,23 @@ class ContinuousBernoulli(Distribution):
     def entropy(self) -> Tensor:
         r""":math:`H = A(f) - f A'(f)` (:func:`~gpsd.likelihoods.log_normalizer.cb_entropy`)."""
         return cb_entropy(self.logits)
+
+
+def _log_mix(p: Tensor, q: Tensor, f: Tensor) -> Tensor:
+    r""":math:`M(p, f) = \log(1 + p \operatorname{expm1}(f)) = \log(q + p e^f)` for
+    :math:`p \in (0, 1)` and :math:`q = 1 - p` (given, as it may be known more accurately than
+    :math:`1 - p`), without cancellation: the first form for :math:`p \le 1/2`, the second above.
+    Each form gets :math:`p = q = 1/2` where it is not used, so that its gradient stays finite
+    (``log1p(p * expm1(f))`` is ``log1p(-1)`` once ``p`` and ``-expm1(f)`` round to 1).
+    """
+    low = p <= 0.5
+    half = torch.full_like(p, 0.5)
+    p_low = torch.where(low, p, half)
+    p_high = torch.where(low, half, p)
+    q_high = torch.where(low, half, q)
+    return torch.where(
+        low, torch.log1p(p_low * torch.expm1(f)), torch.log(q_high + p_high * torch.exp(f))
+    )
 
 
 def _logit_branches(f: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

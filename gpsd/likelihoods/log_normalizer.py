@@ -12,10 +12,13 @@ with mean :math:`A'(f)` and variance :math:`A''(f) > 0`. In the parameterisation
 so :math:`\log C(\sigma(f)) = \operatorname{softplus}(f) - A(f) = \log(f \coth(f / 2))`
 (Proposition 4.1).
 
-Every function here is accurate to a few ulps for every finite :math:`f` in float32 and float64: a
-Bernoulli-number series is used for small :math:`|f|` (where the closed forms cancel) and forms that
-neither overflow nor cancel elsewhere. All functions are built from differentiable torch operations
-with both branches kept finite, so autograd derivatives of any order are correct.
+A Bernoulli-number series is used for small :math:`|f|` (where the closed forms cancel) and forms
+that neither overflow nor cancel elsewhere. Measured against mpmath on a dense grid of
+:math:`|f| \le 6` and a log-uniform one up to :math:`10^3`, every function is within 4 ulps of
+its value in float32 and float64, except :func:`log_cb_normalizing_constant_hessian`, which
+changes sign at :math:`|a| \approx 2.678`: its absolute error stays below 1.3 machine epsilons
+(its value at 0 is 1/6). All functions are built from differentiable torch operations with both branches
+kept finite, so autograd derivatives of any order are correct.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def _bernoulli_numbers(n_max: int) -> list[Fraction]:
     return numbers
 
 
-_NUM_TERMS = 12
+_NUM_TERMS = 22
 _B = _bernoulli_numbers(2 * _NUM_TERMS + 2)
 # A(f) - f/2 = sum_k B_2k f^2k / (2k (2k)!)
 _A_COEFFS = [float(_B[2 * k] / (2 * k * math.factorial(2 * k))) for k in range(1, _NUM_TERMS + 1)]
@@ -77,9 +80,11 @@ _DLOGC_COEFFS = _CSCH  # in a^(2k-1)
 _D2LOGC_COEFFS = [c * (2 * k - 1) for k, c in enumerate(_CSCH, start=1)]  # in a^(2k-2)
 
 # |f| below which the series is used. The A-series converges for |f| < 2 pi and the csch-series for
-# |a| < pi; with 12 terms the truncation error at these thresholds is below 1e-17 relative.
-_SERIES_CUTOFF = 1.0
-_LOGC_SERIES_CUTOFF = 0.5
+# |a| < pi; with 22 terms the truncation error at these thresholds is below 1e-17 relative. Lower
+# thresholds cost accuracy: the closed forms of A'' and H (at 1) and of 1/a - csch(a) (at 0.5)
+# cancel by factors of 10 to 25.
+_SERIES_CUTOFF = 2.5
+_LOGC_SERIES_CUTOFF = 1.25
 
 
 def _even_series(x2: Tensor, coeffs: list[float]) -> Tensor:
@@ -112,7 +117,7 @@ def cb_log_normalizer(f: Tensor) -> Tensor:
     .. math::
 
         A(f) = \begin{cases}
-            \tfrac{f}{2} + \sum_{k \ge 1} \tfrac{B_{2k}}{2k (2k)!} f^{2k} & |f| < 1, \\
+            \tfrac{f}{2} + \sum_{k \ge 1} \tfrac{B_{2k}}{2k (2k)!} f^{2k} & |f| < 2.5, \\
             \max(f, 0) + \log(-\operatorname{expm1}(-|f|)) - \log |f| & \text{otherwise.}
         \end{cases}
 
@@ -186,7 +191,7 @@ def cb_entropy(f: Tensor) -> Tensor:
     .. math::
 
         H(f) = \begin{cases}
-            \sum_{k \ge 1} \tfrac{(1 - 2k) B_{2k}}{2k (2k)!} f^{2k} & |f| < 1, \\
+            \sum_{k \ge 1} \tfrac{(1 - 2k) B_{2k}}{2k (2k)!} f^{2k} & |f| < 2.5, \\
             \log(1 - e^{-t}) - \log t + 1 - \tfrac{t e^{-t}}{1 - e^{-t}}, \ t = |f|
             & \text{otherwise,}
         \end{cases}
