@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
-from gpsd.linalg._negligible import drop_negligible
+from gpsd.linalg._negligible import drop_negligible, kernel_matrix
 
 STATIONARY_KERNEL_TYPES = ("rbf", "matern12", "matern32", "matern52")
 
@@ -86,10 +86,11 @@ def affine_squared_distances(
     :math:`[-2 f z_i,\ f\|z_i\|^2 + c,\ 1] \cdot [z_j,\ 1,\ f\|z_j\|^2]` with
     :math:`z = x / \ell` centred on the mean of ``x2`` (:math:`f` the factor, :math:`c` the
     offset), so the cancellation in :math:`\|z_i\|^2 + \|z_j\|^2 - 2 z_i^\top z_j` happens in
-    float64 and every entry carries the relative rounding of ``x1.dtype`` alone, close pairs and
-    the diagonal included. (In float32 the expansion itself errs by about
-    :math:`\epsilon \|z\|^2` absolutely.) With the default factor and offset the result is
-    clamped at zero.
+    float64: every entry carries the relative rounding of ``x1.dtype`` plus float64's absolute
+    error of about :math:`10^{-16} \|z\|^2`, which shows only for pairs much closer than
+    :math:`\|z\|` (the diagonal computes as about :math:`10^{-16} \|z\|^2`, not 0). (In float32
+    the expansion itself errs by about :math:`\epsilon \|z\|^2` absolutely.) With the default
+    factor and offset the result is clamped at zero.
 
     :param offset: a 0-dimensional tensor (kept on the device: no synchronisation), or ``None``
         for zero.
@@ -127,7 +128,8 @@ def stationary_kernel_block(
     evaluate it (another kernel, batched inputs, Matérn in float64, MPS).
 
     The squared distances come from :func:`affine_squared_distances`, accumulated in float64 and
-    rounded once, so every entry carries the rounding of its dtype relative to itself. GPyTorch
+    rounded once, so every entry carries the rounding of its dtype relative to itself, up to the
+    absolute :math:`10^{-16} \|z\|^2` of :math:`r^2` near :math:`r = 0` (see below). GPyTorch
     forms :math:`r^2` in the input dtype as :math:`\|x\|^2 + \|z\|^2 - 2 x^\top z`, whose
     absolute error grows with :math:`\|x/\ell\|^2`: for inputs on :math:`[0, 10]^2` and
     lengthscale 0.1 the largest entries of a float32 block :math:`K(X, X_{\text{cols}})` (its
@@ -136,9 +138,17 @@ def stationary_kernel_block(
     :math:`r = 0`) by up to :math:`2 \times 10^{-2}`. The RBF kernel is
     :math:`\exp(\log \sigma^2 - r^2/2)` with the exponent from the same float64 product; on a
     CPU, entries that would be subnormal are made zero before the exponential, which x86 CPUs
-    compute slowly for such results. In float64 GPyTorch's expansion errs by about
-    :math:`10^{-16} \|z\|^2` and its Matérn evaluation was as fast, so Matérn kernels in float64
-    are left to it.
+    compute slowly for such results.
+
+    In float64 GPyTorch's expansion and :func:`affine_squared_distances` alike give :math:`r^2`
+    with an absolute error of about :math:`10^{-16} \|z\|^2` (:math:`\|z\|` the inputs'
+    distance from their centre in lengthscales). The RBF and Matérn-3/2 and 5/2 kernels are
+    smooth in :math:`r^2` and change by as little; Matérn-1/2, :math:`e^{-r}`, takes the square
+    root, so near :math:`r = 0` (the diagonal of a block included) it errs by about
+    :math:`10^{-8} \|z\|`: :math:`1.35 \times 10^{-6}` for inputs spanning 100 lengthscales, by
+    either path (float32 blocks from the float64 product carry the same error there). The float64
+    product would gain nothing, and GPyTorch's Matérn evaluation was as fast, so Matérn kernels in
+    float64 are left to it.
     """
     params = stationary_kernel_parameters(kernel)
     if params is None or x1.dim() != 2 or x2.dim() != 2 or x1.device.type == "mps":
@@ -161,6 +171,18 @@ def stationary_kernel_block(
                 F.threshold_(block, math.log(torch.finfo(block.dtype).tiny), -math.inf)
             block = block.exp_()
     return drop_negligible(block, inplace=True)
+
+
+def evaluate_kernel(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) -> Tensor:
+    """``k(x1, x2)`` as a dense tensor (``(n1, n2)``, no autograd graph), entries below rounding
+    set to zero on a CPU (see :mod:`gpsd.linalg._negligible`): by
+    :func:`stationary_kernel_block` where it applies, otherwise by GPyTorch. Both the blocks of
+    kernel distillation and the student's default :math:`K_{UU}` are made here."""
+    block = stationary_kernel_block(kernel, x1, x2)
+    if block is not None:
+        return block
+    with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(False):
+        return kernel_matrix(kernel, x1, x2)
 
 
 def _matern_in_place(kind: str, r2: Tensor, outputscale: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from gpsd._validation import (
 from gpsd._variance import nonnegative_variance
 from gpsd.kernel_distillation._stationary_kernel import (
     STATIONARY_KERNEL_TYPES,
+    evaluate_kernel,
     stationary_kernel_from_squared_distance,
     stationary_kernel_parameters,
 )
@@ -160,7 +161,10 @@ class SparseLowRankStudent(gpytorch.Module):
         mu = _one_finite_number(mean_constant, u.dtype)
         self.sparsity = sparsity
         self.jitter = _jitter_or_none(jitter)
-        self.register_buffer("inducing_points", u)
+        # buffers are copies (the kernel's are made by stationary_kernel_parameters):
+        # load_state_dict writes into them in place, which must not reach the caller's tensors
+        # (nor a KernelDistillation's state)
+        self.register_buffer("inducing_points", u.clone())
         if neighbour_scale is None:
             neighbour_scale = torch.ones(u.shape[-1], dtype=u.dtype, device=u.device)
         scale = as_float_tensor(neighbour_scale, "neighbour_scale", dtype=u.dtype)
@@ -171,12 +175,12 @@ class SparseLowRankStudent(gpytorch.Module):
             or not bool(scale.isfinite().all())
         ):
             raise ValueError(f"neighbour_scale must hold d={u.shape[-1]} positive finite values")
-        self.register_buffer("neighbour_scale", scale)
-        self.register_buffer("inducing_covariance", kuu.to(u))
-        self.register_buffer("predictive_mean_weights", alpha.to(u))
-        self.register_buffer("predictive_covariance_correction", v.to(u))
-        self.register_buffer("noise", noise_t.to(u))
-        self.register_buffer("mean_constant", mu.to(u))
+        self.register_buffer("neighbour_scale", scale.clone())
+        self.register_buffer("inducing_covariance", kuu.to(u, copy=True))
+        self.register_buffer("predictive_mean_weights", alpha.to(u, copy=True))
+        self.register_buffer("predictive_covariance_correction", v.to(u, copy=True))
+        self.register_buffer("noise", noise_t.to(u, copy=True))
+        self.register_buffer("mean_constant", mu.to(u, copy=True))
         params = stationary_kernel_parameters(kernel)
         if params is None:
             self.kernel_type = "generic"
@@ -257,6 +261,10 @@ class SparseLowRankStudent(gpytorch.Module):
 
         :param weight_values: non-zeros of :math:`W`, shape ``(n, b)``.
         :param weight_indices: their columns (inducing-point indices), shape ``(n, b)``.
+        :param inducing_covariance: :math:`K_{UU}`; by default evaluated as
+            :class:`~gpsd.KernelDistillation` evaluates it (RBF and Matérn kernels from squared
+            distances accumulated in float64, others by GPyTorch), with the kernel in the inducing
+            points' dtype, as the student evaluates it.
         :param sparsity: ``b`` at prediction (default: ``weight_values.shape[-1]``).
         :param neighbour_scale: see the class; it must match the metric that chose ``W``'s pattern.
         """
@@ -306,9 +314,9 @@ class SparseLowRankStudent(gpytorch.Module):
             y = check_vector(y, "train_y", n)
             sigma2 = _one_positive_variance(noise, u.dtype).to(u.device)
             mu = _one_finite_number(mean_constant, u.dtype).to(u.device)
-            if inducing_covariance is None:  # the kernel in the inducing points' dtype and device
+            if inducing_covariance is None:  # as KernelDistillation evaluates it
                 on_u = copy.deepcopy(kernel).to(device=u.device, dtype=u.dtype)
-                inducing_covariance = on_u(u, u).to_dense()
+                inducing_covariance = evaluate_kernel(on_u, u, u)
             kuu = as_float_tensor(inducing_covariance, "inducing_covariance").detach().to(u)
             if kuu.shape != (m, m):
                 raise ValueError(
