@@ -13,8 +13,19 @@ from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
 from gpsd._module_state import ModuleState
-from gpsd._validation import as_float_tensor, check_finite, check_int, check_positive_float
-from gpsd.dpkl.svgd import SteinVariationalGradient
+from gpsd._validation import (
+    as_float_tensor,
+    check_finite,
+    check_int,
+    check_positive_float,
+    replacement_data,
+)
+from gpsd.dpkl.svgd import (
+    SteinVariationalGradient,
+    check_bandwidth,
+    check_repulsion,
+    check_update,
+)
 
 __all__ = ["check_inputs", "EmbeddingGPRegressorBase"]
 
@@ -33,6 +44,10 @@ def check_inputs(
         raise ValueError(f"{name} must have shape (n, d), got shape {tuple(x.shape)}")
     if x.shape[0] < 1:
         raise ValueError(f"{name} must hold at least one row")
+    if x.shape[1] < 1:
+        raise ValueError(
+            f"{name} must have at least one feature (column), got shape {tuple(x.shape)}"
+        )
     if num_features is not None and x.shape[-1] != num_features:
         raise ValueError(
             f"{name} must have {num_features} features (as the training inputs), got {x.shape[-1]}"
@@ -54,9 +69,9 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
     parameters (``self.particle_parameters()``) are stepped with a functional gradient.
     """
 
-    update: Literal["paper", "svgd"] = "paper"
-    repulsion: float = 0.0
-    bandwidth: float | str = "median"
+    _update: Literal["paper", "svgd"] = "paper"
+    _repulsion: float | None = None
+    _bandwidth: float | str = "median"
 
     def __init__(
         self,
@@ -86,17 +101,76 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         ensemble = getattr(self.covar_module, "feature_extractor", None)
         return [] if ensemble is None else [p for p in ensemble.parameters() if p.requires_grad]
 
+    @property
+    def update(self) -> Literal["paper", "svgd"]:
+        """The particles' functional gradient in :meth:`fit`: ``"paper"`` or ``"svgd"``."""
+        return self._update
+
+    @update.setter
+    def update(self, value: Literal["paper", "svgd"]) -> None:
+        self._update = check_update(value)
+
+    @property
+    def repulsion(self) -> float:
+        """The weight of the repulsive term in :meth:`fit`: the value set, or (when none is set,
+        or after setting ``None``) 0 for ``update="paper"`` and 1 for ``update="svgd"``, read
+        from the current :attr:`update`."""
+        if self._repulsion is None:
+            return 1.0 if self.update == "svgd" else 0.0
+        return self._repulsion
+
+    @repulsion.setter
+    def repulsion(self, value: float | None) -> None:
+        self._repulsion = None if value is None else check_repulsion(value)
+
+    @property
+    def bandwidth(self) -> float | str:
+        """The Stein kernel bandwidth in :meth:`fit`: ``"median"`` or a positive float."""
+        return self._bandwidth
+
+    @bandwidth.setter
+    def bandwidth(self, value: float | str) -> None:
+        self._bandwidth = check_bandwidth(value)
+
     def training_loss(self) -> Tensor:
         r"""Negative log marginal likelihood per training point, :math:`\hat L / n`.
 
-        In training mode (:meth:`fit` switches to it; :meth:`fit` and :meth:`predict` leave the
-        model in evaluation mode): there, as for any GPyTorch ``ExactGP``, the model's output at
-        the training inputs is the posterior, not the prior, and the value is not the marginal
-        likelihood (GPyTorch warns).
+        It is computed from the GP prior at the training inputs (:meth:`forward`) in either
+        mode, so it is the marginal likelihood also in evaluation mode (where calling a GPyTorch
+        ``ExactGP`` at its training inputs would give the posterior instead). The feature
+        extractor runs in the model's current mode: :meth:`fit` calls this in training mode
+        (dropout on, BatchNorm normalising with the batch's statistics and updating its running
+        ones); in evaluation mode the loss is deterministic.
         """
-        x, y = self.train_inputs[0], self.train_targets
+        return self._negative_mll(self.forward(self.train_inputs[0]))
+
+    def _negative_mll(self, prior: gpytorch.distributions.MultivariateNormal) -> Tensor:
+        r""":math:`\hat L / n` for the prior ``prior`` of the latent values at the training inputs."""
         mll = gpytorch.mlls.ExactMarginalLogLikelihood(self.likelihood, self)
-        return -mll(self(x), y)
+        return -mll(prior, self.train_targets)
+
+    def set_train_data(
+        self, inputs: Tensor | None = None, targets: Tensor | None = None, strict: bool = True
+    ) -> None:
+        """Replace the training inputs, targets or both (GPyTorch's ``ExactGP`` convention).
+
+        They are checked as at construction: finite, ``inputs`` of shape ``(n, D)`` with the
+        current number ``D`` of features, ``targets`` of shape ``(n,)``. With ``strict`` (the
+        default, as in GPyTorch) they must have the current shape, dtype and device; with
+        ``strict=False`` the number of points may change and they are converted to the model's
+        dtype and device. The hyperparameters are not refitted; the next prediction uses the new
+        data.
+
+        :param inputs: New training inputs ``(n, D)`` (or a one-element tuple of them); ``None``
+            keeps the current.
+        :param targets: New targets ``(n,)``; ``None`` keeps the current.
+        :param strict: Refuse a new shape, dtype or device.
+        """
+        train_x = self.train_inputs[0]
+        x, y = replacement_data(inputs, targets, train_x, self.train_targets, strict)
+        x = check_inputs(x, "inputs", train_x.shape[-1], like=train_x)
+        y = check_targets(y, "targets", x.shape[0], train_x)
+        super().set_train_data(x, y, strict=False)  # drops GPyTorch's prediction cache
 
     # ------------------------------------------------------------------ training
     def fit(
@@ -113,8 +187,10 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
 
         Every step: ``loss = self.training_loss()``; ``loss.backward()``; the particles' gradients
         of the total negative log marginal likelihood :math:`\hat L` (the per-point loss times
-        :math:`n`, which sets the weight of the repulsive term) are transformed by :class:`~gpsd.dpkl.SteinVariationalGradient` with
-        this model's ``update`` (``"paper"``: Prop. 1, ``"svgd"``: with the repulsive term);
+        :math:`n`, which sets the weight of the repulsive term) are transformed by
+        :class:`~gpsd.dpkl.SteinVariationalGradient` with this model's :attr:`bandwidth` and
+        :attr:`repulsion` (by default 0 for :attr:`update` ``"paper"``: Prop. 1; 1 for
+        ``"svgd"``: SVGD), read when ``fit`` is called;
         the result is divided by :math:`n` again so that all gradients are on the per-point
         scale; the GP hyperparameters keep their ordinary gradient; then ``optimizer.step()``.
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from gpsd._validation import as_float_tensor, check_finite, check_int, check_positive_float
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
-from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth
+from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth, check_update
 
 __all__ = ["DPKLClassifier"]
 
@@ -79,22 +79,47 @@ class DPKLClassifier(gpytorch.Module):
         num_weight_particles = check_int(num_weight_particles, "num_weight_particles")
         latent_dim = check_int(latent_dim, "latent_dim")
         prior_std = check_positive_float(prior_std, "prior_std")
-        if update not in ("paper", "svgd"):
-            raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
-        check_bandwidth(bandwidth)
+        # checked by the setters, before the ensemble is built
+        self.update, self.bandwidth = update, bandwidth
         self.feature_extractor = ParticleEnsemble(feature_extractor, num_particles)
         self.num_classes = num_classes
         self.latent_dim = latent_dim
-        self.prior_std = float(prior_std)
-        self.update = update
-        self.bandwidth = bandwidth
-        dtype = next(self.feature_extractor.parameters()).dtype
+        self.prior_std = prior_std
+        # the extractor's dtype and device (ParticleEnsemble holds a parameter or a buffer)
+        tensors = [*self.feature_extractor.parameters(), *self.feature_extractor.buffers()]
+        floating = [t for t in tensors if t.is_floating_point()]
+        like = {
+            "dtype": floating[0].dtype if floating else torch.get_default_dtype(),
+            "device": tensors[0].device,
+        }
         self.class_weights = nn.Parameter(
-            torch.randn(num_weight_particles, num_classes, latent_dim, dtype=dtype) * prior_std
+            torch.randn(num_weight_particles, num_classes, latent_dim, **like) * prior_std
         )  # shape: (q, C, d)
-        self.register_parameter("raw_lengthscale", nn.Parameter(torch.zeros((), dtype=dtype)))
-        self.register_constraint("raw_lengthscale", Positive())
-        self.lengthscale = 1.0
+        # lengthscale 1, not through the setter: GPyTorch's initialize() reads the value, which
+        # a tensor on the meta device cannot give
+        constraint = Positive()
+        raw = constraint.inverse_transform(torch.ones((), **like))
+        self.register_parameter("raw_lengthscale", nn.Parameter(raw))
+        self.register_constraint("raw_lengthscale", constraint)
+
+    @property
+    def update(self) -> Literal["paper", "svgd"]:
+        """The embedding particles' functional gradient in :meth:`fit`: ``"paper"`` (repulsion
+        0) or ``"svgd"`` (repulsion 1)."""
+        return self._update
+
+    @update.setter
+    def update(self, value: Literal["paper", "svgd"]) -> None:
+        self._update = check_update(value)
+
+    @property
+    def bandwidth(self) -> float | str:
+        """The Stein kernel bandwidth of both particle sets: ``"median"`` or a positive float."""
+        return self._bandwidth
+
+    @bandwidth.setter
+    def bandwidth(self, value: float | str) -> None:
+        self._bandwidth = check_bandwidth(value)
 
     @property
     def lengthscale(self) -> Tensor:
@@ -102,6 +127,8 @@ class DPKLClassifier(gpytorch.Module):
 
     @lengthscale.setter
     def lengthscale(self, value: float | Tensor) -> None:
+        # 0 would be stored as raw -inf, and every prediction would be NaN
+        value = check_positive_float(value, "lengthscale")
         # read in the parameter's dtype: torch.as_tensor(0.7) would be float32, and 0.7 would
         # become 0.699999988079071 in a float64 model
         raw = self.raw_lengthscale

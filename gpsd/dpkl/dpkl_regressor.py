@@ -15,8 +15,7 @@ from gpsd.dpkl.embedding_kernel import ProbabilisticEmbeddingKernel
 from gpsd.dpkl.expected_embedding_kernel import ExpectedEmbeddingKernel
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
-from gpsd.dpkl.svgd import check_bandwidth, check_repulsion
-from gpsd.linalg._negligible import kernel_matrix
+from gpsd.linalg._negligible import drop_negligible
 
 __all__ = ["DPKLRegressor"]
 
@@ -55,7 +54,8 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
     :param orthogonal: orthogonal random features (Yu et al., 2016).
     :param nu: ``None`` (RBF base kernel) or a Matérn smoothness in {0.5, 1.5, 2.5}.
     :param update: ``"paper"`` or ``"svgd"``.
-    :param repulsion: weight of the repulsive term (default 0 for ``"paper"``, 1 for ``"svgd"``).
+    :param repulsion: weight of the repulsive term (default ``None``: 0 for ``"paper"``, 1 for
+        ``"svgd"``, following :attr:`update` if it is changed later).
     :param bandwidth: ``"median"`` (:math:`h = \mathrm{med}^2/\log m`) or a fixed :math:`h`.
     :param likelihood: a :class:`~gpytorch.likelihoods.GaussianLikelihood` (default: a new one).
     """
@@ -82,13 +82,10 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         latent_dim = check_int(latent_dim, "latent_dim")
         if kernel not in ("rff", "exact"):
             raise ValueError(f"kernel must be 'rff' or 'exact', got {kernel!r}")
-        if update not in ("paper", "svgd"):
-            raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
+        # checked by the setters, before the ensemble is built
+        self.update, self.repulsion, self.bandwidth = update, repulsion, bandwidth
         if nu is not None and nu not in (0.5, 1.5, 2.5):  # before either kernel is built
             raise ValueError(f"nu must be None (RBF) or one of 0.5, 1.5, 2.5, got {nu!r}")
-        check_bandwidth(bandwidth)
-        if repulsion is not None:
-            check_repulsion(repulsion)
         ensemble = ParticleEnsemble(feature_extractor, num_particles).to(train_x)
         try:
             # in evaluation mode: BatchNorm in training mode refuses one row, and would fold
@@ -120,11 +117,6 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             )
         self.to(train_x)
         self.kernel_type = kernel
-        self.update = update
-        self.repulsion = float(
-            repulsion if repulsion is not None else (1.0 if update == "svgd" else 0.0)
-        )
-        self.bandwidth = bandwidth
 
     @property
     def num_particles(self) -> int:
@@ -152,27 +144,45 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         .. math::
 
             \sigma^2(\mathbf{x}) = k_{\star\star} - \mathbf{k}_\star^\top(\hat{\mathbf K} +
-            \sigma_\eta^2\mathbf I)^{-1}\mathbf{k}_\star
-            = \sigma_\eta^2\, \bar{\boldsymbol\phi}^\top (\bar{\boldsymbol\Phi}^\top
-            \bar{\boldsymbol\Phi} + \sigma_\eta^2 \mathbf I)^{-1} \bar{\boldsymbol\phi}
+            \sigma_\eta^2\mathbf I)^{-1}\mathbf{k}_\star,
+            \qquad k_{\star\star} = \hat K(\mathbf{x}, \mathbf{x}),
 
-        with the prior variance :math:`k_{\star\star} = \lVert\bar{\boldsymbol\phi}(\mathbf{x})
-        \rVert^2` (the second form, by Woodbury, for ``kernel="rff"``: :math:`O(nR^2)`).
+        for ``kernel="rff"`` (where :math:`k_{\star\star} = \lVert\bar{\boldsymbol\phi}(\mathbf{x})
+        \rVert^2`) in the Woodbury form :math:`\sigma_\eta^2\, \bar{\boldsymbol\phi}^\top
+        (\bar{\boldsymbol\Phi}^\top \bar{\boldsymbol\Phi} + \sigma_\eta^2 \mathbf I)^{-1}
+        \bar{\boldsymbol\phi}`, :math:`O(nR^2)`.
+
+        It runs in the model's current mode, with one pass of the feature extractor over the
+        training inputs and ``x`` together, so that :math:`k_{\star\star}`,
+        :math:`\mathbf{k}_\star` and :math:`\hat{\mathbf K}` are blocks of one kernel matrix and
+        :math:`\sigma^2 \ge 0`. In training mode each row's embeddings are drawn once (one
+        dropout draw, used in every block) and BatchNorm normalises all the rows as one batch
+        (and updates its running statistics once); in evaluation mode the result is
+        deterministic.
         """
         train_x = self.train_inputs[0]
         x = check_inputs(x, "x", train_x.shape[-1], like=train_x)
+        return self._posterior_variance(
+            self.covar_module.features(torch.cat([train_x, x])), train_x.shape[0]
+        )
+
+    def _posterior_variance(self, features: Tensor, n: int) -> Tensor:
+        """:meth:`latent_posterior_variance` at the rows after the first ``n`` of ``features``
+        (an output of the kernel's ``features``), given the first ``n`` as the training rows."""
         noise = self.likelihood.noise.squeeze(-1)
-        if self.kernel_type == "rff":
-            phi = self.covar_module.mean_features(train_x)  # shape: (n, 2R)
-            phi_x = self.covar_module.mean_features(x)  # shape: (n_x, 2R)
-            a = phi.mT @ phi + noise * torch.eye(phi.shape[-1], dtype=phi.dtype, device=phi.device)
+        train, query = features[..., :n, :], features[..., n:, :]
+        if self.kernel_type == "rff":  # train, query: (n, 2R), (n_x, 2R)
+            a = train.mT @ train + noise * torch.eye(
+                train.shape[-1], dtype=train.dtype, device=train.device
+            )
             chol = torch.linalg.cholesky(a)
-            v = torch.linalg.solve_triangular(chol, phi_x.mT, upper=False)  # shape: (2R, n_x)
+            v = torch.linalg.solve_triangular(chol, query.mT, upper=False)  # shape: (2R, n_x)
             return noise * v.pow(2).sum(0)
-        k_xx = self.covar_module(x, diag=True)
-        k_xt = kernel_matrix(self.covar_module, x, train_x)  # shape: (n_x, n)
-        k_tt = kernel_matrix(self.covar_module, train_x)
-        k_tt = k_tt + noise * torch.eye(k_tt.shape[-1], dtype=k_tt.dtype, device=k_tt.device)
+        covariance = self.covar_module.feature_covariance
+        k_xx = covariance(query, diag=True)
+        k_xt = drop_negligible(covariance(query, train))  # shape: (n_x, n)
+        k_tt = drop_negligible(covariance(train))
+        k_tt = k_tt + noise * torch.eye(n, dtype=k_tt.dtype, device=k_tt.device)
         chol = torch.linalg.cholesky(k_tt)
         v = torch.linalg.solve_triangular(chol, k_xt.mT, upper=False)
         return k_xx - v.pow(2).sum(0)

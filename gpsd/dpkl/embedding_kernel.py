@@ -78,15 +78,25 @@ class ProbabilisticEmbeddingKernel(Kernel):
         r""":math:`\bar{\boldsymbol{\Phi}}(\mathbf{X})`: shape ``(*batch, n, 2R)``."""
         return self.random_features.featurize(self.latent_embeddings(x)).mean(0)
 
+    def features(self, x: Tensor) -> Tensor:
+        r"""What the kernel needs of ``x`` from one pass of the feature extractor: the mean
+        features :math:`\bar{\boldsymbol{\Phi}}(\mathbf{X})` of shape ``(*batch, n, 2R)``
+        (rows may be sliced, and passed to :meth:`feature_covariance`)."""
+        return self.mean_features(x)
+
+    @staticmethod
+    def feature_covariance(phi1: Tensor, phi2: Tensor | None = None, diag: bool = False):
+        r""":math:`\bar{\boldsymbol{\Phi}}_1 \bar{\boldsymbol{\Phi}}_2^\top` (a low-rank operator,
+        or its diagonal) from two outputs of :meth:`features`; ``phi2=None`` means ``phi1``."""
+        return RandomFeatureKernel.features_to_operator(phi1, phi2, diag)
+
     def forward(
         self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
     ):
         if last_dim_is_batch:
             raise ValueError("last_dim_is_batch is not supported")
-        phi1 = self.mean_features(x1)
-        if same_inputs(x1, x2):
-            return RandomFeatureKernel.features_to_operator(phi1, None, diag)
-        return RandomFeatureKernel.features_to_operator(phi1, self.mean_features(x2), diag)
+        phi2 = None if same_inputs(x1, x2) else self.features(x2)
+        return self.feature_covariance(self.features(x1), phi2, diag)
 
     def prediction_strategy(self, train_inputs, train_prior_dist, train_labels, likelihood):
         return LinearPredictionStrategy(train_inputs, train_prior_dist, train_labels, likelihood)

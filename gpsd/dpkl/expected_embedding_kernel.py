@@ -61,16 +61,29 @@ class ExpectedEmbeddingKernel(Kernel):
             )
         return z
 
-    def forward(
-        self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
-    ):
-        if last_dim_is_batch:
-            raise ValueError("last_dim_is_batch is not supported")
-        z1 = self.latent_embeddings(x1)  # shape: (m, *batch, n1, d)
-        z2 = z1 if same_inputs(x1, x2) else self.latent_embeddings(x2)  # shape: (m, *batch, n2, d)
+    def features(self, x: Tensor) -> Tensor:
+        """What the kernel needs of ``x`` from one pass of the feature extractor: the embeddings
+        of shape ``(m, *batch, n, d)`` (rows may be sliced, and passed to
+        :meth:`feature_covariance`)."""
+        return self.latent_embeddings(x)
+
+    def feature_covariance(
+        self, z1: Tensor, z2: Tensor | None = None, diag: bool = False
+    ) -> Tensor:
+        """The dense kernel matrix ``(*batch, n1, n2)`` (or its diagonal ``(*batch, n1)``) between
+        two outputs of :meth:`features`; ``z2=None`` means ``z1``."""
+        z2 = z1 if z2 is None else z2
         m = z1.shape[0]
         a = z1.unsqueeze(1).expand(m, m, *z1.shape[1:])  # shape: (m, m, *batch, n1, d)
         b = z2.unsqueeze(0).expand(m, m, *z2.shape[1:])  # shape: (m, m, *batch, n2, d)
         k = self.base_kernel(a, b, diag=diag)
         k = k if isinstance(k, Tensor) else k.to_dense()
-        return k.mean(dim=(0, 1))  # shape: (*batch, n1, n2) or (*batch, n1)
+        return k.mean(dim=(0, 1))
+
+    def forward(
+        self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
+    ):
+        if last_dim_is_batch:
+            raise ValueError("last_dim_is_batch is not supported")
+        z2 = None if same_inputs(x1, x2) else self.features(x2)
+        return self.feature_covariance(self.features(x1), z2, diag)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from gpsd._distances import squared_distances
+from gpsd._validation import check_positive_float
 
 __all__ = ["SteinVariationalGradient"]
 
@@ -94,14 +95,14 @@ class SteinVariationalGradient:
                 "all parameters must share the leading particle dimension, got "
                 f"{[tuple(p.shape) for p in params]}"
             )
-        check_bandwidth(bandwidth)
-        check_repulsion(repulsion)
+        bandwidth = check_bandwidth(bandwidth)
+        repulsion = check_repulsion(repulsion)
         if loss_type not in ("joint", "per_particle"):
             raise ValueError(f"loss_type must be 'joint' or 'per_particle', got {loss_type!r}")
         self.parameters = params
         self.num_particles = int(m)
         self.bandwidth = bandwidth
-        self.repulsion = float(repulsion)
+        self.repulsion = repulsion
         self.loss_type = loss_type
 
     @staticmethod
@@ -124,11 +125,7 @@ class SteinVariationalGradient:
         r"""Transformed gradients :math:`\hat{\mathbf{g}}` for ``(m, P)`` particles and grads."""
         m = flat_params.shape[0]
         w = flat_params.detach()
-        h = (
-            self.median_bandwidth(w)
-            if self.bandwidth == "median"
-            else w.new_tensor(float(self.bandwidth))
-        )
+        h = self.median_bandwidth(w) if self.bandwidth == "median" else w.new_tensor(self.bandwidth)
         # Distances and the repulsion term are invariant to a common shift of the particles;
         # centred, neither loses the particles' spread to rounding far from the origin.
         w = w - w.mean(0)
@@ -172,27 +169,29 @@ class SteinVariationalGradient:
                 p.grad.copy_(chunk)
 
 
-def check_bandwidth(bandwidth: object) -> None:
-    """Raise a ``ValueError`` unless ``bandwidth`` is ``"median"`` or a positive finite number."""
-    if isinstance(bandwidth, str):
-        ok = bandwidth == "median"
-    else:
-        ok = (
-            isinstance(bandwidth, (int, float))
-            and not isinstance(bandwidth, bool)
-            and math.isfinite(bandwidth)
-            and bandwidth > 0
-        )
-    if not ok:
-        raise ValueError(f"bandwidth must be 'median' or a positive float, got {bandwidth!r}")
+def check_bandwidth(bandwidth: object) -> float | str:
+    """``bandwidth`` as ``"median"`` or a positive finite ``float``, or a ``ValueError``.
+
+    Any real scalar is a number here (a NumPy scalar, a one-element tensor), as for the other
+    numeric arguments of gpsd.
+    """
+    if isinstance(bandwidth, str) and bandwidth == "median":
+        return bandwidth
+    try:
+        return check_positive_float(bandwidth, "bandwidth")
+    except ValueError:
+        raise ValueError(
+            f"bandwidth must be 'median' or a positive float, got {bandwidth!r}"
+        ) from None
 
 
-def check_repulsion(repulsion: object) -> None:
-    """Raise a ``ValueError`` unless ``repulsion`` is a finite number ``>= 0``."""
-    if not (
-        isinstance(repulsion, (int, float))
-        and not isinstance(repulsion, bool)
-        and math.isfinite(repulsion)
-        and repulsion >= 0
-    ):
-        raise ValueError(f"repulsion must be a finite float >= 0, got {repulsion!r}")
+def check_repulsion(repulsion: object) -> float:
+    """``repulsion`` (any real scalar) as a finite ``float >= 0``, or a ``ValueError``."""
+    return check_positive_float(repulsion, "repulsion", allow_zero=True)
+
+
+def check_update(update: object) -> str:
+    """``update`` if it is ``"paper"`` or ``"svgd"``, else a ``ValueError``."""
+    if not (isinstance(update, str) and update in ("paper", "svgd")):
+        raise ValueError(f"update must be 'paper' or 'svgd', got {update!r}")
+    return update
