@@ -12,7 +12,7 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-from gpsd._module_state import ModuleState
+from gpsd._module_state import ModuleState, checked_setting
 from gpsd._validation import (
     as_float_tensor,
     check_finite,
@@ -101,14 +101,11 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         ensemble = getattr(self.covar_module, "feature_extractor", None)
         return [] if ensemble is None else [p for p in ensemble.parameters() if p.requires_grad]
 
-    @property
-    def update(self) -> Literal["paper", "svgd"]:
-        """The particles' functional gradient in :meth:`fit`: ``"paper"`` or ``"svgd"``."""
-        return self._update
-
-    @update.setter
-    def update(self, value: Literal["paper", "svgd"]) -> None:
-        self._update = check_update(value)
+    update = checked_setting(
+        "update",
+        check_update,
+        """The particles' functional gradient in :meth:`fit`: ``"paper"`` or ``"svgd"``.""",
+    )
 
     @property
     def repulsion(self) -> float:
@@ -123,14 +120,11 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
     def repulsion(self, value: float | None) -> None:
         self._repulsion = None if value is None else check_repulsion(value)
 
-    @property
-    def bandwidth(self) -> float | str:
-        """The Stein kernel bandwidth in :meth:`fit`: ``"median"`` or a positive float."""
-        return self._bandwidth
-
-    @bandwidth.setter
-    def bandwidth(self, value: float | str) -> None:
-        self._bandwidth = check_bandwidth(value)
+    bandwidth = checked_setting(
+        "bandwidth",
+        check_bandwidth,
+        """The Stein kernel bandwidth in :meth:`fit`: ``"median"`` or a positive float.""",
+    )
 
     def training_loss(self) -> Tensor:
         r"""Negative log marginal likelihood per training point, :math:`\hat L / n`.

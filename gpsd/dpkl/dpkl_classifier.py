@@ -12,6 +12,7 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor, nn
 
+from gpsd._module_state import checked_setting
 from gpsd._validation import as_float_tensor, check_finite, check_int, check_positive_float
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth, check_update
@@ -102,24 +103,17 @@ class DPKLClassifier(gpytorch.Module):
         self.register_parameter("raw_lengthscale", nn.Parameter(raw))
         self.register_constraint("raw_lengthscale", constraint)
 
-    @property
-    def update(self) -> Literal["paper", "svgd"]:
-        """The embedding particles' functional gradient in :meth:`fit`: ``"paper"`` (repulsion
-        0) or ``"svgd"`` (repulsion 1)."""
-        return self._update
-
-    @update.setter
-    def update(self, value: Literal["paper", "svgd"]) -> None:
-        self._update = check_update(value)
-
-    @property
-    def bandwidth(self) -> float | str:
-        """The Stein kernel bandwidth of both particle sets: ``"median"`` or a positive float."""
-        return self._bandwidth
-
-    @bandwidth.setter
-    def bandwidth(self, value: float | str) -> None:
-        self._bandwidth = check_bandwidth(value)
+    update = checked_setting(
+        "update",
+        check_update,
+        """The embedding particles' functional gradient in :meth:`fit`: ``"paper"`` (repulsion 0)
+        or ``"svgd"`` (repulsion 1).""",
+    )
+    bandwidth = checked_setting(
+        "bandwidth",
+        check_bandwidth,
+        """The Stein kernel bandwidth of both particle sets: ``"median"`` or a positive float.""",
+    )
 
     @property
     def lengthscale(self) -> Tensor:
