@@ -45,6 +45,7 @@ dense row's at the same N and T, so checking accuracy costs no extra run.
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import sys
@@ -107,6 +108,9 @@ def measure(fn, repeats: int, warmup: int = 1) -> tuple[float, str, object]:
     accuracy checks need no extra run.
     """
     if DEVICE.type == "cuda":
+        # what earlier rows left in reference cycles (models, an out-of-memory traceback's
+        # frames) would otherwise count in this row's peak, or make it run out of memory
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         seconds, out = timed(fn, repeats, warmup)
@@ -408,6 +412,9 @@ def factorisation_rate_table(args, dtype: torch.dtype, rate: float, report: Repo
     )
     n = args.min_n
     while n <= min(args.max_n, args.max_dense_n):
+        gc.collect()  # what the regression rows left in reference cycles (see measure)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
         x, _, _ = problem(n, 1, dtype)
         k = rbf(dtype)(x).to_dense().detach() + 0.1 * torch.eye(n, device=DEVICE, dtype=dtype)
         t_eigh = timer(lambda k=k: torch.linalg.eigh(k), 3)

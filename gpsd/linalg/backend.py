@@ -21,11 +21,16 @@ BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 # N = 1024 and 1.6 to 2 times as fast at N = 2048 and 4096; from T = 5 on the dense path, or
 # auto's Lanczos attempt inside it, is as fast or faster. The bare float64 eigh costs 4 to 11
 # Cholesky factorisations there, but each step of the chain also solves with the test points.
-# CUDA: not measured yet; eigh is comparatively slower on GPUs (see the design notes), and 30 is
-# a guess.
-_MAX_CHAIN_FACTORISATIONS = {"cpu": 3, "cuda": 30}
-# Largest N for which a dense N x N eigendecomposition is attempted automatically.
-_DENSE_MAX_N = {"cpu": 12_000, "cuda": 30_000}
+# CUDA (an H200, float64 factorisations, 10,000 test points; backend_choice_cuda.md): the chain
+# is fastest at T = 1 (N = 4096 to 16,384) and at T = 3 up to N = 8192 (0.12 s against Lanczos'
+# 0.13 s there, 0.39 against 0.20 s at 16,384); from T = 10 on Lanczos is 1.4 to 33 times
+# faster than the chain.
+_MAX_CHAIN_FACTORISATIONS = {"cpu": 3, "cuda": 3}
+# Largest N for which a dense N x N eigendecomposition is attempted automatically (the chain is
+# considered up to twice that). CUDA: float64 eigh is slow on GPUs (0.56 s at N = 8192 and 3.2 s
+# at 16,384 on the H200 against 0.15 and 0.20 s for Lanczos with 100 steps); it is the fastest
+# only at N = 4096 with T >= 30, by 1 % to 34 %.
+_DENSE_MAX_N = {"cpu": 12_000, "cuda": 4096}
 # Peak memory of the dense eigendecomposition in N x N matrices of the factorisation dtype: the
 # kernel matrix, its eigenvectors and about two more for the solver's workspace.
 _EIGH_MATRICES = 4
@@ -127,7 +132,7 @@ def choose_backend(
 
     ``num_factorisations`` is the number of distinct shifted Cholesky factorisations the chain
     would need (steps times schedules). The chain is chosen while it is measured to be cheaper
-    than one eigendecomposition (up to 3 factorisations on the CPU); beyond the size where an
+    than one eigendecomposition (up to 3 factorisations, on the CPU and on CUDA); beyond the size where an
     ``n x n`` eigendecomposition is practical, the matrix-free Lanczos backend is used (the
     regressors switch to deflated CG, ``"cg"``, when Lanczos does not reach their accuracy).
 

@@ -6,6 +6,7 @@ import torch
 from gpr_reference import explicit_targets
 from linear_operator.utils.warnings import PerformanceWarning
 
+import gpsd.linalg.backend as backend_module
 from gpsd.linalg import (
     KernelSpectrum,
     ShiftedCholesky,
@@ -246,10 +247,17 @@ def test_choose_backend():
     assert choose_backend(1000, 3, "cpu", free_bytes=plenty) == "cholesky"
     assert choose_backend(1000, 100, "cpu", free_bytes=plenty) == "dense"
     assert choose_backend(100_000, 100, "cpu", free_bytes=plenty) == "lanczos"
-    assert choose_backend(5000, 20, "cuda", free_bytes=plenty) == "cholesky"
+    # CUDA, as calibrated on an H200 (benchmarks/results/backend_choice_cuda.md)
+    assert choose_backend(8192, 3, "cuda", free_bytes=plenty) == "cholesky"
+    assert choose_backend(4096, 30, "cuda", free_bytes=plenty) == "dense"
+    assert choose_backend(8192, 10, "cuda", free_bytes=plenty) == "lanczos"
+    assert choose_backend(16_384, 3, "cuda", free_bytes=plenty) == "lanczos"
 
 
-def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory():
+def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory(monkeypatch):
+    # the memory rules, at thresholds that let every backend be chosen at n = 20,000
+    monkeypatch.setattr(backend_module, "_MAX_CHAIN_FACTORISATIONS", {"cpu": 3, "cuda": 30})
+    monkeypatch.setattr(backend_module, "_DENSE_MAX_N", {"cpu": 12_000, "cuda": 30_000})
     n, gib = 20_000, 2**30
     matrix = n * n * 8  # one float64 N x N matrix: 3.2 GB
     # eigh needs 4 matrices within 80 % of the free memory.
