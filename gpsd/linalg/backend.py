@@ -132,8 +132,9 @@ def choose_backend(
 
     ``num_factorisations`` is the number of distinct shifted Cholesky factorisations the chain
     would need (steps times schedules). The chain is chosen while it is measured to be cheaper
-    than one eigendecomposition (up to 3 factorisations, on the CPU and on CUDA); beyond the size where an
-    ``n x n`` eigendecomposition is practical, the matrix-free Lanczos backend is used (the
+    than one eigendecomposition (up to 3 factorisations, on the CPU and on CUDA); beyond the
+    size where an ``n x n`` eigendecomposition is practical, the matrix-free Lanczos backend is
+    used (the
     regressors switch to deflated CG, ``"cg"``, when Lanczos does not reach their accuracy).
 
     Memory decides too (``free_bytes``, default: :func:`free_memory_bytes` of ``device``). Let
