@@ -134,8 +134,8 @@ def choose_backend(
     would need (steps times schedules). The chain is chosen while it is measured to be cheaper
     than one eigendecomposition (up to 3 factorisations, on the CPU and on CUDA); beyond the
     size where an ``n x n`` eigendecomposition is practical, the matrix-free Lanczos backend is
-    used (the
-    regressors switch to deflated CG, ``"cg"``, when Lanczos does not reach their accuracy).
+    used (the regressors switch to deflated CG, ``"cg"``, when Lanczos does not reach their
+    accuracy).
 
     Memory decides too (``free_bytes``, default: :func:`free_memory_bytes` of ``device``). Let
     :math:`s` be the size of the kernel matrices (``batch_size`` of them, ``n x n`` in ``dtype``)
