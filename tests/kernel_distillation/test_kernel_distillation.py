@@ -1,3 +1,5 @@
+import copy
+
 import gpytorch
 import numpy as np
 import pytest
@@ -472,9 +474,9 @@ def test_cuda_matches_cpu():
     s_gpu = kd_gpu.fit()
     test_x = torch.randn(13, 2, dtype=DT)
     torch.testing.assert_close(s_gpu.predict(test_x.cuda())[0].cpu(), s_cpu.predict(test_x)[0])
-    torch.testing.assert_close(
-        s_cpu.cuda().predict(test_x.cuda())[1].cpu(), s_cpu.predict(test_x)[1]
-    )
+    # a copy: Module.cuda() moves the student in place (the reference would move with it)
+    s_moved = copy.deepcopy(s_cpu).cuda()
+    torch.testing.assert_close(s_moved.predict(test_x.cuda())[1].cpu(), s_cpu.predict(test_x)[1])
 
 
 @requires_cuda
