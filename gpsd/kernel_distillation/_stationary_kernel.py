@@ -173,6 +173,16 @@ def stationary_kernel_block(
     return drop_negligible(block, inplace=True)
 
 
+def check_lengthscale_count(lengthscale: Tensor, d: int, inputs: str) -> None:
+    """Raise a ``ValueError`` unless ``lengthscale`` holds one value or one per input dimension
+    (``d`` columns of the tensor named ``inputs``)."""
+    if lengthscale.numel() not in (1, d):
+        raise ValueError(
+            f"kernel has {lengthscale.numel()} lengthscales but {inputs} has d={d} columns; give "
+            "the kernel 1 or d lengthscales"
+        )
+
+
 def evaluate_kernel(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) -> Tensor:
     """``k(x1, x2)`` as a dense tensor (``(n1, n2)``, no autograd graph), entries below rounding
     set to zero on a CPU (see :mod:`gpsd.linalg._negligible`): by

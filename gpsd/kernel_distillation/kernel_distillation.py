@@ -25,6 +25,7 @@ from gpsd._validation import (
     check_vector,
 )
 from gpsd.kernel_distillation._stationary_kernel import (
+    check_lengthscale_count,
     evaluate_kernel,
     stationary_kernel_parameters,
 )
@@ -436,11 +437,8 @@ class KernelDistillation:
             )
         scale = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
         params = stationary_kernel_parameters(kernel)
-        if params is not None and params[1].numel() not in (1, x.shape[-1]):
-            raise ValueError(
-                f"kernel has {params[1].numel()} lengthscales (ARD) but train_x has "
-                f"d={x.shape[-1]} columns; give the kernel 1 or d lengthscales"
-            )
+        if params is not None:
+            check_lengthscale_count(params[1], x.shape[-1], "train_x")
         if neighbour_metric == "lengthscale" and params is not None:
             scale = (scale * params[1].to(scale)).contiguous()
         self.neighbour_scale = scale  # shape: (d,)

@@ -24,6 +24,7 @@ from gpsd._validation import (
 from gpsd._variance import nonnegative_variance
 from gpsd.kernel_distillation._stationary_kernel import (
     STATIONARY_KERNEL_TYPES,
+    check_lengthscale_count,
     evaluate_kernel,
     stationary_kernel_from_squared_distance,
     stationary_kernel_parameters,
@@ -192,11 +193,7 @@ class SparseLowRankStudent(gpytorch.Module):
                 p.requires_grad_(False)
         else:
             self.kernel_type, lengthscale, outputscale = params
-            d = u.shape[-1]
-            if lengthscale.numel() not in (1, d):
-                raise ValueError(
-                    f"kernel has {lengthscale.numel()} lengthscales but inducing_points have d={d}"
-                )
+            check_lengthscale_count(lengthscale, u.shape[-1], "inducing_points")
             self.kernel = None
             self.register_buffer("kernel_lengthscale", lengthscale.to(u))
             self.register_buffer("kernel_outputscale", outputscale.to(u))
