@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from gpytorch.kernels import Kernel
 from gpytorch.models.exact_prediction_strategies import LinearPredictionStrategy
 from torch import Tensor
 
-from gpsd._distances import same_inputs
+from gpsd.dpkl._feature_kernel import FeatureKernel
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
 
 __all__ = ["ProbabilisticEmbeddingKernel"]
 
 
-class ProbabilisticEmbeddingKernel(Kernel):
+class ProbabilisticEmbeddingKernel(FeatureKernel):
     r"""Kernel between the latent distributions :math:`p(\mathbf{Z}\mid\mathbf{x})` of an ensemble.
 
     Each input :math:`\mathbf{x}` is mapped by the particles to :math:`\mathbf{z}_l =
@@ -89,14 +88,6 @@ class ProbabilisticEmbeddingKernel(Kernel):
         r""":math:`\bar{\boldsymbol{\Phi}}_1 \bar{\boldsymbol{\Phi}}_2^\top` (a low-rank operator,
         or its diagonal) from two outputs of :meth:`features`; ``phi2=None`` means ``phi1``."""
         return RandomFeatureKernel.features_to_operator(phi1, phi2, diag)
-
-    def forward(
-        self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
-    ):
-        if last_dim_is_batch:
-            raise ValueError("last_dim_is_batch is not supported")
-        phi2 = None if same_inputs(x1, x2) else self.features(x2)
-        return self.feature_covariance(self.features(x1), phi2, diag)
 
     def prediction_strategy(self, train_inputs, train_prior_dist, train_labels, likelihood):
         return LinearPredictionStrategy(train_inputs, train_prior_dist, train_labels, likelihood)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from gpsd._distances import same_inputs
+from gpsd.dpkl._feature_kernel import FeatureKernel
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 
 __all__ = ["ExpectedEmbeddingKernel"]
 
 
-class ExpectedEmbeddingKernel(Kernel):
+class ExpectedEmbeddingKernel(FeatureKernel):
     r"""Exact expected kernel over all particle pairs (eq. 2 of Mallick et al.):
 
     .. math::
@@ -79,11 +79,3 @@ class ExpectedEmbeddingKernel(Kernel):
         k = self.base_kernel(a, b, diag=diag)
         k = k if isinstance(k, Tensor) else k.to_dense()
         return k.mean(dim=(0, 1))
-
-    def forward(
-        self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
-    ):
-        if last_dim_is_batch:
-            raise ValueError("last_dim_is_batch is not supported")
-        z2 = None if same_inputs(x1, x2) else self.features(x2)
-        return self.feature_covariance(self.features(x1), z2, diag)

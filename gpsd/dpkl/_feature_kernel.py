@@ -1,0 +1,28 @@
+"""The ``forward`` shared by the DPKL kernels: a kernel computed from per-row features."""
+
+from __future__ import annotations
+
+from gpytorch.kernels import Kernel
+from torch import Tensor
+
+from gpsd._distances import same_inputs
+
+
+class FeatureKernel(Kernel):
+    """A kernel :math:`k(\\mathbf x_1, \\mathbf x_2)` computed from :meth:`features` of each
+    input set by :meth:`feature_covariance`, so that one pass of the feature extractor over
+    several sets can be sliced by rows and give every block of one kernel matrix."""
+
+    def features(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def feature_covariance(self, f1: Tensor, f2: Tensor | None = None, diag: bool = False):
+        raise NotImplementedError
+
+    def forward(
+        self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
+    ):
+        if last_dim_is_batch:
+            raise ValueError("last_dim_is_batch is not supported")
+        f2 = None if same_inputs(x1, x2) else self.features(x2)
+        return self.feature_covariance(self.features(x1), f2, diag)
