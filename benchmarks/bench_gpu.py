@@ -121,6 +121,14 @@ def measure(fn, repeats: int, warmup: int = 1) -> tuple[float, str, object]:
     return seconds, peak, out
 
 
+def device_name() -> str:
+    """The GPU's name and memory (what "fits" is measured against), or the CPU's name."""
+    if DEVICE.type != "cuda":
+        return f"cpu, {cpu_name()}"
+    props = torch.cuda.get_device_properties(DEVICE)
+    return f"{props.name} ({props.total_memory / 2**30:.1f} GiB)"
+
+
 def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
     """Measured dense matmul rate in FLOP/s (random operands)."""
     a = torch.randn(n, n, device=DEVICE, dtype=dtype)
@@ -230,6 +238,7 @@ def regression_table(args, dtype: torch.dtype, report: Report) -> None:
         x, y, test_x = problem(n, args.m, dtype)
         # method -> (seconds, peak, output), or the cell that says why it did not run
         results: dict[str, tuple[float, str, object] | str] = {}
+        pending: list[str] = []  # measured methods whose rows wait for GPyTorch's baseline
         for method in methods:
             if method in failed or (n > args.max_dense_n and _is_dense(method)):
                 continue
@@ -265,10 +274,20 @@ def regression_table(args, dtype: torch.dtype, report: Report) -> None:
                 growth = 4 if method.startswith(("lanczos", "cg")) else 8
                 if results[method][0] * growth > args.max_seconds:
                     failed.add(method)
-            cell = results[method]
-            print(f"  N={n} {method}: {cell if isinstance(cell, str) else f'{cell[0]:.4f} s'}")
-        report.add(*_regression_rows(n, results))
+            # each row as soon as the rows it is compared with (GPyTorch's and the dense ones,
+            # which come first) are measured: a run cut short by its time limit keeps its rows
+            pending.append(method)
+            if not any(_is_reference(m) for m in methods[methods.index(method) + 1 :]):
+                report.add(*(_regression_row(n, m, results) for m in pending))
+                pending.clear()
+        if pending:  # the last reference row was skipped at this N
+            report.add(*(_regression_row(n, m, results) for m in pending))
         n *= 2
+
+
+def _is_reference(method: str) -> bool:
+    """Rows that other rows are compared with: GPyTorch's (times) and the dense ones (errors)."""
+    return method in GPYTORCH_ROWS or method.startswith("dense")
 
 
 def _is_dense(method: str) -> bool:
@@ -276,8 +295,9 @@ def _is_dense(method: str) -> bool:
     return method.startswith(("dense", "cholesky")) or GPYTORCH_ROWS.get(method) is False
 
 
-def _regression_rows(n: int, results: dict) -> list[str]:
-    """The table rows at one N: times over GPyTorch's, errors against the dense path."""
+def _regression_row(n: int, method: str, results: dict) -> str:
+    """The table row of ``method`` at one N: its time over GPyTorch's and its errors against the
+    dense path (those rows are measured first)."""
     baseline = min(
         (r[0] for label, r in results.items() if label in GPYTORCH_ROWS and not isinstance(r, str)),
         default=None,
@@ -287,29 +307,24 @@ def _regression_rows(n: int, results: dict) -> list[str]:
         for label, r in results.items()
         if label.startswith("dense") and not isinstance(r, str)
     }
-    rows = []
-    for method, result in results.items():
-        if isinstance(result, str):
-            rows.append(f"| {n} | {method} | {result} | — | — | — | — |")
-            continue
-        seconds, peak, out = result
-        ratio = "—" if baseline is None else f"{seconds / baseline:.2f}"
-        if method in GPYTORCH_ROWS:
-            ref, out = dense_out.get("1"), _Posterior(*out)
-        elif method.startswith(("lanczos", "cg")):
-            ref = dense_out.get(method.split(" T=")[-1])
-        else:
-            ref = None
-        errs = ["—", "—"]
-        if ref is not None:
-            errs = [
-                f"{float((a - b).abs().max() / b.abs().max()):.1e}"
-                for a, b in ((out.mean, ref.mean), (out.variance, ref.variance))
-            ]
-        rows.append(
-            f"| {n} | {method} | {seconds:.4f} | {ratio} | {peak} | {errs[0]} | {errs[1]} |"
-        )
-    return rows
+    result = results[method]
+    if isinstance(result, str):
+        return f"| {n} | {method} | {result} | — | — | — | — |"
+    seconds, peak, out = result
+    ratio = "—" if baseline is None else f"{seconds / baseline:.2f}"
+    if method in GPYTORCH_ROWS:
+        ref, out = dense_out.get("1"), _Posterior(*out)
+    elif method.startswith(("lanczos", "cg")):
+        ref = dense_out.get(method.split(" T=")[-1])
+    else:
+        ref = None
+    errs = ["—", "—"]
+    if ref is not None:
+        errs = [
+            f"{float((a - b).abs().max() / b.abs().max()):.1e}"
+            for a, b in ((out.mean, ref.mean), (out.variance, ref.variance))
+        ]
+    return f"| {n} | {method} | {seconds:.4f} | {ratio} | {peak} | {errs[0]} | {errs[1]} |"
 
 
 class _Posterior(NamedTuple):
@@ -477,7 +492,7 @@ def main() -> None:
             f"# Large-N benchmark on {DEVICE.type} ({args.dtype})",
             "",
             f"- command: `python benchmarks/bench_gpu.py {' '.join(sys.argv[1:])}`",
-            f"- device: {torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu, ' + cpu_name()}, "
+            f"- device: {device_name()}, "
             f"CUDA {torch.version.cuda}, "
             f"torch {torch.__version__}, gpytorch {gpytorch.__version__}, "
             f"Python {platform.python_version()}",

@@ -9,17 +9,20 @@
 #     bash benchmarks/gpu_suite.sh 2 OUTDIR   # float64 regression tables; kernel distillation;
 #                                             # continuous Bernoulli expectations
 #     bash benchmarks/gpu_suite.sh 3 OUTDIR   # backend-choice calibration; DPKL; CG chain
+#     bash benchmarks/gpu_suite.sh 4 OUTDIR   # follow-up in one command: the CUDA tests; N = 100,000
+#                                             # (each matrix-free path); the doubling tables'
+#                                             # peaks from N = 16,384 on (no dense rows)
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
 # versions and the command, rewritten after every row, so a command cut short by its time limit
 # still leaves the rows it measured; the full console output goes to OUTDIR/gpu_stageN.log. The
 # limits of a stage add up to under eight minutes (three stages fit a 30-minute device budget
-# with the machine's start-up).
+# with the machine's start-up); stage 4's to eight.
 set -uo pipefail
 
-stage=${1:?usage: gpu_suite.sh STAGE(1|2|3) [OUTDIR]}
-[[ $stage =~ ^[123]$ ]] || {
-    echo "gpu_suite.sh: STAGE must be 1, 2 or 3, got $stage"
+stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4) [OUTDIR]}
+[[ $stage =~ ^[1234]$ ]] || {
+    echo "gpu_suite.sh: STAGE must be 1, 2, 3 or 4, got $stage"
     exit 2
 }
 # Without CUDA, stop before installing anything or writing into OUTDIR.
@@ -69,5 +72,19 @@ case "$stage" in
     run 120 python3 bench_dpkl.py --skip-accuracy --device cuda --out "$out/dpkl_timing_gpu.md"
     run 120 python3 bench_cg_chain.py --device cuda --n 10000 --steps 10 100 --max-seconds 60 \
         --out "$out/cg_chain_gpu.md"
+    ;;
+4)
+    run 50 python3 -m pytest -q ../tests -k cuda
+    big=(--dtype float32 --min-n 100000 --max-n 100000 --skip kd rate --max-seconds 1000)
+    run 70 python3 bench_gpu.py "${big[@]}" --methods lanczos distribution-centric \
+        --steps 1 10 100 --repeats 1 --warmup 1 --out "$out/gpu_n100000_lanczos.md"
+    run 50 python3 bench_gpu.py "${big[@]}" --methods cg --steps 1 --repeats 1 --warmup 0 \
+        --out "$out/gpu_n100000_cg.md"
+    run 70 python3 bench_gpu.py "${big[@]}" --methods not-kept --steps 100 --repeats 1 \
+        --warmup 0 --out "$out/gpu_n100000_not_kept.md"
+    peaks=(--skip kd rate --min-n 16384 --max-n 131072 --repeats 1 --warmup 1 --max-seconds 10
+        --methods gpytorch cholesky lanczos cg not-kept distribution-centric)
+    run 150 python3 bench_gpu.py --dtype float32 "${peaks[@]}" --out "$out/gpu_peaks_float32.md"
+    run 90 python3 bench_gpu.py --dtype float64 "${peaks[@]}" --out "$out/gpu_peaks_float64.md"
     ;;
 esac
