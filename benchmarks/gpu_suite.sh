@@ -12,6 +12,7 @@
 #     bash benchmarks/gpu_suite.sh 4 OUTDIR   # follow-up in one command: the CUDA tests; N = 100,000
 #                                             # (each matrix-free path); the doubling tables'
 #                                             # peaks from N = 16,384 on (no dense rows)
+#     bash benchmarks/gpu_suite.sh 5 OUTDIR   # on an H100 (80 GB): N = 100,000 and 131,072
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
 # versions and the command, rewritten after every row, so a command cut short by its time limit
@@ -20,9 +21,9 @@
 # with the machine's start-up); stage 4's to eight.
 set -uo pipefail
 
-stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4) [OUTDIR]}
-[[ $stage =~ ^[1234]$ ]] || {
-    echo "gpu_suite.sh: STAGE must be 1, 2, 3 or 4, got $stage"
+stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5) [OUTDIR]}
+[[ $stage =~ ^[12345]$ ]] || {
+    echo "gpu_suite.sh: STAGE must be 1 to 5, got $stage"
     exit 2
 }
 # Without CUDA, stop before installing anything or writing into OUTDIR.
@@ -86,5 +87,14 @@ case "$stage" in
         --methods gpytorch cholesky lanczos cg not-kept distribution-centric)
     run 150 python3 bench_gpu.py --dtype float32 "${peaks[@]}" --out "$out/gpu_peaks_float32.md"
     run 90 python3 bench_gpu.py --dtype float64 "${peaks[@]}" --out "$out/gpu_peaks_float64.md"
+    ;;
+5)
+    big=(--dtype float32 --skip kd rate --max-seconds 1000 --repeats 1 --warmup 1)
+    run 60 python3 bench_gpu.py "${big[@]}" --min-n 100000 --max-n 100000 \
+        --methods lanczos distribution-centric --steps 1 100 --out "$out/gpu_n100000_lanczos.md"
+    run 40 python3 bench_gpu.py "${big[@]}" --min-n 100000 --max-n 100000 --methods not-kept \
+        --steps 100 --out "$out/gpu_n100000_not_kept.md"
+    run 60 python3 bench_gpu.py "${big[@]}" --min-n 131072 --max-n 131072 --methods lanczos \
+        not-kept --steps 1 --out "$out/gpu_n131072_lanczos.md"
     ;;
 esac
