@@ -71,11 +71,16 @@ DEVICE = torch.device("cuda")
 
 def cuda_time(fn, repeats: int, warmup: int = 1) -> tuple[float, object]:
     """Median wall time in seconds of ``fn()`` measured with CUDA events, and its last output."""
+    # before every call, untimed: the model of the call before sits in a reference cycle
+    # (GPyTorch modules do), and the peak would be the sum of two calls' instead of one's
     for _ in range(warmup):
+        gc.collect()
         fn()
     torch.cuda.synchronize()
     times, out = [], None
     for _ in range(repeats):
+        out = None
+        gc.collect()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = fn()

@@ -47,9 +47,7 @@ def _garbage_holding_memory(monkeypatch, free_while_held: int, free_after: int) 
     return freed
 
 
-def test_garbage_is_collected_before_a_cache_that_cannot_hold_every_row(
-    monkeypatch, collector_off
-):
+def test_garbage_is_collected_before_a_cache_that_cannot_hold_every_row(monkeypatch, collector_off):
     x = torch.rand(N, 2, dtype=torch.float64)
     freed = _garbage_holding_memory(monkeypatch, EVERY_ROW, 10 * WORKING)
     operator = common._matrix_free(rbf_kernel(), x, torch.float64, None)
