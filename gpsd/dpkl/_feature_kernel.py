@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from gpsd._distances import same_inputs
 
 
-class FeatureKernel(Kernel):
+class FeatureKernel(Kernel, ABC):
     """A kernel :math:`k(\\mathbf x_1, \\mathbf x_2)` computed from :meth:`features` of each
     input set by :meth:`feature_covariance`, so that one pass of the feature extractor over
     several sets can be sliced by rows and give every block of one kernel matrix."""
 
+    @abstractmethod
     def features(self, x: Tensor) -> Tensor:
-        raise NotImplementedError
+        """Per-row features of the inputs ``x`` (``(*batch, n, d)``), of shape
+        ``(*batch, n, ...)``: row ``i`` depends on ``x[..., i, :]`` alone."""
 
+    @abstractmethod
     def feature_covariance(self, f1: Tensor, f2: Tensor | None = None, diag: bool = False):
-        raise NotImplementedError
+        """The kernel matrix (or its diagonal, ``diag=True``) between the rows of ``f1`` and
+        ``f2`` (``None``: ``f1`` with itself)."""
 
     def forward(
         self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params

@@ -17,6 +17,7 @@ from gpsd.dpkl import (
     SSDPKLRegressor,
     SteinVariationalGradient,
 )
+from gpsd.dpkl._feature_kernel import FeatureKernel
 
 
 def _data(n=24, d=3):
@@ -291,3 +292,15 @@ def test_ard_regressor_without_input_columns_names_the_inputs():
     # Before: "initial_lengthscale must be a positive float, got 0.0".
     with pytest.raises(ValueError, match="train_x must have at least one feature"):
         ARDGPRegressor(torch.randn(5, 0), torch.randn(5))
+
+
+def test_feature_kernel_needs_features_and_their_covariance():
+    """The shared base is abstract: a subclass without the two methods cannot be built."""
+
+    class Incomplete(FeatureKernel):
+        def features(self, x):
+            return x
+
+    for cls in (FeatureKernel, Incomplete):
+        with pytest.raises(TypeError, match="feature_covariance"):
+            cls()
