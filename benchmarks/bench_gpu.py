@@ -243,7 +243,7 @@ def regression_table(args, dtype: torch.dtype, report: Report) -> None:
         x, y, test_x = problem(n, args.m, dtype)
         # method -> (seconds, peak, output), or the cell that says why it did not run
         results: dict[str, tuple[float, str, object] | str] = {}
-        pending: list[str] = []  # measured methods whose rows wait for GPyTorch's baseline
+        pending: list[str] = []  # measured methods whose rows wait for the reference rows
         for method in methods:
             if method in failed or (n > args.max_dense_n and _is_dense(method)):
                 continue

@@ -294,8 +294,8 @@ def _default_cache_bytes(x: Tensor) -> int:
     Where that cannot hold every row, the cycle collector runs first: a model built earlier and
     no longer referenced still holds its kept rows until it does (every GPyTorch module is in a
     reference cycle, through its ``load_state_dict`` hook), and its memory would otherwise shrink
-    this model's cache (on an H200 at N = 100,000: 114 GiB at the peak instead of 80, the second
-    model keeping half the rows of the first).
+    this model's cache (on an H200 at N = 100,000 the second model kept half the rows of the
+    first, and both together peaked at 114 GiB).
     """
     itemsize = torch.finfo(x.dtype).bits // 8
     vectors = x.shape[:-1].numel()  # batch x N
