@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import gc
+import math
 import operator
 import warnings
 from collections.abc import Callable
@@ -289,21 +289,12 @@ def _matrix_free(
 def _default_cache_bytes(x: Tensor) -> int:
     """Bytes of kernel rows to keep for the inputs ``x`` (``(*batch, N, d)``, in the dtype of the
     products): :data:`KERNEL_CACHE_FRACTION` of the free memory, less where the rest would not
-    hold a prediction's working set.
-
-    Where that cannot hold every row, the cycle collector runs first: a model built earlier and
-    no longer referenced still holds its kept rows until it does (every GPyTorch module is in a
-    reference cycle, through its ``load_state_dict`` hook), and its memory would otherwise shrink
-    this model's cache (on an H200 at N = 100,000 the second model kept half the rows of the
-    first, and both together peaked at 114 GiB).
-    """
+    hold a prediction's working set. Where that cannot hold every row, the memory of models no
+    longer referenced is collected first (:func:`~gpsd.linalg.free_memory_bytes`)."""
     itemsize = torch.finfo(x.dtype).bits // 8
     vectors = x.shape[:-1].numel()  # batch x N
     every_row = vectors * x.shape[-2] * itemsize
-    free = free_memory_bytes(x.device)
-    if KERNEL_CACHE_FRACTION * free < every_row:
-        gc.collect()
-        free = free_memory_bytes(x.device)
+    free = free_memory_bytes(x.device, wanted=math.ceil(every_row / KERNEL_CACHE_FRACTION))
     working = _WORKING_COLUMNS * vectors * itemsize
     return max(0, int(min(KERNEL_CACHE_FRACTION * free, free - working)))
 

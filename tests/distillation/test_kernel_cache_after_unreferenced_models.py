@@ -1,5 +1,7 @@
-"""The default kernel cache of the matrix-free backends is sized after the cycle collector has
-released what unreferenced models held, where the free memory could not hold every row."""
+"""Memory decisions are taken after the cycle collector has released what unreferenced models
+held, where the free memory falls short: the default kernel cache of the matrix-free backends
+(where it cannot hold every row) and the automatic backend choice (where a candidate would not
+fit)."""
 
 import gc
 import weakref
@@ -9,7 +11,9 @@ import torch
 from gpr_reference import rbf_kernel
 
 import gpsd.distillation._common as common
+import gpsd.linalg.backend as backend_module
 from gpsd import DataCentricGPR
+from gpsd.linalg import choose_backend, free_memory_bytes
 
 N = 1000
 WORKING = (8 * 4096 + 4 * 2048) * N * 8  # a prediction's N-vectors, in float64 bytes
@@ -42,7 +46,9 @@ def _garbage_holding_memory(monkeypatch, free_while_held: int, free_after: int) 
     weakref.finalize(garbage, freed.append, True)
     del garbage
     monkeypatch.setattr(
-        common, "free_memory_bytes", lambda device: free_after if freed else free_while_held
+        backend_module,
+        "_measured_free_bytes",
+        lambda device: free_after if freed else free_while_held,
     )
     return freed
 
@@ -83,3 +89,28 @@ def test_a_model_built_after_an_unreferenced_one_predicts_the_same(monkeypatch, 
     assert freed == [True]
     torch.testing.assert_close(got.mean, expected.mean, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got.variance, expected.variance, rtol=1e-9, atol=1e-12)
+
+
+def test_free_memory_bytes_collects_only_where_less_than_wanted_is_free(monkeypatch, collector_off):
+    freed = _garbage_holding_memory(monkeypatch, 100, 1000)
+    assert free_memory_bytes("cpu") == 100  # nothing wanted: nothing collected
+    assert free_memory_bytes("cpu", wanted=100) == 100
+    assert freed == []
+    assert free_memory_bytes("cpu", wanted=101) == 1000
+    assert freed == [True]
+
+
+@pytest.mark.parametrize(
+    ("n", "free_while_held", "expected", "collected"),
+    [
+        (1000, 10 * 2**20, "dense", True),  # 4 x 8 MB / 0.8 = 40 MB were not free
+        (1000, 2**30, "dense", False),  # they were
+        (50_000, 10 * 2**20, "lanczos", False),  # too large for dense or the chain anyway
+    ],
+)
+def test_backend_choice_collects_where_a_candidate_would_not_fit(
+    monkeypatch, collector_off, n, free_while_held, expected, collected
+):
+    freed = _garbage_holding_memory(monkeypatch, free_while_held, 2**30)
+    assert choose_backend(n, 10, "cpu") == expected
+    assert freed == ([True] if collected else [])

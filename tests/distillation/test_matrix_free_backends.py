@@ -130,7 +130,8 @@ def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():
 
 
 def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch):
-    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device: 2**20)  # 1 MiB
+    one_mib = 2**20
+    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: one_mib)
     monkeypatch.setattr(common, "MAX_GROWN_RANK", 32)
     x, y, test_x = wiggly_data()  # one 300 x 300 float64 matrix: 0.7 MiB
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
@@ -400,7 +401,9 @@ def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monke
         (working + 1000, 1000),  # the working set first
         (working // 2, 0),  # not even that: keep nothing
     ]:
-        monkeypatch.setattr(common, "free_memory_bytes", lambda device, free=free: free)
+        monkeypatch.setattr(
+            common, "free_memory_bytes", lambda device, wanted=None, free=free: free
+        )
         operator = common._matrix_free(kernel, x, torch.float64, None)
         assert operator.cache_bytes == expected
     assert common._matrix_free(kernel, x, torch.float64, 123).cache_bytes == 123
