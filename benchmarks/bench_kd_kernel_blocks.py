@@ -27,7 +27,7 @@ from _timing import cpu_name, cuda_missing, median_time, sync, write_report
 
 from gpsd.kernel_distillation import KernelDistillation
 from gpsd.kernel_distillation import kernel_distillation as distillation_module
-from gpsd.linalg._negligible import kernel_matrix
+from gpsd._internal.negligible import kernel_matrix
 
 GPSD_BLOCK = distillation_module.evaluate_kernel
 

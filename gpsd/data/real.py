@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_int
+from gpsd._internal.validation import check_int
 
 __all__ = ["DATASETS", "DataSplit", "load_arrays", "load_dataset"]
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_int, check_positive_float
+from gpsd._internal.validation import check_int, check_positive_float
 
 __all__ = [
     "damped_sine_regression",

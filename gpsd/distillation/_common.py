@@ -21,9 +21,9 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from gpsd._module_state import ModuleState
-from gpsd._teacher import validate_teacher
-from gpsd._validation import as_float_tensor, check_finite, check_matrix, check_vector
+from gpsd._internal.module_state import ModuleState
+from gpsd._internal.teacher import validate_teacher
+from gpsd._internal.validation import as_float_tensor, check_finite, check_matrix, check_vector
 from gpsd.linalg import (
     ChunkedKernelOperator,
     KernelSpectrum,
@@ -32,7 +32,7 @@ from gpsd.linalg import (
     choose_backend,
     free_memory_bytes,
 )
-from gpsd.linalg._negligible import drop_negligible
+from gpsd._internal.negligible import drop_negligible
 
 #: Lanczos rank whose Ritz pairs deflate the CG backend, unless ``rank`` is given.
 CG_DEFLATION_RANK = 256
@@ -406,7 +406,7 @@ class GraphKernelInDtype:
 
 
 class StateSnapshot:
-    """A module's state (:class:`~gpsd._module_state.ModuleState`), its settings (``config``:
+    """A module's state (:class:`~gpsd._internal.module_state.ModuleState`), its settings (``config``:
     anything else the cache depends on, such as the backend) and the grad mode at one moment:
     the distillers rebuild their cached factorisation when any of them has changed."""
 

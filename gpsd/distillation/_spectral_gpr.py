@@ -14,8 +14,8 @@ from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd._module_state import adopt_buffer_shapes, checked_setting, choice_setting
-from gpsd._validation import (
+from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
+from gpsd._internal.validation import (
     as_float_tensor,
     check_gp_modules,
     check_int,
@@ -23,7 +23,7 @@ from gpsd._validation import (
     check_same_device,
     replacement_data,
 )
-from gpsd._variance import nonnegative_variance, warn_if_variance_error_large
+from gpsd._internal.variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.distillation._common import (
     TEST_CHUNK_SIZE,
     BackwardWatch,
@@ -39,7 +39,7 @@ from gpsd.distillation._common import (
     warn_low_precision_factorisation,
 )
 from gpsd.linalg import BACKENDS, SpectralFilter
-from gpsd.linalg._negligible import kernel_matrix
+from gpsd._internal.negligible import kernel_matrix
 
 
 def autograd_context(state: dict):

@@ -12,19 +12,19 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._module_state import (
+from gpsd._internal.module_state import (
     ModuleState,
     adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
     fixed_setting,
 )
-from gpsd._validation import (
+from gpsd._internal.validation import (
     check_gp_modules,
     check_int,
     check_test_inputs,
 )
-from gpsd._variance import nonnegative_variance
+from gpsd._internal.variance import nonnegative_variance
 from gpsd.laplace._prior_blocks import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms

@@ -8,7 +8,7 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._validation import as_float_tensor, check_finite, check_int
+from gpsd._internal.validation import as_float_tensor, check_finite, check_int
 from gpsd.distillation._common import (
     schedule_index,
     student_batch,

@@ -12,8 +12,8 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._module_state import choice_setting
-from gpsd._validation import check_int
+from gpsd._internal.module_state import choice_setting
+from gpsd._internal.validation import check_int
 from gpsd.distillation._common import (
     ExactGPFromModules,
     RegressionPath,

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from gpsd._distances import same_inputs
+from gpsd._internal.distances import same_inputs
 
 
 class FeatureKernel(Kernel, ABC):

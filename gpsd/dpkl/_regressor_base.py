@@ -12,8 +12,8 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-from gpsd._module_state import ModuleState, checked_setting
-from gpsd._validation import (
+from gpsd._internal.module_state import ModuleState, checked_setting
+from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
     check_int,

@@ -8,7 +8,7 @@ import gpytorch
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_positive_float
+from gpsd._internal.validation import check_positive_float
 from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs
 
 __all__ = ["ARDGPRegressor"]

@@ -12,8 +12,8 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor, nn
 
-from gpsd._module_state import checked_setting
-from gpsd._validation import as_float_tensor, check_finite, check_int, check_positive_float
+from gpsd._internal.module_state import checked_setting
+from gpsd._internal.validation import as_float_tensor, check_finite, check_int, check_positive_float
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth, check_update
 

@@ -16,8 +16,8 @@ from linear_operator.operators import (
 )
 from torch import Tensor
 
-from gpsd._distances import same_inputs
-from gpsd._validation import check_int
+from gpsd._internal.distances import same_inputs
+from gpsd._internal.validation import check_int
 
 __all__ = ["RandomFeatureKernel", "sample_spectral_frequencies"]
 

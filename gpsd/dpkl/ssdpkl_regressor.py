@@ -9,7 +9,7 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator import to_linear_operator
 from torch import Tensor, nn
 
-from gpsd._validation import check_int, check_positive_float
+from gpsd._internal.validation import check_int, check_positive_float
 from gpsd.dpkl._regressor_base import check_inputs
 from gpsd.dpkl.dpkl_regressor import DPKLRegressor
 

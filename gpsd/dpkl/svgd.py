@@ -9,8 +9,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from gpsd._distances import squared_distances
-from gpsd._validation import check_positive_float
+from gpsd._internal.distances import squared_distances
+from gpsd._internal.validation import check_positive_float
 
 __all__ = ["SteinVariationalGradient"]
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
-from gpsd.linalg._negligible import drop_negligible, kernel_matrix
+from gpsd._internal.negligible import drop_negligible, kernel_matrix
 
 STATIONARY_KERNEL_TYPES = ("rbf", "matern12", "matern32", "matern52")
 
@@ -124,7 +124,7 @@ def stationary_kernel_block(
 ) -> Tensor | None:
     r"""``k(x1, x2)`` (``(n1, n2)``, no autograd graph) for the kernels above, entries below
     :math:`\epsilon^2` times the largest set to zero on a CPU
-    (:func:`~gpsd.linalg._negligible.drop_negligible`); or ``None`` where GPyTorch should
+    (:func:`~gpsd._internal.negligible.drop_negligible`); or ``None`` where GPyTorch should
     evaluate it (another kernel, batched inputs, Matérn in float64, MPS).
 
     The squared distances come from :func:`affine_squared_distances`, accumulated in float64 and
@@ -185,7 +185,7 @@ def check_lengthscale_count(lengthscale: Tensor, d: int, inputs: str) -> None:
 
 def evaluate_kernel(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) -> Tensor:
     """``k(x1, x2)`` as a dense tensor (``(n1, n2)``, no autograd graph), entries below rounding
-    set to zero on a CPU (see :mod:`gpsd.linalg._negligible`): by
+    set to zero on a CPU (see :mod:`gpsd._internal.negligible`): by
     :func:`stationary_kernel_block` where it applies, otherwise by GPyTorch. Both the blocks of
     kernel distillation and the student's default :math:`K_{UU}` are made here."""
     block = stationary_kernel_block(kernel, x1, x2)

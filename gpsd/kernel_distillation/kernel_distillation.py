@@ -15,8 +15,8 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._teacher import frozen_copy
-from gpsd._validation import (
+from gpsd._internal.teacher import frozen_copy
+from gpsd._internal.validation import (
     as_float_tensor,
     check_int,
     check_matrix,

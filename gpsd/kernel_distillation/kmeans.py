@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpsd._distances import squared_distances
-from gpsd._validation import as_float_tensor, check_int, check_matrix, check_positive_float
+from gpsd._internal.distances import squared_distances
+from gpsd._internal.validation import as_float_tensor, check_int, check_matrix, check_positive_float
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 
 __all__ = ["kmeans", "kmeans_plus_plus"]

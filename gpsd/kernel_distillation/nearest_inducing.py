@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpsd._distances import squared_distances
-from gpsd._validation import as_float_tensor, check_finite, check_int, check_same_device
+from gpsd._internal.distances import squared_distances
+from gpsd._internal.validation import as_float_tensor, check_finite, check_int, check_same_device
 
 __all__ = ["nearest_inducing_points"]
 

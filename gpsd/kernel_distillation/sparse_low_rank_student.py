@@ -12,8 +12,8 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpsd._distances import squared_distances
-from gpsd._validation import (
+from gpsd._internal.distances import squared_distances
+from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
     check_gp_modules,
@@ -21,7 +21,7 @@ from gpsd._validation import (
     check_matrix,
     check_vector,
 )
-from gpsd._variance import nonnegative_variance
+from gpsd._internal.variance import nonnegative_variance
 from gpsd.kernel_distillation._stationary_kernel import (
     STATIONARY_KERNEL_TYPES,
     check_lengthscale_count,

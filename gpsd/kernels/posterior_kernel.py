@@ -8,8 +8,8 @@ from gpytorch.models import ExactGP
 from linear_operator import to_dense
 from torch import Tensor
 
-from gpsd._distances import same_inputs
-from gpsd._teacher import check_inputs, set_mode_keeping_copies, teacher_posterior
+from gpsd._internal.distances import same_inputs
+from gpsd._internal.teacher import check_inputs, set_mode_keeping_copies, teacher_posterior
 
 __all__ = ["PosteriorKernel"]
 

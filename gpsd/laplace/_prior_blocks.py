@@ -13,7 +13,7 @@ import gpytorch
 import torch
 from torch import Tensor
 
-from gpsd.linalg._negligible import kernel_matrix
+from gpsd._internal.negligible import kernel_matrix
 
 __all__ = ["constant_parameters", "prior_at_test", "prior_at_training"]
 

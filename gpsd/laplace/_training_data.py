@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gpsd._validation import (
+from gpsd._internal.validation import (
     as_float_tensor,
     check_matrix,
     check_same_device,

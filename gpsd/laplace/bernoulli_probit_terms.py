@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from gpsd._mills_ratio import mills_ratio_fraction
+from gpsd._internal.mills_ratio import mills_ratio_fraction
 from gpsd.laplace.bernoulli_logit_terms import check_binary_targets
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 
@@ -57,6 +57,6 @@ _TAIL_START = 5.0
 
 def _mills_tail(t: Tensor, terms: int = 40) -> Tensor:
     r""":math:`r(-t) - t` for :math:`t \ge 5`, with :math:`r(z) = \phi(z) / \Phi(z)`: the tail
-    :math:`T` of Laplace's continued fraction (:func:`~gpsd._mills_ratio.mills_ratio_fraction`),
+    :math:`T` of Laplace's continued fraction (:func:`~gpsd._internal.mills_ratio.mills_ratio_fraction`),
     which 40 terms evaluate to float64 rounding for :math:`t \ge 5` (checked against mpmath)."""
     return mills_ratio_fraction(t, terms)[0]

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_positive_float
+from gpsd._internal.validation import check_positive_float
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode
 

@@ -8,7 +8,7 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from gpsd._validation import (
+from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
     check_int,

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gpsd._validation import check_int
-from gpsd._variance import checked_latent_variance
+from gpsd._internal.validation import check_int
+from gpsd._internal.variance import checked_latent_variance
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms

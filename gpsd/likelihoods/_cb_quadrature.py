@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from gpsd._mills_ratio import mills_ratio_fraction
+from gpsd._internal.mills_ratio import mills_ratio_fraction
 from gpsd.likelihoods.log_normalizer import cb_log_density, cb_mean, cb_variance
 
 #: latent variances above which the split rules replace Gauss-Hermite (20 nodes), near where their

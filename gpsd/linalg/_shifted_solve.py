@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from gpsd._module_state import write_count
+from gpsd._internal.module_state import write_count
 from gpsd.linalg._algebra import ShiftedSolveAlgebra
 from gpsd.linalg.spectral_filter import SpectralFilter
 

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from gpsd._validation import check_int
+from gpsd._internal.validation import check_int
 
 __all__ = ["BACKENDS", "choose_backend", "free_memory_bytes"]
 

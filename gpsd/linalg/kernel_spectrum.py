@@ -13,7 +13,7 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from gpsd._validation import check_finite, check_int
+from gpsd._internal.validation import check_finite, check_int
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["KernelSpectrum", "SpectralCoordinates"]

@@ -10,7 +10,7 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from gpsd._validation import check_int
+from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, per_distinct_shift
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
 from gpsd.linalg.spectral_filter import SpectralFilter

@@ -12,7 +12,7 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.warnings import PerformanceWarning
 from torch import Tensor
 
-from gpsd._validation import check_int
+from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, carries_graph
 from gpsd.linalg.backend import free_memory_bytes
 from gpsd.linalg.spectral_filter import SpectralFilter

@@ -6,7 +6,7 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._teacher import check_inputs, set_mode_keeping_copies, teacher_posterior
+from gpsd._internal.teacher import check_inputs, set_mode_keeping_copies, teacher_posterior
 
 __all__ = ["PosteriorMean"]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpsd.linalg import ChunkedKernelOperator
-from gpsd.linalg._negligible import drop_negligible, kernel_matrix
+from gpsd._internal.negligible import drop_negligible, kernel_matrix
 
 DTYPE = torch.float64
 

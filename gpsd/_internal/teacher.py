@@ -12,7 +12,7 @@ from gpytorch.models import ExactGP
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
-from gpsd._validation import check_finite, check_matrix, check_vector
+from gpsd._internal.validation import check_finite, check_matrix, check_vector
 
 
 def frozen_copy(module: gpytorch.Module) -> gpytorch.Module:

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from gpsd._module_state import ModuleState
+from gpsd._internal.module_state import ModuleState
 
 
 def test_matches_until_any_value_shape_or_entry_changes():

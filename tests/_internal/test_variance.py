@@ -8,7 +8,7 @@ import torch
 from gpr_reference import rbf_kernel
 from gpytorch.utils.warnings import NumericalWarning
 
-from gpsd._variance import nonnegative_variance, warn_if_variance_error_large
+from gpsd._internal.variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.data.toy import sine_classification
 from gpsd.distillation.data_centric_gpc import DataCentricGPC
 from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC

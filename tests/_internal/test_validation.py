@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpsd._validation import as_float_tensor
+from gpsd._internal.validation import as_float_tensor
 
 
 def test_python_numbers_are_rounded_once():

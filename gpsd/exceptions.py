@@ -1,0 +1,31 @@
+"""The exceptions gpsd raises for conditions of its own.
+
+Each also derives from the built-in exception a caller would catch without knowing gpsd
+(``RuntimeError``, ``MemoryError``), so ``except RuntimeError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BackendError", "GpsdError", "InsufficientMemoryError", "NotFittedError"]
+
+
+class GpsdError(Exception):
+    """Base class of the exceptions gpsd raises for conditions of its own."""
+
+
+class NotFittedError(GpsdError, RuntimeError):
+    """An estimator that trains was asked to predict (or for a fitted attribute) before ``fit()``.
+
+    Closed-form estimators (the regression distillers, :class:`~gpsd.LaplaceGPClassifier`, the GPC
+    distillers) fit lazily on first use and never raise it.
+    """
+
+
+class BackendError(GpsdError, RuntimeError):
+    """A linear-algebra backend cannot do what was asked (for example, build an autograd graph);
+    the message names the backends that can."""
+
+
+class InsufficientMemoryError(GpsdError, MemoryError):
+    """A computation would not fit in the device's memory; raised before allocating, with the
+    bytes it needs and what would fit instead."""

@@ -1,0 +1,210 @@
+"""Settings: context managers for gpsd's tuning knobs, in GPyTorch's style.
+
+Each setting is a class. ``setting.value()`` reads the value in force; ``with setting(v):``
+changes it inside the block (nested blocks restore the outer value on exit, also when an
+exception leaves the block). The defaults are the measured choices of the benchmarks under
+``benchmarks/results/``; change them to trade memory for time, or to exercise a rare path in a
+test::
+
+    import gpsd
+
+    with gpsd.settings.test_chunk_size(512), gpsd.settings.max_lanczos_rank(256):
+        prediction = model.predict(test_x)
+
+Settings whose best value depends on the device (:class:`dense_max_n`,
+:class:`max_chain_factorisations`) take one value for every device, or one per device type as
+keywords (``dense_max_n(cpu=4000)``); ``value(device)`` reads the one for a device.
+
+Models that cache a factorisation include :func:`snapshot` in what their cache depends on, so
+that a prediction inside a ``with`` block never reuses a factorisation made under other settings.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "cg_deflation_rank",
+    "dense_max_n",
+    "dense_memory_fraction",
+    "kernel_cache_fraction",
+    "keep_kernel_rows_after",
+    "max_chain_factorisations",
+    "max_chunk_elements",
+    "max_lanczos_rank",
+    "snapshot",
+    "test_chunk_size",
+]
+
+_lock = threading.RLock()
+
+
+class _Setting:
+    """A value with a global default, changed inside ``with`` blocks."""
+
+    _value: ClassVar[Any]
+    _registry: ClassVar[list[type[_Setting]]] = []
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_value" in vars(cls):  # a concrete setting, not an intermediate base
+            _Setting._registry.append(cls)
+
+    @classmethod
+    def _check(cls, value: Any) -> Any:
+        return value
+
+    @classmethod
+    def value(cls) -> Any:
+        """The value in force."""
+        return cls._value
+
+    def __init__(self, value: Any) -> None:
+        self._new = type(self)._check(value)
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> _Setting:
+        with _lock:
+            self._saved.append(type(self)._value)
+            type(self)._value = self._new
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        with _lock:
+            type(self)._value = self._saved.pop()
+        return False
+
+
+def _positive_int(name: str, minimum: int = 1):
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"gpsd.settings.{name} must be an int >= {minimum}, got {value!r}")
+        return value
+
+    return check
+
+
+def _fraction(name: str):
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"gpsd.settings.{name} must be a number in (0, 1], got {value!r}")
+        return float(value)
+
+    return check
+
+
+class test_chunk_size(_Setting):
+    """Test points predicted per chunk by the regression distillers (default 4096): memory for
+    the N x chunk cross-covariance against the number of kernel evaluations."""
+
+    _value = 4096
+    _check = staticmethod(_positive_int("test_chunk_size"))
+
+
+class max_lanczos_rank(_Setting):
+    """Largest Krylov basis Lanczos grows to when no ``rank=`` is given (default 1024). There
+    ``backend="auto"`` switches to deflated CG and ``backend="lanczos"`` stops (its accuracy
+    check then warns or raises)."""
+
+    _value = 1024
+    _check = staticmethod(_positive_int("max_lanczos_rank"))
+
+
+class cg_deflation_rank(_Setting):
+    """Rank of the Lanczos run whose Ritz pairs deflate the CG backend when no ``rank=`` is
+    given (default 256)."""
+
+    _value = 256
+    _check = staticmethod(_positive_int("cg_deflation_rank"))
+
+
+class kernel_cache_fraction(_Setting):
+    """Fraction of the device's free memory that the matrix-free backends fill with kernel rows
+    kept between products when no ``kernel_cache_bytes=`` is given (default 0.5)."""
+
+    _value = 0.5
+    _check = staticmethod(_fraction("kernel_cache_fraction"))
+
+
+class keep_kernel_rows_after(_Setting):
+    """Products with the row-chunked kernel operator before it starts keeping rows (default 3:
+    block Lanczos resolves a smooth kernel in three, and holding K then costs more than it saves;
+    on a 2-core CPU at N = 32,768: 22 s with every row kept against 19 s without, 13 GiB
+    against 1 GiB)."""
+
+    _value = 3
+    _check = staticmethod(_positive_int("keep_kernel_rows_after", minimum=0))
+
+
+class dense_memory_fraction(_Setting):
+    """Fraction of the device's free memory that ``backend="auto"`` lets a dense
+    eigendecomposition or a Cholesky chain fill (default 0.8)."""
+
+    _value = 0.8
+    _check = staticmethod(_fraction("dense_memory_fraction"))
+
+
+class max_chunk_elements(_Setting):
+    """Elements of the largest temporary block that chunked evaluations form (default 2**24:
+    kernel distillation's student predictions, the DPKL classifier's pairwise differences)."""
+
+    _value = 2**24
+    _check = staticmethod(_positive_int("max_chunk_elements"))
+
+
+class _DeviceSetting(_Setting):
+    """A setting with one value per device type (``"cpu"``, ``"cuda"``; others take ``"cuda"``'s
+    where they have none)."""
+
+    _value: ClassVar[dict[str, int]]
+
+    def __init__(self, value: int | None = None, **per_device: int) -> None:
+        if value is not None and per_device:
+            raise ValueError(
+                f"gpsd.settings.{type(self).__name__} takes one value for every device or "
+                "values per device type as keywords, not both"
+            )
+        if value is None and not per_device:
+            raise ValueError(f"gpsd.settings.{type(self).__name__} needs a value")
+        check = _positive_int(type(self).__name__)
+        if value is not None:
+            new = {device: check(value) for device in type(self)._value}
+        else:
+            new = {**type(self)._value, **{k: check(v) for k, v in per_device.items()}}
+        self._new = new
+        self._saved = []
+
+    @classmethod
+    def value(cls, device: torch.device | str | None = None) -> Any:
+        """The value for ``device``'s type (``None``: the whole mapping)."""
+        if device is None:
+            return dict(cls._value)
+        kind = torch.device(device).type
+        return cls._value.get(kind, cls._value["cuda"])
+
+
+class dense_max_n(_DeviceSetting):
+    """Largest N for which ``backend="auto"`` considers the dense eigendecomposition (default
+    12,000 on the CPU, 4,096 on CUDA, where ``torch.linalg.eigh`` is slow in some builds;
+    calibrated in ``benchmarks/results/backend_choice_*.md``)."""
+
+    _value = {"cpu": 12_000, "cuda": 4096}
+
+
+class max_chain_factorisations(_DeviceSetting):
+    """Most Cholesky factorisations (steps times schedules) for which ``backend="auto"`` takes
+    the Cholesky chain over a decomposition (default 3 on both device types)."""
+
+    _value = {"cpu": 3, "cuda": 3}
+
+
+def snapshot() -> tuple:
+    """The value of every setting now: part of what a cached fit depends on."""
+    out = []
+    for setting in _Setting._registry:
+        value = setting._value
+        out.append(tuple(sorted(value.items())) if isinstance(value, dict) else value)
+    return tuple(out)
