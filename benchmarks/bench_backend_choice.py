@@ -6,7 +6,7 @@ For each N (doubling) and number of steps T, fits :class:`gpsd.DataCentricGPR` w
 chose, auto's time over the fastest, and auto's relative error against the dense backend. A second
 table times the bare factorisations (``eigh`` and Cholesky of K + 0.1 I) in float32 and float64.
 The report ends with where the Cholesky chain stops beating the dense eigendecomposition, which
-sets ``_MAX_CHAIN_FACTORISATIONS`` in ``gpsd/linalg/backend.py``.
+sets the default of ``gpsd.settings.max_chain_factorisations``.
 
 Data: inputs uniform on [0, 10]^2, targets sin(x1) + sin(x2) + noise, an RBF kernel with
 ``--lengthscale`` (1.0: a fast-decaying spectrum that Lanczos resolves; 0.1: a slowly decaying one,
@@ -172,7 +172,7 @@ def factorisation_table(args, device: torch.device, report: Report) -> dict:
 
 def summary(records: list, ratios: dict, linalg_dtype: str) -> str:
     """The constants that the measurements suggest, next to the ones in use."""
-    from gpsd.linalg import backend as backend_module
+    from gpsd import settings
 
     lines = []
     if linalg_dtype in ratios:
@@ -197,11 +197,12 @@ def summary(records: list, ratios: dict, linalg_dtype: str) -> str:
     if wins:
         lines.append(
             f"- largest T at which the chain beat the dense eigendecomposition at every N: "
-            f"{min(wins)} (a `_MAX_CHAIN_FACTORISATIONS` for this device)."
+            f"{min(wins)} (a `max_chain_factorisations` for this device)."
         )
     lines.append(
-        f"- in use: `_MAX_CHAIN_FACTORISATIONS` = {backend_module._MAX_CHAIN_FACTORISATIONS}, "
-        f"`_DENSE_MAX_N` = {backend_module._DENSE_MAX_N}."
+        f"- in use: `gpsd.settings.max_chain_factorisations` = "
+        f"{settings.max_chain_factorisations.value()}, `gpsd.settings.dense_max_n` = "
+        f"{settings.dense_max_n.value()}."
     )
     return "\n".join(lines)
 

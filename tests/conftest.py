@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -18,3 +20,11 @@ def _seed_and_restore_dtype():
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def use_setting():
+    """Enter ``gpsd.settings`` context managers for the rest of a test:
+    ``use_setting(gpsd.settings.test_chunk_size(30))``; each is left when the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield stack.enter_context

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import math
 import operator
 import warnings
-from collections.abc import Callable
 from typing import NamedTuple
 
 import gpytorch
@@ -18,40 +16,11 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from gpytorch.utils.warnings import NumericalWarning
 from linear_operator import to_dense
-from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd._internal.module_state import ModuleState
 from gpsd._internal.teacher import validate_teacher
 from gpsd._internal.validation import as_float_tensor, check_finite, check_matrix, check_vector
-from gpsd.linalg import (
-    ChunkedKernelOperator,
-    KernelSpectrum,
-    ShiftedCG,
-    ShiftedCholesky,
-    choose_backend,
-    free_memory_bytes,
-)
-from gpsd._internal.negligible import drop_negligible
-
-#: Lanczos rank whose Ritz pairs deflate the CG backend, unless ``rank`` is given.
-CG_DEFLATION_RANK = 256
-#: Largest rank Lanczos grows to without a ``rank=``: there ``backend="auto"`` switches to
-#: deflated CG, and ``backend="lanczos"`` stops (its accuracy check then warns or raises).
-MAX_GROWN_RANK = 1024
-#: Test inputs are predicted in chunks of this many points, bounding the N x M cross-covariance.
-TEST_CHUNK_SIZE = 4096
-#: Fraction of the device's free memory that the matrix-free backends fill with kernel rows kept
-#: between products, unless ``kernel_cache_bytes`` is given.
-KERNEL_CACHE_FRACTION = 0.5
-#: Products with the row-chunked operator before it keeps rows: block Lanczos resolves a smooth
-#: kernel in three, and holding K then costs more than it saves (on the 2-core CPU at N = 32,768:
-#: 22 s for the three products with every row kept, 19 s without, and 13 GiB against 1 GiB).
-KEEP_ROWS_AFTER = 3
-#: N-vectors a prediction keeps free memory for beside the kept rows: about 8 blocks of
-#: TEST_CHUNK_SIZE columns (a CG solve's iterates and products) and 4 row chunks of 2048 (a
-#: kernel evaluation's temporaries).
-_WORKING_COLUMNS = 8 * TEST_CHUNK_SIZE + 4 * 2048
 
 
 class RegressionPath(NamedTuple):
@@ -121,205 +90,6 @@ def unpack_teacher(teacher: ExactGP) -> tuple[Tensor, Tensor, Tensor]:
     return teacher.train_inputs[0], teacher.train_targets, noise
 
 
-def make_engine(
-    kernel: Kernel,
-    x: Tensor,
-    backend: str,
-    schedule_shape: torch.Size,
-    num_steps: int,
-    eig_dtype: torch.dtype | None,
-    rank: int | None,
-    generator_seed: int,
-    gamma_min: float,
-    rtol: float,
-    kernel_cache_bytes: int | None = None,
-):
-    """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
-    :class:`ShiftedCG`.
-
-    The Lanczos and CG backends never form the kernel matrix: a KeOps kernel's own operator or a
-    :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products; the latter keeps the kernel
-    rows it evaluates within ``kernel_cache_bytes`` (default: :data:`KERNEL_CACHE_FRACTION` of the
-    device's free memory), so that later products read them instead of evaluating the kernel
-    again. Ritz pairs count as
-    resolved when their residual is below ``0.1 * rtol * gamma_min``, and the trace bound on the
-    complement norm is taken without power iterations when it is below ``0.5 * rtol * gamma_min``
-    (both then keep the error estimate under ``rtol``); without a ``rank`` the Krylov basis is
-    extended block by block (an eighth of the largest rank per block, at most 64 columns) until
-    the error estimate for the smallest shift ``gamma_min`` is below ``rtol``, up to
-    :data:`MAX_GROWN_RANK` (a basis of N columns would cost more than the dense decomposition it
-    avoids). The CG backend deflates the Ritz pairs of a rank-``rank`` (default
-    :data:`CG_DEFLATION_RANK`) Lanczos run and solves to relative residual ``rtol``.
-
-    ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
-    eigendecomposition and no gradient is needed, it first grows Lanczos on the formed matrix up
-    to rank ``N / 4`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than
-    ``eigh``; a failed attempt costs products with an N x N matrix and Rayleigh-Ritz steps of
-    about N³ / 2 flops of matrix products, a few per cent of an ``eigh``) and falls back to
-    the dense decomposition if that rank does not reach ``rtol``, or as soon as half of it shows
-    that it cannot (:func:`_out_of_reach`). Beyond the size
-    of a dense decomposition, or where it would not fit in the device's free memory, it grows
-    Lanczos up to :data:`MAX_GROWN_RANK` and, if that does not reach ``rtol``, solves by CG
-    deflated with the Ritz pairs it found.
-    """
-    n = x.shape[-2]
-
-    def lanczos(operator, r: int, stop_when=None) -> KernelSpectrum:
-        return KernelSpectrum.from_lanczos(
-            operator,
-            rank=r,
-            residual_tol=0.1 * rtol * gamma_min,
-            complement_tol=0.5 * rtol * gamma_min,
-            dtype=eig_dtype or x.dtype,
-            generator=torch.Generator().manual_seed(generator_seed),
-            stop_when=stop_when,
-        )
-
-    def grow_lanczos(operator, max_rank: int, give_up_early: bool = False) -> KernelSpectrum:
-        def stop(spectrum: KernelSpectrum) -> bool:
-            if spectrum.meets(gamma_min, rtol, allow_power=False):
-                return True
-            return give_up_early and _out_of_reach(spectrum, max_rank, gamma_min, rtol)
-
-        return lanczos(operator, max_rank, stop)
-
-    if backend in ("lanczos", "cg"):
-        operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
-        try:
-            if backend == "lanczos":
-                if rank is not None:
-                    return lanczos(operator, rank)
-                return grow_lanczos(operator, min(n, MAX_GROWN_RANK))
-            spectrum = lanczos(operator, rank if rank is not None else min(n, CG_DEFLATION_RANK))
-            return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
-        except torch.OutOfMemoryError as err:
-            raise MemoryError(
-                f"backend={backend!r} ran out of memory holding an {n}-row Krylov basis on "
-                f"{x.device}; pass a smaller rank= (now {rank}) or kernel_cache_bytes=, or a "
-                "KeOps kernel"
-            ) from err
-    needs_grad = needs_graph(kernel, x)
-    try_lanczos_first = False
-    if backend == "auto":
-        # a kernel with a batch shape makes a batch of matrices from shared inputs too
-        matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
-        num_schedules = schedule_shape.numel()
-        backend = choose_backend(
-            n,
-            num_schedules * num_steps,
-            x.device,
-            dtype=eig_dtype or x.dtype,
-            batch_size=matrix_shape.numel(),
-            num_schedules=num_schedules,
-            # a factor's batch: the schedules' broadcast against the matrices', as the shift is
-            factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
-        )
-        try_lanczos_first = backend == "dense" and not needs_grad
-    # K is evaluated in the factorisation's dtype, as the matrix-free backends do; with a graph
-    # to keep, through differentiable casts of the parameters (a copy would cut the graph).
-    dense_kernel, dense_x = kernel_in_dtype(kernel, x, eig_dtype, keep_graph=needs_grad)
-    try:
-        if backend == "cholesky":
-            return ShiftedCholesky(dense_kernel(dense_x), dtype=eig_dtype)
-        if backend == "lanczos":  # chosen by choose_backend: no dense matrix (N or memory)
-            operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
-            spectrum = grow_lanczos(operator, min(n, MAX_GROWN_RANK))
-            if spectrum.meets(gamma_min, rtol):
-                return spectrum
-            return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
-        # The matrix fits: evaluate it once, for the Lanczos attempt and the fallback alike.
-        dense = dense_kernel(dense_x).to_dense()
-        dense = dense if eig_dtype is None else dense.to(eig_dtype)
-        if try_lanczos_first:
-            dense = drop_negligible(dense, inplace=not dense.requires_grad)  # Krylov products
-            spectrum = grow_lanczos(dense, rank or max(1, n // 4), give_up_early=True)
-            if spectrum.meets(gamma_min, rtol):
-                return spectrum
-        return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
-    except torch.OutOfMemoryError as err:
-        raise MemoryError(
-            f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
-            f"{x.device}; use backend='lanczos' or backend='cg', which never form it"
-        ) from err
-
-
-def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rtol: float) -> bool:
-    r"""Whether a Lanczos run at half its rank budget or more looks unable to meet ``rtol``.
-
-    The complement norm must fall to about :math:`\tau = \gamma_{\min}\,
-    \mathrm{rtol}^{1/(J+1)}` for the Taylor series of order :math:`J` to reach ``rtol``. When
-    every one of the :math:`r \ge` ``max_rank / 2`` Ritz values still exceeds :math:`\tau`, the
-    kernel has at least :math:`r` eigenvalues above it (Cauchy interlacing), and resolving the
-    :math:`k` leading pairs took block Lanczos 2.2 to 3.8 k columns in our measurements: more
-    than the budget. Used where a failed attempt is thrown away (the Lanczos attempt before a
-    dense eigendecomposition), not where its Ritz pairs deflate CG.
-    """
-    theta = spectrum.ritz_values  # shape: (*b, r)
-    if 2 * theta.shape[-1] < max_rank:
-        return False
-    tau = gamma_min * rtol ** (1.0 / (spectrum.max_series_order + 1))
-    return bool((theta >= tau).all(-1).any())
-
-
-def _matrix_free(
-    kernel: Kernel, x: Tensor, dtype: torch.dtype | None, cache_bytes: int | None
-) -> Tensor | LinearOperator:
-    """The kernel matrix as an operator that is never formed whole (KeOps, or row chunks of which
-    those that fit in ``cache_bytes`` are kept between products; ``None``:
-    :data:`KERNEL_CACHE_FRACTION` of the device's free memory, less where the rest would not
-    hold a prediction's working set of :data:`_WORKING_COLUMNS` N-vectors).
-
-    The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
-    residuals and the CG residuals reach that precision even for float32 data; the kernel is
-    copied into ``dtype`` for that (these backends keep no graph).
-    """
-    kernel, x = kernel_in_dtype(kernel, x, dtype)
-    is_keops = any(
-        type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
-    )
-    if is_keops:
-        return kernel(x)
-    if cache_bytes is None:
-        cache_bytes = _default_cache_bytes(x)
-    return ChunkedKernelOperator(
-        x, kernel=kernel, cache_bytes=cache_bytes, keep_after=KEEP_ROWS_AFTER
-    )
-
-
-def _default_cache_bytes(x: Tensor) -> int:
-    """Bytes of kernel rows to keep for the inputs ``x`` (``(*batch, N, d)``, in the dtype of the
-    products): :data:`KERNEL_CACHE_FRACTION` of the free memory, less where the rest would not
-    hold a prediction's working set. Where that cannot hold every row, the memory of models no
-    longer referenced is collected first (:func:`~gpsd.linalg.free_memory_bytes`)."""
-    itemsize = torch.finfo(x.dtype).bits // 8
-    vectors = x.shape[:-1].numel()  # batch x N
-    every_row = vectors * x.shape[-2] * itemsize
-    free = free_memory_bytes(x.device, wanted=math.ceil(every_row / KERNEL_CACHE_FRACTION))
-    working = _WORKING_COLUMNS * vectors * itemsize
-    return max(0, int(min(KERNEL_CACHE_FRACTION * free, free - working)))
-
-
-def needs_graph(kernel: Kernel, x: Tensor) -> bool:
-    """Whether kernel matrices of ``kernel`` at ``x`` would carry an autograd graph now."""
-    return torch.is_grad_enabled() and (
-        x.requires_grad or any(p.requires_grad for p in kernel.parameters())
-    )
-
-
-def kernel_in_dtype(
-    kernel: Kernel, x: Tensor, dtype: torch.dtype | None, keep_graph: bool = False
-) -> tuple[Callable[..., Tensor], Tensor]:
-    """``kernel`` and ``x`` in ``dtype`` (``None``: unchanged). Every parameter and buffer must
-    match the inputs' dtype (mixed dtypes fail in some GPyTorch kernels, e.g.
-    ``PolynomialKernel``): without ``keep_graph`` the kernel is a copy in ``dtype``, which
-    carries no graph to the original; with it, a :class:`GraphKernelInDtype`."""
-    if dtype is None or dtype == x.dtype:
-        return kernel, x
-    if keep_graph:
-        return GraphKernelInDtype(kernel, dtype), x.to(dtype)
-    return copy.deepcopy(kernel).to(dtype), x.to(dtype)
-
-
 #: above this estimate of the relative error (:func:`warn_low_precision_factorisation`) a
 #: factorisation in a low-precision dtype warns
 LOW_PRECISION_WARNING = 0.1
@@ -358,51 +128,6 @@ def warn_low_precision_factorisation(
             NumericalWarning,
             stacklevel=stacklevel,
         )
-
-
-class GraphKernelInDtype:
-    """``kernel`` evaluated in ``dtype`` with its autograd graph kept: every floating-point
-    parameter and buffer is replaced, for the call only, by a differentiable cast, so that
-    float32 hyperparameters give float64 kernel matrices whose gradients reach them.
-
-    Called as a kernel (``(x1, x2=None, diag=False)``), it returns dense tensors, evaluated while
-    the casts are in place. Each module is visited once and a tensor shared by several entries
-    gets one cast (``torch.func.functional_call`` would swap a submodule used twice twice, and
-    leave the cast in place of the parameter); buffers the kernel creates during the call (the
-    random weights of ``RFFKernel``, say) are returned to the kernel's own dtype.
-    """
-
-    def __init__(self, kernel: Kernel, dtype: torch.dtype) -> None:
-        self.kernel = kernel
-        self.dtype = dtype
-
-    def __call__(self, x1: Tensor, x2: Tensor | None = None, diag: bool = False) -> Tensor:
-        modules = list(self.kernel.modules())  # each module once
-        before = {(id(module), name) for module in modules for name in module._buffers}
-        casts: dict[int, Tensor] = {}
-        swapped: list[tuple[dict, str, Tensor]] = []
-        own_dtype = None
-        try:
-            for module in modules:
-                for store in (module._parameters, module._buffers):
-                    for name, value in list(store.items()):
-                        if value is None or not value.is_floating_point():
-                            continue
-                        own_dtype = own_dtype or value.dtype
-                        if value.dtype != self.dtype:
-                            swapped.append((store, name, value))
-                            store[name] = casts.setdefault(id(value), value.to(self.dtype))
-            x1 = x1.to(self.dtype)
-            x2 = x1 if x2 is None else x2.to(self.dtype)
-            return to_dense(self.kernel(x1, x2, diag=diag))
-        finally:
-            for store, name, value in reversed(swapped):
-                store[name] = value
-            for module in self.kernel.modules():
-                for name, value in list(module._buffers.items()):
-                    new = (id(module), name) not in before
-                    if new and own_dtype and value is not None and value.is_floating_point():
-                        module._buffers[name] = value.to(own_dtype)
 
 
 class StateSnapshot:

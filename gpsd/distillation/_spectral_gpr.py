@@ -14,7 +14,10 @@ from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
+from gpsd import settings
+from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
+from gpsd._internal.negligible import kernel_matrix
 from gpsd._internal.validation import (
     as_float_tensor,
     check_gp_modules,
@@ -25,21 +28,16 @@ from gpsd._internal.validation import (
 )
 from gpsd._internal.variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.distillation._common import (
-    TEST_CHUNK_SIZE,
     BackwardWatch,
     RegressionPath,
     StateSnapshot,
-    kernel_in_dtype,
-    make_engine,
-    needs_graph,
     unpack_teacher,
     validate_gamma,
     validate_test_x,
     validate_training_data,
     warn_low_precision_factorisation,
 )
-from gpsd.linalg import BACKENDS, SpectralFilter
-from gpsd._internal.negligible import kernel_matrix
+from gpsd.linalg import BACKENDS, SpectralFilter, make_engine
 
 
 def autograd_context(state: dict):
@@ -302,15 +300,16 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         ``batch`` includes a batch of targets or of prior means; the variances and covariances,
         which depend on neither, are expanded over it (views: clone before writing in place).
         Without ``full_cov`` the test points are processed in chunks of
-        :data:`TEST_CHUNK_SIZE`, so memory stays at ``N x TEST_CHUNK_SIZE``.
+        :class:`gpsd.settings.test_chunk_size`, so memory stays at ``N x test_chunk_size``.
         """
         test_x = validate_test_x(test_x, self.train_x)
-        if full_cov or test_x.shape[-2] <= TEST_CHUNK_SIZE:
+        chunk = settings.test_chunk_size.value()
+        if full_cov or test_x.shape[-2] <= chunk:
             return self._predict_chunk(test_x, full_cov)
         parts = []
-        for i in range(0, test_x.shape[-2], TEST_CHUNK_SIZE):  # a loop, not a comprehension:
+        for i in range(0, test_x.shape[-2], chunk):  # a loop, not a comprehension:
             # warnings point past predict (stacklevel) on every Python version
-            parts.append(self._predict_chunk(test_x[..., i : i + TEST_CHUNK_SIZE, :], False))
+            parts.append(self._predict_chunk(test_x[..., i : i + chunk, :], False))
         return RegressionPath(
             torch.cat([p.mean for p in parts], dim=-1),
             torch.cat([p.variance for p in parts], dim=-1),
@@ -326,14 +325,15 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         """Predictive means of every step at ``test_x``, shape ``(*batch, T, M)``.
 
         :meth:`predict` without the variances: one product with cached weights per chunk of
-        :data:`TEST_CHUNK_SIZE` test points. With ``backend="cg"`` this skips the variance solves,
+        :class:`gpsd.settings.test_chunk_size` test points. With ``backend="cg"`` this skips the variance solves,
         which have one right-hand side per test point.
         """
         test_x = validate_test_x(test_x, self.train_x)
         state = self._state()
-        starts = range(0, max(test_x.shape[-2], 1), TEST_CHUNK_SIZE)
+        chunk = settings.test_chunk_size.value()
+        starts = range(0, max(test_x.shape[-2], 1), chunk)
         with autograd_context(state):
-            chunks = [test_x[..., i : i + TEST_CHUNK_SIZE, :] for i in starts]
+            chunks = [test_x[..., i : i + chunk, :] for i in starts]
             return torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
 
     def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:

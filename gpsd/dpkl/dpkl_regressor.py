@@ -9,13 +9,13 @@ import gpytorch
 import torch
 from torch import Tensor, nn
 
+from gpsd._internal.negligible import drop_negligible
 from gpsd._internal.validation import check_int
 from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs
 from gpsd.dpkl.embedding_kernel import ProbabilisticEmbeddingKernel
 from gpsd.dpkl.expected_embedding_kernel import ExpectedEmbeddingKernel
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
-from gpsd._internal.negligible import drop_negligible
 
 __all__ = ["DPKLRegressor"]
 

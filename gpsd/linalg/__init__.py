@@ -1,8 +1,9 @@
 """Spectral filters of kernel operators: eigendecomposition, Cholesky chains, block Lanczos, deflated CG."""
 
-from gpsd.linalg.backend import BACKENDS, choose_backend, free_memory_bytes
+from gpsd.linalg.backend import BACKENDS, choose_backend, make_engine
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum, SpectralCoordinates
+from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.shifted_cg import ShiftedCG
 from gpsd.linalg.shifted_cholesky import ShiftedCholesky
 from gpsd.linalg.spectral_filter import SpectralFilter
@@ -17,4 +18,5 @@ __all__ = [
     "SpectralFilter",
     "choose_backend",
     "free_memory_bytes",
+    "make_engine",
 ]

@@ -2,136 +2,34 @@
 
 from __future__ import annotations
 
-import gc
 import math
-import os
 
 import torch
+from gpytorch.kernels import Kernel
+from linear_operator.operators import LinearOperator
+from torch import Tensor
 
+from gpsd import settings
+from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
+from gpsd._internal.negligible import drop_negligible
 from gpsd._internal.validation import check_int
+from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
+from gpsd.linalg.kernel_spectrum import KernelSpectrum
+from gpsd.linalg.memory import free_memory_bytes
+from gpsd.linalg.shifted_cg import ShiftedCG
+from gpsd.linalg.shifted_cholesky import ShiftedCholesky
 
-__all__ = ["BACKENDS", "choose_backend", "free_memory_bytes"]
+__all__ = ["BACKENDS", "choose_backend", "make_engine"]
 
 #: The backends of :class:`~gpsd.distillation.DataCentricGPR` and
 #: :class:`~gpsd.distillation.DistributionCentricGPR`.
 BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 
-# Most Cholesky factorisations for which the chain is chosen over the dense eigendecomposition.
-# CPU: measured end to end (fit, then every step's means and variances at 1000 test points) in
-# benchmarks/results/backend_choice_cpu.md: at T = 3 the chain is even with the dense path at
-# N = 1024 and 1.6 to 2 times as fast at N = 2048 and 4096; from T = 5 on the dense path, or
-# auto's Lanczos attempt inside it, is as fast or faster. The bare float64 eigh costs 4 to 11
-# Cholesky factorisations there, but each step of the chain also solves with the test points.
-# CUDA (an H200, float64 factorisations, 10,000 test points; backend_choice_cuda.md): the chain
-# is fastest at T = 1 (N = 4096 to 16,384) and at T = 3 up to N = 8192 (0.12 s against Lanczos'
-# 0.13 s there, 0.39 against 0.20 s at 16,384); from T = 10 on Lanczos is 1.4 to 33 times
-# faster than the chain.
-_MAX_CHAIN_FACTORISATIONS = {"cpu": 3, "cuda": 3}
-# Largest N for which a dense N x N eigendecomposition is attempted automatically (the chain is
-# considered up to twice that). CUDA: float64 eigh is slow on GPUs (0.56 s at N = 8192 and 3.2 s
-# at 16,384 on the H200 against 0.15 and 0.20 s for Lanczos with 100 steps); it is the fastest
-# only at N = 4096 with T >= 30, by 1 % to 34 %.
-_DENSE_MAX_N = {"cpu": 12_000, "cuda": 4096}
+# The device limits of the choice are gpsd.settings.max_chain_factorisations and dense_max_n;
+# their docstrings give the measurements behind the defaults.
 # Peak memory of the dense eigendecomposition in N x N matrices of the factorisation dtype: the
 # kernel matrix, its eigenvectors and about two more for the solver's workspace.
 _EIGH_MATRICES = 4
-# Fraction of the free memory that an automatically chosen dense backend may plan to fill.
-_MEMORY_FRACTION = 0.8
-
-
-def free_memory_bytes(device: torch.device | str, wanted: int | None = None) -> int:
-    """Memory that new tensors on ``device`` can take, in bytes.
-
-    On CUDA: the driver's free memory plus what PyTorch's caching allocator holds but does not
-    use. On the CPU: the host's available memory (``MemAvailable``), or less where the process's
-    control group (a container's memory limit) leaves less: its limit less its usage, reclaimable
-    file cache not counted as used.
-
-    Where ``wanted`` bytes are not free, the cycle collector runs first and the memory is measured
-    again: a model that is no longer referenced holds its memory until it runs (every GPyTorch
-    module sits in a reference cycle, through its ``load_state_dict`` hook). On an H200 at
-    N = 100,000 a second model kept half the kernel rows of the first that way, and both together
-    peaked at 114 GiB. Without ``wanted`` (or with enough free) nothing is collected.
-    """
-    free = _measured_free_bytes(device)
-    if wanted is not None and free < wanted:
-        gc.collect()
-        free = _measured_free_bytes(device)
-    return free
-
-
-def _measured_free_bytes(device: torch.device | str) -> int:
-    """:func:`free_memory_bytes` as the device reports it now."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return torch.cuda.mem_get_info(device)[0] + cached
-    host = _host_available_bytes()
-    headroom = _cgroup_headroom_bytes()
-    return host if headroom is None else min(host, headroom)
-
-
-def _host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 2**32  # 4 GiB where the platform does not say
-
-
-def _cgroup_headroom_bytes(root: str = "/sys/fs/cgroup") -> int | None:
-    """What the memory limit of this process's control group leaves, in bytes; ``None`` where
-    there is no limit (or no cgroup file system under ``root``).
-
-    cgroup v2 (``memory.max``, ``memory.current``) or v1 (``memory/memory.limit_in_bytes``,
-    ``memory/memory.usage_in_bytes``); the inactive file cache of ``memory.stat``, which the
-    kernel reclaims before it kills, is not counted as used.
-    """
-    for limit_file, usage_file, stat_file, cache_key in (
-        ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-        (
-            "memory/memory.limit_in_bytes",
-            "memory/memory.usage_in_bytes",
-            "memory/memory.stat",
-            "total_inactive_file",
-        ),
-    ):
-        limit = _read_int(os.path.join(root, limit_file))
-        usage = _read_int(os.path.join(root, usage_file))
-        if limit is None or usage is None:
-            continue
-        if limit >= 2**60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
-            return None
-        cache = _stat_value(os.path.join(root, stat_file), cache_key) or 0
-        return max(0, limit - max(0, usage - cache))
-    return None
-
-
-def _read_int(path: str) -> int | None:
-    """The integer in a one-line file; ``None`` if missing, unreadable or ``max``."""
-    try:
-        with open(path) as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _stat_value(path: str, key: str) -> int | None:
-    try:
-        with open(path) as fh:
-            for line in fh:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def choose_backend(
@@ -182,25 +80,215 @@ def choose_backend(
     if factor_batch_size is None:
         factor_batch_size = max(batch_size, num_schedules)
     factor_batch_size = check_int(factor_batch_size, "factor_batch_size")
-    kind = torch.device(device).type
-    kind = kind if kind in _MAX_CHAIN_FACTORISATIONS else "cpu"
+    max_chain = settings.max_chain_factorisations.value(device)
+    dense_max_n = settings.dense_max_n.value(device)
+    memory_fraction = settings.dense_memory_fraction.value()
     one_matrix = n * n * (torch.finfo(dtype).bits // 8)
     matrix_bytes = batch_size * one_matrix
     factor_bytes = factor_batch_size * one_matrix
     num_factors = math.ceil(num_factorisations / num_schedules)
     # T f <= (free - s - f) / 2, and 4 s <= 80 % of free (the docstring's rules)
     chain_needs = 2 * num_factors * factor_bytes + matrix_bytes + factor_bytes
-    eigh_needs = math.ceil(_EIGH_MATRICES * matrix_bytes / _MEMORY_FRACTION)
-    chain_by_size = (
-        num_factorisations <= _MAX_CHAIN_FACTORISATIONS[kind] and n <= 2 * _DENSE_MAX_N[kind]
-    )
-    eigh_by_size = n <= _DENSE_MAX_N[kind]
+    eigh_needs = math.ceil(_EIGH_MATRICES * matrix_bytes / memory_fraction)
+    chain_by_size = num_factorisations <= max_chain and n <= 2 * dense_max_n
+    eigh_by_size = n <= dense_max_n
     if free_bytes is None:
         # what the candidates that N and T allow need: collect garbage where it is not free
         needs = [chain_needs] * chain_by_size + [eigh_needs] * eigh_by_size
         free_bytes = free_memory_bytes(device, wanted=max(needs, default=None))
     if chain_by_size and chain_needs <= free_bytes:
         return "cholesky"
-    if eigh_by_size and _EIGH_MATRICES * matrix_bytes <= _MEMORY_FRACTION * free_bytes:
+    if eigh_by_size and _EIGH_MATRICES * matrix_bytes <= memory_fraction * free_bytes:
         return "dense"
     return "lanczos"
+
+
+#: N-vectors a prediction keeps free memory for beside the kept kernel rows: about 8 blocks of
+#: test-chunk columns (a CG solve's iterates and products) and 4 row chunks of 2048 (a kernel
+#: evaluation's temporaries).
+_ROW_CHUNK_VECTORS = 4 * 2048
+
+
+def make_engine(
+    kernel: Kernel,
+    x: Tensor,
+    backend: str,
+    schedule_shape: torch.Size,
+    num_steps: int,
+    eig_dtype: torch.dtype | None,
+    rank: int | None,
+    generator_seed: int,
+    gamma_min: float,
+    rtol: float,
+    kernel_cache_bytes: int | None = None,
+):
+    """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
+    :class:`ShiftedCG`.
+
+    The Lanczos and CG backends never form the kernel matrix: a KeOps kernel's own operator or a
+    :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products; the latter keeps the kernel
+    rows it evaluates within ``kernel_cache_bytes`` (default: :class:`gpsd.settings.kernel_cache_fraction` of the
+    device's free memory), so that later products read them instead of evaluating the kernel
+    again. Ritz pairs count as
+    resolved when their residual is below ``0.1 * rtol * gamma_min``, and the trace bound on the
+    complement norm is taken without power iterations when it is below ``0.5 * rtol * gamma_min``
+    (both then keep the error estimate under ``rtol``); without a ``rank`` the Krylov basis is
+    extended block by block (an eighth of the largest rank per block, at most 64 columns) until
+    the error estimate for the smallest shift ``gamma_min`` is below ``rtol``, up to
+    :class:`gpsd.settings.max_lanczos_rank` (a basis of N columns would cost more than the dense decomposition it
+    avoids). The CG backend deflates the Ritz pairs of a rank-``rank`` (default
+    :class:`gpsd.settings.cg_deflation_rank`) Lanczos run and solves to relative residual ``rtol``.
+
+    ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
+    eigendecomposition and no gradient is needed, it first grows Lanczos on the formed matrix up
+    to rank ``N / 4`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than
+    ``eigh``; a failed attempt costs products with an N x N matrix and Rayleigh-Ritz steps of
+    about N³ / 2 flops of matrix products, a few per cent of an ``eigh``) and falls back to
+    the dense decomposition if that rank does not reach ``rtol``, or as soon as half of it shows
+    that it cannot (:func:`_out_of_reach`). Beyond the size
+    of a dense decomposition, or where it would not fit in the device's free memory, it grows
+    Lanczos up to :class:`gpsd.settings.max_lanczos_rank` and, if that does not reach ``rtol``, solves by CG
+    deflated with the Ritz pairs it found.
+    """
+    n = x.shape[-2]
+
+    def lanczos(operator, r: int, stop_when=None) -> KernelSpectrum:
+        return KernelSpectrum.from_lanczos(
+            operator,
+            rank=r,
+            residual_tol=0.1 * rtol * gamma_min,
+            complement_tol=0.5 * rtol * gamma_min,
+            dtype=eig_dtype or x.dtype,
+            generator=torch.Generator().manual_seed(generator_seed),
+            stop_when=stop_when,
+        )
+
+    def grow_lanczos(operator, max_rank: int, give_up_early: bool = False) -> KernelSpectrum:
+        def stop(spectrum: KernelSpectrum) -> bool:
+            if spectrum.meets(gamma_min, rtol, allow_power=False):
+                return True
+            return give_up_early and _out_of_reach(spectrum, max_rank, gamma_min, rtol)
+
+        return lanczos(operator, max_rank, stop)
+
+    if backend in ("lanczos", "cg"):
+        operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
+        try:
+            if backend == "lanczos":
+                if rank is not None:
+                    return lanczos(operator, rank)
+                return grow_lanczos(operator, min(n, settings.max_lanczos_rank.value()))
+            spectrum = lanczos(
+                operator, rank if rank is not None else min(n, settings.cg_deflation_rank.value())
+            )
+            return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
+        except torch.OutOfMemoryError as err:
+            raise MemoryError(
+                f"backend={backend!r} ran out of memory holding an {n}-row Krylov basis on "
+                f"{x.device}; pass a smaller rank= (now {rank}) or kernel_cache_bytes=, or a "
+                "KeOps kernel"
+            ) from err
+    needs_grad = needs_graph(kernel, x)
+    try_lanczos_first = False
+    if backend == "auto":
+        # a kernel with a batch shape makes a batch of matrices from shared inputs too
+        matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
+        num_schedules = schedule_shape.numel()
+        backend = choose_backend(
+            n,
+            num_schedules * num_steps,
+            x.device,
+            dtype=eig_dtype or x.dtype,
+            batch_size=matrix_shape.numel(),
+            num_schedules=num_schedules,
+            # a factor's batch: the schedules' broadcast against the matrices', as the shift is
+            factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
+        )
+        try_lanczos_first = backend == "dense" and not needs_grad
+    # K is evaluated in the factorisation's dtype, as the matrix-free backends do; with a graph
+    # to keep, through differentiable casts of the parameters (a copy would cut the graph).
+    dense_kernel, dense_x = kernel_in_dtype(kernel, x, eig_dtype, keep_graph=needs_grad)
+    try:
+        if backend == "cholesky":
+            return ShiftedCholesky(dense_kernel(dense_x), dtype=eig_dtype)
+        if backend == "lanczos":  # chosen by choose_backend: no dense matrix (N or memory)
+            operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
+            spectrum = grow_lanczos(operator, min(n, settings.max_lanczos_rank.value()))
+            if spectrum.meets(gamma_min, rtol):
+                return spectrum
+            return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
+        # The matrix fits: evaluate it once, for the Lanczos attempt and the fallback alike.
+        dense = dense_kernel(dense_x).to_dense()
+        dense = dense if eig_dtype is None else dense.to(eig_dtype)
+        if try_lanczos_first:
+            dense = drop_negligible(dense, inplace=not dense.requires_grad)  # Krylov products
+            spectrum = grow_lanczos(dense, rank or max(1, n // 4), give_up_early=True)
+            if spectrum.meets(gamma_min, rtol):
+                return spectrum
+        return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
+    except torch.OutOfMemoryError as err:
+        raise MemoryError(
+            f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
+            f"{x.device}; use backend='lanczos' or backend='cg', which never form it"
+        ) from err
+
+
+def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rtol: float) -> bool:
+    r"""Whether a Lanczos run at half its rank budget or more looks unable to meet ``rtol``.
+
+    The complement norm must fall to about :math:`\tau = \gamma_{\min}\,
+    \mathrm{rtol}^{1/(J+1)}` for the Taylor series of order :math:`J` to reach ``rtol``. When
+    every one of the :math:`r \ge` ``max_rank / 2`` Ritz values still exceeds :math:`\tau`, the
+    kernel has at least :math:`r` eigenvalues above it (Cauchy interlacing), and resolving the
+    :math:`k` leading pairs took block Lanczos 2.2 to 3.8 k columns in our measurements: more
+    than the budget. Used where a failed attempt is thrown away (the Lanczos attempt before a
+    dense eigendecomposition), not where its Ritz pairs deflate CG.
+    """
+    theta = spectrum.ritz_values  # shape: (*b, r)
+    if 2 * theta.shape[-1] < max_rank:
+        return False
+    tau = gamma_min * rtol ** (1.0 / (spectrum.max_series_order + 1))
+    return bool((theta >= tau).all(-1).any())
+
+
+def _matrix_free(
+    kernel: Kernel, x: Tensor, dtype: torch.dtype | None, cache_bytes: int | None
+) -> Tensor | LinearOperator:
+    """The kernel matrix as an operator that is never formed whole (KeOps, or row chunks of which
+    those that fit in ``cache_bytes`` are kept between products; ``None``:
+    :class:`gpsd.settings.kernel_cache_fraction` of the device's free memory, less where the rest would not
+    hold a prediction's working set of :data:`_ROW_CHUNK_VECTORS` plus 8 test chunks of N-vectors).
+
+    The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
+    residuals and the CG residuals reach that precision even for float32 data; the kernel is
+    copied into ``dtype`` for that (these backends keep no graph).
+    """
+    kernel, x = kernel_in_dtype(kernel, x, dtype)
+    is_keops = any(
+        type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
+    )
+    if is_keops:
+        return kernel(x)
+    if cache_bytes is None:
+        cache_bytes = _default_cache_bytes(x)
+    return ChunkedKernelOperator(
+        x,
+        kernel=kernel,
+        cache_bytes=cache_bytes,
+        keep_after=settings.keep_kernel_rows_after.value(),
+    )
+
+
+def _default_cache_bytes(x: Tensor) -> int:
+    """Bytes of kernel rows to keep for the inputs ``x`` (``(*batch, N, d)``, in the dtype of the
+    products): :class:`gpsd.settings.kernel_cache_fraction` of the free memory, less where the rest would not
+    hold a prediction's working set. Where that cannot hold every row, the memory of models no
+    longer referenced is collected first (:func:`~gpsd.linalg.free_memory_bytes`)."""
+    itemsize = torch.finfo(x.dtype).bits // 8
+    vectors = x.shape[:-1].numel()  # batch x N
+    every_row = vectors * x.shape[-2] * itemsize
+    free = free_memory_bytes(
+        x.device, wanted=math.ceil(every_row / settings.kernel_cache_fraction.value())
+    )
+    working = (8 * settings.test_chunk_size.value() + _ROW_CHUNK_VECTORS) * vectors * itemsize
+    return max(0, int(min(settings.kernel_cache_fraction.value() * free, free - working)))

@@ -9,8 +9,8 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd._internal.module_state import ModuleState, write_count
-from gpsd._internal.validation import check_int
 from gpsd._internal.negligible import DROP_MIN_COLUMNS, drop_negligible
+from gpsd._internal.validation import check_int
 
 __all__ = ["ChunkedKernelOperator"]
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, carries_graph
-from gpsd.linalg.backend import free_memory_bytes
+from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["ShiftedCholesky"]

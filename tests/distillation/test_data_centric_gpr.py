@@ -6,6 +6,7 @@ import torch
 from gpr_reference import PlainGP, exact_settings, naive_data_centric, rbf_kernel, relative_error
 from gpytorch.utils.warnings import NumericalWarning
 
+import gpsd
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import xsinx_regression
 
@@ -330,15 +331,13 @@ def test_bad_input_raises_clear_errors(problem):
         DataCentricGPR.from_teacher(kernel, num_steps=2)
 
 
-def test_chunked_test_points_equal_one_pass(problem, monkeypatch):
-    from gpsd.distillation import _spectral_gpr
-
+def test_chunked_test_points_equal_one_pass(problem):
     x, y, test_x = problem
     model = DataCentricGPR(rbf_kernel(), x, y, [0.2, 0.4], backend="lanczos")
     with torch.no_grad():
         whole = model.predict(test_x)
-        monkeypatch.setattr(_spectral_gpr, "TEST_CHUNK_SIZE", 5)
-        chunked = model.predict(test_x)
+        with gpsd.settings.test_chunk_size(5):
+            chunked = model.predict(test_x)
     torch.testing.assert_close(chunked.mean, whole.mean)
     torch.testing.assert_close(chunked.variance, whole.variance)
 

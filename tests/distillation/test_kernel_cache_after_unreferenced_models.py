@@ -10,8 +10,8 @@ import pytest
 import torch
 from gpr_reference import rbf_kernel
 
-import gpsd.distillation._common as common
 import gpsd.linalg.backend as backend_module
+import gpsd.linalg.memory as memory_module
 from gpsd import DataCentricGPR
 from gpsd.linalg import choose_backend, free_memory_bytes
 
@@ -46,7 +46,7 @@ def _garbage_holding_memory(monkeypatch, free_while_held: int, free_after: int) 
     weakref.finalize(garbage, freed.append, True)
     del garbage
     monkeypatch.setattr(
-        backend_module,
+        memory_module,
         "_measured_free_bytes",
         lambda device: free_after if freed else free_while_held,
     )
@@ -56,7 +56,7 @@ def _garbage_holding_memory(monkeypatch, free_while_held: int, free_after: int) 
 def test_garbage_is_collected_before_a_cache_that_cannot_hold_every_row(monkeypatch, collector_off):
     x = torch.rand(N, 2, dtype=torch.float64)
     freed = _garbage_holding_memory(monkeypatch, EVERY_ROW, 10 * WORKING)
-    operator = common._matrix_free(rbf_kernel(), x, torch.float64, None)
+    operator = backend_module._matrix_free(rbf_kernel(), x, torch.float64, None)
     assert freed == [True]
     # half of the memory freed; before the collection it would have been 0 (the working set
     # does not fit beside it)
@@ -66,7 +66,7 @@ def test_garbage_is_collected_before_a_cache_that_cannot_hold_every_row(monkeypa
 def test_no_collection_where_the_free_memory_holds_every_row(monkeypatch, collector_off):
     x = torch.rand(N, 2, dtype=torch.float64)
     freed = _garbage_holding_memory(monkeypatch, 10 * WORKING, 20 * WORKING)
-    operator = common._matrix_free(rbf_kernel(), x, torch.float64, None)
+    operator = backend_module._matrix_free(rbf_kernel(), x, torch.float64, None)
     assert freed == []
     assert operator.cache_bytes == 5 * WORKING
     gc.collect()

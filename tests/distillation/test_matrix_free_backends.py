@@ -9,7 +9,7 @@ import torch
 from gpr_reference import matern_regression_problem, rbf_kernel, relative_error
 from gpytorch.utils.warnings import NumericalWarning
 
-import gpsd.distillation._common as common
+import gpsd
 import gpsd.linalg.backend as backend_module
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.linalg import KernelSpectrum, ShiftedCG
@@ -25,10 +25,10 @@ def wiggly_data(n=300, seed=0):
 
 
 @pytest.fixture
-def small_dense_limit(monkeypatch):
+def small_dense_limit():
     """Pretend N = 300 is beyond a dense decomposition, and cap Lanczos at rank 32."""
-    monkeypatch.setattr(backend_module, "_DENSE_MAX_N", {"cpu": 100, "cuda": 100})
-    monkeypatch.setattr(common, "MAX_GROWN_RANK", 32)
+    with gpsd.settings.dense_max_n(100), gpsd.settings.max_lanczos_rank(32):
+        yield
 
 
 def test_auto_beyond_dense_size_switches_to_deflated_cg_and_stays_exact(small_dense_limit):
@@ -125,14 +125,14 @@ def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():
     rough = rbf_kernel(outputscale=1.0, lengthscale=0.01)(x).to_dense()
     for k, hopeless in ((smooth, False), (rough, True)):
         spectrum = KernelSpectrum.from_lanczos(k, rank=64, residual_tol=1e-8)
-        assert common._out_of_reach(spectrum, 128, 0.1, 1e-6) is hopeless
-        assert common._out_of_reach(spectrum, 129, 0.1, 1e-6) is False  # 64 < 129 / 2
+        assert backend_module._out_of_reach(spectrum, 128, 0.1, 1e-6) is hopeless
+        assert backend_module._out_of_reach(spectrum, 129, 0.1, 1e-6) is False  # 64 < 129 / 2
 
 
-def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch):
+def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch, use_setting):
     one_mib = 2**20
     monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: one_mib)
-    monkeypatch.setattr(common, "MAX_GROWN_RANK", 32)
+    use_setting(gpsd.settings.max_lanczos_rank(32))
     x, y, test_x = wiggly_data()  # one 300 x 300 float64 matrix: 0.7 MiB
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
     gammas = torch.full((3,), 1e-2, dtype=DTYPE)  # few steps: the Cholesky chain if it fitted
@@ -183,10 +183,8 @@ def test_cg_gcv_and_out_of_memory_name_the_way_out(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos", "cg"])
-def test_predict_mean_equals_the_mean_of_predict_across_chunks(backend, monkeypatch):
-    import gpsd.distillation._spectral_gpr as spectral_gpr
-
-    monkeypatch.setattr(spectral_gpr, "TEST_CHUNK_SIZE", 30)  # 77 test points: three chunks
+def test_predict_mean_equals_the_mean_of_predict_across_chunks(backend, use_setting):
+    use_setting(gpsd.settings.test_chunk_size(30))  # 77 test points: three chunks
     x, y, test_x = wiggly_data(n=200)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
     model = DataCentricGPR(kernel, x, y, [0.05, 0.1, 0.2], backend=backend, rank=32, rtol=1e-10)
@@ -372,7 +370,9 @@ def test_matrix_free_backends_keep_kernel_rows_between_products(backend):
         assert engine.kernel.kept_bytes == 300 * 300 * 8
     products = len(evaluations[1])  # without kept rows: one evaluation per product
     assert products >= 3, evaluations
-    assert evaluations[0] == [300] * min(products, common.KEEP_ROWS_AFTER + 1)  # in one chunk
+    assert evaluations[0] == [300] * min(
+        products, gpsd.settings.keep_kernel_rows_after.value() + 1
+    )  # in one chunk
     if backend == "cg":  # tens of products: all but four read the kept rows
         assert products > 10
     for got in (kept, fresh):
@@ -402,11 +402,11 @@ def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monke
         (working // 2, 0),  # not even that: keep nothing
     ]:
         monkeypatch.setattr(
-            common, "free_memory_bytes", lambda device, wanted=None, free=free: free
+            backend_module, "free_memory_bytes", lambda device, wanted=None, free=free: free
         )
-        operator = common._matrix_free(kernel, x, torch.float64, None)
+        operator = backend_module._matrix_free(kernel, x, torch.float64, None)
         assert operator.cache_bytes == expected
-    assert common._matrix_free(kernel, x, torch.float64, 123).cache_bytes == 123
+    assert backend_module._matrix_free(kernel, x, torch.float64, 123).cache_bytes == 123
 
 
 @pytest.mark.parametrize("backend", ["lanczos", "cg"])
@@ -437,9 +437,10 @@ def test_auto_counts_the_matrices_of_a_kernel_batch_on_shared_inputs(monkeypatch
 
     def recording(*args, **kwargs):
         seen.append(kwargs["batch_size"])
-        return backend_module.choose_backend(*args, **kwargs)
+        return choose(*args, **kwargs)
 
-    monkeypatch.setattr(common, "choose_backend", recording)
+    choose = backend_module.choose_backend
+    monkeypatch.setattr(backend_module, "choose_backend", recording)
     x, y, test_x = wiggly_data(n=60)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([4]))
     with torch.no_grad():
@@ -456,9 +457,10 @@ def test_auto_plans_a_factor_of_the_schedules_against_the_kernel_batch(monkeypat
 
     def recording(*args, **kwargs):
         seen.append((kwargs["batch_size"], kwargs["num_schedules"], kwargs["factor_batch_size"]))
-        return backend_module.choose_backend(*args, **kwargs)
+        return choose(*args, **kwargs)
 
-    monkeypatch.setattr(common, "choose_backend", recording)
+    choose = backend_module.choose_backend
+    monkeypatch.setattr(backend_module, "choose_backend", recording)
     x, y, test_x = wiggly_data(n=40)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([2]))
     gamma = torch.tensor([0.1, 0.2, 0.3], dtype=DTYPE).reshape(3, 1, 1).expand(3, 1, 2)
@@ -511,12 +513,10 @@ def test_cg_covariance_diagonals_equal_the_variances(gamma):
     assert float(torch.linalg.eigvalsh(error).min()) >= -1e-12
 
 
-def test_the_uncertain_variance_warning_points_at_the_caller_across_chunks(monkeypatch):
-    """With the test points in several chunks, a list comprehension in predict made the warning
-    point inside gpsd on Python 3.11."""
-    import gpsd.distillation._spectral_gpr as spectral
-
-    monkeypatch.setattr(spectral, "TEST_CHUNK_SIZE", 3)
+def test_the_uncertain_variance_warning_points_at_the_caller_across_chunks(use_setting):
+    """With the test points in several chunks, the warning points at the caller (a list
+    comprehension in predict would make it point inside gpsd on Python 3.11)."""
+    use_setting(gpsd.settings.test_chunk_size(3))
     kernel, x, y, test_x = matern_regression_problem()
     model = DataCentricGPR(kernel, x, y, [1e-8], backend="cg", rank=64, rtol=1e-6)
     with warnings.catch_warnings(record=True) as caught:

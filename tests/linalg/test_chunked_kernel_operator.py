@@ -4,8 +4,8 @@ import gpytorch
 import pytest
 import torch
 
-from gpsd.linalg import ChunkedKernelOperator
 from gpsd._internal.negligible import drop_negligible, kernel_matrix
+from gpsd.linalg import ChunkedKernelOperator
 
 DTYPE = torch.float64
 

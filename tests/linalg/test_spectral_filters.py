@@ -6,7 +6,7 @@ import torch
 from gpr_reference import explicit_targets
 from linear_operator.utils.warnings import PerformanceWarning
 
-import gpsd.linalg.backend as backend_module
+import gpsd
 from gpsd.linalg import (
     KernelSpectrum,
     ShiftedCholesky,
@@ -254,10 +254,10 @@ def test_choose_backend():
     assert choose_backend(16_384, 3, "cuda", free_bytes=plenty) == "lanczos"
 
 
-def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory(monkeypatch):
+def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory(use_setting):
     # the memory rules, at thresholds that let every backend be chosen at n = 20,000
-    monkeypatch.setattr(backend_module, "_MAX_CHAIN_FACTORISATIONS", {"cpu": 3, "cuda": 30})
-    monkeypatch.setattr(backend_module, "_DENSE_MAX_N", {"cpu": 12_000, "cuda": 30_000})
+    use_setting(gpsd.settings.max_chain_factorisations(cpu=3, cuda=30))
+    use_setting(gpsd.settings.dense_max_n(cpu=12_000, cuda=30_000))
     n, gib = 20_000, 2**30
     matrix = n * n * 8  # one float64 N x N matrix: 3.2 GB
     # eigh needs 4 matrices within 80 % of the free memory.
@@ -318,7 +318,7 @@ def _write(root, files):
 def test_cgroup_headroom_reads_v2_and_v1_limits(tmp_path):
     """A container's memory limit bounds the CPU's free memory: before, only the host's
     MemAvailable was read, so backend='auto' could plan a dense matrix that the limit kills."""
-    from gpsd.linalg.backend import _cgroup_headroom_bytes
+    from gpsd.linalg.memory import _cgroup_headroom_bytes
 
     gib = 2**30
     v2 = tmp_path / "v2"
@@ -345,7 +345,7 @@ def test_cgroup_headroom_reads_v2_and_v1_limits(tmp_path):
 
 
 def test_free_memory_bytes_takes_the_smaller_of_host_and_cgroup(monkeypatch):
-    import gpsd.linalg.backend as backend
+    import gpsd.linalg.memory as backend
 
     monkeypatch.setattr(backend, "_host_available_bytes", lambda: 2**30)
     monkeypatch.setattr(backend, "_cgroup_headroom_bytes", lambda: 2**20)
