@@ -1,0 +1,35 @@
+"""Sphinx configuration of gpsd's documentation (``python -m sphinx -W -b html docs <out>``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(".."))
+
+import gpsd  # noqa: E402
+
+project = "gpsd"
+author = "the gpsd developers"
+release = gpsd.__version__
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+]
+
+autosummary_generate = True
+autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_inherit_docstrings = False
+# the documented classes derive from torch.nn.Module: its hundreds of members are torch's docs
+autodoc_default_options["exclude-members"] = "forward, training, dump_patches, call_super_init"
+nitpicky = False
+exclude_patterns = ["_build"]
+templates_path = ["_templates"]
+html_theme = "furo"
+html_title = f"gpsd {release}"
