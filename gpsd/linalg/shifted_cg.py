@@ -13,11 +13,13 @@ from torch import Tensor
 from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, per_distinct_shift
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
+from gpsd.linalg.spectral_engine import is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["ShiftedCG"]
 
-#: Iterations before the Lanczos chain first compares its coefficients.
+#: Iterations before the Lanczos chain first compares its coefficients: part of its stopping
+#: rule (two checkpoints are the fewest that estimate an error), not a tuning knob.
 _FIRST_CHECK = 8
 
 
@@ -106,6 +108,7 @@ class ShiftedCG(ShiftedSolveEngine):
             )
         self.dtype = dtype or ritz_vectors.dtype
         self.kernel = kernel
+        self.matrix_free = is_matrix_free(kernel)
         self.size = kernel.shape[-1]
         self.batch_shape = kernel.shape[:-2]
         self.ritz_values = ritz_values.to(self.dtype).clamp_min(0.0)
@@ -289,6 +292,9 @@ class ShiftedCG(ShiftedSolveEngine):
         if that is not enough. The failed attempt costs at most about half of the chain's own
         cost, and the chain reuses the timed solve when its first step has the smallest noise;
         a long chain on a hard spectrum costs about one solve instead of :math:`T`.
+
+        This choice is the engine's own, not a backend policy: both ways give the same filters to
+        ``tol`` within the same memory, and only the measured solve can tell which is faster.
         """
         filt = filt.to(self.dtype, self.ritz_vectors.device)  # a schedule made on the CPU, say
         if filt.is_resolvent:
