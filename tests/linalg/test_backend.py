@@ -55,7 +55,7 @@ def test_choose_backend_leaves_dense_backends_that_do_not_fit_in_memory(use_sett
     sizes = {"batch_size": 2, "num_schedules": 3, "factor_batch_size": 6}
     assert choose_backend(n, 12, "cuda", free_bytes=56 * matrix, **sizes) == "cholesky"
     assert choose_backend(n, 12, "cuda", free_bytes=56 * matrix - 1, **sizes) == "dense"
-    # before, the factor was taken as max(2, 3) = 3 matrices: 2 + 3 + 2 * 12 = 29 sufficed
+    # without factor_batch_size, a factor holds max(2, 3) = 3 matrices: 2 + 3 + 2 * 12 = 29
     assert choose_backend(n, 12, "cuda", batch_size=2, num_schedules=3, free_bytes=29 * matrix) == (
         "cholesky"
     )
@@ -88,8 +88,8 @@ def _repeated_inputs(distinct=20, copies=15, seed=0):
 
 @pytest.mark.parametrize("backend,rank", [("lanczos", 64), ("lanczos", None), ("cg", 64)])
 def test_repeated_inputs_predict_as_the_dense_backend_does(backend, rank):
-    # at rank 64 Lanczos raised a divergent-series error, and CG deflated with a broken basis
-    # stalled at a relative residual of 0.01 after 1000 iterations
+    # rank 64 on a kernel of rank 25: the Krylov space becomes invariant; a basis that lost
+    # orthogonality there would make Lanczos' series diverge and stall deflated CG at 0.01
     x = _repeated_inputs(25, 12)
     gen = torch.Generator().manual_seed(2)
     y = torch.sin(x[:, 0]) + 0.1 * torch.randn(x.shape[0], generator=gen, dtype=DT)
@@ -177,7 +177,7 @@ def test_the_low_precision_warning_comes_before_the_factorisation(monkeypatch):
 
 
 def test_a_float32_lanczos_spectrum_warns_instead_of_refusing():
-    # every pair's residual is at float32 rounding: none used to count as resolved
+    # every pair's residual is at float32 rounding: the rounding floor counts them as resolved
     x, y = _data(300)
     test_x = torch.linspace(0, 10, 20, dtype=DT).unsqueeze(-1)
     model = DataCentricGPR(
@@ -211,7 +211,7 @@ def test_auto_rebuilds_for_gradients_after_a_no_grad_prediction():
 
 def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
     # the rounding floor that lets Lanczos count pairs as resolved is not for CG, whose
-    # estimate ignores the split-off pairs' residuals: float32 chains came out 1.4 off
+    # estimate ignores the split-off pairs' residuals: float32 chains would come out 1.4 off
     gen = torch.Generator().manual_seed(0)
     x = 10 * torch.rand(300, 1, generator=gen, dtype=DT)
     y = torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(300, generator=gen, dtype=DT)

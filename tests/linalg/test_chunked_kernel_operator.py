@@ -239,9 +239,10 @@ def _kernels(dtype: torch.dtype):
 @pytest.mark.parametrize("cache_bytes", [0, 10**8])
 def test_chunked_operator_matches_dense_kernel(dtype, name, cache_bytes):
     # Row chunks that are not the whole input (chunk_size 5 of N = 37, last chunk 2 rows)
-    # evaluated k(x_i, x_i) from a rounding-size distance: the Matern-1/2 diagonal was
+    # evaluate k(x_i, x_i) from a rounding-size distance, which makes a Matern-1/2 diagonal
     # 1 - 4.2e-8 in float64 (1 - 1.4e-3 in float32) where kernel(x) and the exact value give 1,
-    # and K @ B was off by 2e-8 (float32: 2e-3). Now both agree to rounding.
+    # and K @ B off by 2e-8 (float32: 2e-3) unless the operator takes the diagonal from
+    # kernel(x_I, diag=True). Both must agree to rounding.
     kernel = _kernels(dtype)[name].to(dtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, 3, generator=gen, dtype=torch.float64).to(dtype)
@@ -264,8 +265,8 @@ def test_chunked_operator_matches_dense_kernel(dtype, name, cache_bytes):
 
 
 def test_diagonal_of_a_batched_kernel_on_as_many_points_as_batch_entries():
-    # A ScaleKernel with batch shape (2,) on 2 unbatched points: GPyTorch's diag=True gave the
-    # output scales, shape (2,), so the operator's diagonal was (0.7, 1.9) and its trace (what
+    # A ScaleKernel with batch shape (2,) on 2 unbatched points: GPyTorch's diag=True gives the
+    # output scales, shape (2,); taken as the diagonal, they would make the trace (what
     # KernelSpectrum.from_lanczos reads for its complement bound) 2.6 instead of (1.4, 3.8).
     kernel = ScaleKernel(RBFKernel(batch_shape=torch.Size([2])), batch_shape=torch.Size([2]))
     kernel = kernel.to(torch.float64)

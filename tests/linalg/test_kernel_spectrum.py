@@ -264,10 +264,10 @@ def _geometric_kernel(n: int = 60) -> torch.Tensor:
     [("weights", 3, 0.0), ("weights", 4, 0.0), ("targets", 3, 0.0), ("weights", 3, 0.5)],
 )
 def test_error_estimate_bounds_multi_step_filters(kind, num_steps, alpha):
-    # Old estimate rho^(J+1) / (1 - rho) = 3.29e-7 at rho = 0.05, J = 4; the true relative
-    # error of the three-step weights G_3 on the complement's leading eigenvector was 2.91e-6
-    # (8.8 times the estimate; targets F_3: 1.73e-6). The Taylor remainder of G_t carries the
-    # factor binom(J + 1, t - 1), up to binom(5, 2) = 10: the estimate is now 3.13e-6.
+    # At rho = 0.05, J = 4, the true relative error of the three-step weights G_3 on the
+    # complement's leading eigenvector is 2.91e-6 (targets F_3: 1.73e-6), 8.8 times
+    # rho^(J+1) / (1 - rho) = 3.29e-7. The Taylor remainder of G_t carries the factor
+    # binom(J + 1, t - 1), up to binom(5, 2) = 10: the estimate is 3.13e-6.
     kernel = _geometric_kernel()
     n = kernel.shape[-1]
     evals, evecs = torch.linalg.eigh(kernel)
@@ -301,8 +301,8 @@ def test_error_estimate_bounds_multi_step_filters(kind, num_steps, alpha):
 def test_error_estimate_counts_the_spectral_norm_of_the_ritz_residuals():
     # 16 resolved Ritz pairs of an RBF kernel (lengthscale 1, 300 points on [0, 5]): the largest
     # column residual is 7.33e-10, the spectral norm ||K V - V D||_2 8.71e-10. Along the
-    # residuals' leading left singular vector one step at gamma = 0.01 erred by 8.71e-8, 1.19
-    # times the old estimate 7.33e-8 (column residual / gamma); the estimate is now 8.71e-8.
+    # residuals' leading left singular vector one step at gamma = 0.01 errs by 8.71e-8, 1.19
+    # times the column residual over gamma (7.33e-8); the estimate must be the 8.71e-8.
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(300, 1, generator=gen, dtype=torch.float64) * 5
     kernel = torch.exp(-0.5 * (x - x.T) ** 2)  # shape: (300, 300)
@@ -358,8 +358,8 @@ def _kernel_matrix(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("n", "block_size"), [(15, None), (37, 8), (10, 3)])
 def test_full_rank_lanczos_resolves_every_eigenpair(n, block_size):
-    # 15 inputs with the default blocks of 4 stopped at 12 columns: three eigenpairs were left
-    # to the complement (norm 1.66 here), whose series diverged for noise 0.1
+    # 15 inputs with the default blocks of 4: a basis stopping at 12 columns would leave three
+    # eigenpairs to the complement (norm 1.66 here), whose series diverges for noise 0.1
     K = _kernel_matrix(n)
     generator = torch.Generator().manual_seed(0)
     spectrum = KernelSpectrum.from_lanczos(

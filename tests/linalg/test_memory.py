@@ -22,8 +22,8 @@ def _write(root, files):
 
 
 def test_cgroup_headroom_reads_v2_and_v1_limits(tmp_path):
-    """A container's memory limit bounds the CPU's free memory: before, only the host's
-    MemAvailable was read, so backend='auto' could plan a dense matrix that the limit kills."""
+    """A container's memory limit bounds the CPU's free memory: the host's MemAvailable alone
+    would let backend='auto' plan a dense matrix that the limit kills."""
     from gpsd.linalg.memory import _cgroup_headroom_bytes
 
     gib = 2**30
@@ -51,14 +51,14 @@ def test_cgroup_headroom_reads_v2_and_v1_limits(tmp_path):
 
 
 def test_free_memory_bytes_takes_the_smaller_of_host_and_cgroup(monkeypatch):
-    import gpsd.linalg.memory as backend
+    import gpsd.linalg.memory as memory
 
-    monkeypatch.setattr(backend, "_host_available_bytes", lambda: 2**30)
-    monkeypatch.setattr(backend, "_cgroup_headroom_bytes", lambda: 2**20)
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 2**30)
+    monkeypatch.setattr(memory, "_cgroup_headroom_bytes", lambda: 2**20)
     assert free_memory_bytes("cpu") == 2**20
-    monkeypatch.setattr(backend, "_cgroup_headroom_bytes", lambda: 2**40)
+    monkeypatch.setattr(memory, "_cgroup_headroom_bytes", lambda: 2**40)
     assert free_memory_bytes("cpu") == 2**30
-    monkeypatch.setattr(backend, "_cgroup_headroom_bytes", lambda: None)
+    monkeypatch.setattr(memory, "_cgroup_headroom_bytes", lambda: None)
     assert free_memory_bytes("cpu") == 2**30
 
 

@@ -542,13 +542,13 @@ def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     # rank 64 < N = 150: CG iterates (758 times); rank >= N would make it one step
     model = DataCentricGPR(kernel, x, y, gamma, backend="cg", rtol=1e-8, rank=64)
     cg = model.predict(test_x).variance
-    # relative error 2.3e-3 at the first-order quadratic form before
+    # the first-order quadratic form c^T x would err by 2.3e-3 relative here
     assert float(((cg - exact).abs() / exact).max()) < 1e-6
 
 
 @pytest.mark.parametrize("engine_kind", ["cholesky", "cg"])
 def test_a_solve_written_to_by_the_caller_is_not_reused(engine_kind):
-    """``solve`` returns its cached result itself; before, a caller who scaled it in place got
+    """``solve`` returns its cached result itself: a caller who scales it in place must not get
     the scaled values back from the next solve with the same right-hand side and shift."""
     gen = torch.Generator().manual_seed(11)
     x = torch.rand(20, 1, generator=gen, dtype=DTYPE)
@@ -568,7 +568,7 @@ def test_a_solve_written_to_by_the_caller_is_not_reused(engine_kind):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_engine_takes_a_filter_made_on_the_cpu():
-    """Before, ShiftedCG.quad_diag moved the schedule to its dtype but not to its device."""
+    """ShiftedCG.quad_diag moves the schedule to its device as well as to its dtype."""
     gen = torch.Generator().manual_seed(12)
     k = rbf_matrix(torch.rand(60, 1, generator=gen, dtype=DTYPE), 0.3)
     left = torch.randn(60, 3, generator=gen, dtype=DTYPE)

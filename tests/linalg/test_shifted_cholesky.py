@@ -153,8 +153,8 @@ def _counting(monkeypatch, module, name):
 
 
 def test_shifts_that_require_grad_share_factors_under_no_grad(monkeypatch):
-    """A Parameter schedule keeps requires_grad inside no_grad; it was factored per step there
-    too. Without a graph being built, equal shifts share one factor again."""
+    """A Parameter schedule keeps requires_grad inside no_grad, where no graph is built: equal
+    shifts share one factor there, and get one each (for their gradients) outside."""
     import gpsd.linalg.shifted_cholesky as module
 
     gen = torch.Generator().manual_seed(10)

@@ -25,8 +25,8 @@ def _counting(monkeypatch, module, name):
 
 
 def test_one_solve_per_data_centric_step_under_inference_mode(monkeypatch):
-    """A step needs (K + g I)^-1 f twice (weights and targets): the solve was shared through
-    the tensors' write counters, which inference tensors lack, so each step solved twice."""
+    """A step needs (K + g I)^-1 f twice (weights and targets): the solve is shared, also for
+    inference tensors, which keep no write counters."""
     gen = torch.Generator().manual_seed(9)
     k = _rbf(10 * torch.rand(30, 1, generator=gen, dtype=F64))
     rhs = torch.randn(30, 1, generator=gen, dtype=F64)

@@ -42,7 +42,7 @@ def test_series_are_the_taylor_coefficients(alpha):
 
 
 def test_negative_rounding_eigenvalues_are_evaluated_as_zero():
-    """d = -1e-17 next to gamma = 1e-17 gave 1/(d + gamma) = inf: a PSD kernel's negative
+    """d = -1e-17 next to gamma = 1e-17 would give 1/(d + gamma) = inf: a PSD kernel's negative
     eigenvalues are rounding, and the filters there must take their values at 0."""
     gamma = torch.tensor([1e-17, 1e-17], dtype=DTYPE)
     d = torch.tensor([-1e-17, -3e-18, 0.0], dtype=DTYPE)
@@ -81,9 +81,9 @@ def _mp_taylor(kind, gammas, alpha, order):
 @pytest.mark.parametrize("kind", ["targets", "weights"])
 @pytest.mark.parametrize("alpha", [0.0, 0.4])
 def test_series_match_mpmath_to_rounding(kind, alpha):
-    """d/(d + g) was expanded as 1 - g fl(1/g), which is 1.1e-16 for g = 49: F_3 got a
-    coefficient 3.7e-13 at order 2 where it has a zero of order 3, and the higher coefficients
-    erred by 5.4e-12 relative."""
+    """d/(d + g) expanded as 1 - g fl(1/g) is 1.1e-16 for g = 49: F_3 would get a coefficient
+    3.7e-13 at order 2 where it has a zero of order 3, and the higher coefficients would err by
+    5.4e-12 relative."""
     gammas = [0.3, 1e-3, 49.0, 7.0]
     series = getattr(SpectralFilter, f"data_centric_{kind}")(
         torch.tensor(gammas, dtype=DTYPE), alpha
@@ -97,8 +97,8 @@ def test_series_match_mpmath_to_rounding(kind, alpha):
 
 
 def test_float32_series_do_not_overflow_where_the_coefficients_are_finite():
-    """gamma = 1e-8 in float32: the coefficient 1e32 of d^4 in d/(d + gamma) was formed as
-    gamma * gamma^-5 = gamma * inf, giving -inf, and the product with the next step NaN."""
+    """gamma = 1e-8 in float32: the coefficient 1e32 of d^4 in d/(d + gamma), formed as
+    gamma * gamma^-5 = gamma * inf, would be -inf, and the product with the next step NaN."""
     gamma = torch.full((2,), 1e-8, dtype=torch.float32)
     got = SpectralFilter.data_centric_targets(gamma).series(4)
     expected = SpectralFilter.data_centric_targets(gamma.double()).series(4)
@@ -196,7 +196,7 @@ def test_alpha_one_keeps_the_targets_and_the_long_schedule_underflows_cleanly():
     ],
 )
 def test_bad_filter_arguments_are_named(make, error, match):
-    """These gave NaN or infinite values (gamma 0, negative, NaN; alpha NaN), integer series
-    truncated to 0 (1 / (d + 2) as [0, 0, 0]), or an IndexError from deep inside."""
+    """Unchecked, these give NaN or infinite values (gamma 0, negative, NaN; alpha NaN), integer
+    series truncated to 0 (1 / (d + 2) as [0, 0, 0]), or an IndexError from deep inside."""
     with pytest.raises(error, match=match):
         make()
