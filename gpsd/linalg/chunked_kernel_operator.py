@@ -134,9 +134,9 @@ class ChunkedKernelOperator(LinearOperator):
         GPyTorch zeroes the distances of a point to itself only where ``x1`` equals ``x2``,
         which a row chunk does not: the entries :math:`k(\mathbf x_i, \mathbf x_i)` of the
         chunk then come from a distance of rounding size, about :math:`\sqrt{\epsilon}`, and
-        a kernel that is not smooth at 0 turns it into an error of that size. The Matérn-1/2
-        diagonal was :math:`1 - 4 \times 10^{-8}` in float64 and :math:`1 - 1.4 \times 10^{-3}`
-        in float32 instead of 1. They are replaced by ``kernel(x_I, diag=True)``, as the dense
+        a kernel that is not smooth at 0 turns it into an error of that size (a Matérn-1/2
+        diagonal of :math:`1 - 4 \times 10^{-8}` in float64 and :math:`1 - 1.4 \times 10^{-3}`
+        in float32 instead of 1). They are replaced by ``kernel(x_I, diag=True)``, as the dense
         ``kernel(x)`` has them.
         """
         rows = self.x[..., start : start + self.chunk_size, :]  # shape: (*bx, c, d)
@@ -151,8 +151,8 @@ class ChunkedKernelOperator(LinearOperator):
         """``k(x_i, x_i)`` for ``rows`` (``(*bx, c, d)``), of the expected ``shape`` ``(*b, c)``.
 
         GPyTorch's ``diag=True`` can drop a dimension: a ScaleKernel with batch shape ``(2,)``
-        on ``c = 2`` unbatched rows gives ``(2,)``, the output scales, so that the operator's
-        trace was their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the
+        on ``c = 2`` unbatched rows gives ``(2,)``, the output scales, which would make the
+        operator's trace their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the
         ``c x c`` block, evaluated with ``x1 = x2``, is taken.
         """
         diag = self.kernel(rows, diag=True)

@@ -234,9 +234,9 @@ class KernelSpectrum(SpectralEngine):
             stay between :math:`2 \times 10^{-6}` and :math:`10^{-4}`, where float64 reaches
             :math:`2 \times 10^{-13}`), so pairs within :math:`16\varepsilon\,\theta_{\max}`
             count as resolved whatever ``residual_tol`` says, and their residuals enter
-            :meth:`error_estimate` (a tolerance below rounding put the largest, best-converged
-            pairs in the complement, whose series then diverged: "complement of norm 240" on a
-            Krylov space spanning all of :math:`\mathbb R^N`).
+            :meth:`error_estimate` (a tolerance below rounding would put the largest,
+            best-converged pairs in the complement, whose series would diverge: a "complement
+            of norm 240" on a Krylov space spanning all of :math:`\mathbb R^N`).
             The regression distillers pass :math:`0.1\, \text{rtol}\, \gamma_{\min}` and work in
             float64 by default.
         :param series_order: Taylor order :math:`J` used on the complement.
@@ -359,7 +359,7 @@ class KernelSpectrum(SpectralEngine):
         spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
         # Pairs within residual_tol itself, without the rounding floor: CG splits these off as
         # exact eigenpairs and its estimate does not count their residuals (with the floor,
-        # float32 chains split off pairs at 6e-4 and came out 1.4 off, estimated at 1e-3).
+        # float32 chains would split off pairs at 6e-4 and come out 1.4 off, estimated at 1e-3).
         spectrum.ritz_resolved = residuals <= residual_tol
         lower = float(unresolved_theta.abs().max())
         upper = _trace_bound(kernel_trace, evals, basis.dtype)
@@ -541,8 +541,8 @@ class KernelSpectrum(SpectralEngine):
         :math:`\binom{J+1}{t-1}\rho^{J+1}/\gamma_{\min}` and a target :math:`F_t` by
         :math:`\binom{J}{t-1}\rho^{J+1}`; the :math:`\alpha`-mixed filters are convex
         combinations of these. The largest binomial over :math:`t` is the constant above (10 for
-        the default :math:`J = 4`); the former estimate :math:`\rho^{J+1}/(1 - \rho)` left it
-        out, and three steps erred up to 9 times above it.
+        the default :math:`J = 4`); without it, :math:`\rho^{J+1}/(1 - \rho)` underestimates
+        the error of three steps up to 9 times.
         """
         if not self.is_truncated:
             return 0.0
@@ -704,8 +704,8 @@ def _spectral_norm(residual_vectors: Tensor, resolved: Tensor) -> float:
 
     The filters' error from the Ritz residuals is this spectral norm over :math:`\gamma`, not
     the largest column norm: the residuals of neighbouring Ritz pairs add up in one direction
-    (the largest column was 7.3e-10 where the norm is 8.7e-10, and a filter erred by 1.19 times
-    the estimate made from the column). Its Gram matrix is ``(*b, p, p)`` for the ``p``
+    (in a measured case the largest column is 7.3e-10 where the norm is 8.7e-10, and a filter
+    errs by 1.19 times the estimate made from the column). Its Gram matrix is ``(*b, p, p)`` for the ``p``
     columns resolved in some batch entry.
     """
     flat = resolved.reshape(-1, resolved.shape[-1])
@@ -767,8 +767,8 @@ class _BlockKrylov:
 
         The last block is narrower where ``size`` is not a multiple of the block size, so that
         the basis can reach all ``size`` columns (a full decomposition): with 15 inputs and
-        blocks of 4 it stopped at 12, and the three missing directions were left to a
-        complement series that diverged.
+        blocks of 4, a basis stopping at 12 columns would leave three directions to a
+        complement series that diverges.
         """
         width = min(self.block_size, self.size - self.num_columns)
         if width <= 0:

@@ -261,11 +261,10 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`\hat{\mathbf x}^\top\mathbf r`, of first order (up to
         :math:`\text{tol}\lVert\mathbf c\rVert^2/\gamma`). The predictive variance
         :math:`k_{**} - \mathbf c^\top\mathbf A^{-1}\mathbf c` is a small difference when
-        :math:`\gamma` is small, so the first-order term dominated its error: at
-        :math:`\gamma = 10^{-8}` and ``tol`` :math:`= 10^{-8}` the variances were
+        :math:`\gamma` is small, so the first-order term would dominate its error: at
+        :math:`\gamma = 10^{-8}` and ``tol`` :math:`= 10^{-8}` the first-order variances are
         :math:`3.5 \times 10^{-3}` off a 40-digit reference, against :math:`3.3 \times 10^{-9}`
-        for the second-order form (``benchmarks/bench_cg_variance_accuracy.py`` when it was
-        written). The residual is the one the solve computed for its final check. The value
+        for the second-order form (``benchmarks/bench_cg_variance_accuracy.py``). The residual is the one the solve computed for its final check. The value
         returned is below the true one by :math:`\mathbf r^\top\mathbf A^{-1}\mathbf r \in
         [0, \lVert\mathbf r\rVert^2/\gamma]`, the bound returned with it
         (:attr:`quad_error_bound` after :meth:`quad_diag`).
@@ -554,8 +553,8 @@ class ShiftedCG(ShiftedSolveEngine):
 
         symmetric, with a positive semi-definite error of second order (its diagonal is the
         quadratic forms' error); the plain :math:`\mathbf C^\top\hat{\mathbf X}` errs at first
-        order, so the diagonal of a covariance disagreed with the variances (at noise
-        :math:`10^{-6}`, ``tol`` :math:`= 10^{-6}`: 9.4e-2 off against 3.1e-2). Costs one more
+        order, and the diagonal of a covariance made from it would disagree with the variances
+        (at noise :math:`10^{-6}`, ``tol`` :math:`= 10^{-6}`: 9.4e-2 off against 3.1e-2). Costs one more
         product with :math:`\mathbf K` for the residuals of each distinct shift.
         """
         if not (filt.is_resolvent and left is rhs):
@@ -612,8 +611,8 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`\gamma \ge \gamma_0` (:math:`\mathbf r_0` the recursion's residual). That bound
         is kept in :attr:`quad_error_bound`; it leaves out the split-off pairs, whose error is of
         first order in their residuals (below ``tol`` :math:`\gamma_0` by the contract of
-        ``resolved``) and of either sign: at most about 1e-9 of forms near 1 over 54 settings of
-        a review, far below what the distillers warn about. Memory stays at a few ``N x M``
+        ``resolved``) and of either sign: at most about 1e-9 of forms near 1 over 54 measured
+        settings, far below what the distillers warn about. Memory stays at a few ``N x M``
         blocks, whatever the number of shifts.
 
         :param gamma: shifts, shape ``(*s, T)``.
