@@ -290,8 +290,8 @@ def _check_dense_memory(
     free = free_memory_bytes(device, wanted=needed)
     if needed > free:
         raise InsufficientMemoryError(
-            f"backend={backend!r} needs {needed:,} bytes ({needed / 2**30:.3g} GiB: {what}, "
-            f"N = {n} in {dtype}) on {device}, but {free:,} bytes ({free / 2**30:.3g} GiB) are "
+            f"backend={backend!r} needs about {needed} bytes ({needed / 2**30:.3g} GiB: {what}, "
+            f"N = {n} in {dtype}) on {device}, but {free} bytes ({free / 2**30:.3g} GiB) are "
             "free; use backend='lanczos' or backend='cg', which never form the N x N matrix"
         )
 
