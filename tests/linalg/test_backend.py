@@ -15,6 +15,8 @@ import gpsd.linalg.backend as backend_module
 from gpsd import DataCentricGPR
 from gpsd.linalg import KernelSpectrum, ShiftedCG, ShiftedCholesky, choose_backend, make_engine
 
+DTYPE = torch.float64
+
 
 def test_choose_backend():
     plenty = 2**50
@@ -77,13 +79,10 @@ def test_choose_backend_names_a_bad_count(argument):
         choose_backend(device="cpu", **kwargs)
 
 
-DT = torch.float64
-
-
 def _repeated_inputs(distinct=20, copies=15, seed=0):
     """``distinct`` points repeated ``copies`` times: an RBF kernel of rank ``distinct``."""
     gen = torch.Generator().manual_seed(seed)
-    return (10 * torch.rand(distinct, 1, generator=gen, dtype=DT)).repeat(copies, 1)
+    return (10 * torch.rand(distinct, 1, generator=gen, dtype=DTYPE)).repeat(copies, 1)
 
 
 @pytest.mark.parametrize("backend,rank", [("lanczos", 64), ("lanczos", None), ("cg", 64)])
@@ -92,8 +91,8 @@ def test_repeated_inputs_predict_as_the_dense_backend_does(backend, rank):
     # orthogonality there would make Lanczos' series diverge and stall deflated CG at 0.01
     x = _repeated_inputs(25, 12)
     gen = torch.Generator().manual_seed(2)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(x.shape[0], generator=gen, dtype=DT)
-    test_x = torch.linspace(0, 10, 9, dtype=DT).unsqueeze(-1)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(x.shape[0], generator=gen, dtype=DTYPE)
+    test_x = torch.linspace(0, 10, 9, dtype=DTYPE).unsqueeze(-1)
     gammas = [0.1, 0.2]
     with torch.no_grad():
         expected = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense").predict(test_x)
@@ -106,11 +105,11 @@ def test_repeated_inputs_predict_as_the_dense_backend_does(backend, rank):
 
 
 def test_data_centric_lanczos_at_fifteen_inputs_equals_the_dense_path():
-    x = torch.linspace(0, 10, 15, dtype=DT).unsqueeze(-1)
+    x = torch.linspace(0, 10, 15, dtype=DTYPE).unsqueeze(-1)
     y = torch.sin(x).squeeze(-1)
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
-    gamma = torch.linspace(0.1, 1.0, 5, dtype=DT)
-    test_x = torch.linspace(-1, 11, 7, dtype=DT).unsqueeze(-1)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DTYPE)
+    gamma = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
+    test_x = torch.linspace(-1, 11, 7, dtype=DTYPE).unsqueeze(-1)
     with torch.no_grad():
         got = DataCentricGPR(kernel, x, y, gamma, backend="lanczos").predict(test_x)
         ref = DataCentricGPR(kernel, x, y, gamma, backend="dense").predict(test_x)
@@ -119,21 +118,21 @@ def test_data_centric_lanczos_at_fifteen_inputs_equals_the_dense_path():
 
 
 def _kernel(lengthscale=1.0):
-    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DTYPE)
     k.base_kernel.lengthscale = lengthscale
     return k
 
 
 def _data(n, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = 10 * torch.rand(n, 1, generator=gen, dtype=DT)
-    return x, torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(n, generator=gen, dtype=DT)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=DTYPE)
+    return x, torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(n, generator=gen, dtype=DTYPE)
 
 
 def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
     x, y = _data(600)
-    test_x = torch.linspace(0, 10, 50, dtype=DT).unsqueeze(-1)
-    gamma = torch.tensor([1e-4, 1e-3], dtype=DT)
+    test_x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
+    gamma = torch.tensor([1e-4, 1e-3], dtype=DTYPE)
     with torch.no_grad():
         model = DataCentricGPR(_kernel(), x, y, gamma, backend="lanczos", rtol=1e-8)
         got = model.predict_mean(test_x)
@@ -179,7 +178,7 @@ def test_the_low_precision_warning_comes_before_the_factorisation(monkeypatch):
 def test_a_float32_lanczos_spectrum_warns_instead_of_refusing():
     # every pair's residual is at float32 rounding: the rounding floor counts them as resolved
     x, y = _data(300)
-    test_x = torch.linspace(0, 10, 20, dtype=DT).unsqueeze(-1)
+    test_x = torch.linspace(0, 10, 20, dtype=DTYPE).unsqueeze(-1)
     model = DataCentricGPR(
         _kernel().float(), x.float(), y.float(), [1e-2], backend="lanczos", linalg_dtype=None
     )
@@ -195,7 +194,7 @@ def test_auto_rebuilds_for_gradients_after_a_no_grad_prediction():
     # under no_grad, auto may take a truncated Lanczos spectrum (no graph); a later prediction
     # with gradients must not reuse it
     x, y = _data(300)
-    gammas = torch.full((30,), 0.1, dtype=DT)
+    gammas = torch.full((30,), 0.1, dtype=DTYPE)
     model = DataCentricGPR(_kernel(2.0), x, y, gammas)
     with torch.no_grad():
         model.predict_mean(x[:5])
@@ -213,17 +212,17 @@ def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
     # the rounding floor that lets Lanczos count pairs as resolved is not for CG, whose
     # estimate ignores the split-off pairs' residuals: float32 chains would come out 1.4 off
     gen = torch.Generator().manual_seed(0)
-    x = 10 * torch.rand(300, 1, generator=gen, dtype=DT)
-    y = torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(300, generator=gen, dtype=DT)
-    test_x = torch.linspace(0, 10, 40, dtype=DT).unsqueeze(-1)
-    gammas = torch.logspace(0, 1, 20, dtype=DT) * 1e-4
+    x = 10 * torch.rand(300, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(300, generator=gen, dtype=DTYPE)
+    test_x = torch.linspace(0, 10, 40, dtype=DTYPE).unsqueeze(-1)
+    gammas = torch.logspace(0, 1, 20, dtype=DTYPE) * 1e-4
 
     def kernel(dtype):
-        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).to(DT)
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).to(DTYPE)
         return k.to(dtype)
 
     with torch.no_grad():
-        dense = DataCentricGPR(kernel(DT), x, y, gammas, backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(kernel(DTYPE), x, y, gammas, backend="dense").predict_mean(test_x)
         model = DataCentricGPR(
             kernel(torch.float32),
             x.float(),
@@ -275,10 +274,10 @@ def test_a_dense_request_that_cannot_fit_fails_before_evaluating_the_kernel(
     monkeypatch, backend, matrices
 ):
     n = 200
-    x = torch.rand(n, 1, dtype=DT)
+    x = torch.rand(n, 1, dtype=DTYPE)
     needed = matrices * n * n * 8
     monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: needed - 1)
-    kernel = _CountingRBF().to(DT)
+    kernel = _CountingRBF().to(DTYPE)
     _CountingRBF.evaluations = 0
     with pytest.raises(gpsd.InsufficientMemoryError) as caught:
         _make(kernel, x, backend)
@@ -295,7 +294,7 @@ def test_a_dense_request_that_cannot_fit_fails_before_evaluating_the_kernel(
 def test_the_memory_check_counts_the_schedules_and_the_kernels_batch():
     # a batch of 3 kernel matrices and 2 schedules each: 3 matrices, then factors of (2, 3)
     n = 50
-    x = torch.rand(3, n, 1, dtype=DT)
+    x = torch.rand(3, n, 1, dtype=DTYPE)
     seen = []
 
     def free(device, wanted=None):
@@ -306,19 +305,19 @@ def test_the_memory_check_counts_the_schedules_and_the_kernels_batch():
         patch.setattr(backend_module, "free_memory_bytes", free)
         with pytest.raises(gpsd.InsufficientMemoryError):
             _make(
-                gpytorch.kernels.RBFKernel().to(DT),
+                gpytorch.kernels.RBFKernel().to(DTYPE),
                 x,
                 "cholesky",
                 schedule_shape=torch.Size([2, 1]),
             )
         with pytest.raises(gpsd.InsufficientMemoryError):
-            _make(gpytorch.kernels.RBFKernel().to(DT), x, "dense")
+            _make(gpytorch.kernels.RBFKernel().to(DTYPE), x, "dense")
     one = n * n * 8
     assert seen == [3 * one + 2 * 6 * one, 4 * 3 * one]
 
 
 def test_matrix_free_backends_and_auto_are_not_held_to_the_dense_memory(monkeypatch):
-    x = torch.linspace(0, 10, 80, dtype=DT).unsqueeze(-1)
+    x = torch.linspace(0, 10, 80, dtype=DTYPE).unsqueeze(-1)
     monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: 2**16)
     kernel = rbf_kernel()
     with torch.no_grad():
@@ -328,7 +327,7 @@ def test_matrix_free_backends_and_auto_are_not_held_to_the_dense_memory(monkeypa
 
 
 def test_make_engine_reports_the_growth_of_lanczos_and_a_callback_stops_it():
-    x = torch.linspace(0, 10, 300, dtype=DT).unsqueeze(-1)
+    x = torch.linspace(0, 10, 300, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel()
     records = []
     with torch.no_grad():
@@ -342,7 +341,7 @@ def test_make_engine_reports_the_growth_of_lanczos_and_a_callback_stops_it():
 
 def test_auto_stopped_by_the_callback_goes_on_as_where_lanczos_falls_short(use_setting):
     use_setting(gpsd.settings.dense_max_n(cpu=16))  # N = 300 is beyond dense: Lanczos then CG
-    x = torch.linspace(0, 10, 300, dtype=DT).unsqueeze(-1)
+    x = torch.linspace(0, 10, 300, dtype=DTYPE).unsqueeze(-1)
     records = []
 
     def stop_at_once(record):
@@ -356,7 +355,7 @@ def test_auto_stopped_by_the_callback_goes_on_as_where_lanczos_falls_short(use_s
 
 
 def test_the_engines_of_make_engine_say_whether_they_are_matrix_free():
-    x = torch.linspace(0, 10, 100, dtype=DT).unsqueeze(-1)
+    x = torch.linspace(0, 10, 100, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel()
     with torch.no_grad():
         engines = {b: _make(kernel, x, b) for b in ("dense", "cholesky", "lanczos", "cg")}

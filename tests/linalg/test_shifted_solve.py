@@ -5,7 +5,7 @@ import torch
 
 from gpsd.linalg import KernelSpectrum, ShiftedCholesky, SpectralFilter
 
-F64 = torch.float64
+DTYPE = torch.float64
 
 
 def _rbf(x, lengthscale=1.0):
@@ -28,9 +28,9 @@ def test_one_solve_per_data_centric_step_under_inference_mode(monkeypatch):
     """A step needs (K + g I)^-1 f twice (weights and targets): the solve is shared, also for
     inference tensors, which keep no write counters."""
     gen = torch.Generator().manual_seed(9)
-    k = _rbf(10 * torch.rand(30, 1, generator=gen, dtype=F64))
-    rhs = torch.randn(30, 1, generator=gen, dtype=F64)
-    filt = SpectralFilter.data_centric_weights(torch.tensor([0.1, 0.2, 0.3], dtype=F64), 0.25)
+    k = _rbf(10 * torch.rand(30, 1, generator=gen, dtype=DTYPE))
+    rhs = torch.randn(30, 1, generator=gen, dtype=DTYPE)
+    filt = SpectralFilter.data_centric_weights(torch.tensor([0.1, 0.2, 0.3], dtype=DTYPE), 0.25)
     expected = KernelSpectrum.from_dense(k).apply(filt, rhs)
     for context in (torch.no_grad, torch.inference_mode):
         engine = ShiftedCholesky(k)
