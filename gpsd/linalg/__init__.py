@@ -6,6 +6,7 @@ from gpsd.linalg.kernel_spectrum import KernelSpectrum, SpectralCoordinates
 from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.shifted_cg import ShiftedCG
 from gpsd.linalg.shifted_cholesky import ShiftedCholesky
+from gpsd.linalg.spectral_engine import SpectralEngine
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ShiftedCG",
     "ShiftedCholesky",
     "SpectralCoordinates",
+    "SpectralEngine",
     "SpectralFilter",
     "choose_backend",
     "free_memory_bytes",

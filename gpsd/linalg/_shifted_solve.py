@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import abc
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -11,24 +11,24 @@ from torch import Tensor
 
 from gpsd._internal.module_state import write_count
 from gpsd.linalg._algebra import ShiftedSolveAlgebra
+from gpsd.linalg.spectral_engine import SpectralEngine
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 T = TypeVar("T")
 
 
-class ShiftedSolveEngine(abc.ABC):
+class ShiftedSolveEngine(SpectralEngine):
     r"""Applies data-centric spectral filters through solves with :math:`\mathbf K + \gamma\mathbf I`.
 
     Subclasses provide :meth:`solve` and the dtype the solves run in; this base turns solves into
-    the ``apply``/``cross``/``quad_diag`` interface of :class:`~gpsd.linalg.KernelSpectrum`. A
+    the ``apply``/``cross``/``quad_diag`` of :class:`~gpsd.linalg.SpectralEngine`; the
+    right-hand sides need no coordinates (:meth:`project` returns them as they are). A
     filter that is a plain resolvent (the posterior variance) needs one solve per distinct shift;
     repeated shifts of a schedule (the usual constant noise) are solved once. Shifts that
     require gradients are exact in autograd: each is solved for separately, as equal values from
     different tensors (or different steps of one) must send their gradients to their own entries.
     """
 
-    is_truncated = False
-    #: Whether results carry an autograd graph to the kernel's hyperparameters.
     supports_autograd = True
     #: dtype of the solves.
     dtype: torch.dtype
@@ -41,6 +41,8 @@ class ShiftedSolveEngine(abc.ABC):
     #: values, where the engine has them (the iterative ones; rounding and, for several shifts in
     #: CG, split-off Ritz pairs aside); ``None`` where the solves are exact up to rounding.
     quad_error_bound: Tensor | None = None
+    #: :math:`N`.
+    size: int
 
     def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
@@ -72,7 +74,7 @@ class ShiftedSolveEngine(abc.ABC):
         self._last = (rhs, write_count(rhs), gamma, out, write_count(out), torch.is_grad_enabled())
         return out
 
-    @abc.abstractmethod
+    @abstractmethod
     def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
         """The solve itself, without the reuse of :meth:`solve`."""
 

@@ -13,11 +13,14 @@ from gpsd import settings
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
 from gpsd._internal.validation import check_int
+from gpsd.exceptions import InsufficientMemoryError
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
 from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.shifted_cg import ShiftedCG
 from gpsd.linalg.shifted_cholesky import ShiftedCholesky
+from gpsd.linalg.spectral_engine import SpectralEngine
+from gpsd.progress import Callback
 
 __all__ = ["BACKENDS", "choose_backend", "make_engine"]
 
@@ -30,6 +33,9 @@ BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 # Peak memory of the dense eigendecomposition in N x N matrices of the factorisation dtype: the
 # kernel matrix, its eigenvectors and about two more for the solver's workspace.
 _EIGH_MATRICES = 4
+# Least memory of the Cholesky chain: the kernel matrices, then per factor batch the shifted
+# matrix and its factor.
+_CHOLESKY_FACTOR_MATRICES = 2
 
 
 def choose_backend(
@@ -121,9 +127,17 @@ def make_engine(
     gamma_min: float,
     rtol: float,
     kernel_cache_bytes: int | None = None,
-):
+    *,
+    progress: object = False,
+    callback: Callback | None = None,
+) -> SpectralEngine:
     """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
-    :class:`ShiftedCG`.
+    :class:`ShiftedCG`, all of them :class:`~gpsd.linalg.SpectralEngine` s.
+
+    This function is gpsd's one backend policy: the choice of ``backend="auto"``, its
+    Lanczos-first and Lanczos-to-CG fallbacks, and the memory each backend may take. Callers
+    read what they need from the engine (:attr:`~gpsd.linalg.SpectralEngine.matrix_free`,
+    :attr:`~gpsd.linalg.SpectralEngine.supports_autograd`), never from the backend's name.
 
     The Lanczos and CG backends never form the kernel matrix: a KeOps kernel's own operator or a
     :class:`~gpsd.linalg.ChunkedKernelOperator` supplies the products; the latter keeps the kernel
@@ -149,6 +163,20 @@ def make_engine(
     of a dense decomposition, or where it would not fit in the device's free memory, it grows
     Lanczos up to :class:`gpsd.settings.max_lanczos_rank` and, if that does not reach ``rtol``, solves by CG
     deflated with the Ritz pairs it found.
+
+    ``backend="dense"`` and ``"cholesky"`` form the ``N x N`` kernel matrices: where they cannot
+    fit in the device's free memory (:func:`~gpsd.linalg.free_memory_bytes`), an
+    :class:`~gpsd.InsufficientMemoryError` is raised before anything is allocated, with the bytes
+    needed and free. The dense eigendecomposition needs 4 matrices (the kernel matrix, its
+    eigenvectors and the solver's workspace); the chain needs the kernel matrix and, per factor,
+    the shifted matrix and its factor, as large as the schedules' batch broadcast against the
+    kernel's.
+
+    ``progress`` and ``callback`` report the growth of a Lanczos basis, where the backend grows
+    one (see :meth:`KernelSpectrum.from_lanczos`; by default nothing is reported). A callback
+    that returns ``True`` stops the growth there: ``backend="lanczos"`` returns that spectrum,
+    and ``"auto"`` goes on as when Lanczos does not reach ``rtol`` (deflated CG, or the dense
+    eigendecomposition where that was the alternative).
     """
     n = x.shape[-2]
 
@@ -161,6 +189,9 @@ def make_engine(
             dtype=eig_dtype or x.dtype,
             generator=torch.Generator().manual_seed(generator_seed),
             stop_when=stop_when,
+            gamma_min=gamma_min,
+            progress=progress,
+            callback=callback,
         )
 
     def grow_lanczos(operator, max_rank: int, give_up_early: bool = False) -> KernelSpectrum:
@@ -183,16 +214,20 @@ def make_engine(
             )
             return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
         except torch.OutOfMemoryError as err:
-            raise MemoryError(
+            raise InsufficientMemoryError(
                 f"backend={backend!r} ran out of memory holding an {n}-row Krylov basis on "
                 f"{x.device}; pass a smaller rank= (now {rank}) or kernel_cache_bytes=, or a "
                 "KeOps kernel"
             ) from err
     needs_grad = needs_graph(kernel, x)
     try_lanczos_first = False
+    # a kernel with a batch shape makes a batch of matrices from shared inputs too
+    matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
+    if backend in ("dense", "cholesky"):
+        _check_dense_memory(
+            backend, n, x.device, eig_dtype or x.dtype, matrix_shape, schedule_shape
+        )
     if backend == "auto":
-        # a kernel with a batch shape makes a batch of matrices from shared inputs too
-        matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
         num_schedules = schedule_shape.numel()
         backend = choose_backend(
             n,
@@ -227,10 +262,38 @@ def make_engine(
                 return spectrum
         return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
     except torch.OutOfMemoryError as err:
-        raise MemoryError(
+        raise InsufficientMemoryError(
             f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
             f"{x.device}; use backend='lanczos' or backend='cg', which never form it"
         ) from err
+
+
+def _check_dense_memory(
+    backend: str,
+    n: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    matrix_shape: torch.Size,
+    schedule_shape: torch.Size,
+) -> None:
+    """Raise :class:`~gpsd.InsufficientMemoryError` where ``backend`` (``"dense"`` or
+    ``"cholesky"``) cannot fit its ``n x n`` matrices in the free memory of ``device``."""
+    one_matrix = n * n * (torch.finfo(dtype).bits // 8)
+    matrix_bytes = matrix_shape.numel() * one_matrix
+    if backend == "dense":
+        needed = _EIGH_MATRICES * matrix_bytes
+        what = f"{_EIGH_MATRICES} times the kernel matrices (matrix, eigenvectors, workspace)"
+    else:
+        factor_bytes = torch.broadcast_shapes(schedule_shape, matrix_shape).numel() * one_matrix
+        needed = matrix_bytes + _CHOLESKY_FACTOR_MATRICES * factor_bytes
+        what = "the kernel matrices, a shifted matrix and its Cholesky factor"
+    free = free_memory_bytes(device, wanted=needed)
+    if needed > free:
+        raise InsufficientMemoryError(
+            f"backend={backend!r} needs about {needed} bytes ({needed / 2**30:.3g} GiB: {what}, "
+            f"N = {n} in {dtype}) on {device}, but {free} bytes ({free / 2**30:.3g} GiB) are "
+            "free; use backend='lanczos' or backend='cg', which never form the N x N matrix"
+        )
 
 
 def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rtol: float) -> bool:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from gpsd._internal.module_state import ModuleState, write_count
 from gpsd._internal.negligible import DROP_MIN_COLUMNS, drop_negligible
-from gpsd._internal.validation import check_int
+from gpsd._internal.validation import check_finite, check_int
 
 __all__ = ["ChunkedKernelOperator"]
 
@@ -44,8 +44,11 @@ class ChunkedKernelOperator(LinearOperator):
     kernel stops after three) is better off without the memory. ``keep_after`` products are
     therefore evaluated without keeping anything, and rows are kept from the next one on.
 
+    Inputs ``x`` and right-hand sides holding NaN or infinite values are refused with a
+    ``ValueError`` naming them (every entry of the product would be NaN).
+
     :param kernel: any GPyTorch kernel.
-    :param x: inputs, shape ``(*b, N, d)``.
+    :param x: inputs, shape ``(*b, N, d)``, finite.
     :param chunk_size: rows evaluated at once.
     :param cache_bytes: memory the kept rows may fill, in bytes (default 0: keep none).
     :param keep_after: products evaluated afresh before rows are kept (default 0).
@@ -64,6 +67,17 @@ class ChunkedKernelOperator(LinearOperator):
         chunk_size = check_int(chunk_size, "chunk_size")
         cache_bytes = check_int(cache_bytes, "cache_bytes", minimum=0)
         keep_after = check_int(keep_after, "keep_after", minimum=0)
+        if _rows is None:  # not a copy that linear_operator rebuilds for a product
+            if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
+                raise ValueError(
+                    "x must be a floating-point tensor of inputs (*b, N, d), got "
+                    + (
+                        f"shape {tuple(x.shape)}, dtype {x.dtype}"
+                        if isinstance(x, Tensor)
+                        else type(x).__name__
+                    )
+                )
+            check_finite(x.detach(), "x")
         # The rows live in an object passed along as a keyword: linear_operator rebuilds the
         # operator from its arguments for every product, and the rows must outlive that.
         rows = _rows if _rows is not None else _KeptRows()
@@ -89,6 +103,12 @@ class ChunkedKernelOperator(LinearOperator):
 
     def _matmul(self, rhs: Tensor) -> Tensor:
         n = self.x.shape[-2]
+        if not bool(torch.isfinite(rhs).all()):
+            bad = int((~torch.isfinite(rhs)).sum())
+            raise ValueError(
+                "rhs, the right-hand side of a product with the kernel operator, must be finite, "
+                f"but it holds {bad} NaN or infinite value(s)"
+            )
         out = None  # written into chunk by chunk, not concatenated: one N x r block, not two
         with torch.no_grad():
             # without a budget there is nothing to count or compare (a sync per product on GPUs)
@@ -114,9 +134,9 @@ class ChunkedKernelOperator(LinearOperator):
         GPyTorch zeroes the distances of a point to itself only where ``x1`` equals ``x2``,
         which a row chunk does not: the entries :math:`k(\mathbf x_i, \mathbf x_i)` of the
         chunk then come from a distance of rounding size, about :math:`\sqrt{\epsilon}`, and
-        a kernel that is not smooth at 0 turns it into an error of that size. The Matérn-1/2
-        diagonal was :math:`1 - 4 \times 10^{-8}` in float64 and :math:`1 - 1.4 \times 10^{-3}`
-        in float32 instead of 1. They are replaced by ``kernel(x_I, diag=True)``, as the dense
+        a kernel that is not smooth at 0 turns it into an error of that size (a Matérn-1/2
+        diagonal of :math:`1 - 4 \times 10^{-8}` in float64 and :math:`1 - 1.4 \times 10^{-3}`
+        in float32 instead of 1). They are replaced by ``kernel(x_I, diag=True)``, as the dense
         ``kernel(x)`` has them.
         """
         rows = self.x[..., start : start + self.chunk_size, :]  # shape: (*bx, c, d)
@@ -131,8 +151,8 @@ class ChunkedKernelOperator(LinearOperator):
         """``k(x_i, x_i)`` for ``rows`` (``(*bx, c, d)``), of the expected ``shape`` ``(*b, c)``.
 
         GPyTorch's ``diag=True`` can drop a dimension: a ScaleKernel with batch shape ``(2,)``
-        on ``c = 2`` unbatched rows gives ``(2,)``, the output scales, so that the operator's
-        trace was their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the
+        on ``c = 2`` unbatched rows gives ``(2,)``, the output scales, which would make the
+        operator's trace their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the
         ``c x c`` block, evaluated with ``x1 = x2``, is taken.
         """
         diag = self.kernel(rows, diag=True)

@@ -13,8 +13,11 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
+from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import check_finite, check_int
+from gpsd.linalg.spectral_engine import SpectralEngine, is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
+from gpsd.progress import Callback
 
 __all__ = ["KernelSpectrum", "SpectralCoordinates"]
 
@@ -32,7 +35,7 @@ class SpectralCoordinates:
     krylov: Tensor | None
 
 
-class KernelSpectrum:
+class KernelSpectrum(SpectralEngine):
     r"""The eigendecomposition of a symmetric kernel operator, computed once and reused.
 
     With the eigenpairs :math:`(d_i, \mathbf v_i)` of :math:`\mathbf K` (shape ``(*b, N, N)``), a
@@ -98,10 +101,6 @@ class KernelSpectrum:
         non-zero columns of ``eigenvectors``, found by one pass over them).
     """
 
-    #: No per-form error bounds: :meth:`error_estimate` covers the quadratic forms too (the
-    #: shifted-solve engines keep theirs here after ``quad_diag``).
-    quad_error_bound: Tensor | None = None
-
     def __init__(
         self,
         eigenvalues: Tensor,
@@ -117,6 +116,9 @@ class KernelSpectrum:
         self.eigenvalues = eigenvalues
         self.eigenvectors = eigenvectors
         self.is_truncated = matmul is not None
+        #: Whether ``matmul`` multiplies through a matrix-free operator (set by
+        #: :meth:`from_lanczos`; see :attr:`SpectralEngine.matrix_free`).
+        self.matrix_free = False
         self._matmul = matmul
         self.series_order = series_order
         self.max_series_order = series_order
@@ -165,19 +167,32 @@ class KernelSpectrum:
     def from_dense(
         cls, kernel: Tensor | LinearOperator, dtype: torch.dtype | None = torch.float64
     ) -> KernelSpectrum:
-        """Full eigendecomposition of ``kernel`` (shape ``(*b, N, N)``) in ``dtype``.
+        r"""Full eigendecomposition of ``kernel`` (shape ``(*b, N, N)``) in ``dtype``.
 
         ``dtype=None`` keeps the kernel's dtype. Gradients flow through ``torch.linalg.eigh``.
 
-        :raises ValueError: if the kernel matrix holds NaN or infinite entries (from NaN
-            hyperparameters, say), which ``eigh`` reports as a failure to converge.
+        A kernel matrix is symmetric positive semi-definite. The matrix is symmetrised, which
+        changes it by rounding only: an asymmetry :math:`\max|\mathbf K - \mathbf K^	op|` above
+        :math:`\sqrt{\epsilon}\max|\mathbf K|` (:math:`\epsilon` of the kernel's dtype) is an
+        error. Negative eigenvalues below :math:`-\sqrt{\epsilon}\max_i|d_i|` (:math:`\epsilon`
+        of the coarser of the kernel's dtype and ``dtype``) are more than rounding: they warn
+        with a ``NumericalWarning``, and the filters take them as 0, as they take every negative
+        eigenvalue (the positive semi-definite matrix nearest to ``kernel`` is filtered).
+
+        :raises ValueError: if the kernel matrix is not square, holds NaN or infinite entries
+            (from NaN hyperparameters, say; ``eigh`` would report a failure to converge), or is
+            not symmetric.
+        :raises TypeError: if it is not a floating-point matrix.
         """
         dense = to_dense(kernel)
-        check_finite(dense.detach(), "kernel")
+        _check_symmetric_matrix(dense.detach(), "kernel")
+        eps = torch.finfo(dense.dtype).eps
         if dtype is not None:
             dense = dense.to(dtype)
+        eps = max(eps, torch.finfo(dense.dtype).eps)
         dense = 0.5 * (dense + dense.mT)
         evals, evecs = torch.linalg.eigh(dense)
+        _warn_if_indefinite(evals.detach(), eps)
         resolved = torch.ones_like(evals, dtype=torch.bool)
         return cls(evals.flip(-1), evecs.flip(-1), resolved=resolved)
 
@@ -198,6 +213,9 @@ class KernelSpectrum:
         device: torch.device | None = None,
         generator: torch.Generator | None = None,
         stop_when: Callable[[KernelSpectrum], bool] | None = None,
+        gamma_min: float | None = None,
+        progress: object = False,
+        callback: Callback | None = None,
     ) -> KernelSpectrum:
         r"""Leading eigenpairs of ``kernel`` by block Lanczos, matrix-free.
 
@@ -216,9 +234,9 @@ class KernelSpectrum:
             stay between :math:`2 \times 10^{-6}` and :math:`10^{-4}`, where float64 reaches
             :math:`2 \times 10^{-13}`), so pairs within :math:`16\varepsilon\,\theta_{\max}`
             count as resolved whatever ``residual_tol`` says, and their residuals enter
-            :meth:`error_estimate` (a tolerance below rounding put the largest, best-converged
-            pairs in the complement, whose series then diverged: "complement of norm 240" on a
-            Krylov space spanning all of :math:`\mathbb R^N`).
+            :meth:`error_estimate` (a tolerance below rounding would put the largest,
+            best-converged pairs in the complement, whose series would diverge: a "complement
+            of norm 240" on a Krylov space spanning all of :math:`\mathbb R^N`).
             The regression distillers pass :math:`0.1\, \text{rtol}\, \gamma_{\min}` and work in
             float64 by default.
         :param series_order: Taylor order :math:`J` used on the complement.
@@ -231,12 +249,27 @@ class KernelSpectrum:
             blocks: a true answer stops the iteration there. Each product with a matrix-free
             kernel evaluates it afresh, so stopping early saves whole passes over
             :math:`\mathbf K`, and one extended basis replaces restarts at growing ranks.
+        :param gamma_min: the smallest shift the spectrum is for; with it, the progress records
+            carry ``error_estimate``, :meth:`error_estimate` for ``gamma_min`` from the trace
+            bound on the complement norm (an upper bound, made without products with K).
+        :param progress: ``False``, ``True`` or a ``tqdm`` bar: one step per block added (see
+            :mod:`gpsd.progress`).
+        :param callback: called after every block with an :class:`~gpsd.IterationRecord` of task
+            ``"KernelSpectrum.from_lanczos"``, ``iteration`` the number of blocks and ``info``
+            holding ``rank`` (the basis' columns), ``resolved`` (the fewest resolved pairs over
+            the batch), ``complement_bound`` (the trace bound on
+            :math:`\lVert \mathbf K_\perp \rVert_2`), ``residual_norm`` and, with
+            ``gamma_min``, ``error_estimate``. Returning ``True`` stops the growth: the spectrum
+            of the basis so far is returned. With either, a Rayleigh-Ritz step follows every
+            block (about :math:`N q^2` flops for a basis of :math:`q` columns); the spectrum
+            returned is the same as without them.
         """
         if isinstance(kernel, (Tensor, LinearOperator)):
             size = kernel.shape[-1]
             batch_shape = kernel.shape[:-2]
             dtype = dtype or kernel.dtype
             device = device or kernel.device
+            matrix_free = is_matrix_free(kernel)
             if kernel_trace is None:
                 kernel_trace = kernel.diagonal(dim1=-2, dim2=-1).sum(-1).to(dtype)
             op = kernel
@@ -248,6 +281,7 @@ class KernelSpectrum:
                 raise ValueError("a callable kernel needs size= and dtype= (and batch_shape=)")
             batch_shape = torch.Size() if batch_shape is None else torch.Size(batch_shape)
             matmul = kernel
+            matrix_free = True
         rank = min(check_int(rank, "rank"), size)
         block_size = check_int(block_size, "block_size", optional=True)
         if block_size is None:  # deep enough Krylov spaces converge; wide blocks use BLAS-3 well
@@ -255,18 +289,30 @@ class KernelSpectrum:
         block_size = min(block_size, rank)
         num_blocks = math.ceil(rank / block_size)
         checkpoints = _checkpoints(num_blocks) if stop_when is not None else set()
-        with torch.no_grad():
+        reporter = ProgressReporter("KernelSpectrum.from_lanczos", num_blocks, progress, callback)
+        reporting = callback is not None or (progress is not False and progress is not None)
+
+        def ritz(draw: bool = True) -> KernelSpectrum:
+            spectrum = cls._rayleigh_ritz(
+                krylov, matmul, residual_tol, series_order, complement_tol, kernel_trace, draw
+            )
+            spectrum.matrix_free = matrix_free
+            return spectrum
+
+        with torch.no_grad(), reporter:
             krylov = _BlockKrylov(matmul, size, batch_shape, block_size, dtype, device, generator)
             while krylov.num_blocks < num_blocks and krylov.extend():
-                if krylov.num_blocks in checkpoints:
-                    spectrum = cls._rayleigh_ritz(
-                        krylov, matmul, residual_tol, series_order, complement_tol, kernel_trace
-                    )
-                    if stop_when(spectrum):
-                        return spectrum
-            return cls._rayleigh_ritz(
-                krylov, matmul, residual_tol, series_order, complement_tol, kernel_trace
-            )
+                spectrum = ritz() if krylov.num_blocks in checkpoints else None
+                if reporting:
+                    # a spectrum only for the record draws no power start: the generator, and
+                    # so the spectrum returned, stay as without reporting
+                    shown = spectrum if spectrum is not None else ritz(draw=False)
+                    info = _progress_info(shown, krylov.num_columns, gamma_min)
+                    if reporter.update(krylov.num_blocks, **info):
+                        return spectrum if spectrum is not None else ritz()
+                if spectrum is not None and stop_when(spectrum):
+                    return spectrum
+            return ritz()
 
     @classmethod
     def _rayleigh_ritz(
@@ -277,8 +323,10 @@ class KernelSpectrum:
         series_order: int,
         complement_tol: float,
         kernel_trace: Tensor | None,
+        draw_power_start: bool = True,
     ) -> KernelSpectrum:
-        """The spectrum of the Ritz pairs in the Krylov basis so far."""
+        """The spectrum of the Ritz pairs in the Krylov basis so far (``draw_power_start``:
+        draw the start of its power iterations from the basis' generator now)."""
         basis, kbasis = krylov.basis()
         projected = basis.mT @ kbasis
         projected = 0.5 * (projected + projected.mT)
@@ -311,7 +359,7 @@ class KernelSpectrum:
         spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
         # Pairs within residual_tol itself, without the rounding floor: CG splits these off as
         # exact eigenpairs and its estimate does not count their residuals (with the floor,
-        # float32 chains split off pairs at 6e-4 and came out 1.4 off, estimated at 1e-3).
+        # float32 chains would split off pairs at 6e-4 and come out 1.4 off, estimated at 1e-3).
         spectrum.ritz_resolved = residuals <= residual_tol
         lower = float(unresolved_theta.abs().max())
         upper = _trace_bound(kernel_trace, evals, basis.dtype)
@@ -319,7 +367,7 @@ class KernelSpectrum:
         spectrum.complement_upper_bound = max(upper, lower)
         if upper <= complement_tol:
             spectrum.complement_norm = max(upper, lower)
-        else:  # drawn now, iterated only if complement_norm is read and no bound settles it
+        elif draw_power_start:  # iterated only if complement_norm is read and no bound settles it
             spectrum._power_start = krylov.random_vector()
         return spectrum
 
@@ -493,8 +541,8 @@ class KernelSpectrum:
         :math:`\binom{J+1}{t-1}\rho^{J+1}/\gamma_{\min}` and a target :math:`F_t` by
         :math:`\binom{J}{t-1}\rho^{J+1}`; the :math:`\alpha`-mixed filters are convex
         combinations of these. The largest binomial over :math:`t` is the constant above (10 for
-        the default :math:`J = 4`); the former estimate :math:`\rho^{J+1}/(1 - \rho)` left it
-        out, and three steps erred up to 9 times above it.
+        the default :math:`J = 4`); without it, :math:`\rho^{J+1}/(1 - \rho)` underestimates
+        the error of three steps up to 9 times.
         """
         if not self.is_truncated:
             return 0.0
@@ -581,6 +629,64 @@ class KernelSpectrum:
         return advice
 
 
+def _check_symmetric_matrix(dense: Tensor, name: str) -> None:
+    r"""Raise unless ``dense`` (``(*b, N, N)``) is a finite, floating-point, square matrix
+    symmetric to :math:`\sqrt{\epsilon}\max|\mathbf K|` of its dtype."""
+    if not dense.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point matrix, got dtype {dense.dtype}")
+    if dense.dim() < 2 or dense.shape[-1] != dense.shape[-2]:
+        raise ValueError(
+            f"{name} must be a square matrix (*b, N, N), got shape {tuple(dense.shape)}"
+        )
+    check_finite(dense, name)
+    if dense.numel() == 0:
+        return
+    scale = dense.abs().amax(dim=(-2, -1))  # shape: (*b,)
+    asymmetry = (dense - dense.mT).abs().amax(dim=(-2, -1))
+    tolerance = math.sqrt(torch.finfo(dense.dtype).eps) * scale
+    excess = asymmetry - tolerance
+    worst = int(excess.flatten().argmax())
+    if float(excess.flatten()[worst]) > 0:
+        raise ValueError(
+            f"{name} must be symmetric: max |K - K^T| is {float(asymmetry.flatten()[worst]):.3g}, "
+            f"above the rounding tolerance {float(tolerance.flatten()[worst]):.3g} (sqrt(eps) of "
+            f"{dense.dtype} times max |K|)"
+        )
+
+
+def _warn_if_indefinite(evals: Tensor, eps: float) -> None:
+    r"""Warn where the ascending eigenvalues ``evals`` (``(*b, N)``) fall below
+    :math:`-\sqrt{\epsilon}\max_i|d_i|`: more than rounding in a kernel matrix."""
+    if evals.numel() == 0:
+        return
+    tolerance = math.sqrt(eps) * evals.abs().amax(-1)  # shape: (*b,)
+    excess = (-evals[..., 0] - tolerance).flatten()
+    worst = int(excess.argmax())
+    if float(excess[worst]) > 0:
+        warnings.warn(
+            f"the kernel matrix is not positive semi-definite: its smallest eigenvalue is "
+            f"{float(evals[..., 0].flatten()[worst]):.3g}, beyond rounding (-"
+            f"{float(tolerance.flatten()[worst]):.3g}); the filters take negative eigenvalues "
+            "as 0. Check the kernel (a covariance function gives positive semi-definite "
+            "matrices)",
+            NumericalWarning,
+            stacklevel=3,
+        )
+
+
+def _progress_info(spectrum: KernelSpectrum, rank: int, gamma_min: float | None) -> dict:
+    """The numbers of a Lanczos progress record (see :meth:`KernelSpectrum.from_lanczos`)."""
+    info = {
+        "rank": rank,
+        "resolved": int(spectrum.num_resolved.min()) if spectrum.num_resolved.numel() else 0,
+        "complement_bound": spectrum.complement_upper_bound,
+        "residual_norm": spectrum.residual_norm,
+    }
+    if gamma_min is not None:
+        info["error_estimate"] = spectrum._error_for(spectrum.complement_upper_bound, gamma_min)
+    return info
+
+
 def _trace_bound(kernel_trace: Tensor | None, evals: Tensor, dtype: torch.dtype) -> float:
     r""":math:`\max_b (\operatorname{tr}\mathbf K - \sum_i d_i)` plus a rounding margin, an upper
     bound on :math:`\lVert \mathbf K_\perp \rVert_2` (infinite without the trace)."""
@@ -598,8 +704,8 @@ def _spectral_norm(residual_vectors: Tensor, resolved: Tensor) -> float:
 
     The filters' error from the Ritz residuals is this spectral norm over :math:`\gamma`, not
     the largest column norm: the residuals of neighbouring Ritz pairs add up in one direction
-    (the largest column was 7.3e-10 where the norm is 8.7e-10, and a filter erred by 1.19 times
-    the estimate made from the column). Its Gram matrix is ``(*b, p, p)`` for the ``p``
+    (in a measured case the largest column is 7.3e-10 where the norm is 8.7e-10, and a filter
+    errs by 1.19 times the estimate made from the column). Its Gram matrix is ``(*b, p, p)`` for the ``p``
     columns resolved in some batch entry.
     """
     flat = resolved.reshape(-1, resolved.shape[-1])
@@ -661,8 +767,8 @@ class _BlockKrylov:
 
         The last block is narrower where ``size`` is not a multiple of the block size, so that
         the basis can reach all ``size`` columns (a full decomposition): with 15 inputs and
-        blocks of 4 it stopped at 12, and the three missing directions were left to a
-        complement series that diverged.
+        blocks of 4, a basis stopping at 12 columns would leave three directions to a
+        complement series that diverges.
         """
         width = min(self.block_size, self.size - self.num_columns)
         if width <= 0:

@@ -13,11 +13,13 @@ from torch import Tensor
 from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, per_distinct_shift
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
+from gpsd.linalg.spectral_engine import is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["ShiftedCG"]
 
-#: Iterations before the Lanczos chain first compares its coefficients.
+#: Iterations before the Lanczos chain first compares its coefficients: part of its stopping
+#: rule (two checkpoints are the fewest that estimate an error), not a tuning knob.
 _FIRST_CHECK = 8
 
 
@@ -106,6 +108,7 @@ class ShiftedCG(ShiftedSolveEngine):
             )
         self.dtype = dtype or ritz_vectors.dtype
         self.kernel = kernel
+        self.matrix_free = is_matrix_free(kernel)
         self.size = kernel.shape[-1]
         self.batch_shape = kernel.shape[:-2]
         self.ritz_values = ritz_values.to(self.dtype).clamp_min(0.0)
@@ -258,11 +261,10 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`\hat{\mathbf x}^\top\mathbf r`, of first order (up to
         :math:`\text{tol}\lVert\mathbf c\rVert^2/\gamma`). The predictive variance
         :math:`k_{**} - \mathbf c^\top\mathbf A^{-1}\mathbf c` is a small difference when
-        :math:`\gamma` is small, so the first-order term dominated its error: at
-        :math:`\gamma = 10^{-8}` and ``tol`` :math:`= 10^{-8}` the variances were
+        :math:`\gamma` is small, so the first-order term would dominate its error: at
+        :math:`\gamma = 10^{-8}` and ``tol`` :math:`= 10^{-8}` the first-order variances are
         :math:`3.5 \times 10^{-3}` off a 40-digit reference, against :math:`3.3 \times 10^{-9}`
-        for the second-order form (``benchmarks/bench_cg_variance_accuracy.py`` when it was
-        written). The residual is the one the solve computed for its final check. The value
+        for the second-order form (``benchmarks/bench_cg_variance_accuracy.py``). The residual is the one the solve computed for its final check. The value
         returned is below the true one by :math:`\mathbf r^\top\mathbf A^{-1}\mathbf r \in
         [0, \lVert\mathbf r\rVert^2/\gamma]`, the bound returned with it
         (:attr:`quad_error_bound` after :meth:`quad_diag`).
@@ -289,6 +291,9 @@ class ShiftedCG(ShiftedSolveEngine):
         if that is not enough. The failed attempt costs at most about half of the chain's own
         cost, and the chain reuses the timed solve when its first step has the smallest noise;
         a long chain on a hard spectrum costs about one solve instead of :math:`T`.
+
+        This choice is the engine's own, not a backend policy: both ways give the same filters to
+        ``tol`` within the same memory, and only the measured solve can tell which is faster.
         """
         filt = filt.to(self.dtype, self.ritz_vectors.device)  # a schedule made on the CPU, say
         if filt.is_resolvent:
@@ -548,8 +553,8 @@ class ShiftedCG(ShiftedSolveEngine):
 
         symmetric, with a positive semi-definite error of second order (its diagonal is the
         quadratic forms' error); the plain :math:`\mathbf C^\top\hat{\mathbf X}` errs at first
-        order, so the diagonal of a covariance disagreed with the variances (at noise
-        :math:`10^{-6}`, ``tol`` :math:`= 10^{-6}`: 9.4e-2 off against 3.1e-2). Costs one more
+        order, and the diagonal of a covariance made from it would disagree with the variances
+        (at noise :math:`10^{-6}`, ``tol`` :math:`= 10^{-6}`: 9.4e-2 off against 3.1e-2). Costs one more
         product with :math:`\mathbf K` for the residuals of each distinct shift.
         """
         if not (filt.is_resolvent and left is rhs):
@@ -606,8 +611,8 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`\gamma \ge \gamma_0` (:math:`\mathbf r_0` the recursion's residual). That bound
         is kept in :attr:`quad_error_bound`; it leaves out the split-off pairs, whose error is of
         first order in their residuals (below ``tol`` :math:`\gamma_0` by the contract of
-        ``resolved``) and of either sign: at most about 1e-9 of forms near 1 over 54 settings of
-        a review, far below what the distillers warn about. Memory stays at a few ``N x M``
+        ``resolved``) and of either sign: at most about 1e-9 of forms near 1 over 54 measured
+        settings, far below what the distillers warn about. Memory stays at a few ``N x M``
         blocks, whatever the number of shifts.
 
         :param gamma: shifts, shape ``(*s, T)``.

@@ -176,7 +176,7 @@ def _check_schedule(gamma: object) -> Tensor:
 
 
 def _check_alpha(alpha: object) -> float:
-    """``alpha`` as a float in :math:`[0, 1]`, or a ``ValueError`` naming it (NaN gave NaN)."""
+    """``alpha`` as a float in :math:`[0, 1]`, or a ``ValueError`` naming it (NaN would give NaN)."""
     value = math.nan
     if isinstance(alpha, (numbers.Real, Tensor)) and not isinstance(alpha, bool):
         with contextlib.suppress(TypeError, ValueError, RuntimeError):  # a tensor of several

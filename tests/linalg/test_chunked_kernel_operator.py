@@ -1,11 +1,15 @@
-"""ChunkedKernelOperator's kept rows and the dropping of negligible kernel entries."""
+"""Tests of ChunkedKernelOperator: products and diagonals against the dense kernel
+matrix, the kernel rows it keeps, the dropping of negligible entries, and its argument checks."""
 
 import gpytorch
 import pytest
 import torch
+from gpytorch.kernels import MaternKernel, RBFKernel, ScaleKernel
 
 from gpsd._internal.negligible import drop_negligible, kernel_matrix
-from gpsd.linalg import ChunkedKernelOperator
+from gpsd.linalg import (
+    ChunkedKernelOperator,
+)
 
 DTYPE = torch.float64
 
@@ -216,3 +220,108 @@ def test_a_batch_of_kernels_on_shared_inputs():
         got = op @ rhs
     expected = torch.stack([reference(x, 0.4) @ rhs, reference(x, 1.1) @ rhs])
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def _kernels(dtype: torch.dtype):
+    torch.manual_seed(0)
+    batched = ScaleKernel(RBFKernel(batch_shape=torch.Size([2])), batch_shape=torch.Size([2]))
+    batched.outputscale = torch.tensor([0.7, 1.9])
+    return {
+        "matern12": MaternKernel(nu=0.5),
+        "scaled_matern12_ard": ScaleKernel(MaternKernel(nu=0.5, ard_num_dims=3)),
+        "sum": ScaleKernel(RBFKernel()) + ScaleKernel(MaternKernel(nu=0.5)),
+        "batched": batched,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", ["matern12", "scaled_matern12_ard", "sum", "batched"])
+@pytest.mark.parametrize("cache_bytes", [0, 10**8])
+def test_chunked_operator_matches_dense_kernel(dtype, name, cache_bytes):
+    # Row chunks that are not the whole input (chunk_size 5 of N = 37, last chunk 2 rows)
+    # evaluate k(x_i, x_i) from a rounding-size distance, which makes a Matern-1/2 diagonal
+    # 1 - 4.2e-8 in float64 (1 - 1.4e-3 in float32) where kernel(x) and the exact value give 1,
+    # and K @ B off by 2e-8 (float32: 2e-3) unless the operator takes the diagonal from
+    # kernel(x_I, diag=True). Both must agree to rounding.
+    kernel = _kernels(dtype)[name].to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 3, generator=gen, dtype=torch.float64).to(dtype)
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=5, cache_bytes=cache_bytes)
+    with torch.no_grad():
+        dense = kernel(x).to_dense()  # shape: (*b, 37, 37)
+        rhs = torch.randn(*dense.shape[:-1], 4, generator=gen, dtype=torch.float64).to(dtype)
+        rtol = 1e-12 if dtype == torch.float64 else 2e-6
+        scale = float(dense.abs().max())
+        for _ in range(2):  # the second product reads the kept rows where cache_bytes > 0
+            product = op @ rhs
+            ref = (dense.double() @ rhs.double()).to(dtype)
+            assert float((product - ref).abs().max()) <= rtol * scale * rhs.abs().sum(-2).max()
+        chunked = op.to_dense()
+        exact_diag = kernel(x, diag=True)  # shape: (*b, 37)
+        assert float((chunked.diagonal(dim1=-2, dim2=-1) - exact_diag).abs().max()) <= (
+            rtol * scale
+        )
+        assert float((chunked - dense).abs().max()) <= rtol * scale * 10
+
+
+def test_diagonal_of_a_batched_kernel_on_as_many_points_as_batch_entries():
+    # A ScaleKernel with batch shape (2,) on 2 unbatched points: GPyTorch's diag=True gives the
+    # output scales, shape (2,); taken as the diagonal, they would make the trace (what
+    # KernelSpectrum.from_lanczos reads for its complement bound) 2.6 instead of (1.4, 3.8).
+    kernel = ScaleKernel(RBFKernel(batch_shape=torch.Size([2])), batch_shape=torch.Size([2]))
+    kernel = kernel.to(torch.float64)
+    kernel.outputscale = torch.tensor([0.7, 1.9], dtype=torch.float64)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    op = ChunkedKernelOperator(x, kernel=kernel)
+    with torch.no_grad():
+        diagonal = op.diagonal(dim1=-2, dim2=-1)
+    expected = torch.tensor([[0.7, 0.7], [1.9, 1.9]], dtype=torch.float64)  # outputscale * 1
+    assert diagonal.shape == (2, 2)
+    torch.testing.assert_close(diagonal, expected)
+
+
+def test_chunked_kernel_operator_products_and_diagonal():
+    import gpytorch
+
+    from gpsd.linalg import ChunkedKernelOperator
+
+    x = torch.rand(2, 130, 3, dtype=DTYPE)
+    kernel = gpytorch.kernels.MaternKernel(batch_shape=torch.Size([2])).to(DTYPE)
+    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32)
+    dense = kernel(x).to_dense().detach()
+    rhs = torch.randn(2, 130, 4, dtype=DTYPE)
+    assert op.shape == (2, 130, 130)
+    torch.testing.assert_close(op @ rhs, dense @ rhs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.diagonal(dim1=-2, dim2=-1), dense.diagonal(dim1=-2, dim2=-1))
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkedKernelOperator(x, kernel=kernel, chunk_size=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_inputs_are_refused_at_construction(bad):
+    x = torch.rand(10, 2, dtype=DTYPE)
+    x[3, 1] = bad
+    with pytest.raises(ValueError, match="x must be finite, but it holds 1 NaN or infinite"):
+        ChunkedKernelOperator(x, kernel=gpytorch.kernels.RBFKernel().to(DTYPE))
+
+
+def test_inputs_that_are_not_a_floating_point_matrix_are_refused():
+    kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
+    with pytest.raises(ValueError, match=r"x must be a floating-point tensor of inputs"):
+        ChunkedKernelOperator(torch.ones(10, 2, dtype=torch.int64), kernel=kernel)
+    with pytest.raises(ValueError, match=r"x must be a floating-point tensor of inputs"):
+        ChunkedKernelOperator([[0.0, 1.0]], kernel=kernel)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_non_finite_right_hand_side_is_refused_rather_than_multiplied_into_nan(bad):
+    x = torch.rand(12, 2, dtype=DTYPE)
+    operator = ChunkedKernelOperator(x, kernel=gpytorch.kernels.RBFKernel().to(DTYPE))
+    rhs = torch.ones(12, 3, dtype=DTYPE)
+    rhs[5, 2] = bad
+    with pytest.raises(ValueError, match="rhs, the right-hand side of a product .* holds 1 NaN"):
+        operator @ rhs
+    # a finite right-hand side still multiplies as the dense matrix does
+    rhs[5, 2] = 0.0
+    dense = gpytorch.kernels.RBFKernel().to(DTYPE)(x).to_dense()
+    torch.testing.assert_close(operator @ rhs, dense @ rhs, rtol=1e-12, atol=1e-12)

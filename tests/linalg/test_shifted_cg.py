@@ -1,10 +1,19 @@
-"""Deflated conjugate gradients against dense solves and the Cholesky chain."""
+"""Tests of ShiftedCG: deflated conjugate gradients against dense solves and the Cholesky
+chain, the multi-shift paths, the one-run Krylov chain, and the error bounds of its quadratic
+forms."""
 
+import gpytorch
 import pytest
 import torch
 from gpytorch.utils.warnings import NumericalWarning
 
-from gpsd.linalg import ChunkedKernelOperator, KernelSpectrum, ShiftedCG, ShiftedCholesky
+from gpsd.linalg import (
+    ChunkedKernelOperator,
+    KernelSpectrum,
+    ShiftedCG,
+    ShiftedCholesky,
+    SpectralFilter,
+)
 from gpsd.linalg import SpectralFilter as SF
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine
 
@@ -13,20 +22,6 @@ DTYPE = torch.float64
 
 def rbf_matrix(x, lengthscale):
     return torch.exp(-0.5 * torch.cdist(x, x).square() / lengthscale**2)
-
-
-def dense_solves(k, gamma, rhs):
-    """``(K + g I)^-1 rhs`` for every entry ``g`` of ``gamma``, by dense solves: ``(*s, T, N, r)``."""
-    eye = torch.eye(k.shape[-1], dtype=DTYPE)
-    solves = [torch.linalg.solve(k + g * eye, rhs) for g in gamma.reshape(-1)]
-    return torch.stack(solves).reshape(*gamma.shape, *rhs.shape)
-
-
-def no_deflation(kernel, **kwargs):
-    n = kernel.shape[-1]
-    empty_values = torch.zeros(*kernel.shape[:-2], 0, dtype=DTYPE)
-    empty_vectors = torch.zeros(*kernel.shape[:-2], n, 0, dtype=DTYPE)
-    return ShiftedCG(kernel, empty_values, empty_vectors, **kwargs)
 
 
 def test_solves_equal_dense_solves_for_a_batch_of_shifts_and_kernels():
@@ -43,6 +38,13 @@ def test_solves_equal_dense_solves_for_a_batch_of_shifts_and_kernels():
     assert got.shape == (3, 2, 300, 3)
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
     assert cg.max_relative_residual <= 10 * 1e-12
+
+
+def no_deflation(kernel, **kwargs):
+    n = kernel.shape[-1]
+    empty_values = torch.zeros(*kernel.shape[:-2], 0, dtype=DTYPE)
+    empty_vectors = torch.zeros(*kernel.shape[:-2], n, 0, dtype=DTYPE)
+    return ShiftedCG(kernel, empty_values, empty_vectors, **kwargs)
 
 
 def test_deflation_cuts_iterations_where_the_series_would_diverge():
@@ -135,6 +137,13 @@ def test_bad_arguments_and_trace_raise_clear_errors():
         no_deflation(k).trace(SF.resolvent(torch.tensor([0.1], dtype=DTYPE)))
 
 
+def dense_solves(k, gamma, rhs):
+    """``(K + g I)^-1 rhs`` for every entry ``g`` of ``gamma``, by dense solves: ``(*s, T, N, r)``."""
+    eye = torch.eye(k.shape[-1], dtype=DTYPE)
+    solves = [torch.linalg.solve(k + g * eye, rhs) for g in gamma.reshape(-1)]
+    return torch.stack(solves).reshape(*gamma.shape, *rhs.shape)
+
+
 def multishift_problem(seed, lengthscale, rank, columns, tol):
     """A 300-point kernel, ``columns`` random right-hand sides, a 2 x 4 batch of distinct
     shifts, and a CG engine deflated by a rank-``rank`` Lanczos run."""
@@ -217,18 +226,6 @@ def test_multishift_paths_raise_on_nan_instead_of_returning_it():
         no_deflation(k).apply(resolvent, left)
 
 
-# ---------------------------------------------------------------- the data-centric chain
-class CountingKernel:
-    """A kernel matrix that counts the products ``K @ X`` asked of it."""
-
-    def __init__(self, k):
-        self.k, self.shape, self.dtype, self.products = k, k.shape, k.dtype, 0
-
-    def __matmul__(self, x):
-        self.products += 1
-        return self.k @ x
-
-
 def naive_chain(k, gamma, alpha, rhs):
     """Targets ``y_t`` and weights ``w_t = (K + g_t I)^-1 y_(t-1)`` by refitting, step by step:
     each ``(*s, T, N, r)`` for ``gamma`` of shape ``(*s, T)``."""
@@ -271,6 +268,17 @@ def test_krylov_chain_equals_a_naive_refit_loop(lengthscale, alpha):
     assert cg.krylov_error_estimate <= 1e-11
     if lengthscale == 1.0:  # smooth enough that some pairs split off exactly
         assert int(spectrum.resolved.sum()) > 0
+
+
+class CountingKernel:
+    """A kernel matrix that counts the products ``K @ X`` asked of it."""
+
+    def __init__(self, k):
+        self.k, self.shape, self.dtype, self.products = k, k.shape, k.dtype, 0
+
+    def __matmul__(self, x):
+        self.products += 1
+        return self.k @ x
 
 
 def hard_chain_problem(n=500):
@@ -402,7 +410,6 @@ def test_a_second_filter_on_the_same_rhs_reuses_the_timed_solve():
     assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
 
 
-# ---------------------------------------------------------------- updates in place
 def test_an_operator_that_hands_back_its_input_is_not_written_into():
     """The iterations update the kernel products in place; an operator that returns its input
     (the identity does) must see neither its input nor the answers change."""
@@ -535,13 +542,13 @@ def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     # rank 64 < N = 150: CG iterates (758 times); rank >= N would make it one step
     model = DataCentricGPR(kernel, x, y, gamma, backend="cg", rtol=1e-8, rank=64)
     cg = model.predict(test_x).variance
-    # relative error 2.3e-3 at the first-order quadratic form before
+    # the first-order quadratic form c^T x would err by 2.3e-3 relative here
     assert float(((cg - exact).abs() / exact).max()) < 1e-6
 
 
 @pytest.mark.parametrize("engine_kind", ["cholesky", "cg"])
 def test_a_solve_written_to_by_the_caller_is_not_reused(engine_kind):
-    """``solve`` returns its cached result itself; before, a caller who scaled it in place got
+    """``solve`` returns its cached result itself: a caller who scales it in place must not get
     the scaled values back from the next solve with the same right-hand side and shift."""
     gen = torch.Generator().manual_seed(11)
     x = torch.rand(20, 1, generator=gen, dtype=DTYPE)
@@ -561,7 +568,7 @@ def test_a_solve_written_to_by_the_caller_is_not_reused(engine_kind):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_engine_takes_a_filter_made_on_the_cpu():
-    """Before, ShiftedCG.quad_diag moved the schedule to its dtype but not to its device."""
+    """ShiftedCG.quad_diag moves the schedule to its device as well as to its dtype."""
     gen = torch.Generator().manual_seed(12)
     k = rbf_matrix(torch.rand(60, 1, generator=gen, dtype=DTYPE), 0.3)
     left = torch.randn(60, 3, generator=gen, dtype=DTYPE)
@@ -575,3 +582,30 @@ def test_cuda_engine_takes_a_filter_made_on_the_cpu():
     torch.testing.assert_close(
         got.cpu(), ShiftedCholesky(k).apply(filt, left), rtol=1e-8, atol=1e-10
     )
+
+
+def test_the_chain_solves_its_first_step_to_tol():
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(800, 1, generator=gen, dtype=DTYPE)
+    kernel = gpytorch.kernels.MaternKernel(nu=0.5).to(DTYPE)
+    k = kernel(x).to_dense().detach()
+    rhs = torch.sin(x) + 0.1 * torch.randn(800, 1, generator=gen, dtype=DTYPE)
+    gamma = torch.logspace(-4, 1, 10, dtype=DTYPE)
+    tol = 1e-8
+    spectrum = KernelSpectrum.from_lanczos(
+        k, rank=256, residual_tol=0.1 * tol * 1e-4, generator=torch.Generator().manual_seed(0)
+    )
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)
+    assert int(cg.resolved.sum()) > 0  # pairs are split off
+    weights = cg.krylov_apply(SpectralFilter.data_centric_weights(gamma), rhs)
+    # step 1 weights solve (K + gamma_1 I) w = y
+    residual = (k + gamma[0] * torch.eye(800, dtype=DTYPE)) @ weights[0] - rhs
+    assert float(residual.norm() / rhs.norm()) <= tol
+    # every step against dense solves of the chain
+    eye = torch.eye(800, dtype=DTYPE)
+    targets = rhs
+    for t, g in enumerate(gamma):
+        expected = torch.linalg.solve(k + g * eye, targets)
+        error = float((weights[t] - expected).norm() / expected.norm())
+        assert error < 1e-6, (t, error)
+        targets = k @ expected

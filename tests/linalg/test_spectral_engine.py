@@ -1,0 +1,220 @@
+"""Tests of the SpectralEngine interface: every engine implements all of it, and the engines
+agree with explicit matrices and with each other."""
+
+import gpytorch
+import pytest
+import torch
+from gpr_reference import explicit_targets
+
+from gpsd.linalg import (
+    ChunkedKernelOperator,
+    KernelSpectrum,
+    ShiftedCG,
+    ShiftedCholesky,
+    SpectralEngine,
+    SpectralFilter,
+)
+
+DTYPE = torch.float64
+
+
+def rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=DTYPE)
+    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
+
+
+def test_dense_and_cholesky_apply_equal_explicit_matrices():
+    k = rbf_matrix(50)
+    gammas = torch.tensor([[0.2, 0.5, 0.5], [1.0, 0.1, 0.3]], dtype=DTYPE)
+    rhs = torch.randn(50, 3, dtype=DTYPE)
+    left = torch.randn(50, 4, dtype=DTYPE)
+    for alpha in (0.0, 0.3):
+        filt = SpectralFilter.data_centric_targets(gammas, alpha)
+        expected = torch.stack([explicit_targets(k, g, alpha) for g in gammas]) @ rhs
+        for engine in (KernelSpectrum.from_dense(k), ShiftedCholesky(k)):
+            got = engine.apply(filt, rhs)
+            assert got.shape == (2, 3, 50, 3)
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+            torch.testing.assert_close(
+                engine.cross(filt, left, rhs), left.T @ expected, rtol=1e-9, atol=1e-10
+            )
+            quad = torch.stack([explicit_targets(k, g, alpha) for g in gammas])
+            expected_diag = (left.unsqueeze(0).unsqueeze(0) * (quad @ left)).sum(-2)
+            torch.testing.assert_close(
+                engine.quad_diag(filt, left), expected_diag, rtol=1e-9, atol=1e-10
+            )
+            torch.testing.assert_close(
+                engine.trace(filt), quad.diagonal(dim1=-2, dim2=-1).sum(-1), rtol=1e-9, atol=1e-9
+            )
+
+
+def _rbf(x, lengthscale=1.0):
+    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
+
+
+def _explicit_targets(k, gammas, rhs):
+    """``F_t(K) rhs`` by dense float64 solves, ``F_t = K (K + g_t I)^-1 F_{t-1}``."""
+    eye = torch.eye(k.shape[-1], dtype=DTYPE)
+    out, f = [], rhs
+    for g in gammas.tolist():
+        f = k @ torch.linalg.solve(k + g * eye, f)
+        out.append(f)
+    return torch.stack(out)
+
+
+def _engines(k, dtype):
+    gen = torch.Generator().manual_seed(3)
+    residual_tol = 1e-8 if dtype == DTYPE else 1e-4  # float32 residuals stall near 1e-6
+    spectrum = KernelSpectrum.from_lanczos(
+        k.to(dtype), rank=96, residual_tol=residual_tol, generator=gen
+    )
+    spectrum.check_accuracy(0.3, 1e-6 if dtype == DTYPE else 1e-3)
+    return {
+        "dense": KernelSpectrum.from_dense(k, dtype=dtype),
+        "lanczos": spectrum,
+        "cholesky": ShiftedCholesky(k, dtype=dtype),
+        "cg": ShiftedCG.from_spectrum(k.to(dtype), spectrum, tol=1e-12 if dtype == DTYPE else 1e-6),
+    }
+
+
+@pytest.mark.parametrize("engine_name", ["dense", "lanczos", "cholesky", "cg"])
+@pytest.mark.parametrize(
+    "engine_dtype,schedule_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)]
+)
+def test_a_schedule_in_another_dtype_is_evaluated_in_the_backends(
+    engine_name, engine_dtype, schedule_dtype
+):
+    # a float64 schedule on a float32 backend, and a float32 schedule on a float64 Lanczos
+    # spectrum, are evaluated in the backend's dtype
+    gen = torch.Generator().manual_seed(4)
+    x = 10 * torch.rand(150, 1, generator=gen, dtype=DTYPE)
+    k = _rbf(x)
+    rhs = torch.randn(150, 1, generator=gen, dtype=DTYPE)
+    gammas = torch.tensor([0.3, 0.5], dtype=schedule_dtype)
+    engine = _engines(k, engine_dtype)[engine_name]
+    filt = SpectralFilter.data_centric_targets(gammas)
+    got = engine.apply(filt, rhs.to(engine_dtype))
+    assert got.dtype == engine_dtype
+    expected = _explicit_targets(k, gammas.to(DTYPE), rhs)
+    tol = 1e-9 if engine_dtype == torch.float64 else 1e-4
+    assert float((got.to(DTYPE) - expected).norm() / expected.norm()) < tol
+    resolvent = SpectralFilter.resolvent(gammas)
+    variances = engine.quad_diag(resolvent, rhs.to(engine_dtype))
+    assert variances.dtype == engine_dtype
+    eye = torch.eye(150, dtype=DTYPE)
+    for t, g in enumerate(gammas.tolist()):
+        exact = rhs.mT @ torch.linalg.solve(k + g * eye, rhs)
+        assert abs(float(variances[t, 0]) / float(exact) - 1) < tol
+
+
+# ------------------------------------------------------------------ the interface
+def _every_engine():
+    """One engine of each kind, with the kernel matrix it filters."""
+    x = torch.linspace(0, 10, 60, dtype=DTYPE).unsqueeze(-1)
+    kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
+    kernel.lengthscale = torch.tensor(1.5, dtype=DTYPE)
+    k = kernel(x).to_dense().detach()
+    operator = ChunkedKernelOperator(x, kernel=kernel, chunk_size=16)
+    lanczos = KernelSpectrum.from_lanczos(k, rank=60, residual_tol=1e-10)
+    chunked = KernelSpectrum.from_lanczos(operator, rank=60, residual_tol=1e-10)
+    return k, {
+        "dense": KernelSpectrum.from_dense(k),
+        "lanczos": lanczos,
+        "lanczos_matrix_free": chunked,
+        "cholesky": ShiftedCholesky(k),
+        "cg": ShiftedCG.from_spectrum(k, lanczos, tol=1e-12),
+        "cg_matrix_free": ShiftedCG.from_spectrum(operator, chunked, tol=1e-12),
+    }
+
+
+def test_every_engine_implements_the_whole_interface():
+    _, engines = _every_engine()
+    methods = [
+        "apply",
+        "cross",
+        "quad_diag",
+        "trace",
+        "project",
+        "error_estimate",
+        "check_accuracy",
+    ]
+    for name, engine in engines.items():
+        assert isinstance(engine, SpectralEngine), name
+        for method in methods:
+            assert callable(getattr(engine, method)), (name, method)
+        for attribute in ("supports_autograd", "matrix_free", "is_truncated"):
+            assert isinstance(getattr(engine, attribute), bool), (name, attribute)
+        assert engine.size == 60
+        assert engine.quad_error_bound is None or isinstance(engine.quad_error_bound, torch.Tensor)
+    assert not SpectralEngine.__abstractmethods__ - {
+        "apply",
+        "cross",
+        "quad_diag",
+        "trace",
+        "error_estimate",
+        "check_accuracy",
+    }
+    with pytest.raises(TypeError, match="abstract"):
+        SpectralEngine()
+
+
+def test_matrix_free_says_whether_the_engine_multiplies_without_the_matrix():
+    _, engines = _every_engine()
+    assert {name: engine.matrix_free for name, engine in engines.items()} == {
+        "dense": False,
+        "lanczos": False,
+        "lanczos_matrix_free": True,
+        "cholesky": False,
+        "cg": False,
+        "cg_matrix_free": True,
+    }
+    assert {name: engine.supports_autograd for name, engine in engines.items()} == {
+        "dense": True,
+        "lanczos": False,
+        "lanczos_matrix_free": False,
+        "cholesky": True,
+        "cg": False,
+        "cg_matrix_free": False,
+    }
+
+
+def test_every_engine_applies_projected_and_plain_right_hand_sides_as_the_dense_formula():
+    k, engines = _every_engine()
+    gen = torch.Generator().manual_seed(1)
+    rhs = torch.randn(60, 2, generator=gen, dtype=DTYPE)
+    left = torch.randn(60, 3, generator=gen, dtype=DTYPE)
+    gammas = torch.tensor([0.3, 0.1], dtype=DTYPE)
+    filt = SpectralFilter.data_centric_targets(gammas, 0.2)
+    resolvent = SpectralFilter.resolvent(torch.tensor([0.2, 0.2], dtype=DTYPE))
+    explicit = explicit_targets(k, gammas.tolist(), 0.2)  # shape: (2, N, N)
+    inverse = torch.linalg.inv(k + 0.2 * torch.eye(60, dtype=DTYPE))
+    for name, engine in engines.items():
+        engine.check_accuracy(0.1, 1e-8)
+        assert engine.error_estimate(0.1) <= 1e-8, name
+        coords = engine.project(rhs)
+        for given in (rhs, coords):
+            torch.testing.assert_close(
+                engine.apply(filt, given), explicit @ rhs, rtol=1e-7, atol=1e-8
+            )
+            torch.testing.assert_close(
+                engine.cross(filt, left, given), left.mT @ explicit @ rhs, rtol=1e-7, atol=1e-8
+            )
+        torch.testing.assert_close(
+            engine.quad_diag(resolvent, left),
+            (left * (inverse @ left)).sum(-2).expand(2, 3),
+            rtol=1e-7,
+            atol=1e-8,
+        )
+        if engine.matrix_free or isinstance(engine, ShiftedCG):
+            continue  # CG would need N solves for a trace
+        torch.testing.assert_close(
+            engine.trace(resolvent), inverse.trace().expand(2), rtol=1e-7, atol=1e-8
+        )
+
+
+def test_the_shifted_solve_engines_project_to_the_right_hand_side_itself():
+    _, engines = _every_engine()
+    rhs = torch.ones(60, 1, dtype=DTYPE)
+    for name in ("cholesky", "cg", "cg_matrix_free"):
+        assert engines[name].project(rhs) is rhs
