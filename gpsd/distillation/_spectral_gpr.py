@@ -451,7 +451,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         """``step`` as an int in ``1..T`` (``None`` passes), or a ``ValueError``."""
         if step is None:
             return None
-        step = check_int(step, "step", minimum=-(2**62))
+        step = check_int(step, "step")
         if not 1 <= step <= self.num_steps:
             raise ValueError(f"step must lie in 1..{self.num_steps} (T), got {step}")
         return step

@@ -71,7 +71,7 @@ def test_variances_and_covariances_have_the_batch_of_the_targets(cls):
     # path.variance[b] was the variances of step b + 1, and method="iterated" gave (3, 3, 5).
     x, y, test_x = _data()
     kernel = _kernel()
-    path = cls(kernel, x, y, GAMMA, backend="dense").predict(test_x, full_cov=True)
+    path = cls(x, y, kernel, noise=GAMMA, backend="dense").predict(test_x, full_cov=True)
     assert path.mean.shape == (3, 3, M)
     assert path.variance.shape == (3, 3, M)
     assert path.covariance.shape == (3, 3, M, M)
@@ -89,7 +89,7 @@ def test_students_of_a_batch_of_targets_predict_their_step(cls):
     # of the batch must equal the literal refit.
     x, y, test_x = _data()
     kernel = _kernel()
-    student = cls(kernel, x, y, GAMMA, backend="dense").student(2)
+    student = cls(x, y, kernel, noise=GAMMA, backend="dense").student(2)
     with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
         post = student(test_x)
     assert post.mean.shape == (3, M)
@@ -103,7 +103,7 @@ def test_iterated_recursion_with_a_batch_of_targets():
     # method="iterated" failed with "shape '[5]' is invalid for input of size 15".
     x, y, test_x = _data()
     kernel = _kernel()
-    path = DistributionCentricGPR(kernel, x, y, GAMMA, method="iterated").predict(test_x)
+    path = DistributionCentricGPR(x, y, kernel, noise=GAMMA, method="iterated").predict(test_x)
     assert path.mean.shape == path.variance.shape == (3, 3, M)
     for b in range(3):
         mean, var, _ = _reference(kernel, x, y[b], test_x, GAMMA, data_centric=False)
@@ -117,13 +117,13 @@ def test_iterated_recursion_and_students_with_a_batch_of_prior_means():
     x, y, test_x = _data()
     kernel, y0 = _kernel(), y[0]
     iterated = DistributionCentricGPR(
-        kernel, x, y0, GAMMA, mean_module=_batched_mean(), method="iterated"
+        x, y0, kernel, noise=GAMMA, mean_module=_batched_mean(), method="iterated"
     ).predict(test_x)
     collapsed = DistributionCentricGPR(
-        kernel, x, y0, GAMMA, mean_module=_batched_mean(), backend="dense"
+        x, y0, kernel, noise=GAMMA, mean_module=_batched_mean(), backend="dense"
     ).predict(test_x)
     student = DataCentricGPR(
-        kernel, x, y0, GAMMA, mean_module=_batched_mean(), backend="dense"
+        x, y0, kernel, noise=GAMMA, mean_module=_batched_mean(), backend="dense"
     ).student(3)
     with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
         post = student(test_x)
@@ -139,9 +139,9 @@ def test_iterated_recursion_and_students_with_a_batch_of_prior_means():
 
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_a_batch_of_schedules_that_does_not_fit_the_targets_is_named(cls):
-    # gamma of shape (2, 3) next to targets of shape (3, 16) was accepted and failed at the
+    # noise of shape (2, 3) next to targets of shape (3, 16) was accepted and failed at the
     # first prediction: "The size of tensor a (2) must match the size of tensor b (3)".
     x, y, _ = _data()
     gamma = torch.tensor([GAMMA, GAMMA], dtype=DT)
-    with pytest.raises(ValueError, match=r"gamma of shape \(2, 3\).*train_y of shape \(3, 16\)"):
-        cls(_kernel(), x, y, gamma)
+    with pytest.raises(ValueError, match=r"noise of shape \(2, 3\).*train_y of shape \(3, 16\)"):
+        cls(x, y, _kernel(), noise=gamma)

@@ -35,12 +35,12 @@ def test_equals_naive_refit_loop(problem, backend, alpha):
     # CG deflates only 8 Ritz pairs, so that its iterations do the work.
     options = {"rank": 8, "rtol": 1e-12} if backend == "cg" else {"rank": 40}
     model = DataCentricGPR(
-        kernel, x, y, gammas, alpha=alpha, mean_module=mean, backend=backend, **options
+        x, y, kernel, noise=gammas, alpha=alpha, mean_module=mean, backend=backend, **options
     )
     with torch.no_grad():
         path = model.predict(test_x)
         train_path = model.predict(x)
-        got_targets = model.train_targets_path()
+        got_targets = model.step_targets()
     assert path.mean.shape == (10, 23) and path.variance.shape == (10, 23)
     assert relative_error(got_targets, targets) < 1e-8
     assert relative_error(path.mean, means) < 1e-8
@@ -52,7 +52,7 @@ def test_forward_is_a_batch_of_mvns_and_full_covariance_matches(problem):
     x, y, test_x = problem
     kernel = rbf_kernel()
     gammas = torch.tensor([0.2, 0.5, 0.9], dtype=DTYPE)
-    model = DataCentricGPR(kernel, x, y, gammas, backend="dense")
+    model = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
     with torch.no_grad():
         mvn = model(test_x)
         full = model(test_x, full_cov=True)
@@ -71,20 +71,20 @@ def test_batch_of_schedules_equals_separate_runs(problem):
     x, y, test_x = problem
     kernel = rbf_kernel()
     schedules = 0.05 + torch.rand(8, 6, dtype=DTYPE)
-    batched = DataCentricGPR(kernel, x, y, schedules, alpha=0.2, backend="dense")
+    batched = DataCentricGPR(x, y, kernel, noise=schedules, alpha=0.2, backend="dense")
     with torch.no_grad():
         path = batched.predict(test_x)
         gcv = batched.gcv()
-        targets = batched.train_targets_path()
+        targets = batched.step_targets()
     assert path.mean.shape == (8, 6, 23) and gcv.shape == (8, 6) and targets.shape == (8, 6, 40)
     for i in range(8):
-        single = DataCentricGPR(kernel, x, y, schedules[i], alpha=0.2, backend="cholesky")
+        single = DataCentricGPR(x, y, kernel, noise=schedules[i], alpha=0.2, backend="cholesky")
         with torch.no_grad():
             ref = single.predict(test_x)
             assert relative_error(path.mean[i], ref.mean) < 1e-9
             assert relative_error(path.variance[i], ref.variance) < 1e-9
             assert relative_error(gcv[i], single.gcv()) < 1e-9
-            assert relative_error(targets[i], single.train_targets_path()) < 1e-9
+            assert relative_error(targets[i], single.step_targets()) < 1e-9
 
 
 def test_kernel_batch_dimensions(problem):
@@ -94,7 +94,7 @@ def test_kernel_batch_dimensions(problem):
     ys = torch.stack([y, -0.5 * y])
     xs = x.expand(2, -1, -1)
     gammas = torch.tensor([0.3, 0.6], dtype=DTYPE)
-    model = DataCentricGPR(kernel, xs, ys, gammas, backend="dense")
+    model = DataCentricGPR(xs, ys, kernel, noise=gammas, backend="dense")
     with torch.no_grad():
         path = model.predict(test_x.expand(2, -1, -1))
     assert path.mean.shape == (2, 2, 23)
@@ -122,7 +122,7 @@ def test_gcv_matches_explicit_smoother(problem):
         expected.append(n * resid.square().sum() / (n - torch.trace(fitted)) ** 2)
         f_prev = alpha * eye + (1 - alpha) * fitted
     for backend in ["dense", "cholesky", "lanczos"]:
-        model = DataCentricGPR(kernel, x, y, gammas, alpha=alpha, backend=backend, rank=40)
+        model = DataCentricGPR(x, y, kernel, noise=gammas, alpha=alpha, backend=backend, rank=40)
         with torch.no_grad():
             assert relative_error(model.gcv(), torch.stack(expected)) < 1e-8, backend
 
@@ -130,7 +130,7 @@ def test_gcv_matches_explicit_smoother(problem):
 def test_validation_mse(problem):
     x, y, test_x = problem
     kernel = rbf_kernel()
-    model = DataCentricGPR(kernel, x, y, [0.2, 0.4], backend="dense")
+    model = DataCentricGPR(x, y, kernel, noise=[0.2, 0.4], backend="dense")
     val_y = test_x.squeeze(-1) * torch.sin(test_x.squeeze(-1))
     with torch.no_grad():
         mse = model.validation_mse(test_x, val_y)
@@ -144,7 +144,7 @@ def test_student_is_a_plain_exact_gp_equal_to_step_t(problem):
     x, y, test_x = problem
     kernel = rbf_kernel()
     gammas = torch.tensor([[0.1, 0.3, 0.6], [0.2, 0.2, 0.2]], dtype=DTYPE)
-    model = DataCentricGPR(kernel, x, y, gammas, backend="dense")
+    model = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
     with torch.no_grad():
         path = model.predict(test_x)
     for t in (1, 3):
@@ -155,10 +155,10 @@ def test_student_is_a_plain_exact_gp_equal_to_step_t(problem):
             post = student(test_x)
         assert relative_error(post.mean, path.mean[1, t - 1]) < 1e-9
         assert relative_error(post.variance, path.variance[1, t - 1]) < 1e-9
-    with pytest.raises(ValueError, match="t must lie"):
+    with pytest.raises(ValueError, match="step must lie in 1..3"):
         model.student(4)
-    for t in (2.5, 2.0, 0):  # 2.5 used to fail deep inside with an IndexError
-        with pytest.raises(ValueError, match="t must be a positive int"):
+    for t in (2.5, 2.0, 0):
+        with pytest.raises(ValueError, match="step must be an integer"):
             model.student(t)
 
 
@@ -169,7 +169,7 @@ def test_gradients_match_finite_differences(problem):
     def loss_for(raw_lengthscale, backend):
         kernel = rbf_kernel()
         kernel.base_kernel.raw_lengthscale.data.fill_(raw_lengthscale)
-        model = DataCentricGPR(kernel, x, y, gammas, backend=backend)
+        model = DataCentricGPR(x, y, kernel, noise=gammas, backend=backend)
         path = model.predict(test_x)
         loss = path.mean.square().sum() + path.variance.sum() + model.gcv().sum()
         return loss, kernel
@@ -193,8 +193,8 @@ def test_lanczos_agrees_with_dense_at_n_2000_within_its_estimate():
     test_x = torch.linspace(0, 10, 100, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
     gammas = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
-    dense = DataCentricGPR(kernel, x, y, gammas, backend="dense")
-    lanczos = DataCentricGPR(kernel, x, y, gammas, backend="lanczos", rank=128)
+    dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
+    lanczos = DataCentricGPR(x, y, kernel, noise=gammas, backend="lanczos", rank=128)
     with torch.no_grad():
         ref, got = dense.predict(test_x), lanczos.predict(test_x)
         estimate = lanczos.error_estimate
@@ -211,11 +211,13 @@ def test_lanczos_error_estimate_bounds_the_error_with_an_active_complement():
     test_x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.7)
     gammas = torch.linspace(0.5, 1.0, 5, dtype=DTYPE)
-    dense = DataCentricGPR(kernel, x, y, gammas, backend="dense")
+    dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
     with torch.no_grad():
         ref = dense.predict(test_x)
         for rank in (24, 32):
-            lanczos = DataCentricGPR(kernel, x, y, gammas, backend="lanczos", rank=rank, rtol=1.0)
+            lanczos = DataCentricGPR(
+                x, y, kernel, noise=gammas, backend="lanczos", rank=rank, rtol=1.0
+            )
             spectrum = lanczos._state()["engine"]
             assert spectrum.complement_norm > 1e-8  # the complement is really used
             got = lanczos.predict(test_x)
@@ -233,11 +235,11 @@ def test_lanczos_error_estimate_bounds_the_error_with_an_active_complement():
 def test_float32_data_and_default_float64_factorisation(problem):
     x, y, test_x = problem
     kernel = rbf_kernel(dtype=torch.float32)
-    model = DataCentricGPR(kernel, x.float(), y.float(), [0.1, 0.2], backend="dense")
+    model = DataCentricGPR(x.float(), y.float(), kernel, noise=[0.1, 0.2], backend="dense")
     with torch.no_grad():
         path = model.predict(test_x.float())
     assert path.mean.dtype == torch.float32
-    ref = DataCentricGPR(kernel.double(), x, y, [0.1, 0.2], backend="dense")
+    ref = DataCentricGPR(x, y, kernel.double(), noise=[0.1, 0.2], backend="dense")
     with torch.no_grad():
         assert relative_error(path.mean.double(), ref.predict(test_x).mean) < 1e-5
 
@@ -245,12 +247,12 @@ def test_float32_data_and_default_float64_factorisation(problem):
 def test_cache_is_refreshed_when_hyperparameters_change(problem):
     x, y, test_x = problem
     kernel = rbf_kernel()
-    model = DataCentricGPR(kernel, x, y, [0.3], backend="dense")
+    model = DataCentricGPR(x, y, kernel, noise=[0.3], backend="dense")
     with torch.no_grad():
         before = model.predict(test_x).mean
         kernel.base_kernel.lengthscale = 0.5
         after = model.predict(test_x).mean
-        fresh = DataCentricGPR(rbf_kernel(lengthscale=0.5), x, y, [0.3]).predict(test_x)
+        fresh = DataCentricGPR(x, y, rbf_kernel(lengthscale=0.5), noise=[0.3]).predict(test_x)
     assert relative_error(after, fresh.mean) < 1e-10
     assert relative_error(after, before) > 1e-3
 
@@ -258,9 +260,9 @@ def test_cache_is_refreshed_when_hyperparameters_change(problem):
 def test_state_dict_round_trip_and_to(problem):
     x, y, test_x = problem
     f32 = torch.float32
-    model = DataCentricGPR(rbf_kernel(dtype=f32), x.float(), y.float(), [0.1, 0.5], alpha=0.1)
-    model.kernel.base_kernel.lengthscale = 0.8
-    clone = DataCentricGPR(rbf_kernel(dtype=f32), x.float(), y.float(), [1.0, 1.0], alpha=0.1)
+    model = DataCentricGPR(x.float(), y.float(), rbf_kernel(dtype=f32), noise=[0.1, 0.5], alpha=0.1)
+    model.covar_module.base_kernel.lengthscale = 0.8
+    clone = DataCentricGPR(x.float(), y.float(), rbf_kernel(dtype=f32), noise=[1.0, 1.0], alpha=0.1)
     clone.load_state_dict(model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(
@@ -277,7 +279,7 @@ def test_from_teacher_uses_teacher_noise_and_modules(problem):
     mean = gpytorch.means.ConstantMean().to(DTYPE)
     teacher = PlainGP(x, y, likelihood, mean, rbf_kernel()).eval()
     model = DataCentricGPR.from_teacher(teacher, num_steps=3)
-    torch.testing.assert_close(model.gamma, torch.full((3,), 0.25, dtype=DTYPE))
+    torch.testing.assert_close(model.noise, torch.full((3,), 0.25, dtype=DTYPE))
     with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
         post = teacher(test_x)
         path = model.predict(test_x)
@@ -290,36 +292,36 @@ def test_bad_input_raises_clear_errors(problem):
     x, y, test_x = problem
     kernel = rbf_kernel()
     for gamma in (0.0, -1.0, float("nan"), [0.1, float("inf")], []):
-        with pytest.raises(ValueError, match="gamma"):
-            DataCentricGPR(kernel, x, y, gamma)
+        with pytest.raises(ValueError, match="noise"):
+            DataCentricGPR(x, y, kernel, noise=gamma)
     for alpha in (-0.1, 1.0, 1.5):
         with pytest.raises(ValueError, match="alpha"):
-            DataCentricGPR(kernel, x, y, 0.1, alpha=alpha)
+            DataCentricGPR(x, y, kernel, noise=0.1, alpha=alpha)
     with pytest.raises(ValueError, match="train_y"):
-        DataCentricGPR(kernel, x, y[:-1], 0.1)
+        DataCentricGPR(x, y[:-1], kernel, noise=0.1)
     bad_y = y.clone()
     bad_y[3] = float("nan")
     with pytest.raises(ValueError, match="train_y"):
-        DataCentricGPR(kernel, x, bad_y, 0.1)
+        DataCentricGPR(x, bad_y, kernel, noise=0.1)
     bad_x = x.clone()
     bad_x[0, 0] = float("inf")
     with pytest.raises(ValueError, match="train_x"):
-        DataCentricGPR(kernel, bad_x, y, 0.1)
+        DataCentricGPR(bad_x, y, kernel, noise=0.1)
     with pytest.raises(ValueError, match="backend must be one of"):
-        DataCentricGPR(kernel, x, y, 0.1, backend="svd")  # at construction, not at predict
-    settable = DataCentricGPR(kernel, x, y, 0.1)
+        DataCentricGPR(x, y, kernel, noise=0.1, backend="svd")  # at construction, not at predict
+    settable = DataCentricGPR(x, y, kernel, noise=0.1)
     with pytest.raises(ValueError, match="backend must be one of"):
         settable.backend = "svd"  # and when set later
     for rank in (0, -3, 2.5):
         with pytest.raises(ValueError, match="rank must be a positive integer or None"):
-            DataCentricGPR(kernel, x, y, 0.1, backend="lanczos", rank=rank)
-    model = DataCentricGPR(kernel, x, y, 0.1)
+            DataCentricGPR(x, y, kernel, noise=0.1, backend="lanczos", rank=rank)
+    model = DataCentricGPR(x, y, kernel, noise=0.1)
     with pytest.raises(ValueError, match="test_x"):
         model.predict(torch.zeros(5, 2, dtype=DTYPE))
     with pytest.raises(ValueError, match="device"):
         model.predict(test_x.to("meta"))
     with pytest.raises(TypeError, match="kernel"):
-        DataCentricGPR("rbf", x, y, 0.1)
+        DataCentricGPR(x, y, "rbf", noise=0.1)
     # A teacher whose likelihood is not Gaussian.
     teacher = PlainGP(
         x, y, gpytorch.likelihoods.GaussianLikelihood(), gpytorch.means.ZeroMean(), kernel
@@ -333,7 +335,7 @@ def test_bad_input_raises_clear_errors(problem):
 
 def test_chunked_test_points_equal_one_pass(problem):
     x, y, test_x = problem
-    model = DataCentricGPR(rbf_kernel(), x, y, [0.2, 0.4], backend="lanczos")
+    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.2, 0.4], backend="lanczos")
     with torch.no_grad():
         whole = model.predict(test_x)
         with gpsd.settings.test_chunk_size(5):
@@ -349,7 +351,7 @@ def test_out_of_memory_names_the_backend_to_use(problem, monkeypatch):
         raise torch.OutOfMemoryError("simulated")
 
     monkeypatch.setattr(torch.linalg, "eigh", no_memory)
-    model = DataCentricGPR(rbf_kernel(), x, y, [0.1] * 50, backend="dense")
+    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1] * 50, backend="dense")
     with pytest.raises(MemoryError, match="backend='lanczos'"):
         model.predict(test_x)
 
@@ -365,9 +367,9 @@ def test_matrix_free_with_float32_data_reaches_the_float64_factorisation(backend
         warnings.simplefilter("error", NumericalWarning)
         # CG needs only a weak preconditioner, and reaches a tolerance Lanczos could not here.
         options = {"rank": 32, "rtol": 1e-9} if backend == "cg" else {}
-        model = DataCentricGPR(kernel, x, y, [0.1, 0.2], backend=backend, **options)
+        model = DataCentricGPR(x, y, kernel, noise=[0.1, 0.2], backend=backend, **options)
         got = model.predict(x[:40])
-        ref = DataCentricGPR(kernel, x, y, [0.1, 0.2], backend="dense").predict(x[:40])
+        ref = DataCentricGPR(x, y, kernel, noise=[0.1, 0.2], backend="dense").predict(x[:40])
     assert got.mean.dtype == torch.float32
     assert relative_error(got.mean, ref.mean) < 1e-5
     assert relative_error(got.variance, ref.variance) < 1e-4
@@ -385,10 +387,10 @@ def test_float32_data_predicts_to_float32_rounding_of_the_float64_answer(backend
     gammas = [0.1, 0.2, 0.4]
     with torch.no_grad():
         kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1, dtype=torch.float32)
-        got = cls(kernel, x, y, gammas, backend=backend, rtol=1e-10).predict(test_x)
+        got = cls(x, y, kernel, noise=gammas, backend=backend, rtol=1e-10).predict(test_x)
         # the same float32 values, in float64 throughout
         kernel64 = rbf_kernel(outputscale=1.0, lengthscale=0.1)
-        ref = cls(kernel64, x.double(), y.double(), gammas, backend="dense")
+        ref = cls(x.double(), y.double(), kernel64, noise=gammas, backend="dense")
         ref = ref.predict(test_x.double())
     assert got.mean.dtype == got.variance.dtype == torch.float32
     assert relative_error(got.mean.double(), ref.mean) < 1e-6

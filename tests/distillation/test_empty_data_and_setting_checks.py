@@ -30,7 +30,7 @@ EMPTY_Y = torch.empty(0, dtype=DTYPE)
 @pytest.mark.parametrize("backend", ["auto", "dense", "cholesky"])
 def test_regression_refuses_an_empty_training_set(cls, backend):
     with pytest.raises(ValueError, match=r"train_x must hold at least one input .*\(0, 1\)"):
-        cls(_kernel(), EMPTY_X, EMPTY_Y, [0.1], backend=backend)
+        cls(EMPTY_X, EMPTY_Y, _kernel(), noise=[0.1], backend=backend)
 
 
 @pytest.mark.parametrize(
@@ -63,11 +63,11 @@ Y = torch.sin(6 * X).squeeze(-1)
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_bad_settings_are_refused_at_construction(cls, kwargs, error, message):
     with pytest.raises(error, match=message):
-        cls(_kernel(), X, Y, [0.1, 0.2], **kwargs)
+        cls(X, Y, _kernel(), noise=[0.1, 0.2], **kwargs)
 
 
 def test_bad_settings_are_refused_when_set_and_good_ones_take_effect():
-    model = DataCentricGPR(_kernel(), X, Y, [0.1, 0.2], backend="dense", linalg_dtype=None)
+    model = DataCentricGPR(X, Y, _kernel(), noise=[0.1, 0.2], backend="dense", linalg_dtype=None)
     with pytest.raises(TypeError, match="linalg_dtype"):
         model.linalg_dtype = "float32"
     with pytest.raises(ValueError, match="rtol"):
@@ -79,9 +79,14 @@ def test_bad_settings_are_refused_when_set_and_good_ones_take_effect():
     assert model.rtol == 1e-4
     # the factorisation dtype follows the setting: float32 data factored in float64 agree with
     # the float64 model, in float32 they carry float32 rounding of K's eigendecomposition
-    ref = DataCentricGPR(_kernel(), X, Y, [0.1, 0.2], backend="dense").predict_mean(X)
+    ref = DataCentricGPR(X, Y, _kernel(), noise=[0.1, 0.2], backend="dense").predict_mean(X)
     single = DataCentricGPR(
-        _kernel().float(), X.float(), Y.float(), [0.1, 0.2], backend="dense", linalg_dtype=None
+        X.float(),
+        Y.float(),
+        _kernel().float(),
+        noise=[0.1, 0.2],
+        backend="dense",
+        linalg_dtype=None,
     )
     with torch.no_grad():
         single.linalg_dtype = torch.float64

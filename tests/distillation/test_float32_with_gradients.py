@@ -34,7 +34,7 @@ def _reference_means():
 
 @pytest.mark.parametrize("backend", ["dense", "cholesky", "auto"])
 def test_float32_means_with_gradients_enabled_are_float64_accurate(backend):
-    model = DataCentricGPR(_kernel(), X, Y, GAMMA, backend=backend)
+    model = DataCentricGPR(X, Y, _kernel(), noise=GAMMA, backend=backend)
     with warnings.catch_warnings():
         warnings.simplefilter("error", NumericalWarning)
         mean = model.predict(TEST_X).mean
@@ -45,14 +45,17 @@ def test_float32_means_with_gradients_enabled_are_float64_accurate(backend):
 
 def test_gradients_of_float32_hyperparameters_equal_the_float64_models():
     models = {
-        dtype: DataCentricGPR(_kernel(dtype), X.to(dtype), Y.to(dtype), [0.01, 0.02])
+        dtype: DataCentricGPR(X.to(dtype), Y.to(dtype), _kernel(dtype), noise=[0.01, 0.02])
         for dtype in (torch.float32, torch.float64)
     }
     grads = {}
     for dtype, model in models.items():
         path = model.predict(TEST_X.to(dtype))
         loss = path.mean.square().sum() + path.variance.sum() + model.gcv().sum()
-        params = [model.kernel.raw_outputscale, model.kernel.base_kernel.raw_lengthscale]
+        params = [
+            model.covar_module.raw_outputscale,
+            model.covar_module.base_kernel.raw_lengthscale,
+        ]
         grads[dtype] = torch.stack([g.sum() for g in torch.autograd.grad(loss, params)])
     assert grads[torch.float32].dtype == torch.float32
     torch.testing.assert_close(
@@ -62,10 +65,10 @@ def test_gradients_of_float32_hyperparameters_equal_the_float64_models():
 
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_float32_factorisation_warns_where_its_rounding_matters(cls):
-    model = cls(_kernel(), X, Y, [1e-6], backend="cholesky", linalg_dtype=None)
+    model = cls(X, Y, _kernel(), noise=[1e-6], backend="cholesky", linalg_dtype=None)
     with torch.no_grad(), pytest.warns(NumericalWarning, match="factored in torch.float32"):
         model.predict_mean(TEST_X)
-    fine = cls(_kernel(), X, Y, [0.1], backend="cholesky", linalg_dtype=None)
+    fine = cls(X, Y, _kernel(), noise=[0.1], backend="cholesky", linalg_dtype=None)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", NumericalWarning)
         fine.predict_mean(TEST_X)
@@ -76,7 +79,7 @@ def test_a_submodule_used_twice_keeps_its_parameter_and_its_gradient():
     # tensor in place of the parameter: training silently stopped updating it
     rbf = gpytorch.kernels.RBFKernel()
     kernel = gpytorch.kernels.AdditiveKernel(rbf, gpytorch.kernels.ScaleKernel(rbf))
-    model = DataCentricGPR(kernel, X, Y, [0.01, 0.02], backend="cholesky")
+    model = DataCentricGPR(X, Y, kernel, noise=[0.01, 0.02], backend="cholesky")
     loss = model.predict(TEST_X).mean.square().sum()
     loss.backward()
     param = rbf.raw_lengthscale
@@ -87,14 +90,16 @@ def test_a_submodule_used_twice_keeps_its_parameter_and_its_gradient():
     kernel64 = gpytorch.kernels.AdditiveKernel(rbf64, gpytorch.kernels.ScaleKernel(rbf64))
     with torch.no_grad():
         rbf64.raw_lengthscale.copy_(param.double())
-    model64 = DataCentricGPR(kernel64, X.double(), Y.double(), [0.01, 0.02], backend="cholesky")
+    model64 = DataCentricGPR(
+        X.double(), Y.double(), kernel64, noise=[0.01, 0.02], backend="cholesky"
+    )
     model64.predict(TEST_X.double()).mean.square().sum().backward()
     torch.testing.assert_close(param.grad.double(), rbf64.raw_lengthscale.grad, rtol=1e-5, atol=0)
 
 
 def test_buffers_a_kernel_creates_in_the_call_keep_its_dtype():
     kernel = gpytorch.kernels.RFFKernel(num_samples=20)
-    model = DataCentricGPR(kernel, X, Y, [0.1], backend="dense")
+    model = DataCentricGPR(X, Y, kernel, noise=[0.1], backend="dense")
     model.predict(TEST_X)  # gradients enabled: the cast path draws RFFKernel's weights
     assert kernel.randn_weights.dtype == torch.float32
     assert kernel(TEST_X).to_dense().dtype == torch.float32  # a plain float32 call still works

@@ -45,7 +45,7 @@ def test_gcv_at_tiny_noise(backend, n, gamma):
     x = torch.linspace(0, 10, n, dtype=DT)
     y = torch.linspace(1, 2, n, dtype=DT)
     with torch.no_grad():
-        got = DataCentricGPR(_kernel(), x, y, [gamma], backend=backend).gcv()
+        got = DataCentricGPR(x, y, _kernel(), noise=[gamma], backend=backend).gcv()
     expected = torch.tensor([_gcv_reference(x, y, gamma)], dtype=DT)
     torch.testing.assert_close(got, expected, rtol=1e-8, atol=0)
 
@@ -54,7 +54,7 @@ def test_gcv_at_a_short_lengthscale_and_large_outputscale():
     x = torch.linspace(0, 10, 20, dtype=DT)
     y = torch.sin(x)
     with torch.no_grad():
-        got = DataCentricGPR(_kernel(1e-3, 1e6), x, y, [1e-9]).gcv()
+        got = DataCentricGPR(x, y, _kernel(1e-3, 1e6), noise=[1e-9]).gcv()
     expected = torch.tensor([_gcv_reference(x, y, 1e-9, 1e-3, 1e6)], dtype=DT)
     torch.testing.assert_close(got, expected, rtol=1e-8, atol=0)
 
@@ -92,7 +92,7 @@ def test_an_alpha_mixed_chain_at_tiny_noise(backend):
     y = torch.cos(x)
     gammas = torch.tensor([1e-15, 3e-16, 1e-14], dtype=DT)
     with torch.no_grad():
-        got = DataCentricGPR(_kernel(), x, y, gammas, alpha=0.3, backend=backend).gcv()
+        got = DataCentricGPR(x, y, _kernel(), noise=gammas, alpha=0.3, backend=backend).gcv()
     expected = torch.tensor(_chain_gcv_reference(x, y, gammas, 0.3), dtype=DT)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=0)
 
@@ -104,8 +104,8 @@ def test_a_truncated_lanczos_spectrum_scores_as_the_dense_one():
     y = torch.sin(x) + 0.1 * torch.randn(300, generator=gen, dtype=DT)
     gammas = torch.tensor([0.1, 0.3, 0.3], dtype=DT)
     with torch.no_grad():
-        dense = DataCentricGPR(_kernel(), x, y, gammas, alpha=0.2, backend="dense").gcv()
-        model = DataCentricGPR(_kernel(), x, y, gammas, alpha=0.2, backend="lanczos", rank=64)
+        dense = DataCentricGPR(x, y, _kernel(), noise=gammas, alpha=0.2, backend="dense").gcv()
+        model = DataCentricGPR(x, y, _kernel(), noise=gammas, alpha=0.2, backend="lanczos", rank=64)
         got = model.gcv()
     assert model._state()["engine"].is_truncated
     torch.testing.assert_close(got, dense, rtol=1e-6, atol=0)

@@ -29,14 +29,14 @@ def data(n=300, seed=0):
 def test_cuda_matches_cpu(backend, dtype):
     x, y, test_x = data()
     gammas = torch.linspace(0.1, 1.0, 10, dtype=DTYPE)
-    ref = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense")
+    ref = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend="dense")
     kernel = rbf_kernel(dtype=dtype).cuda()
     options = {"rtol": 1e-12} if backend == "cg" else {}
     model = DataCentricGPR(
-        kernel,
         x.to("cuda", dtype),
         y.to("cuda", dtype),
-        gammas.to(dtype),
+        kernel,
+        noise=gammas.to(dtype),
         backend=backend,
         rank=64,
         **options,
@@ -49,7 +49,7 @@ def test_cuda_matches_cpu(backend, dtype):
     assert relative_error(got.mean.cpu().double(), expected.mean) < tol
     assert relative_error(got.variance.cpu().double(), expected.variance) < tol
     dist = DistributionCentricGPR(
-        kernel, x.to("cuda", dtype), y.to("cuda", dtype), gammas.to(dtype)
+        x.to("cuda", dtype), y.to("cuda", dtype), kernel, noise=gammas.to(dtype)
     )
     with torch.no_grad():
         assert dist.predict(test_x.to("cuda", dtype)).mean.device.type == "cuda"
@@ -62,14 +62,14 @@ def test_keops_lanczos_and_cg_agree_with_dense_at_n_2000():
     keops_kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.keops.RBFKernel()).to(DTYPE)
     keops_kernel.base_kernel.lengthscale = 1.5
     keops_kernel.outputscale = 4.0
-    dense = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense")
-    lanczos = DataCentricGPR(keops_kernel, x, y, gammas, backend="lanczos", rank=128)
+    dense = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend="dense")
+    lanczos = DataCentricGPR(x, y, keops_kernel, noise=gammas, backend="lanczos", rank=128)
     with torch.no_grad():
         ref, got = dense.predict(test_x), lanczos.predict(test_x)
         tol = max(10 * lanczos.error_estimate, 1e-9)
     assert relative_error(got.mean, ref.mean) < tol
     assert relative_error(got.variance, ref.variance) < tol
-    cg = DataCentricGPR(keops_kernel, x, y, gammas, backend="cg", rank=16, rtol=1e-10)
+    cg = DataCentricGPR(x, y, keops_kernel, noise=gammas, backend="cg", rank=16, rtol=1e-10)
     with torch.no_grad():
         got = cg.predict(test_x)
         # the one-run Krylov chain on KeOps products, against the step-by-step chain
@@ -83,10 +83,10 @@ def test_keops_lanczos_and_cg_agree_with_dense_at_n_2000():
     # float32 data: the KeOps products still run in the float64 of the factorisation, so CG
     # reaches a residual that float32 products (rounding ~1e-7 per product) could not.
     cg = DataCentricGPR(
-        keops_kernel.float(),
         x.float(),
         y.float(),
-        gammas.float(),
+        keops_kernel.float(),
+        noise=gammas.float(),
         backend="cg",
         rank=16,
         rtol=1e-10,

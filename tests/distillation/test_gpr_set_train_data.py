@@ -30,12 +30,12 @@ def test_new_data_with_another_n_give_the_fresh_model(cls, backend):
     x2, y2 = _data(27, 1)
     test_x = torch.linspace(0, 1, 9, dtype=DT)
     kernel = _kernel()
-    model = cls(kernel, x, y, GAMMA, backend=backend)
+    model = cls(x, y, kernel, noise=GAMMA, backend=backend)
     with torch.no_grad():
         model.predict(test_x)
         model.set_train_data(x2, y2, strict=False)
         got = model.predict(test_x)
-        fresh = cls(kernel, x2, y2, GAMMA, backend=backend).predict(test_x)
+        fresh = cls(x2, y2, kernel, noise=GAMMA, backend=backend).predict(test_x)
     assert model.train_x.shape == (27, 1)
     tol = 1e-10 if backend in ("dense", "cholesky") else 1e-6
     torch.testing.assert_close(got.mean, fresh.mean, rtol=tol, atol=tol)
@@ -49,7 +49,7 @@ def test_new_data_with_another_n_give_the_fresh_model(cls, backend):
 
 def test_targets_alone_and_checks():
     x, y = _data(20, 0)
-    model = DataCentricGPR(_kernel(), x, y, GAMMA, backend="dense")
+    model = DataCentricGPR(x, y, _kernel(), noise=GAMMA, backend="dense")
     with torch.no_grad():
         model.set_train_data(targets=2 * y)
         twice = model.predict_mean(x)
@@ -67,7 +67,7 @@ def test_targets_alone_and_checks():
         model.set_train_data(targets=y * torch.nan)
     with pytest.raises(ValueError, match="train_x must hold at least one input"):
         model.set_train_data(x[:0], y[:0], strict=False)
-    batched = DataCentricGPR(_kernel(), x, y, torch.tensor([GAMMA, GAMMA], dtype=DT))
+    batched = DataCentricGPR(x, y, _kernel(), noise=torch.tensor([GAMMA, GAMMA], dtype=DT))
     with pytest.raises(ValueError, match="must broadcast"):
         batched.set_train_data(targets=y.expand(3, 20), strict=False)
 
@@ -78,11 +78,11 @@ def test_a_state_dict_of_another_n_loads(cls):
     x2, y2 = _data(27, 1)
     test_x = torch.linspace(0, 1, 9, dtype=DT)
     kernel = _kernel()
-    model = cls(kernel, x, y, GAMMA, backend="dense")
+    model = cls(x, y, kernel, noise=GAMMA, backend="dense")
     with torch.no_grad():
         model.predict(test_x)
-        model.load_state_dict(cls(kernel, x2, y2, GAMMA).state_dict())
+        model.load_state_dict(cls(x2, y2, kernel, noise=GAMMA).state_dict())
         got = model.predict(test_x)
-        fresh = cls(kernel, x2, y2, GAMMA, backend="dense").predict(test_x)
+        fresh = cls(x2, y2, kernel, noise=GAMMA, backend="dense").predict(test_x)
     torch.testing.assert_close(got.mean, fresh.mean, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(got.variance, fresh.variance, rtol=1e-10, atol=1e-10)

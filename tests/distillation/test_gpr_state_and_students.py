@@ -21,7 +21,7 @@ def test_gradients_accumulate_over_two_backward_passes(backend):
     x, y, test_x = _data()
     gammas = [0.1, 0.2]
     kernel = rbf_kernel()
-    model = DataCentricGPR(kernel, x, y, gammas, backend=backend)
+    model = DataCentricGPR(x, y, kernel, noise=gammas, backend=backend)
     model.predict(test_x[:3]).mean.sum().backward()
     model.predict(test_x[3:]).mean.sum().backward()  # used to fail: the graph was freed
     got = [p.grad.clone() for p in kernel.parameters()]
@@ -34,7 +34,7 @@ def test_gradients_accumulate_over_two_backward_passes(backend):
 def test_distribution_centric_gradients_after_a_backward_pass():
     x, y, test_x = _data()
     kernel = rbf_kernel()
-    model = DistributionCentricGPR(kernel, x, y, [0.2, 0.2], backend="dense")
+    model = DistributionCentricGPR(x, y, kernel, noise=[0.2, 0.2], backend="dense")
     model.predict(test_x).variance.sum().backward()
     first = [p.grad.clone() for p in kernel.parameters()]
     kernel.zero_grad()
@@ -47,7 +47,7 @@ def test_distribution_centric_gradients_after_a_backward_pass():
 def test_students_of_noise_below_gpytorchs_default_bound(noise):
     x, y, test_x = _data()
     kernel = rbf_kernel()
-    student = DataCentricGPR(kernel, x, y, [noise]).student(1)
+    student = DataCentricGPR(x, y, kernel, noise=[noise]).student(1)
     with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
         got = student(test_x).mean
         k = kernel(x).to_dense() + noise * torch.eye(30, dtype=DT)
@@ -58,15 +58,15 @@ def test_students_of_noise_below_gpytorchs_default_bound(noise):
 
 def test_distribution_centric_student_and_iterated_chain_with_small_effective_noise():
     x, y, test_x = _data()
-    model = DistributionCentricGPR(rbf_kernel(), x, y, [1e-3] * 20)
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=[1e-3] * 20)
     student = model.student(20)  # effective noise 5e-5
     assert float(student.likelihood.noise.detach()) == pytest.approx(5e-5, rel=1e-6)
     with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
         got = student(test_x)
     path = model.predict(test_x)
     torch.testing.assert_close(got.mean, path.mean[-1], rtol=1e-6, atol=1e-7)
-    iterated = DistributionCentricGPR(rbf_kernel(), x, y, [5e-5], method="iterated")
-    collapsed = DistributionCentricGPR(rbf_kernel(), x, y, [5e-5])
+    iterated = DistributionCentricGPR(x, y, rbf_kernel(), noise=[5e-5], method="iterated")
+    collapsed = DistributionCentricGPR(x, y, rbf_kernel(), noise=[5e-5])
     torch.testing.assert_close(
         iterated.predict(test_x).mean, collapsed.predict(test_x).mean, rtol=1e-6, atol=1e-7
     )
@@ -76,7 +76,7 @@ def test_distribution_centric_student_and_iterated_chain_with_small_effective_no
 def test_students_of_a_batch_of_schedules(cls):
     x, y, test_x = _data()
     gamma = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.5, 0.5]], dtype=DT)
-    model = cls(rbf_kernel(), x, y, gamma)
+    model = cls(x, y, rbf_kernel(), noise=gamma)
     with pytest.raises(ValueError, match="schedule must index one schedule"):
         model.student(2, schedule=(0, 1))
     with pytest.raises(TypeError, match="schedule must be an int or a tuple"):
@@ -89,12 +89,12 @@ def test_students_of_a_batch_of_schedules(cls):
         index = schedule if isinstance(schedule, int) else schedule[0]
         torch.testing.assert_close(post.mean, path.mean[index, 2], rtol=1e-7, atol=1e-9)
         torch.testing.assert_close(post.variance, path.variance[index, 2], rtol=1e-6, atol=1e-9)
-    batched = cls(rbf_kernel(), x.expand(2, -1, -1), y.expand(2, -1), gamma)
+    batched = cls(x.expand(2, -1, -1), y.expand(2, -1), rbf_kernel(), noise=gamma)
     with pytest.raises(ValueError, match="needs unbatched training data"):
         batched.student(1, schedule=0)
     kernels = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])).to(DT)
     with pytest.raises(ValueError, match="needs unbatched training data, kernel"):
-        cls(kernels, x, y, gamma).student(1, schedule=0)
+        cls(x, y, kernels, noise=gamma).student(1, schedule=0)
 
 
 def _student_posterior(student, test_x):
@@ -119,7 +119,7 @@ def test_student_of_the_whole_batch_equals_each_member(cls):
         "schedules with kernels": (kernels, y),
     }
     for name, (kernel, train_y) in cases.items():
-        model = cls(kernel, x, train_y, gamma)
+        model = cls(x, train_y, kernel, noise=gamma)
         path = model.predict(test_x)
         for t in (1, 3):
             student = model.student(t)
@@ -135,7 +135,7 @@ def test_student_of_the_whole_batch_equals_each_member(cls):
                     noise = 1.0 / (1.0 / gamma[i, :t]).sum()
                 y_i = train_y if train_y.dim() == 1 else train_y[i]
                 if cls is DataCentricGPR and t > 1:
-                    y_i = model.train_targets_path()[i, t - 2].detach()
+                    y_i = model.step_targets(t)[i].detach()
                 k = k_i(x).to_dense() + noise * torch.eye(x.shape[0], dtype=DT)
                 ks = k_i(test_x, x).to_dense()
                 want = ks @ torch.linalg.solve(k, y_i)
@@ -150,7 +150,7 @@ def _member(kernels, i):
 
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_student_of_a_batched_teacher(cls):
-    """``from_teacher`` of a batched ExactGP: gamma of shape (2, T) paired with (2, N) targets;
+    """``from_teacher`` of a batched ExactGP: noise of shape (2, T) paired with (2, N) targets;
     before, every ``student`` call was refused with advice about a batch of schedules."""
     x, y, test_x = _data()
     batch = torch.Size([2])
@@ -177,19 +177,19 @@ def test_student_of_a_batched_teacher(cls):
 def test_auto_backend_on_three_points():
     x, y, test_x = _data(n=3)
     with torch.no_grad():
-        got = DataCentricGPR(rbf_kernel(), x, y, [0.1] * 5).predict(test_x)
-        ref = DataCentricGPR(rbf_kernel(), x, y, [0.1] * 5, backend="dense").predict(test_x)
+        got = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1] * 5).predict(test_x)
+        ref = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1] * 5, backend="dense").predict(test_x)
     torch.testing.assert_close(got.mean, ref.mean, rtol=1e-10, atol=1e-12)
 
 
 def test_changing_alpha_or_backend_after_a_prediction_takes_effect():
     x, y, test_x = _data()
-    model = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2])
+    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2])
     with torch.no_grad():
         model.predict(test_x)
         model.alpha = 0.5
         got = model.predict(test_x).mean
-        ref = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], alpha=0.5).predict(test_x).mean
+        ref = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2], alpha=0.5).predict(test_x).mean
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
         model.backend = "cg"
         cg = model.predict(test_x).mean
@@ -218,7 +218,7 @@ def test_from_a_batched_teacher_keeps_every_members_noise():
     x, y, test_x = _data()
     teacher = _batched_teacher(x, y, [0.05, 0.8])
     model = DataCentricGPR.from_teacher(teacher, num_steps=2)
-    assert model.gamma.shape == (2, 2)
+    assert model.noise.shape == (2, 2)
     path = model.predict(test_x)
     with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
         post = teacher(test_x.expand(2, -1, -1))
@@ -241,8 +241,8 @@ def test_iterated_and_collapsed_agree_in_shape_with_batched_data_and_schedules(g
     scales = torch.tensor([1.0, 0.5], dtype=DT).reshape(2, 1, 1)
     xb, yb = x.expand(2, -1, -1) * scales, y.expand(2, -1)
     gamma = torch.tensor([[0.1, 0.2], [0.5, 0.5]], dtype=DT).reshape(gamma_shape)
-    collapsed = DistributionCentricGPR(rbf_kernel(), xb, yb, gamma).predict(test_x)
-    iterated = DistributionCentricGPR(rbf_kernel(), xb, yb, gamma, method="iterated")
+    collapsed = DistributionCentricGPR(xb, yb, rbf_kernel(), noise=gamma).predict(test_x)
+    iterated = DistributionCentricGPR(xb, yb, rbf_kernel(), noise=gamma, method="iterated")
     got = iterated.predict(test_x)
     assert got.mean.shape == collapsed.mean.shape
     torch.testing.assert_close(got.mean, collapsed.mean, rtol=1e-6, atol=1e-8)
@@ -252,10 +252,10 @@ def test_iterated_and_collapsed_agree_in_shape_with_batched_data_and_schedules(g
 def test_batch_mismatches_and_bad_validation_targets_are_named():
     x, y, test_x = _data()
     gamma = torch.full((3, 2), 0.1, dtype=DT)
-    with pytest.raises(ValueError, match="gamma of shape \\(3, 2\\).*train_x of shape"):
-        DataCentricGPR(rbf_kernel(), x.expand(2, -1, -1), y.expand(2, -1), gamma)
+    with pytest.raises(ValueError, match="noise of shape \\(3, 2\\).*train_x of shape"):
+        DataCentricGPR(x.expand(2, -1, -1), y.expand(2, -1), rbf_kernel(), noise=gamma)
     with pytest.raises(ValueError, match="train_x .* and train_y .* must broadcast"):
-        DataCentricGPR(rbf_kernel(), x.expand(2, -1, -1), y.expand(3, -1), [0.1])
-    model = DataCentricGPR(rbf_kernel(), x, y, [0.1])
+        DataCentricGPR(x.expand(2, -1, -1), y.expand(3, -1), rbf_kernel(), noise=[0.1])
+    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1])
     with pytest.raises(ValueError, match="val_y"):
         model.validation_mse(test_x, torch.full((7,), float("nan"), dtype=DT))

@@ -25,8 +25,8 @@ def test_predictions_under_inference_mode_equal_those_under_no_grad(cls, backend
     x, y, test_x = _data()
     gamma = [0.1, 0.2, 0.1]
     with torch.no_grad():
-        expected = cls(rbf_kernel(), x, y, gamma, backend=backend).predict(test_x)
-    model = cls(rbf_kernel(), x, y, gamma, backend=backend)
+        expected = cls(x, y, rbf_kernel(), noise=gamma, backend=backend).predict(test_x)
+    model = cls(x, y, rbf_kernel(), noise=gamma, backend=backend)
     with torch.inference_mode():
         first = model.predict(test_x)
         again = model.predict(test_x)  # from the cached factorisation
@@ -38,8 +38,10 @@ def test_predictions_under_inference_mode_equal_those_under_no_grad(cls, backend
 def test_a_model_built_and_used_under_inference_mode():
     x, y, test_x = _data()
     with torch.no_grad():
-        expected = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], backend="cg").predict(test_x)
+        expected = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2], backend="cg").predict(
+            test_x
+        )
     with torch.inference_mode():
-        got = DataCentricGPR(rbf_kernel(), x.clone(), y.clone(), [0.1, 0.2], backend="cg")
+        got = DataCentricGPR(x.clone(), y.clone(), rbf_kernel(), noise=[0.1, 0.2], backend="cg")
         got = got.predict(test_x)
     torch.testing.assert_close(got.mean, expected.mean, rtol=1e-7, atol=1e-9)

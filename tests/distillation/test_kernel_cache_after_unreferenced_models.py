@@ -80,11 +80,11 @@ def test_a_model_built_after_an_unreferenced_one_predicts_the_same(monkeypatch, 
     x = torch.rand(300, 2, dtype=torch.float64)
     y = torch.sin(4 * x).sum(-1)
     test_x = torch.rand(50, 2, dtype=torch.float64)
-    first = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], backend="lanczos")
+    first = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2], backend="lanczos")
     expected = first.predict(test_x)
     freed = _garbage_holding_memory(monkeypatch, 300 * 300 * 8, 10 * 300 * 300 * 8 + 10 * WORKING)
     del first
-    second = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], backend="lanczos")
+    second = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2], backend="lanczos")
     got = second.predict(test_x)
     assert freed == [True]
     torch.testing.assert_close(got.mean, expected.mean, rtol=1e-9, atol=1e-12)

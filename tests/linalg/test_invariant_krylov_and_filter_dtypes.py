@@ -53,10 +53,12 @@ def test_repeated_inputs_predict_as_the_dense_backend_does(backend, rank):
     test_x = torch.linspace(0, 10, 9, dtype=DT).unsqueeze(-1)
     gammas = [0.1, 0.2]
     with torch.no_grad():
-        expected = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense").predict(test_x)
+        expected = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend="dense").predict(test_x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = DataCentricGPR(rbf_kernel(), x, y, gammas, backend=backend, rank=rank).predict(test_x)
+        got = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend=backend, rank=rank).predict(
+            test_x
+        )
         mean, variance = got.mean.detach(), got.variance.detach()
     assert float((mean - expected.mean).norm() / expected.mean.norm()) < 1e-9
     assert float((variance - expected.variance).abs().max() / expected.variance.max()) < 1e-8

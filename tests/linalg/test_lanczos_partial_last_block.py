@@ -42,7 +42,7 @@ def test_data_centric_lanczos_at_fifteen_inputs_equals_the_dense_path():
     gamma = torch.linspace(0.1, 1.0, 5, dtype=DT)
     test_x = torch.linspace(-1, 11, 7, dtype=DT).unsqueeze(-1)
     with torch.no_grad():
-        got = DataCentricGPR(kernel, x, y, gamma, backend="lanczos").predict(test_x)
-        ref = DataCentricGPR(kernel, x, y, gamma, backend="dense").predict(test_x)
+        got = DataCentricGPR(x, y, kernel, noise=gamma, backend="lanczos").predict(test_x)
+        ref = DataCentricGPR(x, y, kernel, noise=gamma, backend="dense").predict(test_x)
     torch.testing.assert_close(got.mean, ref.mean, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got.variance, ref.variance, rtol=1e-9, atol=1e-12)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gpytorch.utils.warnings import NumericalWarning
 
-import gpsd.distillation._spectral_gpr as spectral_gpr
+import gpsd.linalg
 from gpsd import DataCentricGPR
 
 DT = torch.float64
@@ -32,9 +32,9 @@ def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
     test_x = torch.linspace(0, 10, 50, dtype=DT).unsqueeze(-1)
     gamma = torch.tensor([1e-4, 1e-3], dtype=DT)
     with torch.no_grad():
-        model = DataCentricGPR(_kernel(), x, y, gamma, backend="lanczos", rtol=1e-8)
+        model = DataCentricGPR(x, y, _kernel(), noise=gamma, backend="lanczos", rtol=1e-8)
         got = model.predict_mean(test_x)
-        dense = DataCentricGPR(_kernel(), x, y, gamma, backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(x, y, _kernel(), noise=gamma, backend="dense").predict_mean(test_x)
     assert model.error_estimate <= 1e-8
     scale = dense.abs().max()
     assert float((got - dense).abs().max() / scale) < 1e-8
@@ -42,29 +42,31 @@ def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
 
 def test_switching_the_grad_mode_keeps_a_matrix_free_engine():
     x, y = _data(300)
-    model = DataCentricGPR(_kernel(0.3), x, y, [0.01, 0.02], backend="cg", rtol=1e-6)
+    model = DataCentricGPR(x, y, _kernel(0.3), noise=[0.01, 0.02], backend="cg", rtol=1e-6)
     with torch.no_grad():
         first = model.predict_mean(x[:5])
-    engine = model._cache["engine"]
+    engine = model._state()["engine"]
     second = model.predict_mean(x[:5])  # gradients enabled now
-    assert model._cache["engine"] is engine and not second.requires_grad
+    assert model._state()["engine"] is engine
     torch.testing.assert_close(second, first, rtol=0, atol=0)
+    with pytest.raises(gpsd.BackendError, match="'dense' or 'cholesky'"):
+        second.sum().backward()  # CG builds no graph
     # a dense engine carries a graph with gradients enabled: rebuilt
-    dense = DataCentricGPR(_kernel(0.3), x, y, [0.01, 0.02], backend="dense")
+    dense = DataCentricGPR(x, y, _kernel(0.3), noise=[0.01, 0.02], backend="dense")
     with torch.no_grad():
         dense.predict_mean(x[:5])
-    engine = dense._cache["engine"]
-    assert dense.predict_mean(x[:5]).requires_grad and dense._cache["engine"] is not engine
+        engine = dense._state()["engine"]
+    assert dense.predict_mean(x[:5]).requires_grad and dense._state()["engine"] is not engine
 
 
 def test_the_low_precision_warning_comes_before_the_factorisation(monkeypatch):
     def failing_engine(*args, **kwargs):
         raise RuntimeError("the factorisation failed")
 
-    monkeypatch.setattr(spectral_gpr, "make_engine", failing_engine)
+    monkeypatch.setattr(gpsd.linalg, "make_engine", failing_engine)
     x, y = _data(40)
     kernel = gpytorch.kernels.RBFKernel()
-    model = DataCentricGPR(kernel, x.float(), y.float(), [1e-6], linalg_dtype=None)
+    model = DataCentricGPR(x.float(), y.float(), kernel, noise=[1e-6], linalg_dtype=None)
     with (
         pytest.warns(NumericalWarning, match="factored in torch.float32"),
         pytest.raises(RuntimeError, match="the factorisation failed"),
@@ -78,12 +80,12 @@ def test_a_float32_lanczos_spectrum_warns_instead_of_refusing():
     x, y = _data(300)
     test_x = torch.linspace(0, 10, 20, dtype=DT).unsqueeze(-1)
     model = DataCentricGPR(
-        _kernel().float(), x.float(), y.float(), [1e-2], backend="lanczos", linalg_dtype=None
+        x.float(), y.float(), _kernel().float(), noise=[1e-2], backend="lanczos", linalg_dtype=None
     )
     with torch.no_grad(), pytest.warns(NumericalWarning, match="estimated relative error"):
         got = model.predict_mean(test_x.float())
     with torch.no_grad():
-        dense = DataCentricGPR(_kernel(), x, y, [1e-2], backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(x, y, _kernel(), noise=[1e-2], backend="dense").predict_mean(test_x)
     error = float((got.double() - dense).abs().max() / dense.abs().max())
     assert error < 10 * model.error_estimate and model.error_estimate < 0.05
 
@@ -93,15 +95,15 @@ def test_auto_rebuilds_for_gradients_after_a_no_grad_prediction():
     # with gradients must not reuse it
     x, y = _data(300)
     gammas = torch.full((30,), 0.1, dtype=DT)
-    model = DataCentricGPR(_kernel(2.0), x, y, gammas)
+    model = DataCentricGPR(x, y, _kernel(2.0), noise=gammas)
     with torch.no_grad():
         model.predict_mean(x[:5])
     mean = model.predict_mean(x[:5])
     assert mean.requires_grad
-    (got,) = torch.autograd.grad(mean.sum(), model.kernel.base_kernel.raw_lengthscale)
-    fresh = DataCentricGPR(_kernel(2.0), x, y, gammas)
+    (got,) = torch.autograd.grad(mean.sum(), model.covar_module.base_kernel.raw_lengthscale)
+    fresh = DataCentricGPR(x, y, _kernel(2.0), noise=gammas)
     (expected,) = torch.autograd.grad(
-        fresh.predict_mean(x[:5]).sum(), fresh.kernel.base_kernel.raw_lengthscale
+        fresh.predict_mean(x[:5]).sum(), fresh.covar_module.base_kernel.raw_lengthscale
     )
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
 
@@ -120,19 +122,19 @@ def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
         return k.to(dtype)
 
     with torch.no_grad():
-        dense = DataCentricGPR(kernel(DT), x, y, gammas, backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(x, y, kernel(DT), noise=gammas, backend="dense").predict_mean(test_x)
         model = DataCentricGPR(
-            kernel(torch.float32),
             x.float(),
             y.float(),
-            gammas.float(),
+            kernel(torch.float32),
+            noise=gammas.float(),
             backend="cg",
             linalg_dtype=None,
             rtol=1e-3,
         )
         with pytest.warns(NumericalWarning):  # the float32 warning
             got = model.predict_mean(test_x.float())
-    engine = model._cache["engine"]
+    engine = model._state()["engine"]
     error = (got.double() - dense).abs().amax(-1) / dense.abs().amax(-1)
     assert float(error.max()) < 0.05
     assert int(engine.resolved.sum()) == 0  # none within residual_tol in float32 here

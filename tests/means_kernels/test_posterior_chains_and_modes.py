@@ -30,7 +30,7 @@ def test_a_chain_reads_each_batch_shape_once_per_level(monkeypatch):
     predict at T = 16 took 27 s for 20 points). Now one read per level."""
     x, y = xsinx_regression(n=10)
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
-    model = DistributionCentricGPR(kernel, x, y, [0.5] * 16, method="iterated")
+    model = DistributionCentricGPR(x, y, kernel, noise=[0.5] * 16, method="iterated")
     chain = model.iterated_models()[-1].covar_module  # 16 posterior kernels deep
     reads = _count_batch_shape_reads(monkeypatch)
     assert chain.batch_shape == torch.Size()
