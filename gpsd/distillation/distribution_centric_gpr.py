@@ -21,13 +21,12 @@ from gpsd.distillation._common import (
     student_batch,
     student_gp,
     student_likelihood,
-    validate_test_x,
 )
 from gpsd.distillation._spectral_gpr import SpectralGPR
-from gpsd.prediction import Prediction
 from gpsd.kernels import PosteriorKernel
 from gpsd.linalg import SpectralFilter
 from gpsd.means import PosteriorMean
+from gpsd.prediction import Prediction
 
 __all__ = ["DistributionCentricGPR"]
 
