@@ -493,7 +493,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             noise = self._step_noise().to(prediction.mean).unsqueeze(-1)  # shape: (*s, T, 1)
             covariance = prediction.covariance
             if covariance is not None:
-                eye = torch.eye(covariance.shape[-1], dtype=covariance.dtype, device=covariance.device)
+                eye = torch.eye(
+                    covariance.shape[-1], dtype=covariance.dtype, device=covariance.device
+                )
                 covariance = covariance + noise.unsqueeze(-1) * eye
             prediction = Prediction(prediction.mean, prediction.variance + noise, covariance)
         if step is not None:

@@ -846,8 +846,8 @@ def float32_problem(n=300, seed=0):
 
 @pytest.mark.parametrize("backend", ["cholesky", "lanczos", "cg"])
 def test_float32_data_every_backend_factors_the_same_float64_kernel_matrix(backend):
-    # Before, the dense backends evaluated K in float32 and cast it, the matrix-free ones in
-    # float64: their results differed by up to 2e-6 though each met rtol = 1e-6 on its own K.
+    # Every backend evaluates K in float64: two backends meeting rtol = 1e-6 on two different
+    # K (float32 and float64) would differ by up to 2e-6.
     x, y, test_x = float32_problem()
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
     kernel.base_kernel.lengthscale = 0.3
@@ -862,8 +862,8 @@ def test_float32_data_every_backend_factors_the_same_float64_kernel_matrix(backe
 
 @pytest.mark.parametrize("backend", ["lanczos", "cg"])
 def test_matrix_free_backends_take_a_kernel_that_rejects_mixed_dtypes(backend):
-    # PolynomialKernel's addmm fails on float64 inputs with float32 parameters; the matrix-free
-    # backends used to evaluate it so for float32 data.
+    # PolynomialKernel's addmm fails on float64 inputs with float32 parameters: the kernel is
+    # copied into the factorisation's dtype.
     x, y, test_x = float32_problem(n=200)
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.PolynomialKernel(power=2))
     with torch.no_grad():
@@ -932,10 +932,10 @@ def test_kernel_cache_bytes_must_be_a_non_negative_integer():
     x, y, _ = wiggly_data(n=20)
     with pytest.raises(ValueError, match="kernel_cache_bytes must be a non-negative integer"):
         DataCentricGPR(x, y, rbf_kernel(), noise=0.1, backend="cg", kernel_cache_bytes=-5)
-    for bad in (1.5, True):  # before, True was taken as 1 byte
+    for bad in (1.5, True):  # True is not 1 byte
         with pytest.raises(ValueError, match="kernel_cache_bytes"):
             DistributionCentricGPR(x, y, rbf_kernel(), noise=0.1, kernel_cache_bytes=bad)
-    # any integer type, as for the other counts (NumPy's was refused before)
+    # any integer type, as for the other counts (NumPy's included)
     model = DataCentricGPR(x, y, rbf_kernel(), noise=0.1, kernel_cache_bytes=np.int64(10**6))
     assert model.kernel_cache_bytes == 10**6 and type(model.kernel_cache_bytes) is int
 
@@ -1023,8 +1023,8 @@ def test_auto_plans_a_factor_of_the_schedules_against_the_kernel_batch(monkeypat
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_cg_variances_that_a_loose_rtol_leaves_uncertain_are_reported(cls):
     """At noise 1e-8 a residual within rtol = 1e-6 leaves the quadratic form k*^T A^-1 k*
-    uncertain by up to |r|^2 / 1e-8, far more than the variances: it said nothing before, with
-    variances 14 % (data-centric) and 31 % (distribution-centric) off; the error depends on
+    uncertain by up to |r|^2 / 1e-8, far more than the variances (measured 14 % off for
+    data-centric, 31 % for distribution-centric), so a warning says so; the error depends on
     rounding (8 % to 11 % at rank 96 with one or two threads), hence the margin below."""
     kernel, x, y, test_x = matern_regression_problem()
     gamma = torch.tensor([1e-8, 1e-8], dtype=DTYPE)
@@ -1042,8 +1042,8 @@ def test_cg_variances_that_a_loose_rtol_leaves_uncertain_are_reported(cls):
 
 @pytest.mark.parametrize("gamma", [[1e-6, 1e-6], [1e-6, 1e-5]])
 def test_cg_covariance_diagonals_equal_the_variances(gamma):
-    """Before, the covariances took the first-order C^T X: at noise 1e-6 and rtol 1e-6 their
-    diagonal was 9.4e-2 off the Cholesky variances where the variances were 3.1e-2 off."""
+    """The covariances are computed as the variances are (a first-order C^T X would leave their
+    diagonal 9.4e-2 off the Cholesky variances at noise 1e-6 and rtol 1e-6, against 3.1e-2)."""
     kernel, x, y, test_x = matern_regression_problem()
     gamma = torch.tensor(gamma, dtype=DTYPE)
     exact = DataCentricGPR(x, y, kernel, noise=gamma, backend="cholesky").predict(

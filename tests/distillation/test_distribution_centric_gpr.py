@@ -1,3 +1,6 @@
+"""DistributionCentricGPR: against the literal recursion of posterior modules, Theorem 3.3 and
+dense formulas."""
+
 import warnings
 
 import gpytorch
@@ -122,3 +125,24 @@ def test_from_teacher_and_errors(problem):
         model.student(4)
     with pytest.raises(ValueError, match="step must be"):
         model.student(1.5)
+
+
+@pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos"])
+def test_gcv_of_each_step_is_that_of_one_gp_with_the_effective_noise(backend):
+    """Step t is one GP with noise 1 / sum_{s <= t} 1 / gamma_s (Theorem 3.3): its smoother
+    S_t = K (K + noise I)^-1, and GCV(t) = N ||y - S_t y||^2 / (N - tr S_t)^2, by dense algebra."""
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(200, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(x[:, 0])
+    schedule = torch.tensor([0.1, 0.2, 0.3], dtype=DTYPE)
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=schedule, backend=backend, rtol=1e-10)
+    with torch.no_grad():
+        got = model.gcv()
+        k = rbf_kernel()(x).to_dense()
+        want = []
+        for noise in 1.0 / torch.cumsum(1.0 / schedule, dim=0):
+            smoother = k @ torch.linalg.inv(k + noise * torch.eye(200, dtype=DTYPE))
+            residual = y - smoother @ y
+            want.append(200 * residual.square().sum() / (200 - smoother.trace()) ** 2)
+    assert relative_error(got, torch.stack(want)) < 1e-9
+    assert model.best_step() == int(torch.stack(want).argmin()) + 1

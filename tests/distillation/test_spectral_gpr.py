@@ -820,7 +820,7 @@ def test_gradients_accumulate_over_two_backward_passes(backend):
     kernel = rbf_kernel()
     model = DataCentricGPR(x, y, kernel, noise=gammas, backend=backend)
     model.predict(test_x[:3]).mean.sum().backward()
-    model.predict(test_x[3:]).mean.sum().backward()  # used to fail: the graph was freed
+    model.predict(test_x[3:]).mean.sum().backward()  # a second backward: the cache refits
     got = [p.grad.clone() for p in kernel.parameters()]
     reference = rbf_kernel()
     dense_data_centric_means(reference, x, y, gammas, test_x).sum().backward()
@@ -902,9 +902,8 @@ def _student_posterior(student, test_x):
 
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_student_of_the_whole_batch_equals_each_member(cls):
-    """Before, a batched model had no student of its own: ``student(t)`` refused a batch of
-    schedules, and one schedule of a batch paired with batched targets or kernels was refused
-    or (with a batched kernel) came with every kernel but one schedule's noise."""
+    """A batched model has a student of the whole batch, each member with its own kernel, targets
+    and noise."""
     x, y, test_x = _student_data()
     gamma = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.05, 0.4]], dtype=DT)
     kernels = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])).to(DT)
@@ -948,7 +947,7 @@ def _member(kernels, i):
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_student_of_a_batched_teacher(cls):
     """``from_teacher`` of a batched ExactGP: noise of shape (2, T) paired with (2, N) targets;
-    before, every ``student`` call was refused with advice about a batch of schedules."""
+    every step has a student."""
     x, y, test_x = _student_data()
     batch = torch.Size([2])
     teacher = PlainGP(

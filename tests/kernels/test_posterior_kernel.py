@@ -154,7 +154,7 @@ def test_a_chain_reads_each_batch_shape_once_per_level(monkeypatch):
     chain = model.iterated_models()[-1].covar_module  # 16 posterior kernels deep
     reads = _count_batch_shape_reads(monkeypatch)
     assert chain.batch_shape == torch.Size()
-    assert reads[0] < 3 * 16  # was 2^16 and more
+    assert reads[0] < 3 * 16  # GPyTorch's walk would read 2^16 and more
     # the same answer as GPyTorch's walk over every kernel below (on a batched teacher)
     batched = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([3])).double()
     teacher = PlainGP(
