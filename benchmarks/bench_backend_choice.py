@@ -100,8 +100,10 @@ def choice_table(args, device: torch.device, data_dtype: torch.dtype, report: Re
                 if t >= limit:
                     continue
 
-                def fit_predict(backend=backend, data=(kernel, x, y, gammas), test_x=test_x):
-                    model = DataCentricGPR(*data, backend=backend, linalg_dtype=linalg_dtype)
+                def fit_predict(backend=backend, data=(x, y, kernel), noise=gammas, test_x=test_x):
+                    model = DataCentricGPR(
+                        *data, noise=noise, backend=backend, linalg_dtype=linalg_dtype
+                    )
                     with torch.no_grad():
                         return model, model.predict(test_x)
 

@@ -77,7 +77,7 @@ def run_case(case: str, n: int, m: int, device: str) -> dict:
         return out
 
     with torch.no_grad():
-        model = cls(rbf_kernel(0.1, dev, dtype), x, y, gamma, backend="cg")
+        model = cls(x, y, rbf_kernel(0.1, dev, dtype), noise=gamma, backend="cg")
         state = phase("fit", model._state)
         phase("means", lambda: model._mean_weights(state))
         phase("predict", lambda: model.predict(test_x))

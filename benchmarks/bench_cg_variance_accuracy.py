@@ -88,7 +88,7 @@ def main() -> None:
         for backend, rtol in settings:
             options = {} if rtol is None else {"rtol": rtol, "rank": args.rank}
             model = DataCentricGPR(
-                kernel, x, y, torch.tensor([gamma], dtype=dtype), backend=backend, **options
+                x, y, kernel, noise=torch.tensor([gamma], dtype=dtype), backend=backend, **options
             )
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

@@ -60,11 +60,11 @@ def main() -> None:
         for lengthscale in (1.0, 0.1):
             with torch.no_grad():
                 kernel64 = rbf_kernel(lengthscale, device, torch.float64)
-                ref = cls(kernel64, x.double(), y.double(), gamma.double(), backend="dense")
+                ref = cls(x.double(), y.double(), kernel64, noise=gamma.double(), backend="dense")
                 ref = ref.predict(test_x.double())
                 for backend in ("dense", "cholesky", "cg"):
                     kernel = rbf_kernel(lengthscale, device, torch.float32)
-                    got = cls(kernel, x, y, gamma, backend=backend).predict(test_x)
+                    got = cls(x, y, kernel, noise=gamma, backend=backend).predict(test_x)
                     errors = (
                         relative_error(got.mean, ref.mean),
                         relative_error(got.variance, ref.variance),

@@ -261,7 +261,12 @@ def regression_table(args, dtype: torch.dtype, report: Report) -> None:
                 ):
                     with torch.no_grad():
                         model = cls(
-                            rbf(dtype), x, y, gammas, backend=backend, kernel_cache_bytes=cache
+                            x,
+                            y,
+                            rbf(dtype),
+                            noise=gammas,
+                            backend=backend,
+                            kernel_cache_bytes=cache,
                         )
                         return model.predict(test_x)
 

@@ -95,13 +95,13 @@ def gpsd_path(method, x, y, test_x, gammas, lengthscale, rank=None, kernel_cache
     kernel = gpsd_kernel(lengthscale, x.dtype, x.device)
     with torch.no_grad():
         if method == "distribution-centric":
-            model = DistributionCentricGPR(kernel, x, y, gammas, backend="dense")
+            model = DistributionCentricGPR(x, y, kernel, noise=gammas, backend="dense")
         else:
             model = DataCentricGPR(
-                kernel,
                 x,
                 y,
-                gammas,
+                kernel,
+                noise=gammas,
                 backend=method,
                 rank=rank,
                 rtol=1e-6,

@@ -5,7 +5,7 @@ Run with no arguments:
     python examples/regression_self_distillation.py
 
 1. The toy setting of §3.3: g(z) = z sin z, 10 equally spaced inputs on [0, 10], N(0, 1) noise, a
-   scaled RBF kernel with fixed hyperparameters and gamma = (0.1, 0.2, ..., 1.0). Ten steps of
+   scaled RBF kernel with fixed hyperparameters and noise = (0.1, 0.2, ..., 1.0). Ten steps of
    data-centric and distribution-centric distillation, each step's mean and 2.5/97.5 percentiles
    (Fig. 3), written to examples/output/fig3_regression_self_distillation.png.
 2. The generalised cross-validation path of the data-centric steps, read off the same
@@ -55,40 +55,41 @@ def toy_figure() -> None:
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(x.dtype)
     kernel.outputscale = 25.0  # sigma_f = 5
     kernel.base_kernel.lengthscale = 1.5
-    gammas = torch.linspace(0.1, 1.0, 10, dtype=x.dtype)
+    noise = torch.linspace(0.1, 1.0, 10, dtype=x.dtype)
     models = {
-        "data-centric": DataCentricGPR(kernel, x, y, gammas),
-        "distribution-centric": DistributionCentricGPR(kernel, x, y, gammas),
+        "data-centric": DataCentricGPR(x, y, kernel, noise=noise),
+        "distribution-centric": DistributionCentricGPR(x, y, kernel, noise=noise),
     }
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     colours = plt.cm.viridis(torch.linspace(0, 1, 10).numpy())
     for ax, (name, model) in zip(axes, models.items(), strict=True):
         with torch.no_grad():
-            path = model.predict(grid)
+            prediction = model.fit().predict(grid)  # row t - 1 holds step t
         for t in range(10):
-            mean, std = path.mean[t], path.variance[t].sqrt()
+            mean, std = prediction.mean[t], prediction.stddev[t]
             ax.plot(grid, mean, color=colours[t], lw=1.2, label=f"t={t + 1}")
             ax.fill_between(
                 grid.squeeze(-1), mean - Z975 * std, mean + Z975 * std, color=colours[t], alpha=0.06
             )
         ax.plot(grid, grid * torch.sin(grid), "k--", lw=1, label="g(z) = z sin z")
         ax.scatter(x, y, color="crimson", zorder=5, s=18, label="data")
-        ax.set_title(f"{name}, gamma = 0.1 .. 1.0")
+        ax.set_title(f"{name}, noise = 0.1 .. 1.0")
         ax.set_xlabel("z")
     axes[0].legend(ncol=2, fontsize=7)
     fig.tight_layout()
     fig.savefig(OUT / "fig3_regression_self_distillation.png", dpi=120)
     plt.close(fig)
 
-    # GCV path of 50 data-centric steps with the same kernel and a constant gamma.
-    model = DataCentricGPR(kernel, x, y, torch.full((50,), 0.5, dtype=x.dtype))
+    # GCV path of 50 data-centric steps with the same kernel and a constant noise.
+    model = DataCentricGPR(x, y, kernel, noise=0.5, num_steps=50)
     with torch.no_grad():
         gcv = model.gcv()
+        best_step = model.best_step("gcv")
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(range(1, 51), gcv, marker=".")
     ax.set_xlabel("distillation step t")
     ax.set_ylabel("GCV(t)")
-    ax.set_title(f"GCV picks t = {int(gcv.argmin()) + 1}")
+    ax.set_title(f"GCV picks t = {best_step}")
     fig.tight_layout()
     fig.savefig(OUT / "gcv_path.png", dpi=120)
     plt.close(fig)
@@ -119,10 +120,12 @@ def real_data(name: str, steps: int, iterations: int) -> None:
         dc = data_centric.predict(split.test_x)
         dist = distribution_centric.predict(split.test_x)
         gcv = data_centric.gcv()
+        best = data_centric.best_step("gcv")
 
-    def nlpd(path, t):
-        var = path.variance[t] + noise
-        resid = split.test_y - path.mean[t]
+    def nlpd(prediction, t):
+        # the teacher's noise: the observation noise of new data, for every step
+        var = prediction.variance[t] + noise
+        resid = split.test_y - prediction.mean[t]
         return float((0.5 * (resid.square() / var + var.log() + 1.8378770664093453)).mean())
 
     print(
@@ -139,9 +142,8 @@ def real_data(name: str, steps: int, iterations: int) -> None:
             f"| {t + 1} | {split.rmse(dc.mean[t]):.3f} | {nlpd(dc, t):.3f} | "
             f"{split.rmse(dist.mean[t]):.3f} | {nlpd(dist, t):.3f} | {float(gcv[t]):.4f} |"
         )
-    best = int(gcv.argmin())
     print(
-        f"\nGCV picks data-centric step t = {best + 1} (test RMSE {split.rmse(dc.mean[best]):.3f}; "
+        f"\nGCV picks data-centric step t = {best} (test RMSE {split.rmse(dc.mean[best - 1]):.3f}; "
         f"the teacher, t = 1: {split.rmse(dc.mean[0]):.3f}); RMSE in the target's original units."
     )
 

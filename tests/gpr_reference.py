@@ -36,11 +36,13 @@ def exact_settings():
 def naive_data_centric(kernel, mean, x, y, gammas, test_x, alpha=0.0):
     """Refit a fresh exact GP on the previous step's mean predictions, step by step.
 
-    Returns (targets (T, N), test means (T, M), test variances (T, M), train variances (T, N)).
+    Returns (targets (T, N), test means (T, M), test variances (T, M), train variances (T, N)),
+    row ``t - 1`` for step ``t``; the targets are those step ``t`` is fitted to (``y`` for step 1).
     """
     targets, means, variances, train_vars = [], [], [], []
     prev = y
     for g in gammas:
+        targets.append(prev)
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x)
         likelihood.noise = g
         model = PlainGP(x, prev, likelihood, mean, kernel).eval()
@@ -58,7 +60,6 @@ def naive_data_centric(kernel, mean, x, y, gammas, test_x, alpha=0.0):
         variances.append(test_post.variance)
         train_vars.append(train_post.variance)
         prev = alpha * y + (1 - alpha) * train_post.mean
-        targets.append(prev)
     return tuple(torch.stack(v) for v in (targets, means, variances, train_vars))
 
 

@@ -23,8 +23,23 @@ def frozen_copy(module: gpytorch.Module) -> gpytorch.Module:
     return clone.eval()
 
 
+def buffered_copy(module: gpytorch.Module) -> gpytorch.Module:
+    """A deep copy of ``module`` in evaluation mode whose parameters are buffers: constants that
+    ``parameters()`` does not list (so an optimiser of a model holding the copy never sees them)
+    but ``state_dict()``, ``.to()`` and ``copy.deepcopy`` carry."""
+    clone = copy.deepcopy(module)
+    for submodule in clone.modules():
+        for name, parameter in list(submodule._parameters.items()):
+            if parameter is None:
+                continue
+            del submodule._parameters[name]
+            submodule.register_buffer(name, parameter.detach())
+    return clone.eval()
+
+
 def set_mode_keeping_copies(module: gpytorch.Module, mode: bool) -> gpytorch.Module:
-    """``module.train(mode)`` for a module whose children are all :func:`frozen_copy` results:
+    """``module.train(mode)`` for a module whose children are all copies of a teacher's modules
+    (:func:`frozen_copy`, :func:`buffered_copy`):
     only the module's own mode changes (and its caches are cleared as GPyTorch does).
 
     The copies stay in evaluation mode (an ``InducingPointKernel`` or a ``GridKernel`` evaluates
@@ -61,14 +76,15 @@ def validate_teacher(teacher: ExactGP, likelihood_type: type, likelihood_name: s
 def teacher_posterior(teacher: ExactGP) -> dict[str, object]:
     r"""Everything needed to evaluate a trained teacher's posterior at new inputs.
 
-    Returns frozen copies of the teacher's ``mean_module`` and ``covar_module``, its training
+    Returns copies of the teacher's ``mean_module`` and ``covar_module`` whose parameters are
+    buffers (:func:`buffered_copy`), its training
     inputs :math:`\mathbf X`, the Cholesky factor :math:`\mathbf L` of
     :math:`\mathbf K_{XX} + \boldsymbol\Sigma_\text{noise}` and
     :math:`\mathbf a = (\mathbf K_{XX} + \boldsymbol\Sigma_\text{noise})^{-1}(\mathbf y - m(\mathbf X))`.
     """
     validate_teacher(teacher, _GaussianLikelihoodBase, "a Gaussian likelihood")
-    mean_module = frozen_copy(teacher.mean_module)
-    covar_module = frozen_copy(teacher.covar_module)
+    mean_module = buffered_copy(teacher.mean_module)
+    covar_module = buffered_copy(teacher.covar_module)
     x = teacher.train_inputs[0].detach()
     y = teacher.train_targets.detach()
     with torch.no_grad():

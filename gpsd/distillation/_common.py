@@ -1,11 +1,10 @@
-"""Shared plumbing of the regression distillers: validation, backends, caching."""
+"""Shared plumbing of the regression distillers: validation, students, batches."""
 
 from __future__ import annotations
 
 import copy
 import operator
 import warnings
-from typing import NamedTuple
 
 import gpytorch
 import torch
@@ -18,33 +17,37 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator import to_dense
 from torch import Tensor
 
-from gpsd._internal.module_state import ModuleState
 from gpsd._internal.teacher import validate_teacher
-from gpsd._internal.validation import as_float_tensor, check_finite, check_matrix, check_vector
+from gpsd._internal.validation import (
+    as_float_tensor,
+    check_finite,
+    check_int,
+    check_matrix,
+    check_vector,
+)
 
 
-class RegressionPath(NamedTuple):
-    """Predictions for every distillation step at once.
+def validate_noise(noise: object, like: Tensor, num_steps: object = None) -> Tensor:
+    """A noise schedule as a tensor of shape ``(*s, T)``, strictly positive and finite.
 
-    ``mean`` and ``variance`` have shape ``(*batch, T, M)``: one row per step ``t = 1..T``.
-    ``covariance`` (``(*batch, T, M, M)``) is present only when asked for.
+    One value (a number or a 0-d tensor) is one step, or, with ``num_steps`` given, repeated
+    ``num_steps`` times; a schedule given with ``num_steps`` must have ``num_steps`` steps.
     """
-
-    mean: Tensor
-    variance: Tensor
-    covariance: Tensor | None = None
-
-
-def validate_gamma(gamma: object, like: Tensor, name: str = "gamma") -> Tensor:
-    """A noise schedule as a tensor of shape ``(*s, T)``, strictly positive and finite."""
-    gamma = as_float_tensor(gamma, name, dtype=like.dtype, device=like.device)
-    if gamma.dim() == 0:
-        gamma = gamma.reshape(1)
-    if gamma.numel() == 0:
-        raise ValueError(f"{name} must hold at least one noise value, got an empty schedule")
-    if torch.isnan(gamma).any() or not (gamma > 0).all() or torch.isinf(gamma).any():
-        raise ValueError(f"{name} must be strictly positive and finite, got {gamma.tolist()}")
-    return gamma
+    noise = as_float_tensor(noise, "noise", dtype=like.dtype, device=like.device)
+    num_steps = check_int(num_steps, "num_steps", optional=True)
+    if noise.numel() == 0:
+        raise ValueError("noise must hold at least one noise value, got an empty schedule")
+    if torch.isnan(noise).any() or not (noise > 0).all() or torch.isinf(noise).any():
+        raise ValueError(f"noise must be strictly positive and finite, got {noise.tolist()}")
+    if noise.dim() == 0:
+        return noise.reshape(1).expand(num_steps or 1).clone()
+    if num_steps is not None and noise.shape[-1] != num_steps:
+        raise ValueError(
+            f"num_steps={num_steps} does not match the {noise.shape[-1]} steps of the noise "
+            f"schedule (shape {tuple(noise.shape)}); give one value of noise to repeat, or "
+            "leave num_steps out"
+        )
+    return noise
 
 
 def validate_training_data(train_x: object, train_y: object) -> tuple[Tensor, Tensor]:
@@ -63,22 +66,22 @@ def validate_training_data(train_x: object, train_y: object) -> tuple[Tensor, Te
     return train_x, train_y
 
 
-def validate_test_x(test_x: object, train_x: Tensor) -> Tensor:
+def validate_test_x(test_x: object, train_x: Tensor, name: str = "test_x") -> Tensor:
     """``test_x`` as ``(*b, M, d)`` on the training data's device with matching ``d``."""
     if isinstance(test_x, Tensor) and test_x.device != train_x.device:
         raise ValueError(
-            f"test_x is on {test_x.device} but the training data is on {train_x.device}; "
-            "move them to the same device"
+            f"{name} is on {test_x.device} but the model's training data are on "
+            f"{train_x.device}; move them to the same device"
         )
-    test_x = as_float_tensor(test_x, "test_x", dtype=train_x.dtype, device=train_x.device)
+    test_x = as_float_tensor(test_x, name, dtype=train_x.dtype, device=train_x.device)
     if test_x.dim() == 1 and train_x.shape[-1] == 1:
         test_x = test_x.unsqueeze(-1)
     if test_x.dim() < 2 or test_x.shape[-1] != train_x.shape[-1]:
         raise ValueError(
-            f"test_x must have shape (*batch, M, {train_x.shape[-1]}) to match train_x, "
+            f"{name} must have shape (*batch, M, {train_x.shape[-1]}) to match train_x, "
             f"got {tuple(test_x.shape)}"
         )
-    return check_finite(test_x, "test_x")
+    return check_finite(test_x, name)
 
 
 def unpack_teacher(teacher: ExactGP) -> tuple[Tensor, Tensor, Tensor]:
@@ -128,51 +131,6 @@ def warn_low_precision_factorisation(
             NumericalWarning,
             stacklevel=stacklevel,
         )
-
-
-class StateSnapshot:
-    """A module's state (:class:`~gpsd._internal.module_state.ModuleState`), its settings (``config``:
-    anything else the cache depends on, such as the backend) and the grad mode at one moment:
-    the distillers rebuild their cached factorisation when any of them has changed."""
-
-    def __init__(self, module: gpytorch.Module, config: tuple) -> None:
-        self.grad_enabled = torch.is_grad_enabled()
-        #: whether the grad mode matters: ``False`` for an engine that never builds a graph (the
-        #: matrix-free backends), whose factorisation serves both modes
-        self.grad_matters = True
-        self.config = config
-        self.state = ModuleState(module)
-
-    def matches(self, module: gpytorch.Module, config: tuple) -> bool:
-        return (
-            (not self.grad_matters or self.grad_enabled == torch.is_grad_enabled())
-            and self.config == config
-            and self.state.matches(module)
-        )
-
-
-class BackwardWatch:
-    """Notes when a backward pass reaches any of the watched tensors.
-
-    A cached factorisation that carries an autograd graph can serve one backward pass only (the
-    pass frees the graph's saved tensors), so the distillers rebuild it once :attr:`reached` is
-    set. The hooks hold this small object alone, not the cache, so no reference cycle runs
-    through the autograd graph.
-    """
-
-    def __init__(self) -> None:
-        self.reached = False
-
-    def _hook(self, grad: Tensor) -> None:
-        self.reached = True
-
-    def watch(self, *objects: object) -> None:
-        """Hook every tensor that carries a graph among ``objects`` and their attributes."""
-        for obj in objects:
-            values = vars(obj).values() if not isinstance(obj, Tensor) else (obj,)
-            for value in values:
-                if isinstance(value, Tensor) and value.requires_grad:
-                    value.register_hook(self._hook)
 
 
 def student_likelihood(noise: Tensor, like: Tensor) -> GaussianLikelihood:
@@ -225,16 +183,16 @@ def student_gp(
 
 
 def schedule_index(
-    gamma: Tensor, schedule: object, student_batch: torch.Size | None = None
+    noise: Tensor, schedule: object, student_batch: torch.Size | None = None
 ) -> tuple[int, ...]:
-    """``schedule`` checked as an index of one schedule in the batch ``gamma.shape[:-1]``.
+    """``schedule`` checked as an index of one schedule in the batch ``noise.shape[:-1]``.
 
     For a student (``student_batch`` given: the batch of its data, prior mean and kernel, see
     :func:`student_batch`), ``()`` takes the whole batch, and an index is refused where that
     batch is not empty (a schedule of a batch pairs with it by broadcasting, so one schedule
     alone has no targets, mean or kernel of its own).
     """
-    batch = gamma.shape[:-1]
+    batch = noise.shape[:-1]
     if student_batch is not None and isinstance(schedule, tuple) and not schedule:
         return ()  # a student of the whole batch
     try:  # integer types as check_int takes them (NumPy's, 0-d integer tensors), bool not
@@ -251,7 +209,7 @@ def schedule_index(
     if student_batch:
         raise ValueError(
             "a student of one schedule of a batch of schedules needs unbatched training data, "
-            f"kernel and prior mean; got gamma of shape {tuple(gamma.shape)} and a batch of "
+            f"kernel and prior mean; got noise of shape {tuple(noise.shape)} and a batch of "
             f"shape {tuple(student_batch)} of these (take the student of the whole batch with "
             "schedule=(), or build a distiller with that schedule alone)"
         )
@@ -260,7 +218,7 @@ def schedule_index(
     ):
         raise ValueError(
             f"schedule must index one schedule of the batch of shape {tuple(batch)} "
-            f"(gamma has shape {tuple(gamma.shape)}), got {schedule or '()'}"
+            f"(noise has shape {tuple(noise.shape)}), got {schedule or '()'}"
         )
     return schedule
 

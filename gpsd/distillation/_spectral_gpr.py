@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import itertools
 
 import gpytorch
 import torch
@@ -12,14 +13,17 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from gpytorch.models import ExactGP
 from linear_operator.operators import DiagLinearOperator
-from torch import Tensor
+from torch import Tensor, nn
 
+import gpsd.linalg as linalg
 from gpsd import settings
+from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
 from gpsd._internal.negligible import kernel_matrix
 from gpsd._internal.validation import (
     as_float_tensor,
+    check_finite,
     check_gp_modules,
     check_int,
     check_positive_float,
@@ -28,16 +32,20 @@ from gpsd._internal.validation import (
 )
 from gpsd._internal.variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.distillation._common import (
-    BackwardWatch,
-    RegressionPath,
-    StateSnapshot,
     unpack_teacher,
-    validate_gamma,
+    validate_noise,
     validate_test_x,
     validate_training_data,
     warn_low_precision_factorisation,
 )
-from gpsd.linalg import BACKENDS, SpectralFilter, make_engine
+from gpsd.exceptions import BackendError
+from gpsd.linalg import BACKENDS, SpectralFilter
+from gpsd.prediction import Prediction
+
+#: The backends that build an autograd graph.
+_GRAPH_BACKENDS = ("dense", "cholesky")
+
+CRITERIA = ("gcv", "validation")
 
 
 def autograd_context(state: dict):
@@ -51,6 +59,26 @@ def autograd_context(state: dict):
     return contextlib.nullcontext() if state["engine"].supports_autograd else torch.no_grad()
 
 
+class _NoBackwardThroughMatrixFree(torch.autograd.Function):
+    """The identity on a result of a matrix-free backend, linked to the leaves it depends on,
+    whose backward raises a :class:`~gpsd.BackendError`: a gradient through Lanczos or CG would
+    need a graph those backends do not build, and a result without any graph would let a
+    training loop run on without its gradient."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, backend: str, *leaves: Tensor) -> Tensor:
+        ctx.backend = backend
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        raise BackendError(
+            f"backend={ctx.backend!r} builds no autograd graph, and a backward pass reached one "
+            f"of its results; use backend={_GRAPH_BACKENDS[0]!r} or {_GRAPH_BACKENDS[1]!r} to "
+            "differentiate through the distiller, or compute the results under torch.no_grad()"
+        )
+
+
 def _check_linalg_dtype(value: object) -> torch.dtype | None:
     """``None`` or a floating-point ``torch.dtype``, or a ``TypeError`` naming ``linalg_dtype``."""
     if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
@@ -61,21 +89,39 @@ def _check_linalg_dtype(value: object) -> torch.dtype | None:
     )
 
 
+class _Tensors(nn.Module):
+    """Tensors as the buffers of a module, so that a :class:`~gpsd._internal.fit_cache.FitCache`
+    compares their values as it compares the modules'."""
+
+    def __init__(self, **tensors: Tensor) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+
+
 class SpectralGPR(gpytorch.Module, abc.ABC):
     """A GP regressor whose predictions for every distillation step are spectral filters of K.
 
-    Subclasses say which filters give the predictive mean (:meth:`_mean_filter`) and the
-    posterior variance reduction (:meth:`_variance_filter`), and the smallest shift those filters
-    use (:meth:`_smallest_shift`).
+    Subclasses say which filters give the predictive mean (:meth:`_mean_filter`), the
+    posterior variance reduction (:meth:`_variance_filter`) and the residuals at the training
+    inputs (:meth:`_residual_filter`), the smallest shift those filters use
+    (:meth:`_smallest_shift`) and the noise of each step (:meth:`_step_noise`).
+
+    Two caches: the factorisation of :math:`\\mathbf K` (the engine), valid while the kernel, the
+    training inputs, the backend settings, the smallest shift and :mod:`gpsd.settings` are
+    unchanged; and the targets' coordinates, which also depend on the targets, the prior mean,
+    the schedule and the subclass's settings (:meth:`_targets_config`). Changing ``alpha`` or
+    ``method`` therefore reuses the factorisation.
     """
 
     def __init__(
         self,
-        kernel: Kernel,
         train_x: Tensor,
         train_y: Tensor,
-        gamma: object,
+        covar_module: Kernel,
         *,
+        noise: object,
+        num_steps: int | None,
         mean_module: Mean | None,
         backend: str,
         linalg_dtype: torch.dtype | None,
@@ -84,43 +130,44 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         kernel_cache_bytes: int | None = None,
     ) -> None:
         super().__init__()
-        check_gp_modules(kernel, mean_module, "kernel")
+        check_gp_modules(covar_module, mean_module, "covar_module")
         kernel_cache_bytes = check_int(
             kernel_cache_bytes, "kernel_cache_bytes", minimum=0, optional=True
         )
         train_x, train_y = validate_training_data(train_x, train_y)
-        self.kernel = kernel
+        self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         # Detached: a buffer carrying a graph (into a feature extractor, or a learnt schedule)
         # serves one backward pass, after which the rebuilt cache runs into its freed graph, and
         # it cannot be deep-copied. Gradients reach the kernel's and the mean's parameters.
         self.register_buffer("train_x", train_x.detach())
         self.register_buffer("train_y", train_y.detach())
-        self.register_buffer("gamma", validate_gamma(gamma, train_x).detach())
+        self.register_buffer("noise", validate_noise(noise, train_x, num_steps).detach())
         self._check_batches(train_x, train_y)
         self.backend = backend
         self.linalg_dtype = linalg_dtype
         self.rank = rank
         self.rtol = rtol
         self.kernel_cache_bytes = kernel_cache_bytes
-        self._cache: dict = {}
+        self._factor_cache = FitCache()
+        self._targets_cache = FitCache()
 
     def _check_batches(self, train_x: Tensor, train_y: Tensor) -> None:
         """A ``ValueError`` unless the batches of the schedules, the data and the kernel
         broadcast."""
         try:
             torch.broadcast_shapes(
-                self.gamma.shape[:-1],
+                self.noise.shape[:-1],
                 train_x.shape[:-2],
                 train_y.shape[:-1],
-                self.kernel.batch_shape,
+                self.covar_module.batch_shape,
             )
         except RuntimeError:
             raise ValueError(
-                f"the batch of schedules (gamma of shape {tuple(self.gamma.shape)}) must "
+                f"the batch of schedules (noise of shape {tuple(self.noise.shape)}) must "
                 f"broadcast with the batch of the training data (train_x of shape "
-                f"{tuple(train_x.shape)}, train_y of shape {tuple(train_y.shape)}) and of the "
-                f"kernel (batch shape {tuple(self.kernel.batch_shape)})"
+                f"{tuple(train_x.shape)}, train_y of shape {tuple(train_y.shape)}) and of "
+                f"covar_module (batch shape {tuple(self.covar_module.batch_shape)})"
             ) from None
 
     def set_train_data(
@@ -130,9 +177,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         They are checked as at construction. With ``strict`` (the default, as in GPyTorch) they
         must have the current shape, dtype and device; with ``strict=False`` the number of points
-        and the batch shape may change (within what broadcasts with ``gamma`` and the kernel) and
+        and the batch shape may change (within what broadcasts with ``noise`` and the kernel) and
         they are converted to the model's dtype (they must still be on its device). The next
-        prediction refactors.
+        prediction refactors (new targets alone reuse the factorisation).
 
         :param inputs: New training inputs ``(*b, N, d)`` or ``(N,)`` (or a one-element tuple of
             them); ``None`` keeps the current.
@@ -151,12 +198,6 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         # data of another N (``set_train_data``) load into a model built on the old ones
         adopt_buffer_shapes(self, state_dict, prefix, ("train_x", "train_y"))
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def __getstate__(self) -> dict:
-        """The module's state without the cached factorisation, which ``copy.deepcopy`` and
-        ``pickle`` cannot take while it holds an autograd graph; the copy rebuilds it on use."""
-        state = super().__getstate__()
-        return {**state, "_cache": {}}
 
     backend = choice_setting(
         "backend", BACKENDS, "The linear-algebra backend (one of :data:`~gpsd.linalg.BACKENDS`)."
@@ -179,36 +220,41 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
     @classmethod
     def from_teacher(
-        cls, teacher: ExactGP, gamma: object = None, num_steps: int | None = None, **kwargs
+        cls, teacher: ExactGP, *, num_steps: int | None = None, noise: object = None, **kwargs
     ):
         """Distil a trained ``ExactGP`` teacher with a ``GaussianLikelihood``.
 
-        The teacher's mean and kernel modules are shared, not copied. ``gamma`` defaults to the
-        teacher's noise repeated ``num_steps`` times (so the teacher itself is step 1); with both
-        given, ``num_steps`` must be the length of ``gamma``.
+        The teacher's ``mean_module`` and ``covar_module`` are shared, not copied. ``noise``
+        defaults to the teacher's noise repeated ``num_steps`` times (so the teacher itself is
+        step 1); with both given, they must agree as in the constructor.
+
+        :param teacher: a trained ``gpytorch.models.ExactGP`` with a ``GaussianLikelihood``.
+        :param num_steps: the number of steps :math:`T`.
+        :param noise: the noise schedule :math:`\\gamma_1, \\dots, \\gamma_T` (default: the
+            teacher's noise at every step).
+        :param kwargs: the other keyword arguments of the constructor.
         """
-        train_x, train_y, noise = unpack_teacher(teacher)
+        train_x, train_y, teacher_noise = unpack_teacher(teacher)
         num_steps = check_int(num_steps, "num_steps", optional=True)
-        if gamma is not None and num_steps is not None:
-            steps = validate_gamma(gamma, train_x).shape[-1]
-            if steps != num_steps:
-                raise ValueError(
-                    f"num_steps={num_steps} does not match the {steps} steps of gamma; "
-                    "give one of them"
-                )
-        if gamma is None:
+        if noise is None:
             if num_steps is None:
-                raise ValueError("give gamma, or num_steps >= 1 to repeat the teacher's noise")
+                raise ValueError("give noise, or num_steps >= 1 to repeat the teacher's noise")
             # shape: (*b, T): a batched teacher's noise per member of its batch
-            gamma = noise.unsqueeze(-1).expand(*noise.shape, num_steps).clone()
+            noise = teacher_noise.unsqueeze(-1).expand(*teacher_noise.shape, num_steps).clone()
         return cls(
-            teacher.covar_module, train_x, train_y, gamma, mean_module=teacher.mean_module, **kwargs
+            train_x,
+            train_y,
+            teacher.covar_module,
+            noise=noise,
+            num_steps=num_steps,
+            mean_module=teacher.mean_module,
+            **kwargs,
         )
 
     @property
     def num_steps(self) -> int:
         """:math:`T`, the number of steps of every schedule."""
-        return self.gamma.shape[-1]
+        return self.noise.shape[-1]
 
     # ------------------------------------------------------------------ for subclasses
     @abc.abstractmethod
@@ -223,86 +269,205 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _variance_filter(self) -> SpectralFilter:
         """:math:`R_t` with :math:`\\Sigma_{t,*} = \\mathbf K_{**} - \\mathbf K_{*X} R_t(\\mathbf K)\\mathbf K_{X*}`."""
 
-    def _schedule(self, gamma: Tensor) -> Tensor:
+    @abc.abstractmethod
+    def _residual_filter(self) -> SpectralFilter:
+        """A positive multiple (per step) of :math:`\\mathbf I - \\mathbf S_t`, where
+        :math:`\\boldsymbol\\mu_t - m = \\mathbf S_t(\\mathbf y - m)` is step :math:`t`'s fit at
+        the training inputs (for :meth:`gcv`, whose ratio the multiple leaves unchanged)."""
+
+    @abc.abstractmethod
+    def _step_noise(self) -> Tensor:
+        """The observation noise of every step, shape ``(*s, T)`` (``include_noise``)."""
+
+    def _targets_config(self) -> tuple:
+        """The subclass's settings that the targets' coordinates depend on."""
+        return ()
+
+    def _schedule(self, noise: Tensor) -> Tensor:
         """A schedule in the factorisation's dtype."""
-        return gamma.to(self.linalg_dtype or gamma.dtype)
+        return noise.to(self.linalg_dtype or noise.dtype)
 
     # ------------------------------------------------------------------ cached factorisation
-    def _state(self) -> dict:
-        """The backend engine and the targets' coordinates, recomputed when the state changes."""
-        snapshot = self._cache.get("snapshot")
-        config = self._config()
-        if (
-            snapshot is None
-            or not snapshot.matches(self, config)
-            or self._cache["backward"].reached
-        ):
-            self._cache = {"snapshot": StateSnapshot(self, config), "backward": BackwardWatch()}
-            prior_mean = self.mean_module(self.train_x)
-            warn_low_precision_factorisation(  # before a factorisation that it may explain fails
-                self.kernel,
-                self.train_x,
-                self.linalg_dtype or self.train_x.dtype,
-                self._smallest_shift(),
-            )
-            engine = make_engine(
-                self.kernel,
-                self.train_x,
-                self.backend,
-                self.gamma.shape[:-1],
-                self.num_steps,
-                self.linalg_dtype,
-                self.rank,
-                generator_seed=0,
-                gamma_min=self._smallest_shift(),
-                rtol=self.rtol,
-                kernel_cache_bytes=self.kernel_cache_bytes,
-            )
-            engine.check_accuracy(self._smallest_shift(), self.rtol)
-            # a matrix-free backend builds no graph: the grad mode need not rebuild it (with
-            # backend="auto" the grad mode chooses the engine, so it always matters)
-            matrix_free = self.backend in ("lanczos", "cg")
-            self._cache["snapshot"].grad_matters = engine.supports_autograd or not matrix_free
-            centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
-            needs_grad = engine.supports_autograd and needs_graph(self.kernel, self.train_x)
-            self._cache.update(
-                engine=engine,
-                # Test covariances in the factorisation's dtype: the variance k** - k*^T R k*
-                # cancels, and float32 entries of k* cost up to ~1e-3.
-                test_kernel=kernel_in_dtype(
-                    self.kernel, self.train_x, self.linalg_dtype, keep_graph=needs_grad
-                ),
-                prior_mean=prior_mean,
-                centred=centred,
-                coords=engine.project(centred) if hasattr(engine, "project") else centred,
-            )
-            # A backward pass through the cached graph frees it: rebuild after one.
-            self._cache["backward"].watch(engine, prior_mean)
-        return self._cache
+    def fit(self) -> SpectralGPR:
+        """Compute the factorisation and the targets' coordinates now; returns the model.
 
-    def _config(self) -> tuple:
-        """The settings the cached factorisation depends on besides the module's state."""
-        return (self.backend, self.linalg_dtype, self.rank, self.rtol, self.kernel_cache_bytes)
+        The model also fits lazily, on first use, and refits when the kernel's or the prior
+        mean's parameters, the data, the schedule, the settings of the model or
+        :mod:`gpsd.settings` change; ``fit()`` only chooses when the work is done.
+        """
+        self._state()
+        return self
+
+    def _factorisation(self) -> dict:
+        """The backend engine of :math:`\\mathbf K` and the kernel for test covariances."""
+        config = (
+            self.backend,
+            self.linalg_dtype,
+            self.rank,
+            self.rtol,
+            self.kernel_cache_bytes,
+            self._smallest_shift(),
+            tuple(self.noise.shape[:-1]),  # the automatic choice counts the factorisations
+            self.num_steps,
+        )
+        modules = (self.covar_module, _Tensors(train_x=self.train_x))
+        return self._factor_cache.get(modules, config, self._factorise)
+
+    def _factorise(self) -> dict:
+        self._check_module_devices()
+        gamma_min = self._smallest_shift()
+        warn_low_precision_factorisation(  # before a factorisation that it may explain fails
+            self.covar_module, self.train_x, self.linalg_dtype or self.train_x.dtype, gamma_min
+        )
+        engine = linalg.make_engine(
+            self.covar_module,
+            self.train_x,
+            self.backend,
+            self.noise.shape[:-1],
+            self.num_steps,
+            self.linalg_dtype,
+            self.rank,
+            generator_seed=0,
+            gamma_min=gamma_min,
+            rtol=self.rtol,
+            kernel_cache_bytes=self.kernel_cache_bytes,
+        )
+        engine.check_accuracy(gamma_min, self.rtol)
+        # a forced matrix-free backend builds no graph: the grad mode need not rebuild it (with
+        # backend="auto" the grad mode chooses the engine, so it always matters)
+        forced_matrix_free = engine.matrix_free and self.backend != "auto"
+        self._factor_cache.grad_matters = engine.supports_autograd or not forced_matrix_free
+        keep_graph = engine.supports_autograd and needs_graph(self.covar_module, self.train_x)
+        # A backward pass through the cached graph frees it: refactor after one.
+        self._factor_cache.watch(engine)
+        return {
+            "engine": engine,
+            # Test covariances in the factorisation's dtype: the variance k** - k*^T R k*
+            # cancels, and float32 entries of k* cost up to ~1e-3.
+            "test_kernel": kernel_in_dtype(
+                self.covar_module, self.train_x, self.linalg_dtype, keep_graph=keep_graph
+            ),
+        }
+
+    def _state(self) -> dict:
+        """The factorisation with the targets' coordinates, each recomputed when what it
+        depends on changes."""
+        factor = self._factorisation()
+        config = (id(factor["engine"]), *self._targets_config())
+        data = _Tensors(train_x=self.train_x, train_y=self.train_y, noise=self.noise)
+        modules = (self.covar_module, self.mean_module, data)
+        return self._targets_cache.get(modules, config, lambda: self._fit_targets(factor))
+
+    def _fit_targets(self, factor: dict) -> dict:
+        engine = factor["engine"]
+        self._targets_cache.grad_matters = self._factor_cache.grad_matters
+        with autograd_context(factor):
+            prior_mean = self.mean_module(self.train_x)
+            centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
+            coords = engine.project(centred)
+        self._targets_cache.watch(prior_mean)
+        # the value holds the engine, so its id in the config cannot be reused by another
+        return {**factor, "prior_mean": prior_mean, "centred": centred, "coords": coords}
+
+    def _check_module_devices(self) -> None:
+        """A ``ValueError`` naming a module whose tensors are on another device than the
+        model's training data."""
+        for name in ("covar_module", "mean_module"):
+            module = getattr(self, name)
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                if tensor.device != self.train_x.device:
+                    raise ValueError(
+                        f"{name} is on {tensor.device} but the model's training data are on "
+                        f"{self.train_x.device}; move the model with .to(device)"
+                    )
+
+    def _backend_in_use(self, engine: object) -> str:
+        """The name of the backend the engine implements."""
+        if isinstance(engine, linalg.ShiftedCG):
+            return "cg"
+        if isinstance(engine, linalg.ShiftedCholesky):
+            return "cholesky"
+        return "lanczos" if getattr(engine, "is_truncated", False) else "dense"
+
+    def _guard(self, state: dict, value: Tensor, *inputs: Tensor) -> Tensor:
+        """``value``, linked where it would need an autograd graph that the engine does not
+        build (grad enabled, and a parameter of ``covar_module`` or ``mean_module``, or one of
+        ``inputs``, requiring grad) to a node whose backward raises a
+        :class:`~gpsd.BackendError`."""
+        if state["engine"].supports_autograd or not torch.is_grad_enabled():
+            return value
+        modules = (self.covar_module, self.mean_module)
+        leaves = [p for m in modules for p in m.parameters() if p.requires_grad]
+        leaves += [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+        if not leaves:
+            return value
+        backend = self._backend_in_use(state["engine"])
+        return _NoBackwardThroughMatrixFree.apply(value, backend, *leaves)
 
     @property
     def error_estimate(self) -> float:
         """Estimated relative truncation error of the backend (0 for the direct dense and Cholesky
         ones). Rounding is not counted: it costs every backend a relative error of up to about
         ``eps * (lambda_max + noise) / noise``, ``eps`` the unit roundoff of the solves' dtype."""
-        return self._state()["engine"].error_estimate(self._smallest_shift())
+        return self._factorisation()["engine"].error_estimate(self._smallest_shift())
+
+    # ------------------------------------------------------------------ steps
+    def _check_step(self, step: object) -> int | None:
+        """``step`` as an int in ``1..T`` (``None`` passes), or a ``ValueError``."""
+        if step is None:
+            return None
+        step = check_int(step, "step")
+        if not 1 <= step <= self.num_steps:
+            raise ValueError(f"step must lie in 1..{self.num_steps} (T), got {step}")
+        return step
 
     # ------------------------------------------------------------------ prediction
-    def predict(self, test_x: Tensor, full_cov: bool = False) -> RegressionPath:
+    def predict(
+        self,
+        test_x: Tensor,
+        *,
+        step: int | None = None,
+        include_noise: bool = False,
+        full_cov: bool = False,
+    ) -> Prediction:
         r"""Predictive means and variances of every step at ``test_x`` (shape ``(*b, M, d)``).
 
-        Returns a :class:`~gpsd.distillation.RegressionPath` with ``mean`` and ``variance`` of shape
-        ``(*batch, T, M)``; with ``full_cov=True`` also the ``(*batch, T, M, M)`` covariances.
-        ``batch`` includes a batch of targets or of prior means; the variances and covariances,
-        which depend on neither, are expanded over it (views: clone before writing in place).
-        Without ``full_cov`` the test points are processed in chunks of
-        :class:`gpsd.settings.test_chunk_size`, so memory stays at ``N x test_chunk_size``.
+        Returns a :class:`~gpsd.Prediction` with ``mean`` and ``variance`` of shape
+        ``(*batch, T, M)``, row ``t - 1`` for step ``t``; with ``step=t`` that row alone,
+        ``(*batch, M)``. ``batch`` includes a batch of schedules, of targets or of prior means;
+        the variances, which depend on neither targets nor prior means, are expanded over them
+        (views: clone before writing in place). Without ``full_cov`` the test points are
+        processed in chunks of :class:`gpsd.settings.test_chunk_size`, so memory stays at
+        ``N x test_chunk_size``.
+
+        With the ``"lanczos"`` and ``"cg"`` backends the results carry no autograd graph: where
+        one would be needed (grad enabled and a parameter of ``covar_module`` or
+        ``mean_module`` requiring grad), a backward pass that reaches them raises a
+        :class:`~gpsd.BackendError`; ``"dense"`` and ``"cholesky"`` differentiate.
+
+        :param test_x: test inputs, ``(*b, M, d)`` or ``(M,)``.
+        :param step: a step ``t`` in ``1..T`` (default: every step).
+        :param include_noise: add the noise of each step (:meth:`_step_noise`) to the
+            variances and to the covariances' diagonals.
+        :param full_cov: also return the covariances ``(*batch, T, M, M)``.
         """
+        step = self._check_step(step)
         test_x = validate_test_x(test_x, self.train_x)
+        prediction = self._predict_all(test_x, full_cov)
+        if include_noise:
+            noise = self._step_noise().to(prediction.mean).unsqueeze(-1)  # shape: (*s, T, 1)
+            covariance = prediction.covariance
+            if covariance is not None:
+                eye = torch.eye(
+                    covariance.shape[-1], dtype=covariance.dtype, device=covariance.device
+                )
+                covariance = covariance + noise.unsqueeze(-1) * eye
+            prediction = Prediction(prediction.mean, prediction.variance + noise, covariance)
+        if step is not None:
+            prediction = prediction.select(step - 1, dim=-2)
+        return prediction
+
+    def _predict_all(self, test_x: Tensor, full_cov: bool) -> Prediction:
         chunk = settings.test_chunk_size.value()
         if full_cov or test_x.shape[-2] <= chunk:
             return self._predict_chunk(test_x, full_cov)
@@ -310,7 +475,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         for i in range(0, test_x.shape[-2], chunk):  # a loop, not a comprehension:
             # warnings point past predict (stacklevel) on every Python version
             parts.append(self._predict_chunk(test_x[..., i : i + chunk, :], False))
-        return RegressionPath(
+        return Prediction(
             torch.cat([p.mean for p in parts], dim=-1),
             torch.cat([p.variance for p in parts], dim=-1),
         )
@@ -318,23 +483,28 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _mean_weights(self, state: dict) -> Tensor:
         r""":math:`G_t(\mathbf K)(\mathbf y - m)` for every step, ``(*, T, N, 1)``, computed once."""
         if "mean_weights" not in state:
-            state["mean_weights"] = state["engine"].apply(self._mean_filter(), state["coords"])
+            with autograd_context(state):
+                state["mean_weights"] = state["engine"].apply(self._mean_filter(), state["coords"])
         return state["mean_weights"]
 
-    def predict_mean(self, test_x: Tensor) -> Tensor:
-        """Predictive means of every step at ``test_x``, shape ``(*batch, T, M)``.
+    def predict_mean(self, test_x: Tensor, *, step: int | None = None) -> Tensor:
+        """Predictive means of every step at ``test_x``, shape ``(*batch, T, M)`` (or
+        ``(*batch, M)`` for ``step=t``).
 
         :meth:`predict` without the variances: one product with cached weights per chunk of
-        :class:`gpsd.settings.test_chunk_size` test points. With ``backend="cg"`` this skips the variance solves,
-        which have one right-hand side per test point.
+        :class:`gpsd.settings.test_chunk_size` test points. With ``backend="cg"`` this skips the
+        variance solves, which have one right-hand side per test point.
         """
+        step = self._check_step(step)
         test_x = validate_test_x(test_x, self.train_x)
         state = self._state()
         chunk = settings.test_chunk_size.value()
         starts = range(0, max(test_x.shape[-2], 1), chunk)
         with autograd_context(state):
             chunks = [test_x[..., i : i + chunk, :] for i in starts]
-            return torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
+            mean = torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
+        mean = self._guard(state, mean, test_x)
+        return mean if step is None else mean[..., step - 1, :]
 
     def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
@@ -345,7 +515,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         mean = (cross.to(weights).mT.unsqueeze(-3) @ weights).squeeze(-1)  # shape: (*, T, M)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
 
-    def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> RegressionPath:
+    def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> Prediction:
         state = self._state()
         engine = state["engine"]
         with autograd_context(state):
@@ -358,7 +528,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
             variance = nonnegative_variance(prior_var - reduction, prior_var)
             if engine.quad_error_bound is not None:  # the iterative solvers bound their forms
-                warn_if_variance_error_large(variance, engine.quad_error_bound, prior_var, 4)
+                warn_if_variance_error_large(variance, engine.quad_error_bound, prior_var, 5)
             variance = variance.to(test_x.dtype)
             # The variances do not depend on the targets or the prior mean: expanded (a view)
             # over their batch, so that they index as the means do.
@@ -369,11 +539,90 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 reduction = engine.cross(variance_filter, cross, cross).to(prior_cov)
                 covariance = (prior_cov - reduction).to(test_x.dtype)
                 covariance = covariance.expand(*mean.shape, mean.shape[-1])  # (*batch, T, M, M)
-        return RegressionPath(mean, variance, covariance)
+        mean = self._guard(state, mean, test_x)
+        variance = self._guard(state, variance, test_x)
+        if covariance is not None:
+            covariance = self._guard(state, covariance, test_x)
+        return Prediction(mean, variance, covariance)
 
-    def forward(self, test_x: Tensor, full_cov: bool = False) -> MultivariateNormal:
-        """The latent predictive distributions of all steps: batch shape ``(*batch, T)``."""
-        path = self.predict(test_x, full_cov=full_cov)
+    def forward(self, test_x: Tensor, *, full_cov: bool = False) -> MultivariateNormal:
+        """The latent predictive distributions of all steps: batch shape ``(*batch, T)``
+        (diagonal covariances unless ``full_cov``)."""
+        prediction = self.predict(test_x, full_cov=full_cov)
         if full_cov:
-            return MultivariateNormal(path.mean, path.covariance)
-        return MultivariateNormal(path.mean, DiagLinearOperator(path.variance))
+            return MultivariateNormal(prediction.mean, prediction.covariance)
+        return MultivariateNormal(prediction.mean, DiagLinearOperator(prediction.variance))
+
+    # ------------------------------------------------------------------ choosing t
+    def gcv(self) -> Tensor:
+        r"""Generalised cross-validation score of every step, shape ``(*batch, T)``.
+
+        Step :math:`t`'s fit at the training inputs is a linear smoother of the targets,
+        :math:`\boldsymbol\mu_t - m = \mathbf S_t(\mathbf y - m)`, and
+
+        .. math::
+            \operatorname{GCV}(t) = \frac{N \lVert \mathbf y - \boldsymbol\mu_t \rVert^2}
+            {\big(N - \operatorname{tr}\mathbf S_t\big)^2},
+
+        with :math:`\operatorname{tr}\mathbf S_t` read off the factorisation (smaller is
+        better). :math:`\mathbf I - \mathbf S_t` is evaluated as a filter of its own, not as a
+        difference: :math:`\mathbf y - \boldsymbol\mu_t` and
+        :math:`N - \operatorname{tr}\mathbf S_t` cancel to rounding where the noise is tiny.
+        Not available with the CG backend (the trace would take N solves).
+        """
+        state = self._state()
+        residuals = self._residual_filter()
+        n = self.train_x.shape[-2]
+        with autograd_context(state):
+            dof = state["engine"].trace(residuals)  # (N - tr S_t), times the filter's multiple
+            resid = state["engine"].apply(residuals, state["coords"]).squeeze(-1)
+            rss = resid.square().sum(-1)  # ||y - mu_t||^2, times the multiple squared
+            score = (n * rss / dof.square()).to(self.train_y.dtype)
+        return self._guard(state, score)
+
+    def validation_mse(self, val_x: Tensor, val_y: Tensor) -> Tensor:
+        """Mean squared error of every step's predictive mean on a validation set, ``(*batch, T)``.
+
+        :param val_x: validation inputs, ``(*b, M, d)`` or ``(M,)``.
+        :param val_y: validation targets, ``(*b, M)``.
+        """
+        val_x = validate_test_x(val_x, self.train_x, "val_x")
+        if isinstance(val_y, Tensor):
+            check_same_device(self.train_x, val_y, "val_y", "the model's training data")
+        val_y = check_finite(
+            as_float_tensor(val_y, "val_y", dtype=val_x.dtype, device=val_x.device), "val_y"
+        )
+        if val_y.dim() == 0 or val_y.shape[-1] != val_x.shape[-2]:
+            raise ValueError(
+                f"val_y must have {val_x.shape[-2]} entries (one per row of val_x), "
+                f"got shape {tuple(val_y.shape)}"
+            )
+        mean = self.predict_mean(val_x)
+        return (mean - val_y.unsqueeze(-2)).square().mean(-1)
+
+    def best_step(
+        self, criterion: str = "gcv", val_x: Tensor | None = None, val_y: Tensor | None = None
+    ) -> int | Tensor:
+        """The step with the smallest score, counted from 1.
+
+        :param criterion: ``"gcv"`` (:meth:`gcv`, on the training data) or ``"validation"``
+            (:meth:`validation_mse` on ``val_x``, ``val_y``).
+        :param val_x: validation inputs (``criterion="validation"`` only).
+        :param val_y: validation targets (``criterion="validation"`` only).
+        :return: an ``int`` in ``1..T``; for a batch, a long tensor of shape ``(*batch,)``.
+        """
+        if criterion not in CRITERIA:
+            raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+        if criterion == "gcv":
+            if val_x is not None or val_y is not None:
+                raise ValueError(
+                    "val_x and val_y are used with criterion='validation' only; "
+                    "criterion='gcv' scores the training data"
+                )
+            scores = self.gcv()
+        else:
+            if val_x is None or val_y is None:
+                raise ValueError("criterion='validation' needs val_x and val_y")
+            scores = self.validation_mse(val_x, val_y)
+        best = scores.detach().argmin(dim=-1) + 1  # shape: (*batch,)
+        return int(best) if best.dim() == 0 else best

@@ -8,12 +8,10 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._internal.validation import as_float_tensor, check_finite, check_int
 from gpsd.distillation._common import (
     schedule_index,
     student_batch,
     student_gp,
-    validate_test_x,
 )
 from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
 from gpsd.linalg import SpectralFilter
@@ -24,8 +22,8 @@ __all__ = ["DataCentricGPR"]
 class DataCentricGPR(SpectralGPR):
     r"""Every step of data-centric self-distillation of a GP regressor, from one factorisation.
 
-    Step :math:`t` fits a GP with prior :math:`\mathcal{GP}(m, k)` and noise :math:`\gamma_t` to the
-    previous step's targets and keeps its mean at the training inputs as the next targets:
+    Step :math:`t = 1, \dots, T` fits a GP with prior :math:`\mathcal{GP}(m, k)` and noise
+    :math:`\gamma_t` to the previous step's targets and keeps its mean at the training inputs as the next targets:
 
     .. math::
         \boldsymbol\mu_t = m(\mathbf x) + \mathbf K(\mathbf K + \gamma_t\mathbf I)^{-1}
@@ -60,19 +58,28 @@ class DataCentricGPR(SpectralGPR):
       and the device's free memory; beyond a dense matrix that fits, Lanczos, or deflated CG
       where Lanczos cannot reach ``rtol``.
 
-    The factorisation is cached and recomputed when the kernel's or the mean's parameters change.
-    Gradients flow to the kernel's and the mean's hyperparameters through the dense and Cholesky
-    backends; the matrix-free backends return predictions without an autograd graph.
-    ``train_x``, ``train_y`` and ``gamma`` are stored detached: constants to the model.
+    The model fits lazily on first use (or when :meth:`fit` is called) and refits when the
+    kernel's or the mean's parameters, the data, the schedule, its settings or
+    :mod:`gpsd.settings` change; changing :attr:`alpha` alone reuses the factorisation of
+    :math:`\mathbf K`. Gradients flow to the kernel's and the mean's hyperparameters through
+    the ``"dense"`` and ``"cholesky"`` backends; the matrix-free ones build no autograd graph,
+    and a backward pass that reaches their results (computed with grad enabled and a
+    hyperparameter requiring grad) raises a :class:`~gpsd.BackendError`. ``train_x``,
+    ``train_y`` and ``noise`` are stored detached: constants to the model.
 
-    :param kernel: the prior covariance :math:`k` (a GPyTorch kernel, trained or not).
     :param train_x: training inputs, shape ``(*b, N, d)`` (or ``(N,)``).
     :param train_y: training targets :math:`\mathbf y`, shape ``(*b, N)``.
-    :param gamma: the noise schedule :math:`\gamma_1..\gamma_T`: a scalar (one step), a list, or a
-        tensor of shape ``(*s, T)`` holding a batch of schedules.
-    :param alpha: weight :math:`\alpha \in [0, 1)` of the original targets in every step.
+    :param covar_module: the prior covariance :math:`k` (a GPyTorch kernel, trained or not).
+    :param noise: the noise schedule :math:`\gamma_1, \dots, \gamma_T`: one value (repeated
+        ``num_steps`` times, or one step), a list, or a tensor of shape ``(*s, T)`` holding a
+        batch of schedules.
+    :param num_steps: the number of steps :math:`T` (default: the length of ``noise``; with a
+        schedule, they must agree).
     :param mean_module: the prior mean :math:`m` (default: zero).
-    :param backend: ``"auto"``, ``"dense"``, ``"cholesky"``, ``"lanczos"`` or ``"cg"``.
+    :param alpha: weight :math:`\alpha \in [0, 1)` of the original targets in every step.
+    :param backend: ``"auto"``, ``"dense"``, ``"cholesky"``, ``"lanczos"`` or ``"cg"``. An
+        explicit ``"dense"`` or ``"cholesky"`` whose matrices would not fit in the device's free
+        memory raises an :class:`~gpsd.InsufficientMemoryError` before allocating them.
     :param linalg_dtype: dtype of the factorisation (default float64; ``None`` keeps the data's).
     :param rank: Krylov basis size of the Lanczos backend (default: grown block by block, an
         eighth of ``min(N, 1024)`` columns per block, between 4 and 64, until the error estimate
@@ -87,22 +94,23 @@ class DataCentricGPR(SpectralGPR):
         evaluates the kernel afresh at every product.
 
     Example:
-        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        >>> model = DataCentricGPR(kernel, train_x, train_y, gamma=[0.1, 0.2, 0.3])
-        >>> path = model.predict(test_x)  # path.mean, path.variance: (3, M)
-        >>> step = int(model.gcv().argmin()) + 1
+        >>> covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        >>> model = DataCentricGPR(train_x, train_y, covar_module, noise=0.1, num_steps=3).fit()
+        >>> prediction = model.predict(test_x)  # prediction.mean, .variance: (3, M)
+        >>> step = model.best_step("gcv")  # counted from 1
         >>> student = model.student(step)  # a plain ExactGP equal to that step
     """
 
     def __init__(
         self,
-        kernel: Kernel,
         train_x: Tensor,
         train_y: Tensor,
-        gamma: object,
+        covar_module: Kernel,
         *,
-        alpha: float = 0.0,
+        noise: object,
+        num_steps: int | None = None,
         mean_module: Mean | None = None,
+        alpha: float = 0.0,
         backend: str = "auto",
         linalg_dtype: torch.dtype | None = torch.float64,
         rank: int | None = None,
@@ -110,10 +118,11 @@ class DataCentricGPR(SpectralGPR):
         kernel_cache_bytes: int | None = None,
     ) -> None:
         super().__init__(
-            kernel,
             train_x,
             train_y,
-            gamma,
+            covar_module,
+            noise=noise,
+            num_steps=num_steps,
             mean_module=mean_module,
             backend=backend,
             linalg_dtype=linalg_dtype,
@@ -135,95 +144,78 @@ class DataCentricGPR(SpectralGPR):
             raise ValueError(f"alpha must lie in [0, 1), got {value}")
         self._alpha = value
 
-    def _config(self) -> tuple:
-        return (*super()._config(), self.alpha)
+    def _targets_config(self) -> tuple:
+        return (self.alpha,)
 
     def _smallest_shift(self) -> float:
-        return float(self.gamma.min())
+        return float(self.noise.min())
+
+    def _step_noise(self) -> Tensor:
+        return self.noise
 
     def _targets_filter(self) -> SpectralFilter:
-        return SpectralFilter.data_centric_targets(self._schedule(self.gamma), self.alpha)
+        return SpectralFilter.data_centric_targets(self._schedule(self.noise), self.alpha)
 
     def _mean_filter(self) -> SpectralFilter:
-        return SpectralFilter.data_centric_weights(self._schedule(self.gamma), self.alpha)
+        return SpectralFilter.data_centric_weights(self._schedule(self.noise), self.alpha)
 
     def _variance_filter(self) -> SpectralFilter:
-        return SpectralFilter.resolvent(self._schedule(self.gamma))
+        return SpectralFilter.resolvent(self._schedule(self.noise))
 
-    def train_targets_path(self) -> Tensor:
-        r"""The targets :math:`\mathbf y_1, \dots, \mathbf y_T`, shape ``(*batch, T, N)``."""
-        state = self._state()
-        with autograd_context(state):
-            targets = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
-            out = targets + state["prior_mean"].unsqueeze(-2)
-        return out.to(self.train_y.dtype)
+    def _residual_filter(self) -> SpectralFilter:
+        # E_t(K) = I - S_t by its own recurrence: y - mu_t and N - tr S_t cancel to rounding
+        # where the noise is tiny, which made the score NaN, infinite or wrong
+        return SpectralFilter.data_centric_residuals(self._schedule(self.noise), self.alpha)
 
-    # ------------------------------------------------------------------ choosing t
-    def gcv(self) -> Tensor:
-        r"""Generalised cross-validation score of every step, shape ``(*batch, T)``.
+    def step_targets(self, step: int | None = None) -> Tensor:
+        r"""The targets each step is fitted to: shape ``(*batch, T, N)``, row ``t - 1`` for
+        step ``t`` (or ``(*batch, N)`` for ``step=t``).
 
-        Step :math:`t`'s fit at the training inputs is a linear smoother of the targets,
-        :math:`\boldsymbol\mu_t - m = \mathbf S_t(\mathbf y - m)` with
-        :math:`\mathbf S_t = \mathbf K G_t(\mathbf K) = (F_t(\mathbf K) - \alpha\mathbf I)/(1 -
-        \alpha)`, and
+        Step 1 is fitted to :math:`\mathbf y_0 = \mathbf y` (``train_y``), step :math:`t` to
+        :math:`\mathbf y_{t-1} = \alpha\,\mathbf y + (1 - \alpha)\,\boldsymbol\mu_{t-1}`,
+        the previous step's fit at the training inputs.
 
-        .. math::
-            \operatorname{GCV}(t) = \frac{N \lVert \mathbf y - \boldsymbol\mu_t \rVert^2}
-            {\big(N - \operatorname{tr}\mathbf S_t\big)^2},
-
-        with :math:`\operatorname{tr}\mathbf S_t` read off the eigenvalues (smaller is better).
-        :math:`\mathbf I - \mathbf S_t = E_t(\mathbf K)` is evaluated by its own recurrence
-        (:meth:`~gpsd.linalg.SpectralFilter.data_centric_residuals`), not as differences:
-        :math:`\mathbf y - \boldsymbol\mu_t` and :math:`N - \operatorname{tr}\mathbf S_t`
-        cancel to rounding where the noise is tiny, which made the score NaN, infinite or wrong.
+        :param step: a step ``t`` in ``1..T`` (default: every step).
         """
+        step = self._check_step(step)
         state = self._state()
-        residuals = SpectralFilter.data_centric_residuals(self._schedule(self.gamma), self.alpha)
-        n = self.train_x.shape[-2]
         with autograd_context(state):
-            dof = state["engine"].trace(residuals)  # N - tr S_t
-            resid = state["engine"].apply(residuals, state["coords"]).squeeze(-1)
-            rss = resid.square().sum(-1)  # ||y - mu_t||^2
-            return (n * rss / dof.square()).to(self.train_y.dtype)
-
-    def validation_mse(self, val_x: Tensor, val_y: Tensor) -> Tensor:
-        """Mean squared error of every step's predictive mean on a validation set, ``(*batch, T)``."""
-        val_x = validate_test_x(val_x, self.train_x)
-        val_y = check_finite(
-            as_float_tensor(val_y, "val_y", dtype=val_x.dtype, device=val_x.device), "val_y"
-        )
-        if val_y.shape[-1] != val_x.shape[-2]:
-            raise ValueError(
-                f"val_y must have {val_x.shape[-2]} entries (one per row of val_x), "
-                f"got shape {tuple(val_y.shape)}"
-            )
-        mean = self.predict_mean(val_x)
-        return (mean - val_y.unsqueeze(-2)).square().mean(-1)
+            # y_1..y_T; the last is no step's target
+            fitted = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
+            fitted = fitted + state["prior_mean"].unsqueeze(-2)
+            first = self.train_y.unsqueeze(-2).to(fitted)
+            batch = torch.broadcast_shapes(first.shape[:-2], fitted.shape[:-2])
+            first = first.expand(*batch, *first.shape[-2:])
+            fitted = fitted.expand(*batch, *fitted.shape[-2:])
+            targets = torch.cat([first, fitted[..., :-1, :]], dim=-2)  # shape: (*batch, T, N)
+        targets = self._guard(state, targets.to(self.train_y.dtype))
+        return targets if step is None else targets[..., step - 1, :]
 
     # ------------------------------------------------------------------ students
-    def student(self, t: int, schedule: tuple[int, ...] = ()) -> ExactGP:
-        r"""A plain GPyTorch ``ExactGP`` equal to step ``t`` (1-based) of the distillation.
+    def student(self, step: int, schedule: tuple[int, ...] = ()) -> ExactGP:
+        r"""A plain GPyTorch ``ExactGP`` equal to step ``step`` (counted from 1).
 
-        Its training targets are :math:`\mathbf y_{t-1}` and its ``GaussianLikelihood`` noise is
-        :math:`\gamma_t`; kernel and mean are copies of this model's. When ``gamma`` holds a
-        batch of schedules, ``schedule`` indexes one of them (with unbatched data, kernel and
-        prior mean); the default ``()`` gives the student of the whole batch, one member per
-        entry of :meth:`predict`'s batch with its own noise (a teacher batch from
-        :meth:`from_teacher`, say). With a batch of targets, kernels or prior means, its
+        Its training targets are :math:`\mathbf y_{t-1}` (:meth:`step_targets`) and its
+        ``GaussianLikelihood`` noise is :math:`\gamma_t`; kernel and mean are copies of this
+        model's. When ``noise`` holds a batch of schedules, ``schedule`` indexes one of them (with
+        unbatched data, kernel and prior mean); the default ``()`` gives the student of the whole
+        batch, one member per entry of :meth:`predict`'s batch with its own noise (a teacher batch
+        from :meth:`from_teacher`, say). With a batch of targets, kernels or prior means, its
         training inputs are expanded to that batch (shape ``(*b, N, d)``).
+
+        :param step: a step ``t`` in ``1..T``.
+        :param schedule: the index of one schedule of a batch, or ``()``.
         """
-        t = check_int(t, "t")
-        if t > self.num_steps:
-            raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
-        batch = student_batch(self.train_x, self.train_y, self.mean_module, self.kernel)
-        schedule = schedule_index(self.gamma, schedule, batch)
+        step = self._check_step(step)
+        batch = student_batch(self.train_x, self.train_y, self.mean_module, self.covar_module)
+        schedule = schedule_index(self.noise, schedule, batch)
         with torch.no_grad():
-            if t == 1:
+            if step == 1:
                 targets = self.train_y
             else:
-                targets = self.train_targets_path()[..., t - 2, :]
+                targets = self.step_targets(step)
                 targets = targets[schedule] if schedule else targets
-        noise = self.gamma[schedule][..., t - 1]
+        noise = self.noise[schedule][..., step - 1]
         return student_gp(
-            self.train_x, targets.detach().clone(), noise, self.mean_module, self.kernel
+            self.train_x, targets.detach().clone(), noise, self.mean_module, self.covar_module
         )

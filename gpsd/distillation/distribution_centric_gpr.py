@@ -13,22 +13,20 @@ from gpytorch.models import ExactGP
 from torch import Tensor
 
 from gpsd._internal.module_state import choice_setting
-from gpsd._internal.validation import check_int
 from gpsd.distillation._common import (
     ExactGPFromModules,
-    RegressionPath,
     batched_gp_data,
     pair_batches,
     schedule_index,
     student_batch,
     student_gp,
     student_likelihood,
-    validate_test_x,
 )
 from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.kernels import PosteriorKernel
 from gpsd.linalg import SpectralFilter
 from gpsd.means import PosteriorMean
+from gpsd.prediction import Prediction
 
 __all__ = ["DistributionCentricGPR"]
 
@@ -38,44 +36,53 @@ METHODS = ("collapsed", "iterated")
 class DistributionCentricGPR(SpectralGPR):
     r"""Distribution-centric self-distillation of a GP regressor: the posterior becomes the prior.
 
-    Starting from :math:`\mathcal{GP}(m_0, k_0) = \mathcal{GP}(m, k)`, step :math:`t` conditions
-    the current GP on the same data with noise :math:`\gamma_t` (eqs. 6–7):
+    Starting from :math:`\mathcal{GP}(m_0, k_0) = \mathcal{GP}(m, k)`, step :math:`t = 1, \dots, T`
+    conditions the current GP on the same data with noise :math:`\gamma_t` (eqs. 6–7):
 
     .. math::
-        m_{t+1}(x) &= m_t(x) + k_t(x, \mathbf x)[\mathbf K_t + \gamma_t\mathbf I]^{-1}
-        (\mathbf y - m_t(\mathbf x)), \\
-        k_{t+1}(x, x') &= k_t(x, x') - k_t(x, \mathbf x)[\mathbf K_t + \gamma_t\mathbf I]^{-1}
-        k_t(\mathbf x, x').
+        m_t(x) &= m_{t-1}(x) + k_{t-1}(x, \mathbf x)[\mathbf K_{t-1} + \gamma_t\mathbf I]^{-1}
+        (\mathbf y - m_{t-1}(\mathbf x)), \\
+        k_t(x, x') &= k_{t-1}(x, x') - k_{t-1}(x, \mathbf x)[\mathbf K_{t-1} +
+        \gamma_t\mathbf I]^{-1} k_{t-1}(\mathbf x, x').
 
-    By Theorem 3.3, :math:`t` steps with :math:`\gamma_0, \dots, \gamma_{t-1}` equal one ordinary GP
-    with noise
+    Step :math:`t`'s prediction is :math:`\mathcal{GP}(m_t, k_t)`. By Theorem 3.3, :math:`t`
+    steps with :math:`\gamma_1, \dots, \gamma_t` equal one ordinary GP with noise
 
     .. math::
-        \tilde\gamma_t = \Big(\sum_{s=0}^{t-1} 1/\gamma_s\Big)^{-1},
+        \tilde\gamma_t = \Big(\sum_{s=1}^{t} 1/\gamma_s\Big)^{-1},
 
     which for a constant :math:`\gamma` is :math:`\gamma / t`: fitting :math:`t` copies of the data
     (Corollary 3.4). ``method="collapsed"`` (default) uses this closed form for every
-    :math:`t = 1..T` from one factorisation (see :class:`~gpsd.distillation.DataCentricGPR` for
-    the backends); ``method="iterated"`` runs the recursion literally through
+    :math:`t = 1..T` from one factorisation (see :class:`~gpsd.DataCentricGPR` for the backends,
+    the caching and the gradients); ``method="iterated"`` runs the recursion literally through
     :class:`~gpsd.means.PosteriorMean` and :class:`~gpsd.kernels.PosteriorKernel`, one exact GP
-    per step (:math:`\mathcal O(t N^3)`; a reference implementation).
+    per step (:math:`\mathcal O(t N^3)`; a reference implementation, without gradients).
+    Changing :attr:`method` of a fitted model reuses its factorisation.
 
-    :param kernel: the prior covariance :math:`k`.
-    :param train_x: training inputs, shape ``(*b, N, d)``.
+    :param train_x: training inputs, shape ``(*b, N, d)`` (or ``(N,)``).
     :param train_y: training targets, shape ``(*b, N)``.
-    :param gamma: the schedule :math:`\gamma_0..\gamma_{T-1}`, scalar, list or ``(*s, T)`` tensor.
+    :param covar_module: the prior covariance :math:`k`.
+    :param noise: the schedule :math:`\gamma_1, \dots, \gamma_T`: one value (repeated
+        ``num_steps`` times, or one step), a list, or a ``(*s, T)`` tensor.
+    :param num_steps: the number of steps :math:`T` (default: the length of ``noise``).
     :param mean_module: the prior mean :math:`m` (default zero).
     :param method: ``"collapsed"`` or ``"iterated"``.
-    :param backend, linalg_dtype, rank, rtol, kernel_cache_bytes: as in :class:`~gpsd.distillation.DataCentricGPR`.
+    :param backend, linalg_dtype, rank, rtol, kernel_cache_bytes: as in
+        :class:`~gpsd.DataCentricGPR`.
+
+    Example:
+        >>> model = DistributionCentricGPR(train_x, train_y, covar_module, noise=0.1, num_steps=5)
+        >>> model.predict(test_x, step=5, include_noise=True).variance  # noise 0.1 / 5 added
     """
 
     def __init__(
         self,
-        kernel: Kernel,
         train_x: Tensor,
         train_y: Tensor,
-        gamma: object,
+        covar_module: Kernel,
         *,
+        noise: object,
+        num_steps: int | None = None,
         mean_module: Mean | None = None,
         method: str = "collapsed",
         backend: str = "auto",
@@ -86,10 +93,11 @@ class DistributionCentricGPR(SpectralGPR):
     ) -> None:
         self.method = method  # checked before the base class does any work
         super().__init__(
-            kernel,
             train_x,
             train_y,
-            gamma,
+            covar_module,
+            noise=noise,
+            num_steps=num_steps,
             mean_module=mean_module,
             backend=backend,
             linalg_dtype=linalg_dtype,
@@ -102,13 +110,19 @@ class DistributionCentricGPR(SpectralGPR):
         "method", METHODS, '``"collapsed"`` or ``"iterated"``; may be changed between predictions.'
     )
 
+    def _targets_config(self) -> tuple:
+        return (self.method,)
+
     @property
     def effective_noise(self) -> Tensor:
-        r""":math:`\tilde\gamma_t = 1 / \sum_{s<t} 1/\gamma_s` for ``t = 1..T``, shape ``(*s, T)``."""
-        return 1.0 / torch.cumsum(1.0 / self.gamma, dim=-1)
+        r""":math:`\tilde\gamma_t = 1 / \sum_{s \le t} 1/\gamma_s` for ``t = 1..T``, shape ``(*s, T)``."""
+        return 1.0 / torch.cumsum(1.0 / self.noise, dim=-1)
 
     def _smallest_shift(self) -> float:
         return float(self.effective_noise.min())
+
+    def _step_noise(self) -> Tensor:
+        return self.effective_noise
 
     def _mean_filter(self) -> SpectralFilter:
         return SpectralFilter.resolvent(self._schedule(self.effective_noise))
@@ -116,44 +130,77 @@ class DistributionCentricGPR(SpectralGPR):
     def _variance_filter(self) -> SpectralFilter:
         return self._mean_filter()
 
-    def predict(self, test_x: Tensor, full_cov: bool = False) -> RegressionPath:
+    def _residual_filter(self) -> SpectralFilter:
+        # I - S_t = noise_t (K + noise_t I)^{-1}: the resolvent, a multiple of it per step
+        return self._mean_filter()
+
+    def step_targets(self, step: int | None = None) -> Tensor:
+        """The targets each step is fitted to: ``train_y`` at every step, expanded (a view) to
+        shape ``(*batch, T, N)`` (or ``(*batch, N)`` for ``step=t``), as
+        :meth:`DataCentricGPR.step_targets <gpsd.DataCentricGPR.step_targets>` lays them out.
+
+        :param step: a step ``t`` in ``1..T`` (default: every step).
+        """
+        step = self._check_step(step)
+        with torch.no_grad():
+            mean_batch = self.mean_module(self.train_x).shape[:-1]
+        batch = torch.broadcast_shapes(self.noise.shape[:-1], self.train_y.shape[:-1], mean_batch)
+        targets = self.train_y.unsqueeze(-2).expand(*batch, self.num_steps, self.train_y.shape[-1])
+        return targets if step is None else targets[..., step - 1, :]
+
+    def predict(
+        self,
+        test_x: Tensor,
+        *,
+        step: int | None = None,
+        include_noise: bool = False,
+        full_cov: bool = False,
+    ) -> Prediction:
         """Means and variances of :math:`\\mathcal{GP}(m_t, k_t)`, ``t = 1..T``, at ``test_x``.
 
-        Shapes ``(*batch, T, M)`` (covariances ``(*batch, T, M, M)`` with ``full_cov=True``).
+        As :meth:`DataCentricGPR.predict <gpsd.DataCentricGPR.predict>`: shapes
+        ``(*batch, T, M)`` (covariances ``(*batch, T, M, M)`` with ``full_cov=True``), or
+        ``(*batch, M)`` for ``step=t``; ``include_noise`` adds the effective noise
+        :math:`\\tilde\\gamma_t` of each step.
         """
-        if self.method == "iterated":
-            return self._predict_iterated(validate_test_x(test_x, self.train_x), full_cov)
-        return super().predict(test_x, full_cov)
+        return super().predict(test_x, step=step, include_noise=include_noise, full_cov=full_cov)
 
-    def predict_mean(self, test_x: Tensor) -> Tensor:
-        """Means of :math:`\\mathcal{GP}(m_t, k_t)`, ``t = 1..T``, at ``test_x``: ``(*batch, T, M)``."""
+    def _predict_all(self, test_x: Tensor, full_cov: bool) -> Prediction:
         if self.method == "iterated":
-            return self.predict(test_x).mean
-        return super().predict_mean(test_x)
+            return self._predict_iterated(test_x, full_cov)
+        return super()._predict_all(test_x, full_cov)
+
+    def predict_mean(self, test_x: Tensor, *, step: int | None = None) -> Tensor:
+        """Means of :math:`\\mathcal{GP}(m_t, k_t)`, ``t = 1..T``, at ``test_x``: ``(*batch, T, M)``
+        (or ``(*batch, M)`` for ``step=t``)."""
+        if self.method == "iterated":
+            return self.predict(test_x, step=step).mean
+        return super().predict_mean(test_x, step=step)
 
     # ------------------------------------------------------------------ the literal recursion
     def iterated_models(self, schedule: tuple[int, ...] = ()) -> list[ExactGP]:
-        """The chain of exact GPs of eqs. 6–7: model ``t`` has prior :math:`(m_{t-1}, k_{t-1})`.
+        """The chain of exact GPs of eqs. 6–7: the model of step ``t`` (list index ``t - 1``) has
+        prior :math:`(m_{t-1}, k_{t-1})` and noise :math:`\\gamma_t`.
 
-        The posterior of model ``t`` is :math:`\\mathcal{GP}(m_t, k_t)`. ``schedule`` picks one
-        schedule of a batch.
+        Its posterior is :math:`\\mathcal{GP}(m_t, k_t)`. ``schedule`` picks one schedule of a
+        batch.
         """
-        gamma = self.gamma[schedule_index(self.gamma, schedule)]
+        noise = self.noise[schedule_index(self.noise, schedule)]
         mean_module = copy.deepcopy(self.mean_module)
-        covar_module = copy.deepcopy(self.kernel)
+        covar_module = copy.deepcopy(self.covar_module)
         # shapes: (*b, N, d), (*b, N), with b the batch of the inputs, targets and prior mean
         train_x, train_y = batched_gp_data(self.train_x, self.train_y, mean_module)
         models = []
-        for g in gamma:
-            likelihood = student_likelihood(g, self.train_x)
+        for value in noise:
+            likelihood = student_likelihood(value, self.train_x)
             model = ExactGPFromModules(train_x, train_y, likelihood, mean_module, covar_module)
             model.eval()
             models.append(model)
             mean_module, covar_module = PosteriorMean(model), PosteriorKernel(model)
         return models
 
-    def _predict_iterated(self, test_x: Tensor, full_cov: bool) -> RegressionPath:
-        batch = self.gamma.shape[:-1]
+    def _predict_iterated(self, test_x: Tensor, full_cov: bool) -> Prediction:
+        batch = self.noise.shape[:-1]
         means, variances, covs = [], [], []
         for index in itertools.product(*(range(n) for n in batch)):
             step_means, step_vars, step_covs = [], [], []
@@ -175,21 +222,20 @@ class DistributionCentricGPR(SpectralGPR):
             out = out.reshape(*batch, *out.shape[1:])
             return pair_batches(out, batch, means[0].shape[:-2])
 
-        return RegressionPath(gather(means), gather(variances), gather(covs) if full_cov else None)
+        return Prediction(gather(means), gather(variances), gather(covs) if full_cov else None)
 
-    def student(self, t: int, schedule: tuple[int, ...] = ()) -> ExactGP:
-        r"""A plain ``ExactGP`` equal to step ``t`` by Theorem 3.3: noise :math:`\tilde\gamma_t`.
+    def student(self, step: int, schedule: tuple[int, ...] = ()) -> ExactGP:
+        r"""A plain ``ExactGP`` equal to step ``step`` (counted from 1) by Theorem 3.3: noise
+        :math:`\tilde\gamma_t`.
 
-        When ``gamma`` holds a batch of schedules, ``schedule`` indexes one of them (with
+        When ``noise`` holds a batch of schedules, ``schedule`` indexes one of them (with
         unbatched data, kernel and prior mean); the default ``()`` gives the student of the whole
         batch, one member per entry of :meth:`predict`'s batch with its own noise. With a batch
         of targets, kernels or prior means, its training inputs are expanded to that batch
         (shape ``(*b, N, d)``).
         """
-        t = check_int(t, "t")
-        if t > self.num_steps:
-            raise ValueError(f"t must lie in 1..{self.num_steps}, got {t}")
-        batch = student_batch(self.train_x, self.train_y, self.mean_module, self.kernel)
-        schedule = schedule_index(self.gamma, schedule, batch)
-        noise = self.effective_noise[schedule][..., t - 1]
-        return student_gp(self.train_x, self.train_y, noise, self.mean_module, self.kernel)
+        step = self._check_step(step)
+        batch = student_batch(self.train_x, self.train_y, self.mean_module, self.covar_module)
+        schedule = schedule_index(self.noise, schedule, batch)
+        noise = self.effective_noise[schedule][..., step - 1]
+        return student_gp(self.train_x, self.train_y, noise, self.mean_module, self.covar_module)

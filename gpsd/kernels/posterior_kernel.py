@@ -33,11 +33,13 @@ class PosteriorKernel(Kernel):
     inputs, so level :math:`t` of a chain sees :math:`M + tN` rows): the cost grows polynomially
     with the chain's length, where evaluating each block separately would double it per level.
 
-    The teacher's kernel is a frozen copy kept in evaluation mode, whatever mode this kernel is
-    put in (an ``InducingPointKernel`` or a ``GridKernel`` evaluates differently in training
-    mode, and the student of a training loop is in training mode).
+    The teacher's kernel is a copy whose parameters are buffers (``parameters()`` of a student
+    holding this kernel lists the student's own parameters only), kept in evaluation mode
+    whatever mode this kernel is put in (an ``InducingPointKernel`` or a ``GridKernel`` evaluates
+    differently in training mode, and the student of a training loop is in training mode).
 
-    :param teacher: a trained ``gpytorch.models.ExactGP`` with a Gaussian likelihood, whose
+    :param teacher: a trained ``gpytorch.models.ExactGP`` with a Gaussian likelihood (checked:
+        a ``TypeError`` or ``ValueError`` names what is missing), whose
         ``forward`` applies its ``mean_module`` and ``covar_module`` to the inputs as they come
         (the GPyTorch convention; a ``forward`` that transforms them first is not reproduced).
     """

@@ -22,13 +22,15 @@ class PosteriorMean(Mean):
         (\mathbf y - m(\mathbf X)).
 
     The weights :math:`(\mathbf K_{XX} + \boldsymbol\Sigma)^{-1}(\mathbf y - m(\mathbf X))` are
-    computed once and stored as a buffer, next to frozen copies of the teacher's mean and kernel,
-    so the student's ``train()``/``eval()`` never touches the teacher, and later changes to the
-    teacher do not leak in. The copies stay in evaluation mode whatever mode this module is put
-    in (an ``InducingPointKernel`` evaluates differently in training mode). The module has no
-    trainable parameters.
+    computed once and stored as a buffer, next to copies of the teacher's mean and kernel whose
+    parameters are buffers too, so the student's ``train()``/``eval()`` never touches the
+    teacher, later changes to the teacher do not leak in, and ``parameters()`` of a student
+    holding this module lists the student's own parameters only. The copies stay in evaluation
+    mode whatever mode this module is put in (an ``InducingPointKernel`` evaluates differently in
+    training mode).
 
-    :param teacher: a trained ``gpytorch.models.ExactGP`` with a Gaussian likelihood, defining
+    :param teacher: a trained ``gpytorch.models.ExactGP`` with a Gaussian likelihood (checked:
+        a ``TypeError`` or ``ValueError`` names what is missing), defining
         ``mean_module`` and ``covar_module`` and applying them to the inputs as they come (the
         GPyTorch convention; a ``forward`` that transforms them first is not reproduced).
     """

@@ -107,7 +107,7 @@ def test_regression_distiller_reports_a_negative_variance():
     x = torch.rand(40, 1, generator=gen, dtype=torch.float64)
     y = torch.sin(6 * x.squeeze(-1))
     test_x = torch.rand(7, 1, generator=gen, dtype=torch.float64)
-    model = DataCentricGPR(rbf_kernel(), x, y, [0.1, 0.2], backend="dense")
+    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2], backend="dense")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         assert bool((model.predict(test_x).variance > 0).all())

@@ -1,3 +1,6 @@
+"""DistributionCentricGPR: against the literal recursion of posterior modules, Theorem 3.3 and
+dense formulas."""
+
 import warnings
 
 import gpytorch
@@ -24,8 +27,8 @@ def test_iterated_recursion_equals_theorem_3_3_closed_form(problem):
     mean = gpytorch.means.ConstantMean().to(DTYPE)
     mean.constant.data.fill_(-0.4)
     kwargs = dict(mean_module=mean)
-    collapsed = DistributionCentricGPR(rbf_kernel(), x, y, gammas, **kwargs)
-    iterated = DistributionCentricGPR(rbf_kernel(), x, y, gammas, method="iterated", **kwargs)
+    collapsed = DistributionCentricGPR(x, y, rbf_kernel(), noise=gammas, **kwargs)
+    iterated = DistributionCentricGPR(x, y, rbf_kernel(), noise=gammas, method="iterated", **kwargs)
     with torch.no_grad(), exact_settings():
         a = collapsed.predict(test_x, full_cov=True)
         b = iterated.predict(test_x, full_cov=True)
@@ -39,7 +42,7 @@ def test_closed_form_is_an_ordinary_gp_with_harmonic_noise(problem):
     """Theorem 3.3 checked against a GPyTorch GP with noise 1 / sum(1 / gamma_s)."""
     x, y, test_x = problem
     gammas = torch.tensor([[0.3, 0.1, 0.7], [0.5, 0.5, 0.5]], dtype=DTYPE)
-    model = DistributionCentricGPR(rbf_kernel(), x, y, gammas, backend="dense")
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=gammas, backend="dense")
     with torch.no_grad():
         path = model.predict(test_x)
     for s in range(2):
@@ -57,7 +60,7 @@ def test_corollary_3_4_data_duplication(problem):
     """t steps with a constant gamma equal one GP fitted to t copies of the data."""
     x, y, test_x = problem
     gamma, t = 0.4, 4
-    model = DistributionCentricGPR(rbf_kernel(), x, y, [gamma] * t, backend="cholesky")
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=[gamma] * t, backend="cholesky")
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
     likelihood.noise = gamma
     gp = PlainGP(x.repeat(t, 1), y.repeat(t), likelihood, gpytorch.means.ZeroMean(), rbf_kernel())
@@ -80,9 +83,9 @@ def test_corollary_3_4_data_duplication(problem):
 def test_backends_agree(problem, backend):
     x, y, test_x = problem
     gammas = torch.linspace(0.2, 1.0, 6, dtype=DTYPE)
-    ref = DistributionCentricGPR(rbf_kernel(), x, y, gammas, method="iterated")
+    ref = DistributionCentricGPR(x, y, rbf_kernel(), noise=gammas, method="iterated")
     options = {"rank": 4, "rtol": 1e-12} if backend == "cg" else {"rank": 25}
-    model = DistributionCentricGPR(rbf_kernel(), x, y, gammas, backend=backend, **options)
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=gammas, backend=backend, **options)
     with torch.no_grad(), exact_settings():
         a, b = model.predict(test_x), ref.predict(test_x)
     assert relative_error(a.mean, b.mean) < 1e-8
@@ -92,7 +95,7 @@ def test_backends_agree(problem, backend):
 def test_student_and_effective_noise(problem):
     x, y, test_x = problem
     gammas = torch.tensor([0.2, 0.6, 0.3], dtype=DTYPE)
-    model = DistributionCentricGPR(rbf_kernel(), x, y, gammas)
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=gammas)
     expected = torch.tensor([0.2, 1 / (5 + 1 / 0.6), 1 / (5 + 1 / 0.6 + 1 / 0.3)], dtype=DTYPE)
     torch.testing.assert_close(model.effective_noise, expected)
     student = model.student(3)
@@ -111,14 +114,35 @@ def test_from_teacher_and_errors(problem):
     model = DistributionCentricGPR.from_teacher(teacher, num_steps=3)
     torch.testing.assert_close(model.effective_noise, torch.tensor([0.3, 0.15, 0.1], dtype=DTYPE))
     with pytest.raises(ValueError, match="method"):
-        DistributionCentricGPR(rbf_kernel(), x, y, 0.1, method="lazy")
-    with pytest.raises(ValueError, match="gamma"):
-        DistributionCentricGPR(rbf_kernel(), x, y, [0.1, -0.1])
+        DistributionCentricGPR(x, y, rbf_kernel(), noise=0.1, method="lazy")
+    with pytest.raises(ValueError, match="noise"):
+        DistributionCentricGPR(x, y, rbf_kernel(), noise=[0.1, -0.1])
     with pytest.raises(ValueError, match="num_steps"):
         DistributionCentricGPR.from_teacher(teacher)
     with pytest.raises(ValueError, match="test_x"):
         model.predict(torch.zeros(3, 4, dtype=DTYPE))
-    with pytest.raises(ValueError, match="t must lie in 1..3"):
+    with pytest.raises(ValueError, match=r"step must lie in 1..3"):
         model.student(4)
-    with pytest.raises(ValueError, match="t must be a positive int"):
+    with pytest.raises(ValueError, match="step must be"):
         model.student(1.5)
+
+
+@pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos"])
+def test_gcv_of_each_step_is_that_of_one_gp_with_the_effective_noise(backend):
+    """Step t is one GP with noise 1 / sum_{s <= t} 1 / gamma_s (Theorem 3.3): its smoother
+    S_t = K (K + noise I)^-1, and GCV(t) = N ||y - S_t y||^2 / (N - tr S_t)^2, by dense algebra."""
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(200, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(x[:, 0])
+    schedule = torch.tensor([0.1, 0.2, 0.3], dtype=DTYPE)
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=schedule, backend=backend, rtol=1e-10)
+    with torch.no_grad():
+        got = model.gcv()
+        k = rbf_kernel()(x).to_dense()
+        want = []
+        for noise in 1.0 / torch.cumsum(1.0 / schedule, dim=0):
+            smoother = k @ torch.linalg.inv(k + noise * torch.eye(200, dtype=DTYPE))
+            residual = y - smoother @ y
+            want.append(200 * residual.square().sum() / (200 - smoother.trace()) ** 2)
+    assert relative_error(got, torch.stack(want)) < 1e-9
+    assert model.best_step() == int(torch.stack(want).argmin()) + 1

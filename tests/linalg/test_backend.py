@@ -10,7 +10,7 @@ from gpr_reference import rbf_kernel
 from gpytorch.utils.warnings import NumericalWarning
 
 import gpsd
-import gpsd.distillation._spectral_gpr as spectral_gpr
+import gpsd.linalg
 import gpsd.linalg.backend as backend_module
 from gpsd import DataCentricGPR
 from gpsd.linalg import KernelSpectrum, ShiftedCG, ShiftedCholesky, choose_backend, make_engine
@@ -95,10 +95,12 @@ def test_repeated_inputs_predict_as_the_dense_backend_does(backend, rank):
     test_x = torch.linspace(0, 10, 9, dtype=DTYPE).unsqueeze(-1)
     gammas = [0.1, 0.2]
     with torch.no_grad():
-        expected = DataCentricGPR(rbf_kernel(), x, y, gammas, backend="dense").predict(test_x)
+        expected = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend="dense").predict(test_x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = DataCentricGPR(rbf_kernel(), x, y, gammas, backend=backend, rank=rank).predict(test_x)
+        got = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend=backend, rank=rank).predict(
+            test_x
+        )
         mean, variance = got.mean.detach(), got.variance.detach()
     assert float((mean - expected.mean).norm() / expected.mean.norm()) < 1e-9
     assert float((variance - expected.variance).abs().max() / expected.variance.max()) < 1e-8
@@ -111,8 +113,8 @@ def test_data_centric_lanczos_at_fifteen_inputs_equals_the_dense_path():
     gamma = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
     test_x = torch.linspace(-1, 11, 7, dtype=DTYPE).unsqueeze(-1)
     with torch.no_grad():
-        got = DataCentricGPR(kernel, x, y, gamma, backend="lanczos").predict(test_x)
-        ref = DataCentricGPR(kernel, x, y, gamma, backend="dense").predict(test_x)
+        got = DataCentricGPR(x, y, kernel, noise=gamma, backend="lanczos").predict(test_x)
+        ref = DataCentricGPR(x, y, kernel, noise=gamma, backend="dense").predict(test_x)
     torch.testing.assert_close(got.mean, ref.mean, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got.variance, ref.variance, rtol=1e-9, atol=1e-12)
 
@@ -134,9 +136,9 @@ def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
     test_x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
     gamma = torch.tensor([1e-4, 1e-3], dtype=DTYPE)
     with torch.no_grad():
-        model = DataCentricGPR(_kernel(), x, y, gamma, backend="lanczos", rtol=1e-8)
+        model = DataCentricGPR(x, y, _kernel(), noise=gamma, backend="lanczos", rtol=1e-8)
         got = model.predict_mean(test_x)
-        dense = DataCentricGPR(_kernel(), x, y, gamma, backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(x, y, _kernel(), noise=gamma, backend="dense").predict_mean(test_x)
     assert model.error_estimate <= 1e-8
     scale = dense.abs().max()
     assert float((got - dense).abs().max() / scale) < 1e-8
@@ -144,29 +146,31 @@ def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
 
 def test_switching_the_grad_mode_keeps_a_matrix_free_engine():
     x, y = _data(300)
-    model = DataCentricGPR(_kernel(0.3), x, y, [0.01, 0.02], backend="cg", rtol=1e-6)
+    model = DataCentricGPR(x, y, _kernel(0.3), noise=[0.01, 0.02], backend="cg", rtol=1e-6)
     with torch.no_grad():
         first = model.predict_mean(x[:5])
-    engine = model._cache["engine"]
+    engine = model._state()["engine"]
     second = model.predict_mean(x[:5])  # gradients enabled now
-    assert model._cache["engine"] is engine and not second.requires_grad
+    assert model._state()["engine"] is engine
     torch.testing.assert_close(second, first, rtol=0, atol=0)
+    with pytest.raises(gpsd.BackendError, match="'dense' or 'cholesky'"):
+        second.sum().backward()  # CG builds no graph
     # a dense engine carries a graph with gradients enabled: rebuilt
-    dense = DataCentricGPR(_kernel(0.3), x, y, [0.01, 0.02], backend="dense")
+    dense = DataCentricGPR(x, y, _kernel(0.3), noise=[0.01, 0.02], backend="dense")
     with torch.no_grad():
         dense.predict_mean(x[:5])
-    engine = dense._cache["engine"]
-    assert dense.predict_mean(x[:5]).requires_grad and dense._cache["engine"] is not engine
+        engine = dense._state()["engine"]
+    assert dense.predict_mean(x[:5]).requires_grad and dense._state()["engine"] is not engine
 
 
 def test_the_low_precision_warning_comes_before_the_factorisation(monkeypatch):
     def failing_engine(*args, **kwargs):
         raise RuntimeError("the factorisation failed")
 
-    monkeypatch.setattr(spectral_gpr, "make_engine", failing_engine)
+    monkeypatch.setattr(gpsd.linalg, "make_engine", failing_engine)
     x, y = _data(40)
     kernel = gpytorch.kernels.RBFKernel()
-    model = DataCentricGPR(kernel, x.float(), y.float(), [1e-6], linalg_dtype=None)
+    model = DataCentricGPR(x.float(), y.float(), kernel, noise=[1e-6], linalg_dtype=None)
     with (
         pytest.warns(NumericalWarning, match="factored in torch.float32"),
         pytest.raises(RuntimeError, match="the factorisation failed"),
@@ -180,12 +184,12 @@ def test_a_float32_lanczos_spectrum_warns_instead_of_refusing():
     x, y = _data(300)
     test_x = torch.linspace(0, 10, 20, dtype=DTYPE).unsqueeze(-1)
     model = DataCentricGPR(
-        _kernel().float(), x.float(), y.float(), [1e-2], backend="lanczos", linalg_dtype=None
+        x.float(), y.float(), _kernel().float(), noise=[1e-2], backend="lanczos", linalg_dtype=None
     )
     with torch.no_grad(), pytest.warns(NumericalWarning, match="estimated relative error"):
         got = model.predict_mean(test_x.float())
     with torch.no_grad():
-        dense = DataCentricGPR(_kernel(), x, y, [1e-2], backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(x, y, _kernel(), noise=[1e-2], backend="dense").predict_mean(test_x)
     error = float((got.double() - dense).abs().max() / dense.abs().max())
     assert error < 10 * model.error_estimate and model.error_estimate < 0.05
 
@@ -195,15 +199,15 @@ def test_auto_rebuilds_for_gradients_after_a_no_grad_prediction():
     # with gradients must not reuse it
     x, y = _data(300)
     gammas = torch.full((30,), 0.1, dtype=DTYPE)
-    model = DataCentricGPR(_kernel(2.0), x, y, gammas)
+    model = DataCentricGPR(x, y, _kernel(2.0), noise=gammas)
     with torch.no_grad():
         model.predict_mean(x[:5])
     mean = model.predict_mean(x[:5])
     assert mean.requires_grad
-    (got,) = torch.autograd.grad(mean.sum(), model.kernel.base_kernel.raw_lengthscale)
-    fresh = DataCentricGPR(_kernel(2.0), x, y, gammas)
+    (got,) = torch.autograd.grad(mean.sum(), model.covar_module.base_kernel.raw_lengthscale)
+    fresh = DataCentricGPR(x, y, _kernel(2.0), noise=gammas)
     (expected,) = torch.autograd.grad(
-        fresh.predict_mean(x[:5]).sum(), fresh.kernel.base_kernel.raw_lengthscale
+        fresh.predict_mean(x[:5]).sum(), fresh.covar_module.base_kernel.raw_lengthscale
     )
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
 
@@ -222,19 +226,21 @@ def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
         return k.to(dtype)
 
     with torch.no_grad():
-        dense = DataCentricGPR(kernel(DTYPE), x, y, gammas, backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(x, y, kernel(DTYPE), noise=gammas, backend="dense").predict_mean(
+            test_x
+        )
         model = DataCentricGPR(
-            kernel(torch.float32),
             x.float(),
             y.float(),
-            gammas.float(),
+            kernel(torch.float32),
+            noise=gammas.float(),
             backend="cg",
             linalg_dtype=None,
             rtol=1e-3,
         )
         with pytest.warns(NumericalWarning):  # the float32 warning
             got = model.predict_mean(test_x.float())
-    engine = model._cache["engine"]
+    engine = model._state()["engine"]
     error = (got.double() - dense).abs().amax(-1) / dense.abs().amax(-1)
     assert float(error.max()) < 0.05
     assert int(engine.resolved.sum()) == 0  # none within residual_tol in float32 here

@@ -537,10 +537,12 @@ def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     kernel, x, y, test_x = matern_regression_problem()
     gamma = torch.tensor([1e-8], dtype=DTYPE)
     exact = (
-        DataCentricGPR(kernel, x, y, gamma, backend="cholesky").predict(test_x).variance.detach()
+        DataCentricGPR(x, y, kernel, noise=gamma, backend="cholesky")
+        .predict(test_x)
+        .variance.detach()
     )
     # rank 64 < N = 150: CG iterates (758 times); rank >= N would make it one step
-    model = DataCentricGPR(kernel, x, y, gamma, backend="cg", rtol=1e-8, rank=64)
+    model = DataCentricGPR(x, y, kernel, noise=gamma, backend="cg", rtol=1e-8, rank=64)
     cg = model.predict(test_x).variance
     # the first-order quadratic form c^T x would err by 2.3e-3 relative here
     assert float(((cg - exact).abs() / exact).max()) < 1e-6
