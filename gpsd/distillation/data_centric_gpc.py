@@ -25,8 +25,8 @@ from gpsd._internal.validation import (
     check_test_inputs,
 )
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.laplace._prior_blocks import constant_parameters, prior_at_test, prior_at_training
-from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode

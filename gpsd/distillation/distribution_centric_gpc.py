@@ -21,8 +21,8 @@ from gpsd._internal.validation import (
     check_test_inputs,
 )
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.laplace._prior_blocks import constant_parameters, prior_at_test, prior_at_training
-from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import closed_form_probability, expected_response
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
