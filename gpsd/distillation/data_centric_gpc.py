@@ -64,7 +64,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
     The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
     predictions refit every step (warm-started from the stored modes) when any parameter or
-    buffer, a setting (``noise``, ``soft_target_likelihood``, ``threshold_targets``,
+    buffer (``noise`` among them), a setting (``soft_target_likelihood``, ``threshold_targets``,
     ``target_method``, ``max_iter``) or a :mod:`gpsd.settings` value has changed since the last
     fit, so they always belong to the current hyperparameters. Predictions hold every step along a
     step dimension before the test points (row ``t - 1`` for step ``t``); ``step=t`` selects one.
@@ -123,11 +123,12 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self._num_steps = num_steps
-        self._noise = noise_schedule(noise, num_steps)
         self.warm_start = bool(warm_start)
         self.max_iter = check_int(max_iter, "max_iter")
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
+        noise = noise_schedule(noise, num_steps)
+        self.register_buffer("noise", torch.tensor(noise, dtype=train_x.dtype, device=train_x.device))
         shape = (num_steps, *train_y.shape)
         self.register_buffer("step_targets", train_x.new_zeros(shape))
         self.register_buffer("latent_modes", train_x.new_zeros(shape))
@@ -162,16 +163,18 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
     )
 
-    @property
-    def noise(self) -> Tensor:
-        r""":math:`\gamma_1, \dots, \gamma_T`, shape ``(T,)`` (entry ``t - 1`` for step ``t``), in
-        the training inputs' dtype; assigning one number or ``T`` numbers refits on use."""
-        x = self.train_inputs
-        return torch.tensor(self._noise, dtype=x.dtype, device=x.device)
+    #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(T,)`` (entry ``t - 1`` for step
+    #: ``t``) in the training inputs' dtype. Assigning one number or ``T`` numbers (checked) or
+    #: writing into it refits on use.
+    noise: Tensor
 
-    @noise.setter
-    def noise(self, value: float | Sequence[float] | Tensor) -> None:
-        self._noise = noise_schedule(value, self.num_steps)
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "noise" and "noise" in self.__dict__.get("_buffers", {}):
+            current = self._buffers["noise"]
+            value = torch.tensor(
+                noise_schedule(value, self.num_steps), dtype=current.dtype, device=current.device
+            )
+        super().__setattr__(name, value)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "step_targets"))
@@ -183,7 +186,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     def _settings(self) -> tuple:
         """The settings besides the module's state that the fitted steps depend on."""
         return (
-            self._noise,
             self.soft_target_likelihood,
             self.threshold_targets,
             self.target_method,
@@ -228,7 +230,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     elif not self.warm_start:
                         init = None
                     mode = find_laplace_mode(
-                        K + self._noise[step - 1] * eye,
+                        K + float(self.noise[step - 1]) * eye,
                         targets,
                         self._terms(step),
                         prior_mean=m,

@@ -55,7 +55,8 @@ def test_a_float64_kernel_on_float32_data(build):
     # steps are now computed in the data's dtype, and step 1 matches the float64 reference.
     x, y, test_x, kernel = _problem()
     model = build(x, y, kernel).fit()
-    mean, var = model.predict_latent(test_x, step=1)
+    latent = model.predict_latent(test_x, step=1)
+    mean, var = latent.mean, latent.variance
     assert mean.dtype == var.dtype == torch.float32
     ref_mean, ref_var = _laplace_reference(kernel, x, y, test_x)
     torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-4, atol=1e-4)

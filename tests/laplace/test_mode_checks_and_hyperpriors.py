@@ -130,7 +130,7 @@ def test_optimize_hyperparameters_adds_the_registered_hyperpriors():
     # without it)
     prior = gpytorch.priors.NormalPrior(torch.tensor(5.0).double(), torch.tensor(0.01).double())
     with_prior = _classifier(prior)
-    history = with_prior.optimize_hyperparameters(num_iter=10, lr=0.2)
+    history = with_prior.optimize_hyperparameters(max_iter=10, lr=0.2).history
     by_hand = _classifier(None)
     expected = _adam_by_hand(
         by_hand, lambda m: prior.log_prob(m.covar_module.base_kernel.lengthscale).sum()
@@ -139,7 +139,7 @@ def test_optimize_hyperparameters_adds_the_registered_hyperpriors():
     lengthscale = with_prior.covar_module.base_kernel.lengthscale
     torch.testing.assert_close(lengthscale, by_hand.covar_module.base_kernel.lengthscale)
     without = _classifier(None)
-    without.optimize_hyperparameters(num_iter=10, lr=0.2)
+    without.optimize_hyperparameters(max_iter=10, lr=0.2)
     assert lengthscale.item() > without.covar_module.base_kernel.lengthscale.item() + 0.5  # to 5
     # the evidence alone, as before
     torch.testing.assert_close(
@@ -150,6 +150,6 @@ def test_optimize_hyperparameters_adds_the_registered_hyperpriors():
 def test_optimize_hyperparameters_without_priors_maximises_the_evidence():
     model = _classifier(None)
     assert model.log_prior().item() == 0.0
-    history = model.optimize_hyperparameters(num_iter=10, lr=0.2)
+    history = model.optimize_hyperparameters(max_iter=10, lr=0.2).history
     expected = _adam_by_hand(_classifier(None), lambda m: 0.0)
     torch.testing.assert_close(history, expected, rtol=1e-10, atol=0)

@@ -42,9 +42,10 @@ TEST_X = torch.tensor([[-2.0], [0.3], [2.5]], dtype=DT)
 
 
 def _outputs(model):
-    mean, var = model.predict_latent(TEST_X)
+    latent = model.predict_latent(TEST_X)
+    mean, var = latent.mean, latent.variance
     cov = model(TEST_X).covariance_matrix
-    return [mean.sum(), var.sum(), model.predict_proba(TEST_X).sum(), cov[0, 1]]
+    return [mean.sum(), var.sum(), model.predict_proba(TEST_X)[..., 1].sum(), cov[0, 1]]
 
 
 def _central_differences(model, param, h=1e-5):
