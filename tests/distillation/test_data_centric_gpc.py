@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy import integrate
 
+import gpsd
 from gpsd.data.toy import sine_classification
 from gpsd.distillation.data_centric_gpc import DataCentricGPC
 from gpsd.laplace import LaplaceGPClassifier
@@ -170,3 +171,107 @@ def test_float32_close_to_float64(toy):
     p32 = model.predict_proba(test_x.float())
     assert p32.dtype == torch.float32
     torch.testing.assert_close(p32.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_fit_returns_self_and_the_model_fits_lazily(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=2)
+    assert model.fit() is model
+    lazy = DataCentricGPC(x, y, _kernel(), num_steps=2)  # no fit(): the first prediction fits
+    torch.testing.assert_close(lazy.predict_proba(test_x), model.predict_proba(test_x))
+    with pytest.raises(TypeError):
+        DataCentricGPC(x, y, _kernel(), gpytorch.means.ZeroMean())
+
+
+def test_every_step_along_a_step_dimension_and_step_t_is_row_t_minus_1(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=3, noise=[0.0, 0.1, 0.2])
+    proba = model.predict_proba(test_x)
+    M = test_x.shape[0]
+    assert proba.shape == (3, M, 2)
+    torch.testing.assert_close(proba.sum(-1), torch.ones(3, M, dtype=torch.float64))
+    latent = model.predict_latent(test_x)
+    assert isinstance(latent, gpsd.Prediction) and latent.mean.shape == (3, M)
+    labels = model.predict(test_x)
+    assert labels.dtype == torch.long and labels.shape == (3, M)
+    torch.testing.assert_close(labels, (proba[..., 1] > 0.5).long())
+    for t in (1, 2, 3):
+        torch.testing.assert_close(model.predict_proba(test_x, step=t), proba[t - 1])
+        one = model.predict_latent(test_x, step=t)
+        torch.testing.assert_close(
+            (one.mean, one.variance), (latent.mean[t - 1], latent.variance[t - 1])
+        )
+        torch.testing.assert_close(model.predict(test_x, step=t), labels[t - 1])
+    # step 1 is the ordinary classifier on the labels (row 0 of step_targets)
+    torch.testing.assert_close(model.step_targets[0], y)
+    reference = LaplaceGPClassifier(x, y, _kernel(), noise=0.0)
+    torch.testing.assert_close(proba[0], reference.predict_proba(test_x).detach())
+    # the noise is one value per step, entry t - 1 for step t
+    assert model.noise.shape == (3,) and model.noise[1].item() == 0.1
+
+
+def test_a_batch_of_label_sets_puts_the_step_after_the_batch(toy):
+    x, y, test_x = toy
+    labels = torch.stack([y, 1 - y])  # shape: (2, n)
+    model = DataCentricGPC(x, labels, _kernel(), num_steps=3)
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (2, 3, test_x.shape[0], 2)
+    single = DataCentricGPC(x, 1 - y, _kernel(), num_steps=3)
+    torch.testing.assert_close(proba[1], single.predict_proba(test_x))
+    assert model.predict_proba(test_x, step=2).shape == (2, test_x.shape[0], 2)
+
+
+def test_best_step_is_the_1_based_step_of_the_smallest_validation_log_loss(toy):
+    x, y, test_x = toy
+    val_x, val_y, _ = sine_classification(40, seed=7)
+    model = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.05)
+    losses = model.validation_log_loss(val_x, val_y)
+    assert losses.shape == (4,)
+    p = model.predict_proba(val_x)[..., 1]
+    by_hand = -(val_y * p.log() + (1 - val_y) * (1 - p).log()).mean(-1)
+    torch.testing.assert_close(losses, by_hand)
+    step = model.best_step("validation", val_x=val_x, val_y=val_y)
+    assert isinstance(step, int) and step == int(by_hand.argmin()) + 1
+    with pytest.raises(ValueError, match="criterion"):
+        model.best_step("gcv", val_x=val_x, val_y=val_y)
+    with pytest.raises(ValueError, match="val_y"):
+        model.validation_log_loss(val_x, val_y[:3])
+
+
+def test_fit_reports_each_step_and_a_callback_stops_it(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1)
+    records = []
+    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+    assert [r.iteration for r in records] == [1, 2]
+    assert records[0].task == "DataCentricGPC.fit" and records[0].total == 4
+    assert len(model.newton_iterations) == 2
+    assert model.predict_proba(test_x).shape[0] == 2  # the steps the fit reached
+    with pytest.raises(ValueError, match="not fitted"):
+        model.predict_proba(test_x, step=3)
+    full = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1).fit(progress=True)
+    torch.testing.assert_close(
+        model.predict_proba(test_x, step=2), full.predict_proba(test_x, step=2)
+    )
+    model.fit()
+    assert model.predict_proba(test_x).shape[0] == 4
+
+
+def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
+    import gpsd.distillation.data_centric_gpc as module
+
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=2).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert len(calls) == 2  # both steps refitted
+    model.covar_module.outputscale = 2.0
+    model.predict_proba(test_x)
+    assert len(calls) == 4

@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy import optimize
 
+import gpsd
 from gpsd.data.toy import sine_classification
 from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
 from gpsd.laplace import AutogradLikelihoodTerms, LaplaceGPClassifier
@@ -187,3 +188,83 @@ def test_float32_close_to_float64(toy, method):
     p32 = model.predict_proba(test_x.float())
     assert p32.dtype == torch.float32
     torch.testing.assert_close(p32.double(), ref.predict_proba(test_x), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
+def test_fit_returns_self_and_every_step_is_predicted_along_a_step_dimension(toy, method):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method)
+    lazy = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method)  # fits on use
+    assert model.fit() is model
+    M = test_x.shape[0]
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (3, M, 2)
+    torch.testing.assert_close(proba.sum(-1), torch.ones(3, M, dtype=torch.float64))
+    torch.testing.assert_close(lazy.predict_proba(test_x), proba)
+    latent = model.predict_latent(test_x)
+    assert isinstance(latent, gpsd.Prediction) and latent.mean.shape == (3, M)
+    labels = model.predict(test_x)
+    assert labels.dtype == torch.long and labels.shape == (3, M)
+    for t in (1, 2, 3):
+        torch.testing.assert_close(model.predict_proba(test_x, step=t), proba[t - 1])
+        one = model.predict_latent(test_x, step=t)
+        torch.testing.assert_close(
+            (one.mean, one.variance), (latent.mean[t - 1], latent.variance[t - 1])
+        )
+    # step 1 is the ordinary classifier
+    reference = LaplaceGPClassifier(x, y, _kernel()).predict_proba(test_x).detach()
+    torch.testing.assert_close(proba[0], reference)
+    with pytest.raises(TypeError):
+        DistributionCentricGPC(x, y, _kernel(), gpytorch.means.ZeroMean())
+
+
+def test_best_step_is_the_1_based_step_of_the_smallest_validation_log_loss(toy):
+    x, y, _ = toy
+    val_x, val_y, _ = sine_classification(40, seed=7)
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=4)
+    losses = model.validation_log_loss(val_x, val_y)
+    p = model.predict_proba(val_x)[..., 1]
+    by_hand = -(val_y * p.log() + (1 - val_y) * (1 - p).log()).mean(-1)
+    torch.testing.assert_close(losses, by_hand)
+    step = model.best_step(val_x=val_x, val_y=val_y)
+    assert isinstance(step, int) and step == int(by_hand.argmin()) + 1
+
+
+def test_fit_reports_each_iterated_step_and_a_callback_stops_it(toy):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=4)
+    records = []
+    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+    assert [r.iteration for r in records] == [1, 2]
+    assert records[0].task == "DistributionCentricGPC.fit" and records[0].total == 4
+    assert model.predict_proba(test_x).shape[0] == 2  # the steps the fit reached
+    with pytest.raises(ValueError):
+        model.predict_proba(test_x, step=3)
+    full = DistributionCentricGPC(x, y, _kernel(), num_steps=4).fit(progress=True)
+    torch.testing.assert_close(
+        model.predict_proba(test_x, step=2), full.predict_proba(test_x, step=2)
+    )
+    tempered = DistributionCentricGPC(x, y, _kernel(), num_steps=4, method="tempered")
+    records = []
+    tempered.fit(callback=records.append)
+    assert [(r.iteration, r.total) for r in records] == [(1, 1)]  # one Laplace fit
+
+
+def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
+    import gpsd.distillation.distribution_centric_gpc as module
+
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=2).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert len(calls) == 2
+    model.covar_module.outputscale = 2.0
+    model.predict_proba(test_x)
+    assert len(calls) == 4

@@ -34,7 +34,9 @@ def test_predictions_follow_changed_hyperparameters_and_temperature(toy):
     # the mode of the first hyperparameters was used with the new kernel: probabilities were off by
     # up to 0.42 (and a "negative predictive variance" warning came out)
     fresh = _model(x, y, 10.0, 0.5, 0.4, temperature=2.0)
-    torch.testing.assert_close(model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1])
+    torch.testing.assert_close(
+        model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1]
+    )
     latent = model.predict_latent(test_x)
     mean, var = latent.mean, latent.variance
     latent = fresh.predict_latent(test_x)
@@ -54,7 +56,9 @@ def test_an_optimiser_step_refits_before_predicting(toy):
     fresh = _model(x, y)
     fresh.load_state_dict(model.state_dict())
     fresh.fit(warm_start=False)
-    torch.testing.assert_close(model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1])
+    torch.testing.assert_close(
+        model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1]
+    )
 
 
 def test_soft_targets_with_a_graph_are_stored_detached(toy):
@@ -99,6 +103,8 @@ def test_a_float64_kernel_on_float32_data_matches_the_float64_fit():
     ref_mean, ref_var = latent.mean, latent.variance
     torch.testing.assert_close(mean.double(), ref_mean, rtol=0, atol=1e-4)
     torch.testing.assert_close(var.double(), ref_var, rtol=0, atol=1e-4)
-    torch.testing.assert_close(proba.double(), model64.predict_proba(test64)[..., 1], rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        proba.double(), model64.predict_proba(test64)[..., 1], rtol=0, atol=1e-4
+    )
     cov = model32(test_x.float()).covariance_matrix
     torch.testing.assert_close(torch.diagonal(cov).double(), ref_var, rtol=0, atol=1e-4)

@@ -31,7 +31,9 @@ def test_distribution_centric_unkept_step_follows_load_state_dict_and_to(toy):
     b = DistributionCentricGPC(x, 1 - y, _kernel(lengthscale=2.0), **kw).fit()
     a.predict_proba(test_x, step=1)[..., 1]  # fills the cache of the unkept step 1
     a.load_state_dict(b.state_dict())
-    torch.testing.assert_close(a.predict_proba(test_x, step=1)[..., 1], b.predict_proba(test_x, step=1)[..., 1])
+    torch.testing.assert_close(
+        a.predict_proba(test_x, step=1)[..., 1], b.predict_proba(test_x, step=1)[..., 1]
+    )
     a32 = DistributionCentricGPC(x, y, _kernel(), **kw).fit()
     ref = a32.predict_proba(test_x, step=1)[..., 1]
     a32.float()
@@ -54,7 +56,9 @@ def test_fitted_state_of_a_batched_kernel_loads_into_a_fresh_model(toy, build):
     fitted = build(x, y, _kernel(batch_shape=batch)).fit()
     fresh = build(x, y, _kernel(batch_shape=batch))
     fresh.load_state_dict(fitted.state_dict())  # the buffers took the batch shape at fit()
-    torch.testing.assert_close(fresh.predict_proba(test_x)[..., 1], fitted.predict_proba(test_x)[..., 1])
+    torch.testing.assert_close(
+        fresh.predict_proba(test_x)[..., 1], fitted.predict_proba(test_x)[..., 1]
+    )
 
 
 @pytest.mark.parametrize("likelihood", ["bernoulli_logit", "bernoulli_probit"])

@@ -71,7 +71,10 @@ def test_closed_form_probability_of_an_autograd_probit_response_is_exact():
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
     model = LaplaceGPClassifier(x, y, kernel, likelihood=terms)
     torch.testing.assert_close(
-        model.predict_proba(test_x, method="probit")[..., 1], model.predict_proba(test_x)[..., 1], atol=1e-9, rtol=0
+        model.predict_proba(test_x, method="probit")[..., 1],
+        model.predict_proba(test_x)[..., 1],
+        atol=1e-9,
+        rtol=0,
     )
 
 

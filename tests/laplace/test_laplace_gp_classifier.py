@@ -9,6 +9,7 @@ import torch
 from conftest import requires_cuda
 from scipy import integrate, optimize
 
+import gpsd
 from gpsd.data.toy import sine_classification
 from gpsd.laplace import (
     AutogradLikelihoodTerms,
@@ -239,7 +240,10 @@ def test_batch_of_problems_matches_separate_fits(toy):
         single = LaplaceGPClassifier(x, y2[i], _kernel()).fit()
         torch.testing.assert_close(batch.mode.f[i], single.mode.f, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(
-            batch.predict_proba(test_x)[..., 1][i], single.predict_proba(test_x)[..., 1], rtol=1e-9, atol=1e-9
+            batch.predict_proba(test_x)[..., 1][i],
+            single.predict_proba(test_x)[..., 1],
+            rtol=1e-9,
+            atol=1e-9,
         )
     assert batch.log_marginal_likelihood().shape == (3,)
 
@@ -324,7 +328,9 @@ def test_cuda_matches_cpu(toy):
     x, y, test_x = toy
     cpu = LaplaceGPClassifier(x, y, _kernel()).fit()
     gpu = LaplaceGPClassifier(x.cuda(), y.cuda(), _kernel().cuda()).fit()
-    torch.testing.assert_close(gpu.predict_proba(test_x.cuda())[..., 1].cpu(), cpu.predict_proba(test_x)[..., 1])
+    torch.testing.assert_close(
+        gpu.predict_proba(test_x.cuda())[..., 1].cpu(), cpu.predict_proba(test_x)[..., 1]
+    )
 
 
 def test_gaussian_likelihood_laplace_is_exact_gp_marginal_likelihood(toy):
@@ -360,3 +366,74 @@ def test_gaussian_likelihood_laplace_is_exact_gp_marginal_likelihood(toy):
     ref_grads = torch.autograd.grad(ref, list(params.values()))
     for name, g, r in zip(params, grads, ref_grads, strict=True):
         assert g.item() == pytest.approx(r.item(), rel=1e-7, abs=1e-9), name
+
+
+def test_fit_returns_self_and_the_settings_are_keyword_only(toy):
+    x, y, _ = toy
+    model = LaplaceGPClassifier(x, y, _kernel())
+    assert model.fit() is model
+    with pytest.raises(TypeError):
+        LaplaceGPClassifier(x, y, _kernel(), gpytorch.means.ZeroMean())
+
+
+def test_predictions_follow_scikit_learn_and_gpytorch(toy):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel())
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (test_x.shape[0], 2)
+    torch.testing.assert_close(proba.sum(-1), torch.ones_like(proba[:, 0]))
+    labels = model.predict(test_x)
+    assert labels.dtype == torch.long and labels.shape == test_x.shape
+    torch.testing.assert_close(labels, (proba[:, 1] > 0.5).long())
+    latent = model.predict_latent(test_x)
+    assert isinstance(latent, gpsd.Prediction)
+    assert latent.mean.shape == latent.variance.shape == test_x.shape
+    dist = model(test_x)
+    assert isinstance(dist, gpytorch.distributions.MultivariateNormal)
+    torch.testing.assert_close(dist.mean, latent.mean)
+    # the probit closed form in column 1, its complement in column 0
+    probit = model.predict_proba(test_x, method="probit")
+    torch.testing.assert_close(probit[:, 0], 1 - probit[:, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_data_of_a_low_precision_dtype_are_refused_before_fitting(toy, dtype):
+    x, y, _ = toy
+    with pytest.raises(TypeError, match="train_x must be float32 or float64"):
+        LaplaceGPClassifier(x.to(dtype), y.to(dtype), _kernel().to(dtype))
+
+
+def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
+    import gpsd.laplace.laplace_gp_classifier as module
+
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []  # the fit is reused
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert calls == [1]
+    model.covar_module.outputscale = 3.0  # a parameter changed: refits
+    model.predict_proba(test_x)
+    assert calls == [1, 1]
+
+
+def test_optimize_hyperparameters_reports_progress_and_stops_on_the_callback(toy):
+    x, y, _ = toy
+    model = LaplaceGPClassifier(x, y, _kernel(1.0, 0.3))
+    records = []
+    out = model.optimize_hyperparameters(
+        max_iter=10, lr=0.1, callback=lambda r: records.append(r) or r.iteration == 3
+    )
+    assert out is model
+    assert [r.iteration for r in records] == [1, 2, 3]
+    assert records[0].task == "LaplaceGPClassifier.optimize_hyperparameters"
+    assert records[0].total == 10
+    assert [r.loss for r in records] == model.history
+    model.optimize_hyperparameters(max_iter=2, lr=0.1, progress=True)
+    assert len(model.history) == 2
