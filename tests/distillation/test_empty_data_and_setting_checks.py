@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from gpsd import (
-    DataCentricGPC,
     DataCentricGPR,
-    DistributionCentricGPC,
     DistributionCentricGPR,
-    LaplaceGPClassifier,
 )
 
 DTYPE = torch.float64
@@ -31,19 +28,6 @@ EMPTY_Y = torch.empty(0, dtype=DTYPE)
 def test_regression_refuses_an_empty_training_set(cls, backend):
     with pytest.raises(ValueError, match=r"train_x must hold at least one input .*\(0, 1\)"):
         cls(_kernel(), EMPTY_X, EMPTY_Y, [0.1], backend=backend)
-
-
-@pytest.mark.parametrize(
-    "build",
-    [
-        lambda: LaplaceGPClassifier(EMPTY_X, EMPTY_Y, _kernel()),
-        lambda: DataCentricGPC(EMPTY_X, EMPTY_Y, _kernel(), num_steps=2),
-        lambda: DistributionCentricGPC(EMPTY_X, EMPTY_Y, _kernel(), num_steps=2),
-    ],
-)
-def test_classifiers_refuse_an_empty_training_set(build):
-    with pytest.raises(ValueError, match="train_x must hold at least one input"):
-        build()
 
 
 X = torch.linspace(0, 1, 12, dtype=DTYPE).unsqueeze(-1)
@@ -86,9 +70,3 @@ def test_bad_settings_are_refused_when_set_and_good_ones_take_effect():
     with torch.no_grad():
         single.linalg_dtype = torch.float64
         torch.testing.assert_close(single.predict_mean(X.float()).double(), ref, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("noise", [torch.full((12,), 0.1), "0.1x", -1.0, float("nan")])
-def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
-    with pytest.raises(ValueError, match="noise must be a finite float >= 0"):
-        LaplaceGPClassifier(X, (Y > 0).to(DTYPE), _kernel(), noise=noise)

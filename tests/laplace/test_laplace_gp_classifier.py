@@ -1,5 +1,6 @@
 """Laplace GP classification against sklearn, a generic optimiser, quadrature and finite differences."""
 
+import copy
 import math
 
 import gpytorch
@@ -7,15 +8,24 @@ import numpy as np
 import pytest
 import torch
 from conftest import requires_cuda
+from gpr_reference import rbf_kernel
+from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 from scipy import integrate, optimize
+from sklearn.gaussian_process import GaussianProcessClassifier
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 
 import gpsd
+from gpsd import (
+    DataCentricGPC,
+    DistributionCentricGPC,
+    LaplaceGPClassifier,
+)
 from gpsd.data.toy import sine_classification
 from gpsd.laplace import (
     AutogradLikelihoodTerms,
     BernoulliLogitTerms,
+    BernoulliProbitTerms,
     LaplaceConvergenceError,
-    LaplaceGPClassifier,
     find_laplace_mode,
     gauss_hermite_expectation,
 )
@@ -437,3 +447,336 @@ def test_optimize_hyperparameters_reports_progress_and_stops_on_the_callback(toy
     assert [r.loss for r in records] == model.history
     model.optimize_hyperparameters(max_iter=2, lr=0.1, progress=True)
     assert len(model.history) == 2
+
+
+@pytest.fixture
+def toy_classifier_refits_and_detaches():
+    return sine_classification(30, seed=3)
+
+
+def _model(x, y, outputscale=2.0, lengthscale=1.3, constant=0.0, **kw):
+    mean = gpytorch.means.ConstantMean().double()
+    mean.constant.data.fill_(constant)
+    kernel = rbf_kernel(outputscale, lengthscale, torch.float64)
+    return LaplaceGPClassifier(x, y, kernel, mean_module=mean, **kw)
+
+
+def test_predictions_follow_changed_hyperparameters_and_temperature(
+    toy_classifier_refits_and_detaches,
+):
+    x, y, test_x = toy_classifier_refits_and_detaches
+    model = _model(x, y)
+    model.predict_proba(test_x)[..., 1]  # fits the mode at the first hyperparameters
+    model.covar_module.outputscale = 10.0
+    model.covar_module.base_kernel.lengthscale = 0.5
+    model.mean_module.constant.data.fill_(0.4)
+    model.temperature = 2.0
+    # the mode of the first hyperparameters was used with the new kernel: probabilities were off by
+    # up to 0.42 (and a "negative predictive variance" warning came out)
+    fresh = _model(x, y, 10.0, 0.5, 0.4, temperature=2.0)
+    torch.testing.assert_close(
+        model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1]
+    )
+    latent = model.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
+    latent = fresh.predict_latent(test_x)
+    fresh_mean, fresh_var = latent.mean, latent.variance
+    torch.testing.assert_close(mean, fresh_mean)
+    torch.testing.assert_close(var, fresh_var)
+
+
+def test_an_optimiser_step_refits_before_predicting(toy_classifier_refits_and_detaches):
+    x, y, test_x = toy_classifier_refits_and_detaches
+    model = _model(x, y)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        (-model.log_marginal_likelihood()).backward()
+        optimizer.step()
+    fresh = _model(x, y)
+    fresh.load_state_dict(model.state_dict())
+    fresh.fit(warm_start=False)
+    torch.testing.assert_close(
+        model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1]
+    )
+
+
+def test_soft_targets_with_a_graph_are_stored_detached(toy_classifier_refits_and_detaches):
+    x, y, _ = toy_classifier_refits_and_detaches
+    teacher = _model(x, y)
+    soft = teacher.predict_proba(x)[..., 1]
+    assert soft.requires_grad  # the teacher's predictions are differentiable
+    student = _model(x, soft, likelihood="continuous_bernoulli")
+    reference = _model(x, soft.detach(), likelihood="continuous_bernoulli")
+    assert not student.train_targets.requires_grad
+    optimizer = torch.optim.Adam(student.parameters(), lr=0.05)
+    for _ in range(2):  # the second backward pass ran into the teacher's freed graph
+        optimizer.zero_grad()
+        loss = -student.log_marginal_likelihood()
+        loss.backward()
+        optimizer.step()
+        ref_loss = -reference.log_marginal_likelihood()
+        ref_grads = torch.autograd.grad(ref_loss, list(reference.parameters()))
+        torch.testing.assert_close(loss, ref_loss)
+        for p, g in zip(student.parameters(), ref_grads, strict=True):
+            torch.testing.assert_close(p.grad, g)
+        with torch.no_grad():
+            for p, q in zip(student.parameters(), reference.parameters(), strict=True):
+                q.copy_(p)
+    assert all(p.grad is None for p in teacher.parameters())  # the loss reached the teacher
+
+
+def test_a_float64_kernel_on_float32_data_matches_the_float64_fit():
+    # fit() raised "expected m1 and m2 to have the same dtype, but got: double != float"; the
+    # classifier now works in the data's dtype, as DataCentricGPC and DistributionCentricGPC do
+    x, y, test_x = sine_classification(30, seed=0)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    model32 = LaplaceGPClassifier(x.float(), y.float(), kernel)
+    latent = model32.predict_latent(test_x.float())
+    mean, var = latent.mean, latent.variance
+    proba = model32.predict_proba(test_x.float())[..., 1]
+    assert mean.dtype == var.dtype == proba.dtype == torch.float32
+    # the reference: everything in float64 at the same (float32-rounded) inputs
+    x64, test64 = x.float().double(), test_x.float().double()
+    model64 = LaplaceGPClassifier(x64, y.double(), copy.deepcopy(kernel))
+    latent = model64.predict_latent(test64)
+    ref_mean, ref_var = latent.mean, latent.variance
+    torch.testing.assert_close(mean.double(), ref_mean, rtol=0, atol=1e-4)
+    torch.testing.assert_close(var.double(), ref_var, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        proba.double(), model64.predict_proba(test64)[..., 1], rtol=0, atol=1e-4
+    )
+    cov = model32(test_x.float()).covariance_matrix
+    torch.testing.assert_close(torch.diagonal(cov).double(), ref_var, rtol=0, atol=1e-4)
+
+
+DT = torch.float64
+
+
+class _ScaledLogit(_OneDimensionalLikelihood):
+    """Bernoulli(sigmoid(a f)) with a learnable slope a: log-concave, one likelihood parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("raw_a", torch.nn.Parameter(torch.tensor(0.3, dtype=DT)))
+
+    def forward(self, f, *args, **kwargs):
+        slope = torch.nn.functional.softplus(self.raw_a)
+        return torch.distributions.Bernoulli(logits=slope * f, validate_args=False)
+
+
+def _model_prediction_gradients(likelihood="bernoulli_logit"):
+    gen = torch.Generator().manual_seed(3)
+    x = 6 * torch.rand(30, 1, generator=gen, dtype=DT) - 3
+    y = (torch.rand(30, generator=gen, dtype=DT) < torch.sigmoid(2 * torch.sin(x[:, 0]))).to(DT)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    kernel.outputscale = 2.0
+    kernel.base_kernel.lengthscale = 0.8
+    mean = gpytorch.means.ConstantMean().to(DT)
+    mean.constant.data.fill_(0.2)
+    return LaplaceGPClassifier(x, y, kernel, mean_module=mean, likelihood=likelihood)
+
+
+TEST_X = torch.tensor([[-2.0], [0.3], [2.5]], dtype=DT)
+
+
+def _outputs(model):
+    latent = model.predict_latent(TEST_X)
+    mean, var = latent.mean, latent.variance
+    cov = model(TEST_X).covariance_matrix
+    return [mean.sum(), var.sum(), model.predict_proba(TEST_X)[..., 1].sum(), cov[0, 1]]
+
+
+def _central_differences(model, param, h=1e-5):
+    with torch.no_grad():
+        param += h
+        up = [float(t) for t in _outputs(model)]
+        param -= 2 * h
+        down = [float(t) for t in _outputs(model)]
+        param += h
+    return torch.tensor([(u - d) / (2 * h) for u, d in zip(up, down, strict=True)], dtype=DT)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "covar_module.raw_outputscale",
+        "covar_module.base_kernel.raw_lengthscale",
+        "mean_module.raw_constant",
+    ],
+)
+def test_prediction_gradients_in_kernel_and_mean_parameters(name):
+    model = _model_prediction_gradients()
+    param = dict(model.named_parameters())[name]
+    outputs = _outputs(model)
+    grads = torch.stack(
+        [torch.autograd.grad(t, param, retain_graph=True)[0].sum() for t in outputs]
+    )
+    expected = _central_differences(model, param)
+    assert grads.abs().max() > 1e-3  # the outputs do depend on the parameter
+    torch.testing.assert_close(grads, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_prediction_gradients_in_a_likelihood_parameter():
+    likelihood = _ScaledLogit()
+    model = _model_prediction_gradients(AutogradLikelihoodTerms(likelihood))
+    outputs = _outputs(model)
+    grads = torch.stack(
+        [torch.autograd.grad(t, likelihood.raw_a, retain_graph=True)[0] for t in outputs]
+    )
+    expected = _central_differences(model, likelihood.raw_a)
+    assert grads.abs().max() > 1e-3
+    torch.testing.assert_close(grads, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_values_are_those_of_the_mode_found_without_autograd():
+    model = _model_prediction_gradients()
+    with torch.no_grad():
+        plain = [t.clone() for t in _outputs(model)]
+    for got, expected in zip(_outputs(model), plain, strict=True):
+        torch.testing.assert_close(got.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+def _classifier(prior):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(20, 1, generator=g, dtype=torch.float64) * 5
+    y = torch.rand(20, generator=g, dtype=torch.float64) < torch.sigmoid(3 * torch.sin(x[:, 0]))
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(lengthscale_prior=prior))
+    return LaplaceGPClassifier(x, y.double(), kernel.double())
+
+
+def _adam_by_hand(model, log_prior, num_iter=10, lr=0.2):
+    """The hyperparameter posterior's maximisation written out, with the prior given here."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    history = []
+    for _ in range(num_iter):
+        optimizer.zero_grad()
+        loss = -(model.log_marginal_likelihood().sum() + log_prior(model))
+        loss.backward()
+        optimizer.step()
+        history.append(loss.item())
+    return history
+
+
+def test_optimize_hyperparameters_adds_the_registered_hyperpriors():
+    # before: a N(5, 0.01^2) lengthscale prior was ignored (trained lengthscale 1.374 with or
+    # without it)
+    prior = gpytorch.priors.NormalPrior(torch.tensor(5.0).double(), torch.tensor(0.01).double())
+    with_prior = _classifier(prior)
+    history = with_prior.optimize_hyperparameters(max_iter=10, lr=0.2).history
+    by_hand = _classifier(None)
+    expected = _adam_by_hand(
+        by_hand, lambda m: prior.log_prob(m.covar_module.base_kernel.lengthscale).sum()
+    )
+    torch.testing.assert_close(history, expected, rtol=1e-10, atol=0)
+    lengthscale = with_prior.covar_module.base_kernel.lengthscale
+    torch.testing.assert_close(lengthscale, by_hand.covar_module.base_kernel.lengthscale)
+    without = _classifier(None)
+    without.optimize_hyperparameters(max_iter=10, lr=0.2)
+    assert lengthscale.item() > without.covar_module.base_kernel.lengthscale.item() + 0.5  # to 5
+    # the evidence alone, as before
+    torch.testing.assert_close(
+        with_prior.log_marginal_likelihood(), by_hand.log_marginal_likelihood(), rtol=1e-10, atol=0
+    )
+
+
+def test_optimize_hyperparameters_without_priors_maximises_the_evidence():
+    model = _classifier(None)
+    assert model.log_prior().item() == 0.0
+    history = model.optimize_hyperparameters(max_iter=10, lr=0.2).history
+    expected = _adam_by_hand(_classifier(None), lambda m: 0.0)
+    torch.testing.assert_close(history, expected, rtol=1e-10, atol=0)
+
+
+def test_probit_method_is_exact_for_a_probit_likelihood(toy):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel(), likelihood="bernoulli_probit").fit()
+    latent = model.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
+    exact = gauss_hermite_expectation(torch.special.ndtr, mean, var, 200)
+    torch.testing.assert_close(model.predict_proba(test_x, method="probit")[..., 1], exact)
+    ds = DistributionCentricGPC(x, y, _kernel(), num_steps=2, likelihood="bernoulli_probit").fit()
+    latent = ds.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
+    exact = gauss_hermite_expectation(torch.special.ndtr, mean, var, 200)
+    torch.testing.assert_close(ds.predict_proba(test_x, method="probit")[..., 1], exact)
+
+
+def test_classifier_arguments_are_named(toy):
+    x, y, _ = toy
+    K = _kernel()(x).to_dense().detach()
+    with pytest.raises(ValueError, match="max_iter"):
+        find_laplace_mode(K, y, BernoulliProbitTerms(), max_iter=0)
+    for cls, kw in ((DataCentricGPC, dict(noise=0.1)), (DistributionCentricGPC, {})):
+        with pytest.raises(ValueError, match="max_iter"):
+            cls(x, y, _kernel(), num_steps=2, max_iter=0, **kw)
+        with pytest.raises(ValueError, match="max_iter"):
+            cls(x, y, _kernel(), num_steps=2, max_iter=2.5, **kw)
+    with pytest.raises(ValueError, match="temperature"):
+        LaplaceGPClassifier(x, y, _kernel(), temperature=float("inf"))
+    with pytest.raises(TypeError, match="noise must be a number or a sequence"):
+        DataCentricGPC(x, y, _kernel(), num_steps=2, noise="0.1")
+    reference = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=0.1).fit()
+    for noise in (torch.tensor(0.1, dtype=torch.float64), np.float64(0.1)):
+        model = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=noise).fit()
+        torch.testing.assert_close(model.latent_modes, reference.latent_modes)
+
+
+# a short lengthscale, where most kernel entries are far below rounding: on a CPU they are set
+# to zero below eps^2 * max before the matrix products (the x86 slow path for subnormal
+# numbers); sklearn, in numpy float64 with every entry kept, is the reference
+SHORT_LENGTHSCALE, SHORT_OUTPUTSCALE = 0.08, 3.0
+
+
+@pytest.fixture(scope="module")
+def problem():
+    gen = np.random.default_rng(4)
+    x = np.sort(gen.uniform(0, 12, 150))
+    y = (np.sin(2 * x) + 0.3 * gen.standard_normal(150) > 0).astype(float)
+    test_x = np.linspace(0, 12, 61)
+    gpc = GaussianProcessClassifier(
+        ConstantKernel(SHORT_OUTPUTSCALE) * RBF(SHORT_LENGTHSCALE),
+        optimizer=None,
+        max_iter_predict=500,
+    ).fit(x[:, None], y)
+    base = gpc.base_estimator_
+    K = base.kernel_(x[:, None])
+    # the case at hand: entries that are positive yet negligible, many of them subnormal
+    assert ((K > 0) & (K < np.finfo(float).eps ** 2 * K.max())).mean() > 0.1
+    assert ((K > 0) & (K < np.finfo(float).tiny)).any()
+    mean, var = base.latent_mean_and_variance(test_x[:, None])
+    return x, y, test_x, base, mean, var
+
+
+def _kernel_short_lengthscale(dtype):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(dtype)
+    k.outputscale = torch.tensor(SHORT_OUTPUTSCALE, dtype=dtype)
+    k.base_kernel.lengthscale = torch.tensor(SHORT_LENGTHSCALE, dtype=dtype)
+    return k
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_laplace_classifier_matches_sklearn(problem, dtype):
+    x, y, test_x, base, mean, var = problem
+    tol = 1e-7 if dtype == torch.float64 else 2e-3  # float32: 5e-4 with or without dropping
+    t = lambda a: torch.as_tensor(a, dtype=dtype)  # noqa: E731
+    model = LaplaceGPClassifier(t(x), t(y), _kernel_short_lengthscale(dtype)).fit()
+    np.testing.assert_allclose(model.mode.f.double().numpy(), base.f_cached, atol=tol)
+    latent = model.predict_latent(t(test_x))
+    m, v = latent.mean, latent.variance
+    np.testing.assert_allclose(m.detach().double().numpy(), mean, atol=tol)
+    np.testing.assert_allclose(v.detach().double().numpy(), var, atol=tol)
+    lml = model.log_marginal_likelihood()
+    assert float(lml.detach()) == pytest.approx(base.log_marginal_likelihood_value_, rel=tol)
+    lml.backward()  # the gradient passes through the kept entries
+    grads = [p.grad for p in model.covar_module.parameters()]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("noise", [torch.full((12,), 0.1), "0.1x", -1.0, float("nan")])
+def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
+    x = torch.linspace(0, 1, 12, dtype=torch.float64).unsqueeze(-1)
+    y = (torch.sin(6 * x).squeeze(-1) > 0).double()
+    with pytest.raises(ValueError, match="noise must be a finite float >= 0"):
+        LaplaceGPClassifier(x, y, _kernel(), noise=noise)

@@ -11,15 +11,21 @@ import pytest
 import torch
 from scipy import integrate, special
 
+from gpsd import LaplaceGPClassifier
+from gpsd.data.toy import sine_classification
 from gpsd.distillation import DataCentricGPC, DistributionCentricGPC
 from gpsd.laplace import (
     AutogradLikelihoodTerms,
     BernoulliLogitTerms,
     BernoulliProbitTerms,
     ContinuousBernoulliTerms,
-    LaplaceGPClassifier,
+    closed_form_probability,
     expected_response,
+    find_laplace_mode,
     gauss_hermite_expectation,
+    laplace_latent_predictive,
+    probit_approximation,
+    resolve_likelihood_terms,
     symmetric_response_expectation,
 )
 
@@ -172,3 +178,138 @@ def test_distillers_predict_proba_use_the_split():
         ref = _reference_probabilities(mean, var)
         proba = model.predict_proba(x_test, step=2)[..., 1]
         torch.testing.assert_close(proba, ref, rtol=0, atol=1e-10)
+
+
+DT = torch.float64
+
+
+def _problem(batch: int, m: int):
+    x, y, test_x = sine_classification(20, seed=1)
+    kernel = gpytorch.kernels.RBFKernel().to(DT)
+    kernel.lengthscale = torch.tensor(0.6, dtype=DT)
+    with torch.no_grad():
+        K = kernel(x).to_dense()
+        K_cross = kernel(test_x[:m], x).to_dense()
+        K_test = kernel(test_x[:m]).to_dense()
+    # a batch of label sets: y, its flip, then shifted copies
+    ys = torch.stack([torch.roll(y, i) if i % 2 == 0 else 1 - y for i in range(batch)])
+    mode = find_laplace_mode(K, ys, resolve_likelihood_terms("logit"))
+    return K, K_cross, K_test, mode
+
+
+def _dense(K, K_cross, K_test, alpha, W):
+    mean = K_cross @ alpha
+    cov = K_test - K_cross @ torch.linalg.solve(K + torch.diag(1.0 / W), K_cross.T)
+    return mean, cov
+
+
+@pytest.mark.parametrize(("batch", "m"), [(3, 5), (4, 7)])
+def test_batched_modes_with_one_test_set(batch, m):
+    # a (batch, m) diagonal next to an unbatched (m, n) K_cross has as many dimensions as K_cross
+    # and was taken for a full matrix: a broadcasting error, or (batch = m) covariances
+    K, K_cross, K_test, mode = _problem(batch, m)
+    diag = torch.diagonal(K_test).expand(batch, m)
+    mean, var = laplace_latent_predictive(mode, K_cross, diag)
+    _, cov = laplace_latent_predictive(mode, K_cross, K_test.expand(batch, m, m))
+    assert var.shape == (batch, m) and cov.shape == (batch, m, m)
+    for i in range(batch):
+        ref_mean, ref_cov = _dense(K, K_cross, K_test, mode.alpha[i], mode.W[i])
+        torch.testing.assert_close(mean[i], ref_mean, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(cov[i], ref_cov, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(var[i], torch.diagonal(ref_cov), rtol=1e-9, atol=1e-11)
+
+
+def test_explicit_diag_settles_a_batch_of_m_diagonals():
+    batch = m = 4
+    K, K_cross, K_test, mode = _problem(batch, m)
+    diag = torch.diagonal(K_test).expand(batch, m)
+    _, var = laplace_latent_predictive(mode, K_cross, diag, diag=True)
+    for i in range(batch):
+        _, ref_cov = _dense(K, K_cross, K_test, mode.alpha[i], mode.W[i])
+        torch.testing.assert_close(var[i], torch.diagonal(ref_cov), rtol=1e-9, atol=1e-11)
+
+
+def test_a_k_test_of_the_wrong_size_is_named():
+    K, K_cross, K_test, mode = _problem(2, 5)
+    with pytest.raises(ValueError, match=r"K_test must end in shape \(5,\).*got shape \(2, 6\)"):
+        laplace_latent_predictive(mode, K_cross, torch.ones(2, 6, dtype=DT))
+    with pytest.raises(ValueError, match=r"K_test must end in shape \(5, 5\)"):
+        laplace_latent_predictive(mode, K_cross, torch.ones(5, 6, dtype=DT), diag=False)
+
+
+def test_closed_form_probability_of_an_autograd_probit_response_is_exact():
+    # a probit response given to AutogradLikelihoodTerms got MacKay's logistic approximation:
+    # 0.7139 for E[Phi(f)], f ~ N(1, 0.5), whose value is Phi(1 / sqrt(1.5)) = 0.7929
+    terms = AutogradLikelihoodTerms(
+        gpytorch.likelihoods.BernoulliLikelihood(), response=torch.special.ndtr
+    )
+    mean = torch.tensor([1.0, -0.4, 3.0], dtype=torch.float64)
+    var = torch.tensor([0.5, 4.0, 0.0], dtype=torch.float64)
+    ref = [
+        integrate.quad(
+            lambda f, m=m, v=v: (
+                special.ndtr(f) * math.exp(-0.5 * (f - m) ** 2 / v) / math.sqrt(2 * math.pi * v)
+            ),
+            -60,
+            60,
+            epsabs=1e-14,
+        )[0]
+        if v > 0
+        else special.ndtr(m)
+        for m, v in zip(mean.tolist(), var.tolist(), strict=True)
+    ]
+    got = closed_form_probability(terms, mean, var)
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-10)
+    x, y, test_x = sine_classification(30, seed=3)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    model = LaplaceGPClassifier(x, y, kernel, likelihood=terms)
+    torch.testing.assert_close(
+        model.predict_proba(test_x, method="probit")[..., 1],
+        model.predict_proba(test_x)[..., 1],
+        atol=1e-9,
+        rtol=0,
+    )
+
+
+def test_closed_form_probability_refuses_an_unknown_autograd_response():
+    terms = AutogradLikelihoodTerms(
+        gpytorch.likelihoods.BernoulliLikelihood(), response=lambda f: torch.sigmoid(f) ** 2
+    )
+    with pytest.raises(ValueError, match="logistic or probit response"):
+        closed_form_probability(terms, torch.zeros(2), torch.ones(2))
+
+
+MEAN = torch.tensor([1.0, -0.5], dtype=DT)
+
+
+FUNCTIONS = {
+    "probit_approximation": lambda v: probit_approximation(MEAN, v),
+    "closed_form_probability": lambda v: closed_form_probability(BernoulliProbitTerms(), MEAN, v),
+    "expected_response": lambda v: expected_response(BernoulliLogitTerms(), MEAN, v),
+    "gauss_hermite_expectation": lambda v: gauss_hermite_expectation(torch.sigmoid, MEAN, v),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_a_negative_variance_beyond_rounding_is_refused(name):
+    with pytest.raises(ValueError, match="variance must hold latent variances >= 0"):
+        FUNCTIONS[name](torch.tensor([0.3, -10.0], dtype=DT))
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_a_rounding_negative_variance_counts_as_zero(name):
+    got = FUNCTIONS[name](torch.tensor([0.3, -1e-13], dtype=DT))
+    expected = FUNCTIONS[name](torch.tensor([0.3, 0.0], dtype=DT))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # at zero variance every rule is the response at the mean
+    response = torch.special.ndtr if name == "closed_form_probability" else torch.sigmoid
+    torch.testing.assert_close(got[1], response(MEAN[1]), rtol=1e-12, atol=1e-12)
+
+
+def test_variances_are_not_branched_on_under_vmap():
+    variances = torch.tensor([[0.1, 1.0, 4.0], [0.0, 2.0, 9.0]], dtype=DT)
+    means = torch.tensor([[0.5, -1.0, 2.0], [0.0, 1.0, -3.0]], dtype=DT)
+    got = torch.func.vmap(probit_approximation)(means, variances)
+    # MacKay's formula, written out
+    expected = torch.sigmoid(means / torch.sqrt(1 + math.pi * variances / 8))
+    torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-15)
