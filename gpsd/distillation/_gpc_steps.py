@@ -168,4 +168,3 @@ class StepwiseClassifier:
             raise ValueError(f"criterion must be 'validation', got {criterion!r}")
         steps = self.validation_log_loss(val_x, val_y).argmin(-1) + 1
         return int(steps) if steps.dim() == 0 else steps
-

@@ -128,7 +128,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
         noise = noise_schedule(noise, num_steps)
-        self.register_buffer("noise", torch.tensor(noise, dtype=train_x.dtype, device=train_x.device))
+        self.register_buffer(
+            "noise", torch.tensor(noise, dtype=train_x.dtype, device=train_x.device)
+        )
         shape = (num_steps, *train_y.shape)
         self.register_buffer("step_targets", train_x.new_zeros(shape))
         self.register_buffer("latent_modes", train_x.new_zeros(shape))

@@ -319,7 +319,9 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             if report.update(step, loss=loss, newton_iterations=mode.num_iter):
                 break
 
-    def fit(self, *, progress: object = False, callback: Callback | None = None):
+    def fit(
+        self, *, progress: object = False, callback: Callback | None = None
+    ) -> DistributionCentricGPC:
         """Fit all ``num_steps`` steps (``"iterated"``) or only the last one (the
         approximations, which compute other steps when predicted); returns ``self``.
 
@@ -356,7 +358,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         return max(done, default=0)  # the last step the recursion reached
 
     def _state(self, step: int) -> tuple[float, Tensor, Tensor]:
-        """The scale :math:`s_t`, coefficients :math:`\mathbf c_t` and correction
+        r"""The scale :math:`s_t`, coefficients :math:`\mathbf c_t` and correction
         :math:`\mathbf Q_t` of step ``step`` (in 1..``_fitted_steps()``)."""
         scale = float(step) if self.method == "scaled_kernel" else 1.0
         if not self._fit_is_current():

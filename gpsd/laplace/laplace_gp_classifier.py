@@ -19,10 +19,6 @@ from gpsd._internal.validation import (
     check_test_inputs,
 )
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.prediction import Prediction
-from gpsd.progress import Callback
-from gpsd.laplace.prior import prior_at_test, prior_at_training
-from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -32,7 +28,11 @@ from gpsd.laplace.predictive import (
     expected_response,
     laplace_latent_predictive,
 )
+from gpsd.laplace.prior import prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.prediction import Prediction
+from gpsd.progress import Callback
 
 __all__ = ["LaplaceGPClassifier"]
 
@@ -275,7 +275,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         return Prediction(mean, nonnegative_variance(var, K_diag))
 
     def _positive_probability(self, test_x: Tensor, method: str, num_points: int) -> Tensor:
-        """:math:`\mathbb{E}_q[r(f_*)]`, ``(*batch, M)``."""
+        r""":math:`\mathbb{E}_q[r(f_*)]`, ``(*batch, M)``."""
         latent = self.predict_latent(test_x)
         if method == "quadrature":
             return expected_response(self.terms, latent.mean, latent.variance, num_points)

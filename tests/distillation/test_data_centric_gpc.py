@@ -1,4 +1,5 @@
-"""DataCentricGPC against a naive chain of independent computations."""
+"""DataCentricGPC against a naive chain of independent Laplace classifiers and scikit-learn, and
+the estimator convention (lazy fit, every step along a step dimension, best_step, callbacks)."""
 
 import math
 
@@ -163,7 +164,7 @@ def test_bad_input(toy):
     with pytest.raises(ValueError, match="step must be in 1..2"):
         model.predict_proba(test_x, step=3)
     with pytest.raises(ValueError, match="step must be a positive int"):
-        model.predict_proba(test_x, step=1.7)  # used to predict step 1
+        model.predict_proba(test_x, step=1.7)  # not rounded to step 1
 
 
 def test_float32_close_to_float64(toy):

@@ -1,4 +1,6 @@
-"""DistributionCentricGPC: the recursion against dense formulas, data duplication, Prop. 4.2."""
+"""DistributionCentricGPC: the recursion against dense formulas, data duplication, Prop. 4.2,
+scikit-learn for step 1, and the estimator convention (every step along a step dimension,
+best_step, callbacks)."""
 
 import gpytorch
 import numpy as np
@@ -154,7 +156,7 @@ def test_bad_input(toy):
     with pytest.raises(ValueError, match="test_x must have 1 features"):
         model.fit().predict_latent(torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="step must be a positive int"):
-        model.predict_latent(test_x, step=1.7)  # used to predict step 1
+        model.predict_latent(test_x, step=1.7)  # not rounded to step 1
     with pytest.raises(ValueError, match="step must be in 1..2"):
         model.predict_latent(test_x, step=3)
 

@@ -247,9 +247,8 @@ MISMATCHES = {
 
 @pytest.mark.parametrize("which", MISMATCHES)
 def test_state_fitted_with_other_settings_is_refitted_not_adopted(which):
-    # before: a tempered model loading a scaled_kernel state predicted variances
-    # [0.127 0 0 0] against its own fit's [1.532 0.243 0.251 0.570]; a store_all_steps
-    # mismatch raised IndexError; a probit model predicted a logit model's means
+    # adopted, a scaled_kernel state would give a tempered model variances [0.127 0 0 0]
+    # against its own fit's [1.532 0.243 0.251 0.570], and a probit model a logit model's means
     x, y, test_x = _data()
     saved, loading = MISMATCHES[which]
     source = DistributionCentricGPC(
@@ -268,7 +267,7 @@ def test_state_fitted_with_other_settings_is_refitted_not_adopted(which):
 
 
 def test_state_saved_after_a_hyperparameter_change_is_refitted():
-    # before: the steps fitted at lengthscale 0.8 were adopted for the saved lengthscale 2
+    # steps fitted at lengthscale 0.8 must not be adopted for the saved lengthscale 2
     x, y, test_x = _data()
     source = DistributionCentricGPC(
         x, y, _kernel_gpc_loaded_state_and_input_gradients(), num_steps=3, method="tempered"
@@ -303,7 +302,6 @@ def test_state_fitted_with_the_same_settings_is_adopted_without_refitting():
 @pytest.mark.parametrize("cls", [DataCentricGPC, DistributionCentricGPC])
 @pytest.mark.parametrize(("saved_steps", "steps"), [(2, 3), (3, 2)])
 def test_state_of_another_num_steps_is_refused_naming_it(cls, saved_steps, steps):
-    # before (DataCentricGPC): IndexError at predict for 2 -> 3, silently accepted for 3 -> 2
     x, y, _ = _data()
     source = cls(x, y, _kernel_gpc_loaded_state_and_input_gradients(), num_steps=saved_steps).fit()
     model = cls(x, y, _kernel_gpc_loaded_state_and_input_gradients(), num_steps=steps)
@@ -320,7 +318,7 @@ SETTINGS = [
 
 @pytest.mark.parametrize(("name", "bad", "good"), SETTINGS)
 def test_data_centric_settings_are_checked_on_assignment_and_refit(name, bad, good):
-    # before: "Bernoulli" silently ran the continuous Bernoulli, "Probit" quadrature
+    # a misspelt setting is refused, naming it
     x, y, test_x = _data()
     model = DataCentricGPC(x, y, _kernel_gpc_loaded_state_and_input_gradients(), num_steps=2).fit()
     with pytest.raises(ValueError, match=name):
@@ -349,7 +347,6 @@ def test_data_centric_settings_are_checked_on_assignment_and_refit(name, bad, go
     ids=["DataCentricGPC", "DistributionCentricGPC"],
 )
 def test_predictions_are_differentiable_in_the_test_inputs_only(model):
-    # before: computed under torch.no_grad(), without any gradient
     x, y, _ = _data()
     model = model(x, y).fit()
     test_x = torch.tensor([[1.3], [2.2], [4.1]], dtype=torch.float64, requires_grad=True)
@@ -417,8 +414,7 @@ def _laplace_reference(kernel, x, y, test_x):
     ],
 )
 def test_a_float64_kernel_on_float32_data(build):
-    # fit() raised "expected m1 and m2 to have the same dtype, but got: double != float"; the
-    # steps are now computed in the data's dtype, and step 1 matches the float64 reference.
+    # the steps are computed in the data's dtype, and step 1 matches the float64 reference
     x, y, test_x, kernel = _problem()
     model = build(x, y, kernel).fit()
     latent = model.predict_latent(test_x, step=1)

@@ -1,4 +1,6 @@
-"""Laplace GP classification against sklearn, a generic optimiser, quadrature and finite differences."""
+"""LaplaceGPClassifier against scikit-learn's GaussianProcessClassifier, a generic optimiser,
+quadrature and finite differences; its refits, state, hyperparameter training, gradients
+through the mode, and the estimator convention (fit, predict_proba, predict, predict_latent)."""
 
 import copy
 import math
@@ -259,7 +261,7 @@ def test_batch_of_problems_matches_separate_fits(toy):
 
 
 def test_a_batch_of_prior_means_or_start_points_broadcasts(toy):
-    # a prior mean (or init_f) with a batch that K and y lack was a bare torch expand error
+    # a prior mean (or init_f) with a batch that K and y lack broadcasts
     x, y, _ = toy
     K = _kernel()(x).to_dense().detach()
     means = torch.tensor([-0.5, 0.0, 0.8], dtype=torch.float64).unsqueeze(-1).expand(3, 40)
@@ -318,7 +320,6 @@ def test_bad_input(toy):
     model = LaplaceGPClassifier(x, y, _kernel())
     with pytest.raises(ValueError, match="test_x must have 1 features"):
         model.predict_proba(torch.zeros(3, 2, dtype=torch.float64))[..., 1]
-    # 2.7 used to run 2 iterations and -1 none, silently
     for num_iter in (2.7, -1):
         with pytest.raises(ValueError, match="max_iter must be a non-negative int"):
             model.optimize_hyperparameters(max_iter=num_iter)
@@ -471,8 +472,7 @@ def test_predictions_follow_changed_hyperparameters_and_temperature(
     model.covar_module.base_kernel.lengthscale = 0.5
     model.mean_module.constant.data.fill_(0.4)
     model.temperature = 2.0
-    # the mode of the first hyperparameters was used with the new kernel: probabilities were off by
-    # up to 0.42 (and a "negative predictive variance" warning came out)
+    # the mode of the first hyperparameters with the new kernel would be off by up to 0.42
     fresh = _model(x, y, 10.0, 0.5, 0.4, temperature=2.0)
     torch.testing.assert_close(
         model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1]
@@ -527,8 +527,7 @@ def test_soft_targets_with_a_graph_are_stored_detached(toy_classifier_refits_and
 
 
 def test_a_float64_kernel_on_float32_data_matches_the_float64_fit():
-    # fit() raised "expected m1 and m2 to have the same dtype, but got: double != float"; the
-    # classifier now works in the data's dtype, as DataCentricGPC and DistributionCentricGPC do
+    # the classifier works in the data's dtype, as DataCentricGPC and DistributionCentricGPC do
     x, y, test_x = sine_classification(30, seed=0)
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
     model32 = LaplaceGPClassifier(x.float(), y.float(), kernel)
@@ -660,8 +659,7 @@ def _adam_by_hand(model, log_prior, num_iter=10, lr=0.2):
 
 
 def test_optimize_hyperparameters_adds_the_registered_hyperpriors():
-    # before: a N(5, 0.01^2) lengthscale prior was ignored (trained lengthscale 1.374 with or
-    # without it)
+    # a N(5, 0.01^2) lengthscale prior pulls the lengthscale to 5 (1.374 without it)
     prior = gpytorch.priors.NormalPrior(torch.tensor(5.0).double(), torch.tensor(0.01).double())
     with_prior = _classifier(prior)
     history = with_prior.optimize_hyperparameters(max_iter=10, lr=0.2).history
@@ -675,7 +673,7 @@ def test_optimize_hyperparameters_adds_the_registered_hyperpriors():
     without = _classifier(None)
     without.optimize_hyperparameters(max_iter=10, lr=0.2)
     assert lengthscale.item() > without.covar_module.base_kernel.lengthscale.item() + 0.5  # to 5
-    # the evidence alone, as before
+    # the evidence alone
     torch.testing.assert_close(
         with_prior.log_marginal_likelihood(), by_hand.log_marginal_likelihood(), rtol=1e-10, atol=0
     )

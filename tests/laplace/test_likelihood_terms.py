@@ -1,5 +1,5 @@
-"""Float32 Laplace modes against float64 ones, and the closed-form class probability of an autograd
-likelihood with a probit response against the exact formula."""
+"""The likelihood terms of the Laplace approximation (logit, probit, autograd): values and
+derivatives in the far tails against mpmath, and the checks of their arguments."""
 
 import gpytorch
 import pytest
@@ -14,9 +14,9 @@ from gpsd.laplace import (
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_logit_terms_in_the_correctly_classified_tail_against_mpmath(dtype):
-    # y f - softplus(f) rounded softplus(f) to f above 20: log p(1 | 25) was 0 instead of -1.39e-11
-    # (float64), and y - sigma(f) cancelled: d/df log p(1 | 30) was 9.348e-14 instead of 9.358e-14,
-    # and 0 in float32 from f = 17 on
+    # y f - softplus(f) as written rounds softplus(f) to f above 20 (log p(1 | 25) = 0 instead
+    # of -1.39e-11 in float64), and y - sigma(f) cancels (d/df log p(1 | 30) = 9.348e-14 instead
+    # of 9.358e-14, and 0 in float32 from f = 17 on)
     mpmath = pytest.importorskip("mpmath")
     mpmath.mp.dps = 40
     f = [17.0, 20.5, 25.0, 30.0, 60.0, 100.0]
@@ -38,7 +38,7 @@ def test_logit_terms_in_the_correctly_classified_tail_against_mpmath(dtype):
 
 @pytest.mark.parametrize("arg", ["response", "target_check"])
 def test_autograd_terms_name_a_callable_argument_that_is_not(arg):
-    # response="probit" was accepted and failed at predict time with "'str' object is not callable"
+    # response="probit" (not a callable) is refused at construction, naming the argument
     with pytest.raises(TypeError, match=f"{arg} must be callable"):
         AutogradLikelihoodTerms(gpytorch.likelihoods.BernoulliLikelihood(), **{arg: "probit"})
 
@@ -62,7 +62,7 @@ def test_probit_curvature_in_the_far_tail_against_mpmath(dtype):
     torch.testing.assert_close(
         d1.double(), torch.tensor(ref1, dtype=torch.float64), rtol=400 * eps, atol=0
     )
-    # 61 % off at z = -1e4 in float64, wrong sign at z = -300 in float32 before
+    # the naive form is 61 % off at z = -1e4 in float64, of the wrong sign at z = -300 in float32
     torch.testing.assert_close(
         d2.double(), torch.tensor(ref2, dtype=torch.float64), rtol=1e4 * eps, atol=0
     )

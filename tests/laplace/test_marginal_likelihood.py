@@ -1,5 +1,6 @@
-"""laplace_log_marginal_likelihood at a tempered likelihood: value and total derivative against
-Newton's mode found afresh (finite differences), and the checks of its temperature."""
+"""laplace_log_marginal_likelihood and differentiable_mode: the value and total derivative
+against dense formulas and Newton's mode found afresh (finite differences), and the checks of
+the mode, temperature and dtypes they are given."""
 
 import gpytorch
 import pytest
@@ -45,8 +46,8 @@ def test_tempered_value_and_gradient_against_finite_differences(likelihood):
 
 
 def test_temperature_must_be_the_modes_and_positive():
-    # a mode found at tau = 2 with the default temperature 1 here gave a surrogate whose value
-    # was not the mode's log marginal likelihood and whose gradient was silently wrong
+    # a mode found at tau = 2 with the default temperature 1 here would give a surrogate whose
+    # value is not the mode's log marginal likelihood and whose gradient is wrong
     x, y, _ = sine_classification(20, seed=5)
     terms = resolve_likelihood_terms("logit")
     K = _kernel_matrix(x, torch.tensor(0.0, dtype=DT))
@@ -103,7 +104,7 @@ def test_log_marginal_likelihood_accepts_the_mode_of_its_own_problem(
 
 
 def test_log_marginal_likelihood_refuses_a_mode_of_another_prior_mean_or_kernel_matrix():
-    # before: 0.493 without the prior mean and -1.292 with 2K, instead of -1.387, silently
+    # a mode of another prior mean or kernel matrix would give 0.493 or -1.292 instead of -1.387
     K, y, m = _small_problem()
     terms = ContinuousBernoulliTerms()
     mode = find_laplace_mode(K, y, terms, prior_mean=m)

@@ -50,8 +50,8 @@ class _DerivativesOfAnotherLikelihood(BernoulliLogitTerms):
 
 
 def test_derivatives_that_disagree_with_log_prob_raise():
-    # such terms used to "converge" in 2 iterations to a point 1.5 away from the logistic mode:
-    # a shortened step that moved f by round-off was taken for convergence
+    # a shortened step that moves f by round-off must not count as convergence: such terms would
+    # stop in 2 iterations 1.5 away from the logistic mode
     K, y = _problem()
     with pytest.raises(LaplaceConvergenceError, match="stopped short of the mode.*derivatives"):
         find_laplace_mode(K, y, _DerivativesOfAnotherLikelihood())
@@ -160,7 +160,6 @@ def _small_problem(n=10, dtype=torch.float64, outputscale=1.0, batch=()):
 
 
 def test_tensors_in_another_dtype_than_the_mode_are_refused_naming_them():
-    # before: torch's "expected m1 and m2 to have the same dtype"
     K, y, m = _small_problem(dtype=torch.float32)
     terms = ContinuousBernoulliTerms()
     mode = find_laplace_mode(K, y, terms, prior_mean=m)
@@ -178,7 +177,6 @@ def test_tensors_in_another_dtype_than_the_mode_are_refused_naming_them():
     + [("objective_tol", -1.0), ("f_tol", -1.0), ("f_tol", float("inf"))],
 )
 def test_newton_settings_are_checked_naming_them(argument, value):
-    # before: max_halvings <= 0 gave UnboundLocalError; NaN or negative tolerances were accepted
     K, y, _ = _small_problem()
     with pytest.raises(ValueError, match=argument):
         find_laplace_mode(K, y.round(), "logit", **{argument: value})
@@ -206,7 +204,7 @@ def test_float32_newton_converges_with_a_large_kernel_scale(likelihood):
         model = LaplaceGPClassifier(x.to(dtype), y.to(dtype), k, likelihood=likelihood).fit()
         with torch.no_grad():
             lml.append(float(model.log_marginal_likelihood()))
-    # float32 used to raise LaplaceConvergenceError here; K's scale leaves ~1e-5 of accuracy
+    # float32 converges here; K's scale leaves ~1e-5 of accuracy
     assert lml[1] == pytest.approx(lml[0], rel=2e-4)
 
 
@@ -219,7 +217,7 @@ def test_float64_newton_converges_at_outputscale_1e6_to_the_mpmath_mode():
     flip = torch.randperm(20, generator=gen)[:2]
     y[flip] = 1 - y[flip]
     K = rbf_kernel(outputscale=1e6, lengthscale=0.2)(x).to_dense().detach()  # condition ~1e17
-    mode = find_laplace_mode(K, y, BernoulliLogitTerms())  # raised LaplaceConvergenceError before
+    mode = find_laplace_mode(K, y, BernoulliLogitTerms())
     # the same Newton iteration, f <- K (I + W K)^-1 (W f + y - sigmoid(f)), in 40 digits
     Km, f = mpmath.matrix(K.tolist()), mpmath.matrix(20, 1)
     for _ in range(60):

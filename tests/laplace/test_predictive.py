@@ -1,6 +1,7 @@
-"""Class probabilities E[r(f)], f ~ N(mu, s^2), at every latent variance: the Gauss-Laguerre split
-of symmetric_response_expectation against adaptive quadrature (logistic) and the exact probit
-formula, in float64 and float32, with gradients, and through the classifiers' predict_proba."""
+"""The Laplace predictive functions: laplace_latent_predictive against dense formulas (batched
+modes, diagonals), and class probabilities E[r(f)], f ~ N(mu, s^2), at every latent variance
+(the Gauss-Laguerre split of symmetric_response_expectation against adaptive quadrature, the
+exact probit formula, closed forms), with gradients and through the classifiers' predict_proba."""
 
 from __future__ import annotations
 
@@ -206,7 +207,7 @@ def _dense(K, K_cross, K_test, alpha, W):
 @pytest.mark.parametrize(("batch", "m"), [(3, 5), (4, 7)])
 def test_batched_modes_with_one_test_set(batch, m):
     # a (batch, m) diagonal next to an unbatched (m, n) K_cross has as many dimensions as K_cross
-    # and was taken for a full matrix: a broadcasting error, or (batch = m) covariances
+    # and must not be taken for a full matrix
     K, K_cross, K_test, mode = _problem(batch, m)
     diag = torch.diagonal(K_test).expand(batch, m)
     mean, var = laplace_latent_predictive(mode, K_cross, diag)

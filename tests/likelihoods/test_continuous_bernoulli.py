@@ -42,7 +42,7 @@ def test_cdf_and_icdf_logit_gradients_near_zero_logits(dtype, rtol, f):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cdf_and_icdf_values_near_zero_logits(dtype):
-    # the rewritten |f| < 1 branch keeps the values as accurate as before (a few ulps)
+    # the |f| < 1 branch keeps the values within a few ulps
     logits = torch.tensor([0.0, 1e-9, 3e-6, -1e-4, 0.01, 0.3, -0.7, 0.999, -0.999], dtype=dtype)
     values = torch.tensor(U, dtype=dtype)
     dist = ContinuousBernoulli(logits.unsqueeze(-1))
@@ -71,7 +71,7 @@ def test_rsample_gradient_at_a_zero_uniform_draw_with_very_negative_logits(dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cdf_gradients_above_the_support_are_zero(dtype):
-    # F(y) = 1 for y >= 1, but exp(f (y - 1)) overflowed before the final clamp: NaN gradients
+    # F(y) = 1 for y >= 1, and exp(f (y - 1)) must not overflow before the final clamp
     logits = torch.tensor([5.0, 30.0, -30.0, 0.5], dtype=dtype, requires_grad=True)
     values = torch.tensor([1e3, 1e6, 1e6, 3.0], dtype=dtype, requires_grad=True)
     cdf = ContinuousBernoulli(logits).cdf(values)
@@ -82,7 +82,7 @@ def test_cdf_gradients_above_the_support_are_zero(dtype):
 
 
 def test_cdf_and_icdf_of_nan_are_nan():
-    # a NaN value was taken for 0 (value > 0 is False for NaN) and gave F = 0 and F^{-1} = 0
+    # a NaN value must not be taken for 0 (value > 0 is False for NaN)
     dist = ContinuousBernoulli(torch.tensor([-3.0, 0.2, 4.0]))
     nan = torch.full((3,), float("nan"))
     assert dist.cdf(nan).isnan().all()
@@ -106,9 +106,9 @@ def _icdf_and_derivative(f: float, u: float) -> tuple[mpmath.mpf, mpmath.mpf]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_icdf_and_its_logit_gradient_match_mpmath_over_logits_and_probabilities(dtype):
-    # before: 1 + log(u + (1 - u) e^-f) / f for f >= 1 gave 0 for f = 1, u = 1e-10 in float32
-    # (exact 1.718e-10) and a relative error of 2.3e-7 for f = 1.5 in float64; the gradient was
-    # 0 there, and off by 2e7 ulps (float32) as u -> 1 at f = 1.01
+    # the naive 1 + log(u + (1 - u) e^-f) / f for f >= 1 gives 0 for f = 1, u = 1e-10 in float32
+    # (exact 1.718e-10) and a relative error of 2.3e-7 for f = 1.5 in float64, with a gradient
+    # of 0 there, and 2e7 ulps off (float32) as u -> 1 at f = 1.01
     eps = torch.finfo(dtype).eps
     f, u = torch.meshgrid(
         torch.tensor(LOGITS, dtype=dtype), torch.tensor(PROBABILITIES, dtype=dtype), indexing="ij"
@@ -211,14 +211,14 @@ def test_icdf_near_zero_logits_against_mpmath(dtype, f):
     u = torch.tensor([1e-3, 0.1, 0.3, 0.5, 0.9, 0.999], dtype=dtype)
     got = ContinuousBernoulli(logit).icdf(u).double()
     ref = [float(cb_reference.icdf(float(logit), float(v))) for v in u]
-    # float32 used to lose 2e-2 at f = 2e-6 (exp(-f) rounded, then divided by f)
+    # exp(-f) rounded, then divided by f, would lose 2e-2 at f = 2e-6 in float32
     tol = 4 * torch.finfo(dtype).eps
     torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_mean_and_entropy_gradients_at_very_negative_logits(dtype):
-    # d/df A'(f) = A''(f) ~ 1/f^2 there; exp(-f) overflowed and the gradient was NaN
+    # d/df A'(f) = A''(f) ~ 1/f^2 there; exp(-f) must not overflow into a NaN gradient
     logits = torch.tensor([-100.0, -800.0, -1e4], dtype=dtype, requires_grad=True)
     ContinuousBernoulli(logits).mean.sum().backward()
     torch.testing.assert_close(logits.grad, 1 / logits.detach() ** 2, rtol=1e-5, atol=0)
@@ -238,8 +238,8 @@ def test_cdf_and_icdf_gradients_at_zero_are_zero():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_icdf_at_one_is_one_with_zero_gradient(dtype):
-    # F^{-1}(1) = 1 for every f; at f << 0 expm1(f) rounds to -1 and log1p(u expm1(f)) was -inf,
-    # which gave the right value after clamping but a NaN gradient
+    # F^{-1}(1) = 1 for every f; at f << 0 expm1(f) rounds to -1 and log1p(u expm1(f)) is -inf,
+    # which gives the right value after clamping but must not give a NaN gradient
     logits = torch.tensor([-1e4, -100.0, -3.0, 0.5, 3.0, 1e4], dtype=dtype, requires_grad=True)
     out = ContinuousBernoulli(logits).icdf(torch.ones(6, dtype=dtype))
     out.sum().backward()

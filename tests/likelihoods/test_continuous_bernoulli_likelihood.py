@@ -1,4 +1,5 @@
-"""ContinuousBernoulli distribution and ContinuousBernoulliLikelihood."""
+"""ContinuousBernoulliLikelihood: GPyTorch's likelihood test suite, its expectations at every
+latent variance against mpmath, observation shapes, and variational models (SVGP on soft labels)."""
 
 import functools
 import math
@@ -152,10 +153,10 @@ def test_float64_quadrature_is_float64_accurate_without_converting_the_likelihoo
 @pytest.mark.parametrize(
     "dtype,mean,variance,y,rtol",
     [
-        (torch.float64, 800.0, 0.01, 0.0, 1e-12),  # was -inf
-        (torch.float64, -750.0, 1.0, 1.0, 1e-12),  # was -742.8306, 0.05 nats off
+        (torch.float64, 800.0, 0.01, 0.0, 1e-12),  # the naive form: -inf
+        (torch.float64, -750.0, 1.0, 1.0, 1e-12),  # naive: 0.05 nats off
         (torch.float32, 120.0, 1.0, 0.0, 1e-6),  # was -inf
-        (torch.float32, -95.0, 0.2, 1.0, 1e-6),  # was right, with a NaN gradient
+        (torch.float32, -95.0, 0.2, 1.0, 1e-6),  # naive: a NaN gradient
     ],
 )
 def test_log_marginal_where_every_node_density_underflows(dtype, mean, variance, y, rtol):
@@ -167,7 +168,7 @@ def test_log_marginal_where_every_node_density_underflows(dtype, mean, variance,
     assert torch.isfinite(got).all()
     ref = cb_gaussian_expectations(y, mean, variance)
     assert got.item() == pytest.approx(ref.log_marginal, rel=rtol)
-    # PredictiveLogLikelihood is built on it: its loss was inf and its gradients NaN
+    # PredictiveLogLikelihood is built on it: its loss must be finite and its gradients too
     mean_param = torch.tensor([mean], dtype=dtype, requires_grad=True)
     mvn = gpytorch.distributions.MultivariateNormal(
         mean_param, torch.tensor([[variance]], dtype=dtype)
@@ -238,8 +239,8 @@ def test_one_latent_value_against_several_targets_broadcasts():
 
 
 def test_a_multitask_latent_gives_one_term_per_point_and_a_scalar_elbo():
-    # IndependentMultitaskVariationalStrategy: the ELBO used to come back with shape (n,), and
-    # its .sum() counted the KL divergence n times
+    # IndependentMultitaskVariationalStrategy: the ELBO is a scalar (an ELBO of shape (n,)
+    # would count the KL divergence n times in its .sum())
     torch.manual_seed(0)
     n, tasks, m = 40, 3, 8
     x = torch.rand(n, 1, dtype=DT) * 4 - 2

@@ -115,8 +115,8 @@ def test_rejects_non_float():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_entropy_against_mpmath(dtype):
-    # H = A(f) - f A'(f) was evaluated as written: the f/2 of both terms cancelled near 0 (2.4e-4
-    # relative error at f = 1e-3 in float32) and their f at large f (4.6e-5 at f = 1e4 in float32)
+    # H = A(f) - f A'(f) as written cancels the f/2 of both terms near 0 (2.4e-4 relative error
+    # at f = 1e-3 in float32) and their f at large f (4.6e-5 at f = 1e4 in float32)
     points = [1e-6, 1e-4, 1e-3, -1e-3, 0.1, 0.5, 0.99, 1.0, -1.0, 1.01, 3.0, 30.0, -30.0, 1e3, 1e4]
     points += [1e5, -1e5, 1e6]
     f = torch.tensor(points, dtype=dtype, requires_grad=True)
