@@ -90,6 +90,11 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         or ``"probit"`` (MacKay's approximation) for :math:`\mathbb{E}_q[\sigma(f)]`.
     :param max_iter: Newton iterations allowed per Laplace fit.
 
+    :ivar step_targets: The targets of every step, ``(T, *batch, n)``: row ``t - 1`` holds
+        :math:`\mathbf y_t`, the targets step ``t`` is fitted to (row 0 the labels).
+    :ivar latent_modes: The Laplace modes :math:`\hat{\mathbf f}_t`, ``(T, *batch, n)``, row
+        ``t - 1`` for step ``t``.
+
     Example:
 
         >>> model = DataCentricGPC(x, y, ScaleKernel(RBFKernel()), num_steps=5).fit()
