@@ -36,10 +36,10 @@ def scaled_rbf(outputscale: float = 1.0, lengthscale: float = 1.0) -> gpytorch.k
     return kernel
 
 
-def fitted_kernel(x: torch.Tensor, y: torch.Tensor, num_iter: int = 60) -> gpytorch.kernels.Kernel:
+def fitted_kernel(x: torch.Tensor, y: torch.Tensor, max_iter: int = 60) -> gpytorch.kernels.Kernel:
     """Kernel hyperparameters maximising the Laplace marginal likelihood of the step-1 GPC."""
     model = LaplaceGPClassifier(x, y, scaled_rbf(1.0, 1.0))
-    model.optimize_hyperparameters(num_iter=num_iter, lr=0.05)
+    model.optimize_hyperparameters(max_iter=max_iter, lr=0.05)
     kernel = model.covar_module
     for p in kernel.parameters():
         p.requires_grad_(False)
@@ -66,9 +66,13 @@ def toy_figures(n: int, seed: int) -> list[str]:
     bern = DataCentricGPC(x, y, kernel, num_steps=2, soft_target_likelihood="bernoulli").fit()
     fig, ax = plt.subplots(figsize=(7, 4))
     plot_base(ax, "Fig. 4: data-centric GPC, one distillation step")
-    ax.plot(test_x, cb.predict_proba(test_x, step=1), label="step 1: GPC (Bernoulli)")
-    ax.plot(test_x, cb.predict_proba(test_x, step=2), label="step 2: C-GPC (continuous Bernoulli)")
-    ax.plot(test_x, bern.predict_proba(test_x, step=2), label="step 2: Bernoulli on soft targets")
+    ax.plot(test_x, cb.predict_proba(test_x, step=1)[:, 1], label="step 1: GPC (Bernoulli)")
+    ax.plot(
+        test_x, cb.predict_proba(test_x, step=2)[:, 1], label="step 2: C-GPC (continuous Bernoulli)"
+    )
+    ax.plot(
+        test_x, bern.predict_proba(test_x, step=2)[:, 1], label="step 2: Bernoulli on soft targets"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     files = [str(OUTPUT / "classification_fig4.png")]
@@ -78,10 +82,10 @@ def toy_figures(n: int, seed: int) -> list[str]:
     # Fig. 5: the noise gamma on the kernel diagonal regularises the C-GPC
     fig, ax = plt.subplots(figsize=(7, 4))
     plot_base(ax, "Fig. 5: C-GPC step 2 with noise gamma on the kernel diagonal")
-    ax.plot(test_x, cb.predict_proba(test_x, step=1), "k", lw=1, label="step 1: GPC")
+    ax.plot(test_x, cb.predict_proba(test_x, step=1)[:, 1], "k", lw=1, label="step 1: GPC")
     for gamma in (0.0, 0.1, 0.5, 2.0):
         model = DataCentricGPC(x, y, kernel, num_steps=2, noise=[0.0, gamma]).fit()
-        ax.plot(test_x, model.predict_proba(test_x), label=f"C-GPC, gamma={gamma}")
+        ax.plot(test_x, model.predict_proba(test_x, step=2)[:, 1], label=f"C-GPC, gamma={gamma}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     files.append(str(OUTPUT / "classification_fig5.png"))
@@ -103,7 +107,7 @@ def toy_figures(n: int, seed: int) -> list[str]:
             ).fit()
             ax.plot(
                 test_x,
-                model.predict_proba(test_x),
+                model.predict_proba(test_x, step=2)[:, 1],
                 style,
                 color=colour,
                 label=f"{likelihood}, thr={threshold}",
@@ -125,17 +129,19 @@ def toy_figures(n: int, seed: int) -> list[str]:
     cmap = plt.get_cmap("viridis")
     for t in range(1, T + 1):
         axes[0].plot(
-            test_x, models["iterated"].predict_proba(test_x, step=t), color=cmap(t / T), lw=1
+            test_x, models["iterated"].predict_proba(test_x, step=t)[:, 1], color=cmap(t / T), lw=1
         )
     rows = []
     errors = {key: [] for key in ("tempered", "scaled_kernel")}
     for t in range(1, T + 1):
-        mi, vi = models["iterated"].predict_latent(test_x, step=t)
-        pi = models["iterated"].predict_proba(test_x, step=t)
+        latent = models["iterated"].predict_latent(test_x, step=t)
+        mi, vi = latent.mean, latent.variance
+        pi = models["iterated"].predict_proba(test_x, step=t)[:, 1]
         row = [t]
         for key in ("tempered", "scaled_kernel"):
-            ma, va = models[key].predict_latent(test_x, step=t)
-            pa = models[key].predict_proba(test_x, step=t)
+            latent = models[key].predict_latent(test_x, step=t)
+            ma, va = latent.mean, latent.variance
+            pa = models[key].predict_proba(test_x, step=t)[:, 1]
             e = (
                 (mi - ma).square().mean().item(),
                 (vi - va).square().mean().item(),
@@ -196,7 +202,7 @@ def breast_cancer(num_steps: int, noise: float) -> None:
     mu, sd = x[train].mean(0), x[train].std(0)
     x = (x - mu) / sd
     start = time.perf_counter()
-    kernel = fitted_kernel(x[train], y[train], num_iter=40)
+    kernel = fitted_kernel(x[train], y[train], max_iter=40)
     print(
         f"### Breast cancer (n_train=400, n_test={len(test)}), Laplace-ML kernel: outputscale="
         f"{kernel.outputscale.item():.3f}, lengthscale={kernel.base_kernel.lengthscale.item():.3f} "
@@ -228,7 +234,7 @@ def breast_cancer(num_steps: int, noise: float) -> None:
     for name, model in models.items():
         model.fit()
         for t in range(1, num_steps + 1):
-            p = model.predict_proba(x[test], step=t).clamp(1e-12, 1 - 1e-12)
+            p = model.predict_proba(x[test], step=t)[:, 1].clamp(1e-12, 1 - 1e-12)
             acc = ((p > 0.5).double() == yt).double().mean().item()
             logloss = -(yt * p.log() + (1 - yt) * (1 - p).log()).mean().item()
             print(f"| {name} | {t} | {acc:.4f} | {logloss:.4f} | {calibration_error(p, yt):.4f} |")

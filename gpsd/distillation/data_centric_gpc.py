@@ -2,31 +2,25 @@ r"""Data-centric self-distillation for GP classification (Borup & Andersen, §4.
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import gpytorch
-import numpy as np
 import torch
 from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
+from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import (
-    ModuleState,
     adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
     fixed_setting,
 )
-from gpsd._internal.validation import (
-    check_gp_modules,
-    check_int,
-    check_test_inputs,
-)
+from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.laplace._prior_blocks import constant_parameters, prior_at_test, prior_at_training
-from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.distillation._gpc_steps import StepwiseClassifier, noise_schedule
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -35,77 +29,78 @@ from gpsd.laplace.predictive import (
     probit_approximation,
     symmetric_response_expectation,
 )
+from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.progress import Callback
 
 __all__ = ["DataCentricGPC"]
 
 
-def _schedule(value: float | Sequence[float], num_steps: int, name: str) -> list[float]:
-    if isinstance(value, numbers.Real) or (
-        isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0
-    ):
-        values = [float(value)] * num_steps
-    elif isinstance(value, Iterable) and not isinstance(value, str):
-        values = [float(v) for v in value]
-        if len(values) != num_steps:
-            raise ValueError(f"{name} must have num_steps={num_steps} entries, got {len(values)}")
-    else:
-        raise TypeError(
-            f"{name} must be a number or a sequence of num_steps={num_steps} numbers, "
-            f"got {type(value).__name__}"
-        )
-    for v in values:
-        if not (v >= 0 and v < float("inf")):
-            raise ValueError(f"{name} must hold finite numbers >= 0, got {values}")
-    return values
-
-
-class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
+class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
     r"""Data-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.1).
 
-    Step 1 fits a Bernoulli-logistic Laplace GPC to the hard labels :math:`\mathbf y_0 \in \{0,1\}^N`.
-    Step :math:`t \ge 2` fits a fresh GPC with the same prior :math:`\mathcal{GP}(m, k)` to the
+    Step :math:`t` fits a Laplace GPC with the prior :math:`\mathcal{GP}(m, k)` to targets
+    :math:`\mathbf y_t` (row ``t - 1`` of :attr:`step_targets`). Step 1 fits the Bernoulli-logistic
+    likelihood to the labels, :math:`\mathbf y_1 \in \{0,1\}^N`; step :math:`t \ge 2` fits the
     previous step's soft predictions at the training inputs,
 
     .. math::
 
-        \mathbf y_{t-1} = \mathbb{E}_{q_{t-1}}[\sigma(\mathbf f)] \in [0, 1]^N,
+        \mathbf y_t = \mathbb{E}_{q_{t-1}}[\sigma(\mathbf f)] \in [0, 1]^N,
 
     with the continuous Bernoulli likelihood (C-GPC, the well-specified model for soft targets)
 
     .. math::
 
-        \log p(\mathbf y_{t-1} \mid \mathbf f_t) = \mathbf y_{t-1}^\top \mathbf f_t
+        \log p(\mathbf y_t \mid \mathbf f_t) = \mathbf y_t^\top \mathbf f_t
         - \sum_n \log(1 + e^{f_{t,n}}) + \sum_n \log C(\sigma(f_{t,n})),
 
-    or, for comparison (Fig. 4), the misspecified Bernoulli likelihood on the soft targets. Each step
-    may add its own noise :math:`\gamma_t` to the kernel diagonal of the training inputs
-    (:math:`\tilde{\mathbf K}_t = \mathbf K + \gamma_t \mathbf I`, Fig. 5), and the targets may be
-    thresholded at 1/2 (Fig. 10). The kernel matrix is computed once; each step warm-starts Newton
-    from the previous mode. Cost grows linearly in the number of steps (no closed form exists).
+    or, for comparison (Fig. 4), the misspecified Bernoulli likelihood on the soft targets. Each
+    step :math:`t` may add its own noise :math:`\gamma_t` to the kernel diagonal of the training
+    inputs (:math:`\tilde{\mathbf K}_t = \mathbf K + \gamma_t \mathbf I`, Fig. 5), and the targets
+    may be thresholded at 1/2 (Fig. 10). The kernel matrix is computed once; each step
+    warm-starts Newton from the previous mode. Cost grows linearly in the number of steps (no
+    closed form exists).
 
-    Predictions refit every step (warm-started from the stored modes) when any parameter or buffer
-    or a setting (``noise_schedule``, ``soft_target_likelihood``, ``threshold_targets``,
-    ``target_method``, ``max_iter``) has changed since the last :meth:`fit`, so they always belong
-    to the current hyperparameters. Predictions are differentiable in the test inputs; the
-    hyperparameters are constants to them (the steps are fitted without autograd, so a gradient
-    through the test-point kernel alone would be wrong). A state saved by a model with another
-    ``num_steps`` is refused. The training data are stored detached. Every step is computed in
-    the training inputs' dtype, whatever the dtype of the kernel and the mean.
+    The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
+    predictions refit every step (warm-started from the stored modes) when any parameter or
+    buffer (``noise`` among them), a setting (``soft_target_likelihood``, ``threshold_targets``,
+    ``target_method``, ``max_iter``) or a :mod:`gpsd.settings` value has changed since the last
+    fit, so they always belong to the current hyperparameters. Predictions hold every step along a
+    step dimension before the test points (row ``t - 1`` for step ``t``); ``step=t`` selects one.
+    They are differentiable in the test inputs; the hyperparameters are constants to them (the
+    steps are fitted without autograd, so a gradient through the test-point kernel alone would be
+    wrong). A state saved by a model with another ``num_steps`` is refused. The training data are
+    stored detached. Every step is computed in the training inputs' dtype, whatever the dtype of
+    the kernel and the mean.
 
-    :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
+    :param train_x: Training inputs ``(n, d)`` or ``(n,)``, float32 or float64.
     :param train_y: Binary labels ``(*batch, n)`` in {0, 1}.
     :param covar_module: The (fixed) kernel :math:`k`, any GPyTorch kernel.
-    :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC).
     :param mean_module: Prior mean (default zero).
-    :param noise: :math:`\gamma_t`, one number or ``num_steps`` numbers (step 1 included).
+    :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC).
+    :param noise: :math:`\gamma_1, \dots, \gamma_T`: one number for every step, or a schedule of
+        shape ``(T,)``, entry ``t - 1`` for step ``t``.
     :param soft_target_likelihood: ``"continuous_bernoulli"`` (default) or ``"bernoulli"`` (the
         misspecified variant) for steps :math:`t \ge 2`.
-    :param threshold_targets: Pass :math:`\mathbb 1[\mathbf y_{t-1} > 1/2]` instead of the soft
-        predictions.
+    :param threshold_targets: Fit :math:`\mathbb 1[\mathbb{E}_{q_{t-1}}[\sigma(\mathbf f)] > 1/2]`
+        at step :math:`t \ge 2` instead of the soft predictions.
     :param warm_start: Start each Newton run from the previous step's mode.
     :param target_method: ``"quadrature"`` (:func:`~gpsd.laplace.symmetric_response_expectation`)
         or ``"probit"`` (MacKay's approximation) for :math:`\mathbb{E}_q[\sigma(f)]`.
     :param max_iter: Newton iterations allowed per Laplace fit.
+
+    :ivar step_targets: The targets of every step, ``(T, *batch, n)``: row ``t - 1`` holds
+        :math:`\mathbf y_t`, the targets step ``t`` is fitted to (row 0 the labels).
+    :ivar latent_modes: The Laplace modes :math:`\hat{\mathbf f}_t`, ``(T, *batch, n)``, row
+        ``t - 1`` for step ``t``.
+
+    Example:
+
+        >>> model = DataCentricGPC(x, y, ScaleKernel(RBFKernel()), num_steps=5).fit()
+        >>> probs = model.predict_proba(test_x)  # shape: (5, M, 2)
+        >>> t = model.best_step(val_x=val_x, val_y=val_y)
+        >>> labels = model.predict(test_x, step=t)  # shape: (M,)
     """
 
     def __init__(
@@ -113,9 +108,10 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         train_x: Tensor,
         train_y: Tensor,
         covar_module: Kernel,
-        num_steps: int = 2,
+        *,
         mean_module: Mean | None = None,
-        noise: float | Sequence[float] = 0.0,
+        num_steps: int = 2,
+        noise: float | Sequence[float] | Tensor = 0.0,
         soft_target_likelihood: str = "continuous_bernoulli",
         threshold_targets: bool = False,
         warm_start: bool = True,
@@ -132,18 +128,21 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         self._num_steps = num_steps
-        self._noise_schedule = tuple(_schedule(noise, num_steps, "noise"))
         self.warm_start = bool(warm_start)
         self.max_iter = check_int(max_iter, "max_iter")
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
+        noise = noise_schedule(noise, num_steps)
+        self.register_buffer(
+            "noise", torch.tensor(noise, dtype=train_x.dtype, device=train_x.device)
+        )
         shape = (num_steps, *train_y.shape)
         self.register_buffer("step_targets", train_x.new_zeros(shape))
         self.register_buffer("latent_modes", train_x.new_zeros(shape))
         self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
-        self._modes: list[LaplaceMode] | None = None
-        # the parameters, buffers and settings that self._modes were fitted at
-        self._modes_state: tuple[ModuleState, tuple] | None = None
+        # the fitted modes (steps 1..k), valid while the state they were fitted at holds
+        self._fit_cache = FitCache()
+        #: Newton iterations of each step of the last fit, entry ``t - 1`` for step ``t``
         self.newton_iterations: list[int] = []
 
     @property
@@ -171,43 +170,34 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
     )
 
-    @property
-    def noise_schedule(self) -> tuple[float, ...]:
-        """:math:`\\gamma_1, \\dots, \\gamma_T`; assigning a new schedule (one number, or
-        ``num_steps`` numbers) refits on use."""
-        return self._noise_schedule
+    #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(T,)`` (entry ``t - 1`` for step
+    #: ``t``) in the training inputs' dtype. Assigning one number or ``T`` numbers (checked) or
+    #: writing into it refits on use.
+    noise: Tensor
 
-    @noise_schedule.setter
-    def noise_schedule(self, value: float | Sequence[float]) -> None:
-        self._noise_schedule = tuple(_schedule(value, self.num_steps, "noise_schedule"))
-
-    def _apply(self, fn, *args, **kwargs):
-        self._modes = None
-        return super()._apply(fn, *args, **kwargs)
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "noise" and "noise" in self.__dict__.get("_buffers", {}):
+            current = self._buffers["noise"]
+            value = torch.tensor(
+                noise_schedule(value, self.num_steps), dtype=current.dtype, device=current.device
+            )
+        super().__setattr__(name, value)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "step_targets"))
         names = ("step_targets", "latent_modes", "train_inputs", "train_targets")
         adopt_buffer_shapes(self, state_dict, prefix, names)
-        self._modes = None
+        self._fit_cache.clear()  # the loaded modes are warm starts for the next fit
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _settings(self) -> tuple:
         """The settings besides the module's state that the fitted steps depend on."""
         return (
-            self._noise_schedule,
             self.soft_target_likelihood,
             self.threshold_targets,
             self.target_method,
             self.max_iter,
         )
-
-    def _modes_are_current(self) -> bool:
-        """Whether :attr:`_modes` were fitted at the current parameters, buffers and settings."""
-        if self._modes is None or self._modes_state is None:
-            return False
-        state, settings = self._modes_state
-        return settings == self._settings() and state.matches(self)
 
     def _terms(self, step: int):
         if step == 1 or self.soft_target_likelihood == "bernoulli":
@@ -222,11 +212,11 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
             return probit_approximation(mean, var)
         return symmetric_response_expectation(torch.sigmoid, mean, var)
 
-    def fit(self, use_stored_modes: bool = False) -> DataCentricGPC:
-        """Run the ``num_steps`` steps at the current kernel hyperparameters; returns ``self``.
-
-        :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``).
-        """
+    def _run(
+        self, use_stored_modes: bool, progress: object = False, callback: Callback | None = None
+    ) -> list[LaplaceMode]:
+        """Fit steps 1..T (fewer where ``callback`` stops); returns their modes."""
+        use_stored_modes = use_stored_modes and bool(self.is_fitted)
         with torch.no_grad():
             # shapes: (*batch, n), (*batch, n, n)
             m, K = prior_at_training(
@@ -238,56 +228,77 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
             modes: list[LaplaceMode] = []
             self.newton_iterations = []
             init = None
-            for step in range(1, self.num_steps + 1):
-                stored = self.latent_modes[step - 1]
-                if use_stored_modes and bool(self.is_fitted) and stored.shape == targets.shape:
-                    init = stored
-                elif not self.warm_start:
-                    init = None
-                mode = find_laplace_mode(
-                    K + self._noise_schedule[step - 1] * eye,
-                    targets,
-                    self._terms(step),
-                    prior_mean=m,
-                    init_f=init,
-                    max_iter=self.max_iter,
-                    check_targets=step == 1,  # later steps: the last step's probabilities
-                )
-                modes.append(mode)
-                self.newton_iterations.append(mode.num_iter)
-                if self.step_targets[step - 1].shape != targets.shape:
-                    self.step_targets = targets.new_zeros(self.num_steps, *targets.shape)
-                    self.latent_modes = torch.zeros_like(self.step_targets)
-                self.step_targets[step - 1] = targets
-                self.latent_modes[step - 1] = mode.f
-                init = mode.f
-                soft = self._soft_predictions(mode, K, m)
-                targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
-            self._modes = modes
+            task = f"{type(self).__name__}.fit"
+            with ProgressReporter(task, self.num_steps, progress, callback) as report:
+                for step in range(1, self.num_steps + 1):
+                    stored = self.latent_modes[step - 1]
+                    if use_stored_modes and stored.shape == targets.shape:
+                        init = stored
+                    elif not self.warm_start:
+                        init = None
+                    mode = find_laplace_mode(
+                        K + float(self.noise[step - 1]) * eye,
+                        targets,
+                        self._terms(step),
+                        prior_mean=m,
+                        init_f=init,
+                        max_iter=self.max_iter,
+                        check_targets=step == 1,  # later steps: the last step's probabilities
+                    )
+                    modes.append(mode)
+                    self.newton_iterations.append(mode.num_iter)
+                    if self.step_targets[step - 1].shape != targets.shape:
+                        self.step_targets = targets.new_zeros(self.num_steps, *targets.shape)
+                        self.latent_modes = torch.zeros_like(self.step_targets)
+                    self.step_targets[step - 1] = targets
+                    self.latent_modes[step - 1] = mode.f
+                    init = mode.f
+                    soft = self._soft_predictions(mode, K, m)
+                    targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
+                    loss = -float(mode.log_marginal_likelihood.sum())
+                    if report.update(step, loss=loss, newton_iterations=mode.num_iter):
+                        break
             self.is_fitted.fill_(True)
-            self._modes_state = (ModuleState(self), self._settings())
+        return modes
+
+    def fit(
+        self,
+        *,
+        use_stored_modes: bool = False,
+        progress: object = False,
+        callback: Callback | None = None,
+    ) -> DataCentricGPC:
+        """Fit the ``num_steps`` steps at the current kernel hyperparameters; returns ``self``.
+
+        Predictions call it themselves where needed (lazily, warm-started from the stored modes).
+        Each step is one iteration for ``progress`` and ``callback`` (the record's ``loss`` is the
+        step's negative Laplace log marginal likelihood, summed over the batch); a callback that
+        returns ``True`` after step ``k`` leaves steps ``1..k`` fitted, and predictions then hold
+        those steps alone until the next fit.
+
+        :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``).
+        :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
+        :param callback: Called after each step with an :class:`~gpsd.IterationRecord`.
+        """
+        self._fit_cache.clear()
+        modes = self._run(use_stored_modes, progress, callback)
+        self._fit_cache.store(self, self._settings(), modes)
+        self._fit_cache.grad_matters = False
         return self
 
-    def _mode(self, step: int | None) -> tuple[int, LaplaceMode]:
-        step = self.num_steps if step is None else check_int(step, "step")
-        if step > self.num_steps:
-            raise ValueError(f"step must be in 1..{self.num_steps}, got {step}")
-        if not self._modes_are_current():
-            if not bool(self.is_fitted):
-                raise RuntimeError("DataCentricGPC is not fitted; call fit() first")
-            self.fit(use_stored_modes=True)
-        assert self._modes is not None
-        return step, self._modes[step - 1]
+    def _modes(self) -> list[LaplaceMode]:
+        """The modes of the fitted steps at the current state (fitted here where needed)."""
+        modes = self._fit_cache.get(
+            self, self._settings(), lambda: self._run(use_stored_modes=True)
+        )
+        self._fit_cache.grad_matters = False
+        return modes
 
-    def _test_inputs(self, x: Tensor) -> Tensor:
-        return check_test_inputs(x, self.train_inputs)
+    def _fitted_steps(self) -> int:
+        return len(self._modes())
 
-    def predict_latent(self, x: Tensor, step: int | None = None) -> tuple[Tensor, Tensor]:
-        """Latent predictive mean and variance of step ``step`` (default: the last) at ``x``,
-        differentiable in ``x`` (the hyperparameters are constants to them: the steps are fitted
-        without autograd)."""
-        x = self._test_inputs(x)
-        _, mode = self._mode(step)
+    def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        mode = self._modes()[step - 1]
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
                 self.covar_module, self.mean_module, x, self.train_inputs, diag=True
@@ -295,13 +306,7 @@ class DataCentricGPC(ClassificationTrainingData, gpytorch.Module):
         mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
         return mean, nonnegative_variance(var, K_diag)
 
-    def predict_proba(
-        self, x: Tensor, step: int | None = None, method: str = "quadrature"
-    ) -> Tensor:
-        r""":math:`\mathbb{E}_q[\sigma(f_*)]` of step ``step`` (default: the last) at ``x``."""
-        mean, var = self.predict_latent(x, step)
-        if method == "quadrature":
-            return symmetric_response_expectation(torch.sigmoid, mean, var)
+    def _positive_probability(self, mean: Tensor, variance: Tensor, method: str) -> Tensor:
         if method == "probit":
-            return probit_approximation(mean, var)
-        raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")
+            return probit_approximation(mean, variance)
+        return symmetric_response_expectation(torch.sigmoid, mean, variance)

@@ -8,31 +8,30 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
+from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import (
-    ModuleState,
     adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
     fixed_setting,
 )
-from gpsd._internal.validation import (
-    check_gp_modules,
-    check_int,
-    check_test_inputs,
-)
+from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.laplace._prior_blocks import constant_parameters, prior_at_test, prior_at_training
-from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.distillation._gpc_steps import StepwiseClassifier
 from gpsd.laplace.newton import find_laplace_mode
 from gpsd.laplace.predictive import closed_form_probability, expected_response
+from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.progress import Callback
 
 __all__ = ["DistributionCentricGPC"]
 
 _METHODS = ("iterated", "tempered", "scaled_kernel")
 
 
-class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
+class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
     r"""Distribution-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.2).
 
     The Laplace posterior of step :math:`t` becomes the prior of step :math:`t + 1`, always with the
@@ -63,32 +62,42 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
 
     Step 1 of every method is the ordinary Laplace GPC.
 
-    Predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
-    the likelihood, the training inputs or labels, ``method`` or ``max_iter`` has changed since
-    the last fit (or ``load_state_dict``), so that every step belongs to the current model. A
+    The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
+    predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
+    the likelihood, the training inputs or labels, ``method``, ``max_iter`` or a
+    :mod:`gpsd.settings` value has changed since the last fit (or ``load_state_dict``), so that
+    every step belongs to the current model. Predictions hold every step along a step dimension
+    before the test points (row ``t - 1`` for step ``t``); ``step=t`` selects one. A
     loaded state's steps are kept only where they were fitted with this model's ``method``,
     ``max_iter``, likelihood and ``store_all_steps`` (saved with them); otherwise the next
     prediction refits. A state saved by a model with another ``num_steps`` is refused.
     Predictions are differentiable in the test inputs; the hyperparameters are constants to them
     (the steps are fitted without autograd, so a gradient through the test-point kernel alone
     would be wrong). The training data are stored detached. Every step is computed in the
-    training inputs' dtype, whatever the dtype of the kernel and the mean. In float32, ``"iterated"`` loses accuracy with the number of steps where the
+    training inputs' dtype, whatever the dtype of the kernel and the mean. In float32,
+    ``"iterated"`` loses accuracy with the number of steps where the
     kernel matrix is ill-conditioned (each step forms :math:`\mathbf K_t = \mathbf K(\mathbf I
     - \mathbf Q_t \mathbf K)` explicitly): class probabilities 1.7e-3 off the float64 ones at
     :math:`T = 10` with lengthscale 8, outputscale 50 and 40 points, where ``"tempered"`` is
     8e-5 off; fit in float64 where that matters.
 
-    :param train_x: Training inputs ``(n, d)`` or ``(n,)``.
+    :param train_x: Training inputs ``(n, d)`` or ``(n,)``, float32 or float64.
     :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones).
     :param covar_module: The kernel :math:`k` (fixed).
+    :param mean_module: Prior mean (default zero).
     :param num_steps: :math:`T \ge 1`.
     :param method: ``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``.
-    :param mean_module: Prior mean (default zero).
     :param likelihood: As for :class:`~gpsd.laplace.LaplaceGPClassifier` (default logistic).
     :param max_iter: Newton iterations allowed per Laplace fit.
     :param store_all_steps: Keep every step's posterior (``T`` matrices of size ``n x n``) so that
         any step can be predicted; with ``False`` only the last step is kept (``"iterated"`` then
         predicts only step ``T``; the approximations recompute other steps on request).
+
+    Example:
+
+        >>> model = DistributionCentricGPC(x, y, ScaleKernel(RBFKernel()), num_steps=10).fit()
+        >>> probs = model.predict_proba(test_x)  # shape: (10, M, 2)
+        >>> t = model.best_step(val_x=val_x, val_y=val_y)
     """
 
     def __init__(
@@ -96,9 +105,10 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         train_x: Tensor,
         train_y: Tensor,
         covar_module: Kernel,
+        *,
+        mean_module: Mean | None = None,
         num_steps: int = 10,
         method: str = "iterated",
-        mean_module: Mean | None = None,
         likelihood: object = "bernoulli_logit",
         max_iter: int = 100,
         store_all_steps: bool = True,
@@ -128,9 +138,11 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         self.register_buffer(
             "computed_steps", torch.zeros(num_steps, dtype=torch.bool, device=train_x.device)
         )
+        #: Newton iterations of each step computed, by step (counted from 1)
         self.newton_iterations: dict[int, int] = {}
-        # the prior, likelihood, data and settings that the computed steps belong to
-        self._fitted_state: tuple[ModuleState, ModuleState, tuple] | None = None
+        # valid while the prior, likelihood, data and settings that the computed steps belong
+        # to hold (the fitted buffers are not part of it: a loaded fit is adopted)
+        self._fit_cache = FitCache()
         # the settings that a loaded state's steps were fitted with (None: with none)
         self._loaded_fit_settings: tuple | None = None
         self.register_load_state_dict_post_hook(DistributionCentricGPC._adopt_loaded_fit)
@@ -140,7 +152,7 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         was_current = self._fit_is_current()
         out = super()._apply(fn, *args, **kwargs)
         if was_current:  # the same values in another dtype or on another device
-            self._fitted_state = self._prior_state()
+            self._adopt_fit()
         return out
 
     num_steps = fixed_setting("num_steps", ":math:`T` (the buffers hold one posterior per step).")
@@ -172,25 +184,19 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         names = tuple(f"{cls.__module__}.{cls.__qualname__}" for cls in likelihood)
         return self.method, self.max_iter, names, self.store_all_steps
 
-    def _prior_state(self) -> tuple[ModuleState, ModuleState, tuple]:
-        """The state of :meth:`_prior_modules`, the training data and :meth:`_settings`."""
-        return (
-            ModuleState(self._prior_modules()),
-            ModuleState(self._training_data()),
-            self._settings(),
-        )
+    def _fit_modules(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """:meth:`_prior_modules` and the training data: the state the computed steps belong to."""
+        return self._prior_modules(), self._training_data()
+
+    def _adopt_fit(self) -> None:
+        """Record that the computed steps belong to the current state and :meth:`_settings`."""
+        self._fit_cache.store(self._fit_modules(), self._settings(), True)
+        self._fit_cache.grad_matters = False  # the steps are fitted without autograd
 
     def _fit_is_current(self) -> bool:
-        """Whether the computed steps belong to the current prior, likelihood, training data and
-        :meth:`_settings`."""
-        if self._fitted_state is None:
-            return False
-        prior, data, settings = self._fitted_state
-        return (
-            settings == self._settings()
-            and prior.matches(self._prior_modules())
-            and data.matches(self._training_data())
-        )
+        """Whether the computed steps belong to the current prior, likelihood, training data,
+        :meth:`_settings` and :mod:`gpsd.settings`."""
+        return self._fit_cache.valid(self._fit_modules(), self._settings())
 
     def get_extra_state(self) -> dict:
         """Saved in ``state_dict``: the :meth:`_settings` that the saved steps were fitted with, or
@@ -206,8 +212,10 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         """After ``load_state_dict``: the loaded steps belong to the loaded hyperparameters if they
         were fitted with this model's :meth:`_settings` (``method``, ``max_iter``, likelihood,
         ``store_all_steps``); otherwise the next prediction refits."""
-        fitted_with = module._loaded_fit_settings
-        module._fitted_state = module._prior_state() if fitted_with == module._settings() else None
+        if module._loaded_fit_settings == module._settings():
+            module._adopt_fit()
+        else:
+            module._fit_cache.clear()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "computed_steps"))
@@ -280,7 +288,7 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         S = mode.sqrt_W.unsqueeze(-1) * inner * mode.sqrt_W.unsqueeze(-2)
         return 0.5 * (S + S.transpose(-1, -2))
 
-    def _fit_iterated(self) -> None:
+    def _fit_iterated(self, report: ProgressReporter) -> None:
         m0, K0 = self._prior()
         n = K0.shape[-1]
         c = torch.zeros_like(m0)
@@ -307,36 +315,62 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
             self._store(step, mode.f, c, Q)
             self.newton_iterations[step] = mode.num_iter
             init = mode.f
+            loss = -float(mode.log_marginal_likelihood.sum())
+            if report.update(step, loss=loss, newton_iterations=mode.num_iter):
+                break
 
-    def fit(self) -> DistributionCentricGPC:
-        """Fit all ``num_steps`` steps (``"iterated"``) or only the last one (approximations)."""
-        with torch.no_grad():
+    def fit(
+        self, *, progress: object = False, callback: Callback | None = None
+    ) -> DistributionCentricGPC:
+        """Fit all ``num_steps`` steps (``"iterated"``) or only the last one (the
+        approximations, which compute other steps when predicted); returns ``self``.
+
+        Predictions call it themselves where needed (lazily). For ``"iterated"`` each step is one
+        iteration for ``progress`` and ``callback`` (the record's ``loss`` is the step's negative
+        Laplace log marginal likelihood, summed over the batch), and a callback that returns
+        ``True`` after step ``k`` leaves steps ``1..k`` fitted (predictions then hold those steps
+        alone until the next fit); the approximations report their one Laplace fit.
+
+        :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
+        :param callback: Called after each iteration with an :class:`~gpsd.IterationRecord`.
+        """
+        total = self.num_steps if self.method == "iterated" else 1
+        task = f"{type(self).__name__}.fit"
+        with torch.no_grad(), ProgressReporter(task, total, progress, callback) as report:
             self.computed_steps.fill_(False)
             self._scratch = None
             self.newton_iterations = {}
             if self.method == "iterated":
-                self._fit_iterated()
+                self._fit_iterated(report)
             else:
                 self._fit_approximation(self.num_steps)
-        self._fitted_state = self._prior_state()
+                step = self.num_steps
+                report.update(1, newton_iterations=self.newton_iterations[step])
+        self._adopt_fit()
         return self
 
-    def _state(self, step: int | None) -> tuple[float, Tensor, Tensor]:
-        step = self.num_steps if step is None else check_int(step, "step")
-        if step > self.num_steps:
-            raise ValueError(f"step must be in 1..{self.num_steps}, got {step}")
+    def _fitted_steps(self) -> int:
+        if not self._fit_is_current():
+            self.fit()
+        if self.method != "iterated":
+            return self.num_steps
+        done = [t for t, kept in enumerate(self.computed_steps.tolist(), start=1) if kept]
+        return max(done, default=0)  # the last step the recursion reached
+
+    def _state(self, step: int) -> tuple[float, Tensor, Tensor]:
+        r"""The scale :math:`s_t`, coefficients :math:`\mathbf c_t` and correction
+        :math:`\mathbf Q_t` of step ``step`` (in 1..``_fitted_steps()``)."""
         scale = float(step) if self.method == "scaled_kernel" else 1.0
-        if bool(self.computed_steps.any()) and not self._fit_is_current():
-            self.fit()  # the hyperparameters changed since the steps were computed
+        if not self._fit_is_current():
+            self.fit()  # unfitted, or the hyperparameters changed since the steps were computed
         if bool(self.computed_steps[step - 1]):
             slot = self._slot(step)
             assert slot is not None
             return scale, self.coefficients[slot], self.covariance_corrections[slot]
-        if not bool(self.computed_steps.any()):
-            raise RuntimeError("DistributionCentricGPC is not fitted; call fit() first")
         if self.method == "iterated":
             raise ValueError(
-                f"step {step} was not kept: fit with store_all_steps=True to predict steps < T"
+                f"step {step} was not kept: predict step={self.num_steps} alone, or fit with "
+                "store_all_steps=True to predict every step"
             )
         if self._scratch is None or self._scratch[0] != step:
             with torch.no_grad():
@@ -346,14 +380,7 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         assert self._scratch is not None
         return scale, self._scratch[2], self._scratch[3]
 
-    def _test_inputs(self, x: Tensor) -> Tensor:
-        return check_test_inputs(x, self.train_inputs)
-
-    def predict_latent(self, x: Tensor, step: int | None = None) -> tuple[Tensor, Tensor]:
-        r"""Latent mean and variance of the posterior after ``step`` steps (default: the last),
-        differentiable in the test inputs ``x`` (the hyperparameters are constants to them: the
-        steps are fitted without autograd)."""
-        x = self._test_inputs(x)
+    def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
         scale, c, Q = self._state(step)
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
@@ -364,13 +391,7 @@ class DistributionCentricGPC(ClassificationTrainingData, gpytorch.Module):
         var = prior_var - ((K_cross @ Q) * K_cross).sum(-1)
         return mean, nonnegative_variance(var, prior_var)
 
-    def predict_proba(
-        self, x: Tensor, step: int | None = None, method: str = "quadrature"
-    ) -> Tensor:
-        r""":math:`\mathbb{E}_q[r(f_*)]` after ``step`` steps (:math:`r` the likelihood's response)."""
-        mean, var = self.predict_latent(x, step)
-        if method == "quadrature":
-            return expected_response(self.terms, mean, var)
+    def _positive_probability(self, mean: Tensor, variance: Tensor, method: str) -> Tensor:
         if method == "probit":
-            return closed_form_probability(self.terms, mean, var)
-        raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")
+            return closed_form_probability(self.terms, mean, variance)
+        return expected_response(self.terms, mean, variance)

@@ -9,6 +9,7 @@ from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceConvergenceError, LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
+    binary_class_probabilities,
     closed_form_probability,
     expected_response,
     gauss_hermite_expectation,
@@ -27,6 +28,7 @@ __all__ = [
     "LaplaceGPClassifier",
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
+    "binary_class_probabilities",
     "closed_form_probability",
     "differentiable_mode",
     "find_laplace_mode",

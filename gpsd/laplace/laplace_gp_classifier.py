@@ -9,7 +9,9 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._internal.module_state import ModuleState, adopt_buffer_shapes
+from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.module_state import adopt_buffer_shapes
+from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import (
     check_gp_modules,
     check_int,
@@ -17,17 +19,20 @@ from gpsd._internal.validation import (
     check_test_inputs,
 )
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.laplace._prior_blocks import prior_at_test, prior_at_training
-from gpsd.laplace._training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
+    binary_class_probabilities,
     closed_form_probability,
     expected_response,
     laplace_latent_predictive,
 )
+from gpsd.laplace.prior import prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.prediction import Prediction
+from gpsd.progress import Callback
 
 __all__ = ["LaplaceGPClassifier"]
 
@@ -57,9 +62,15 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
     The mode is found by :func:`~gpsd.laplace.find_laplace_mode` (Newton, stable B-form, warm
     started from the last mode). :meth:`log_marginal_likelihood` is differentiable in the kernel and
     mean hyperparameters (total derivative, including the dependence of the mode), so they train in
-    an ordinary torch loop. Predictions refit the mode when any parameter or buffer (or the
-    temperature) has changed since the last :meth:`fit`, so they always belong to the current
-    hyperparameters.
+    an ordinary torch loop. The model fits lazily: :meth:`fit` need not be called, the first
+    prediction fits, and predictions refit the mode when any parameter or buffer, the
+    ``temperature``, ``max_iter`` or a :mod:`gpsd.settings` value has changed since the last
+    fit, so they always belong to the current hyperparameters.
+
+    Predictions follow scikit-learn's classifiers: :meth:`predict_proba` gives both classes'
+    probabilities ``(*batch, M, 2)``, :meth:`predict` the labels ``(*batch, M)``,
+    :meth:`predict_latent` the latent :class:`~gpsd.Prediction`, and ``model(test_x)`` the latent
+    ``MultivariateNormal``.
 
     With gradients enabled and a parameter that requires them (the default outside
     ``torch.no_grad()``), predictions are differentiable in the hyperparameters through the
@@ -77,7 +88,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
     The training data are stored detached: targets that carry an autograd graph (a teacher's
     differentiable ``predict_proba``, say) are constants to this model.
 
-    :param train_x: Training inputs, shape ``(n, d)`` or ``(n,)``.
+    :param train_x: Training inputs, shape ``(n, d)`` or ``(n,)``, float32 or float64.
     :param train_y: Targets, shape ``(*batch, n)``: 0/1 labels for the Bernoulli likelihoods, soft
         targets in [0, 1] for the continuous Bernoulli.
     :param covar_module: Any GPyTorch kernel.
@@ -89,6 +100,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
     :param noise: :math:`\gamma \ge 0` added to the kernel diagonal of the training inputs.
     :param temperature: :math:`\tau > 0` (``t`` duplicates of the data correspond to ``tau = t``).
     :param max_iter: Newton iteration limit.
+    :raises TypeError: for ``train_x`` of another dtype than float32 or float64.
 
     Example:
 
@@ -96,7 +108,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         >>> opt = torch.optim.Adam(model.parameters(), lr=0.05)
         >>> for _ in range(50):
         ...     opt.zero_grad(); (-model.log_marginal_likelihood()).backward(); opt.step()
-        >>> probs = model.fit().predict_proba(test_x)
+        >>> probs = model.fit().predict_proba(test_x)  # shape: (M, 2)
     """
 
     def __init__(
@@ -104,8 +116,9 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         train_x: Tensor,
         train_y: Tensor,
         covar_module: Kernel,
-        likelihood: object = "bernoulli_logit",
+        *,
         mean_module: Mean | None = None,
+        likelihood: object = "bernoulli_logit",
         noise: float = 0.0,
         temperature: float = 1.0,
         max_iter: int = 100,
@@ -131,20 +144,18 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         )
         self.register_buffer("latent_mode", torch.zeros_like(train_y))
         self.register_buffer("mode_available", torch.tensor(False, device=train_x.device))
-        self._mode: LaplaceMode | None = None
-        # the parameters, buffers and temperature that self._mode was fitted at
-        self._mode_state: tuple[ModuleState, float] | None = None
+        #: the fitted :class:`~gpsd.laplace.LaplaceMode`, valid while the state it was fitted
+        #: at (parameters, buffers, ``temperature``, ``max_iter``, :mod:`gpsd.settings`) holds
+        self._fit_cache = FitCache()
+        #: the losses of the last :meth:`optimize_hyperparameters`, one per iteration
+        self.history: list[float] = []
 
     # ----------------------------------------------------------------------------------------
-    def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the cached factorisation
-        self._mode = None
-        return super()._apply(fn, *args, **kwargs)
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         adopt_buffer_shapes(
             self, state_dict, prefix, ("latent_mode", "train_inputs", "train_targets")
         )
-        self._mode = None
+        self._fit_cache.clear()  # the loaded mode is a warm start for the next fit
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def prior_train(self) -> tuple[Tensor, Tensor]:
@@ -154,29 +165,21 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
             self.covar_module, self.mean_module, self.train_inputs, self.train_targets, self.noise
         )
 
-    def _mode_is_current(self) -> bool:
-        """Whether :attr:`_mode` was fitted at the current parameters, buffers and temperature."""
-        if self._mode is None or self._mode_state is None:
-            return False
-        state, temperature = self._mode_state
-        return temperature == self.temperature and state.matches(self)
+    def _fit_config(self) -> tuple:
+        """What the mode depends on besides the parameters and buffers."""
+        return (self.temperature, self.max_iter)
 
     @property
     def mode(self) -> LaplaceMode:
-        """The :class:`~gpsd.laplace.LaplaceMode` at the current hyperparameters (refitted when any
-        parameter, buffer or the temperature changed since the last :meth:`fit`)."""
-        if not self._mode_is_current():
-            self.fit()
-        assert self._mode is not None
-        return self._mode
+        """The :class:`~gpsd.laplace.LaplaceMode` at the current hyperparameters (fitted on first
+        use, refitted when any parameter, buffer, ``temperature``, ``max_iter`` or
+        :mod:`gpsd.settings` value changed since the last fit)."""
+        mode = self._fit_cache.get(self, self._fit_config(), self._find_mode)
+        self._fit_cache.grad_matters = False  # the mode is found without autograd
+        return mode
 
-    def fit(self, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceGPClassifier:
-        """Find the Laplace mode at the current hyperparameters (warm start from the last mode).
-
-        :param init_f: An explicit starting point ``(*batch, n)`` (e.g. another model's mode).
-        :param warm_start: Start from the last mode if there is one.
-        :return: ``self``.
-        """
+    def _find_mode(self, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceMode:
+        """Newton at the current hyperparameters; the mode is written to :attr:`latent_mode`."""
         with torch.no_grad():
             m, K = self.prior_train()
             shape = torch.broadcast_shapes(K.shape[:-1], m.shape, self.train_targets.shape)
@@ -198,25 +201,40 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
                 temperature=self.temperature,
                 max_iter=self.max_iter,
             )
-        self._mode = mode
-        if self.latent_mode.shape != mode.f.shape:
-            self.latent_mode = mode.f.clone()
-        else:
-            self.latent_mode.copy_(mode.f)
-        self.mode_available.fill_(True)
-        self._mode_state = (ModuleState(self), self.temperature)
+            if self.latent_mode.shape != mode.f.shape:
+                self.latent_mode = mode.f.clone()
+            else:
+                self.latent_mode.copy_(mode.f)
+            self.mode_available.fill_(True)
+        return mode
+
+    def fit(self, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceGPClassifier:
+        """Find the Laplace mode at the current hyperparameters (warm start from the last mode).
+
+        Predictions call it themselves where the hyperparameters changed; call it to choose the
+        starting point.
+
+        :param init_f: An explicit starting point ``(*batch, n)`` (e.g. another model's mode).
+        :param warm_start: Start from the last mode if there is one.
+        :return: ``self``.
+        """
+        self._fit_cache.clear()
+        mode = self._find_mode(init_f, warm_start)
+        self._fit_cache.store(self, self._fit_config(), mode)
+        self._fit_cache.grad_matters = False
         return self
 
     def log_marginal_likelihood(self) -> Tensor:
-        r"""The Laplace approximation of :math:`\log p(\mathbf y)`, shape ``batch``, differentiable in
-        the hyperparameters (see :func:`~gpsd.laplace.laplace_log_marginal_likelihood`).
+        r"""The Laplace approximation of :math:`\log p(\mathbf y)`, shape ``batch``,
+        differentiable in the hyperparameters (see
+        :func:`~gpsd.laplace.laplace_log_marginal_likelihood`).
 
         The evidence alone: hyperpriors registered on the modules are not included (see
         :meth:`log_prior`; :meth:`optimize_hyperparameters` adds them)."""
-        self.fit()
+        mode = self.mode
         m, K = self.prior_train()
         return laplace_log_marginal_likelihood(
-            K, self.train_targets, self.terms, self.mode, prior_mean=m, temperature=self.temperature
+            K, self.train_targets, self.terms, mode, prior_mean=m, temperature=self.temperature
         )
 
     def _test_inputs(self, x: Tensor) -> Tensor:
@@ -234,7 +252,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         return differentiable_mode(K, self.train_targets, self.terms, mode, m)
 
     def forward(self, x: Tensor) -> MultivariateNormal:
-        """The latent predictive distribution at ``x`` (full covariance)."""
+        """The latent predictive distribution at ``x`` (full covariance), ``(*batch, M)``."""
         x = self._test_inputs(x)
         mode = self._predictive_mode()
         K_cross, K_test, prior_mean = prior_at_test(
@@ -245,34 +263,51 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         cov = cov + jitter * torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
         return MultivariateNormal(mean, cov)
 
-    def predict_latent(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Latent predictive mean and variance at ``x``, each ``(*batch, m)``; differentiable in
-        the hyperparameters (the mode's own dependence on them included)."""
-        x = self._test_inputs(x)
+    def predict_latent(self, test_x: Tensor) -> Prediction:
+        """The latent predictive mean and variance at ``test_x``, each ``(*batch, M)``;
+        differentiable in the hyperparameters (the mode's own dependence on them included)."""
+        x = self._test_inputs(test_x)
         mode = self._predictive_mode()
         K_cross, K_diag, prior_mean = prior_at_test(
             self.covar_module, self.mean_module, x, self.train_inputs, diag=True
         )
         mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
-        return mean, nonnegative_variance(var, K_diag)
+        return Prediction(mean, nonnegative_variance(var, K_diag))
 
-    def predict_proba(self, x: Tensor, method: str = "quadrature", num_points: int = 64) -> Tensor:
-        r"""Class probability :math:`\mathbb{E}_q[r(f_*)]` with :math:`r` the likelihood's response
-        (:math:`\sigma` for logistic and continuous Bernoulli, :math:`\Phi` for probit).
-
-        :param x: test inputs, shape ``(m, d)`` or ``(m,)`` (as the training inputs).
-        :param method: ``"quadrature"`` (:func:`~gpsd.laplace.expected_response` with ``num_points``
-            nodes: accurate at any latent variance for the built-in likelihoods) or ``"probit"``
-            (closed form: exact :math:`\Phi(\mu/\sqrt{1 + s^2})` for a probit response,
-            MacKay's approximation :math:`\sigma(\mu/\sqrt{1 + \pi s^2/8})` otherwise).
-        :param num_points: quadrature nodes of ``"quadrature"`` (default 64).
-        """
-        mean, var = self.predict_latent(x)
+    def _positive_probability(self, test_x: Tensor, method: str, num_points: int) -> Tensor:
+        r""":math:`\mathbb{E}_q[r(f_*)]`, ``(*batch, M)``."""
+        latent = self.predict_latent(test_x)
         if method == "quadrature":
-            return expected_response(self.terms, mean, var, num_points)
+            return expected_response(self.terms, latent.mean, latent.variance, num_points)
         if method == "probit":
-            return closed_form_probability(self.terms, mean, var)
+            return closed_form_probability(self.terms, latent.mean, latent.variance)
         raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")
+
+    def predict_proba(
+        self, test_x: Tensor, *, method: str = "quadrature", num_points: int = 64
+    ) -> Tensor:
+        r"""The class probabilities at ``test_x``, shape ``(*batch, M, 2)``: column 1 is
+        :math:`\mathbb{E}_q[r(f_*)]` with :math:`r` the likelihood's response (:math:`\sigma`
+        for logistic and continuous Bernoulli, :math:`\Phi` for probit), column 0 its
+        complement (scikit-learn's layout). For the continuous Bernoulli, column 1 is the
+        predicted soft target.
+
+        :param test_x: Test inputs, shape ``(M, d)`` or ``(M,)`` (as the training inputs).
+        :param method: ``"quadrature"`` (:func:`~gpsd.laplace.expected_response` with
+            ``num_points`` nodes: accurate at any latent variance for the built-in likelihoods)
+            or ``"probit"`` (closed form: exact :math:`\Phi(\mu/\sqrt{1 + s^2})` for a probit
+            response, MacKay's approximation :math:`\sigma(\mu/\sqrt{1 + \pi s^2/8})`
+            otherwise).
+        :param num_points: Quadrature nodes of ``"quadrature"`` (default 64).
+        """
+        return binary_class_probabilities(self._positive_probability(test_x, method, num_points))
+
+    def predict(self, test_x: Tensor) -> Tensor:
+        """The predicted labels at ``test_x``, ``(*batch, M)``, a ``torch.long`` tensor: 1 where
+        the positive class is more probable than not (:meth:`predict_proba`'s column 1 above
+        1/2), else 0. Computed without autograd."""
+        with torch.no_grad():
+            return (self._positive_probability(test_x, "quadrature", 64) > 0.5).long()
 
     def log_prior(self) -> Tensor:
         r""":math:`\sum_j \log p_j(\theta_j)` over the hyperpriors registered on the kernel, the
@@ -283,9 +318,17 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
             total = total + prior.log_prob(closure(module)).sum()
         return total
 
-    def optimize_hyperparameters(self, num_iter: int = 50, lr: float = 0.05) -> list[float]:
-        r"""Maximise the log posterior of the hyperparameters with Adam (``num_iter`` steps,
-        learning rate ``lr``), then refit; returns the loss history.
+    def optimize_hyperparameters(
+        self,
+        *,
+        max_iter: int = 50,
+        lr: float = 0.05,
+        progress: object = False,
+        callback: Callback | None = None,
+    ) -> LaplaceGPClassifier:
+        r"""Maximise the log posterior of the hyperparameters with Adam (at most ``max_iter``
+        iterations, learning rate ``lr``), then refit; returns ``self``, with the loss of every
+        iteration in :attr:`history`.
 
         The loss is
 
@@ -296,20 +339,29 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         the negated :meth:`log_marginal_likelihood` summed over the batch and :meth:`log_prior`,
         the hyperpriors registered on the modules (as GPyTorch's marginal likelihoods add them);
         without priors, the evidence alone.
+
+        :param max_iter: The most Adam iterations.
+        :param lr: Adam's learning rate.
+        :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
+        :param callback: Called after each iteration with an :class:`~gpsd.IterationRecord`
+            (``loss`` the loss before the iteration's step); returning ``True`` stops.
         """
-        num_iter = check_int(num_iter, "num_iter", minimum=0)
+        max_iter = check_int(max_iter, "max_iter", minimum=0)
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}")
         params = [p for p in self.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable hyperparameters")
         optimizer = torch.optim.Adam(params, lr=lr)
-        history = []
-        for _ in range(num_iter):
-            optimizer.zero_grad()
-            loss = -(self.log_marginal_likelihood().sum() + self.log_prior())
-            loss.backward()
-            optimizer.step()
-            history.append(loss.item())
-        self.fit()
-        return history
+        self.history = []
+        task = f"{type(self).__name__}.optimize_hyperparameters"
+        with ProgressReporter(task, max_iter, progress, callback) as report:
+            for iteration in range(1, max_iter + 1):
+                optimizer.zero_grad()
+                loss = -(self.log_marginal_likelihood().sum() + self.log_prior())
+                loss.backward()
+                optimizer.step()
+                self.history.append(loss.item())
+                if report.update(iteration, loss=self.history[-1]):
+                    break
+        return self.fit()

@@ -19,6 +19,7 @@ from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode
 
 __all__ = [
+    "binary_class_probabilities",
     "closed_form_probability",
     "expected_response",
     "gauss_hermite_expectation",
@@ -217,3 +218,10 @@ def probit_approximation(mean: Tensor, variance: Tensor) -> Tensor:
     r"""MacKay's probit approximation :math:`\mathbb{E}[\sigma(f)] \approx
     \sigma\bigl(\mu / \sqrt{1 + \pi s^2 / 8}\bigr)` (Rasmussen & Williams, eq. 3.25 footnote)."""
     return torch.sigmoid(mean / torch.sqrt(1.0 + math.pi * checked_latent_variance(variance) / 8.0))
+
+
+def binary_class_probabilities(positive: Tensor) -> Tensor:
+    r"""The probabilities of both classes, ``(..., 2)``, from those of the positive class
+    :math:`p` ``(...)``: column 0 is :math:`1 - p`, column 1 is :math:`p` (scikit-learn's
+    ``predict_proba`` layout)."""
+    return torch.stack((1.0 - positive, positive), dim=-1)

@@ -14,10 +14,16 @@ so :math:`\log C(\sigma(f)) = \operatorname{softplus}(f) - A(f) = \log(f \coth(f
 
 A Bernoulli-number series is used for small :math:`|f|` (where the closed forms cancel) and forms
 that neither overflow nor cancel elsewhere. Measured against mpmath on a dense grid of
-:math:`|f| \le 6` and a log-uniform one up to :math:`10^3`, every function is within 4 ulps of
-its value in float32 and float64, except :func:`log_cb_normalizing_constant_hessian`, which
-changes sign at :math:`|a| \approx 2.678`: its absolute error stays below 1.3 machine epsilons
-(its value at 0 is 1/6). All functions are built from differentiable torch operations with both branches
+:math:`|f| \le 6` (2500 points in each of the regions just above the series cut-offs, where the
+closed forms take over) and a log-uniform one up to :math:`10^3`, every function has a relative
+error below :math:`6 \epsilon` (:math:`|\hat v - v| \le 6 \epsilon |v|`, with :math:`\epsilon`
+the machine epsilon of the dtype; up to twice as many ulps of :math:`v`) in float32 and
+float64. The largest errors: :func:`cb_entropy` :math:`5.1 \epsilon` (float32, near
+:math:`|f| = 2.7`), :func:`log_cb_normalizing_constant_grad` :math:`4.7 \epsilon` (near
+:math:`|a| = 1.36`), :func:`cb_variance` :math:`3.1 \epsilon` (near :math:`|f| = 2.6`), the
+others below :math:`1.5 \epsilon`. The exception is :func:`log_cb_normalizing_constant_hessian`,
+which changes sign at :math:`|a| \approx 2.678`: its absolute error stays below 1.3 machine
+epsilons (its value at 0 is 1/6). All functions are built from differentiable torch operations with both branches
 kept finite, so autograd derivatives of any order are correct.
 """
 
@@ -144,15 +150,33 @@ def cb_log_density(y: Tensor, f: Tensor) -> Tensor:
     absolute at :math:`|f| = 10^3`. Its gradient in :math:`f` is :math:`y - A'(f)`, also at
     :math:`f = 0`.
 
+    At infinite logits it is the limit: as :math:`f \to +\infty`,
+    :math:`\log p(y \mid f) = (y - 1) f + \log f + \log(1 - e^{-f})`, which tends to
+    :math:`-\infty` for :math:`y < 1` and to :math:`+\infty` for :math:`y = 1` (the density
+    concentrates at 1); as :math:`f \to -\infty`, by the symmetry
+    :math:`p(y \mid f) = p(1 - y \mid -f)`, to :math:`-\infty` for :math:`y > 0` and to
+    :math:`+\infty` for :math:`y = 0`. Its gradient in an infinite logit is 0.
+
     :param y: Targets, broadcastable with ``f`` (not checked against the support).
     :param f: Logits, any shape.
     :return: :math:`\log p(y \mid f)`, the broadcast shape of ``y`` and ``f``.
     """
     f = _check_tensor(f)
-    nonnegative = f >= 0
+    y = torch.as_tensor(y, dtype=f.dtype, device=f.device)
+    infinite = torch.isinf(f)
+    finite_f = torch.where(infinite, torch.zeros_like(f), f)  # keeps inf out of the gradient
+    nonnegative = finite_f >= 0
     tilt = torch.where(nonnegative, y - 1.0, y)
     # -|f| written so that its gradient at 0 is -1, matching the tilt y - 1 chosen there
-    return tilt * f - cb_log_normalizer(torch.where(nonnegative, -f, f))
+    out = tilt * finite_f - cb_log_normalizer(torch.where(nonnegative, -finite_f, finite_f))
+    if not bool(infinite.any()):
+        return out
+    # the limits: -inf where y lies below 1 (f = +inf) or above 0 (f = -inf), else +inf
+    away = torch.where(f > 0, y < 1.0, y > 0.0)
+    inf = torch.full_like(out, float("inf"))
+    limit = torch.where(away, -inf, inf)
+    limit = torch.where(torch.isnan(y), torch.full_like(out, float("nan")), limit)
+    return torch.where(infinite, limit, out)
 
 
 def cb_mean(f: Tensor) -> Tensor:

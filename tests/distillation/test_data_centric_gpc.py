@@ -1,4 +1,5 @@
-"""DataCentricGPC against a naive chain of independent computations."""
+"""DataCentricGPC against a naive chain of independent Laplace classifiers and scikit-learn, and
+the estimator convention (lazy fit, every step along a step dimension, best_step, callbacks)."""
 
 import math
 
@@ -6,8 +7,12 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
+from gpr_reference import rbf_kernel
 from scipy import integrate
+from sklearn.gaussian_process import GaussianProcessClassifier
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 
+import gpsd
 from gpsd.data.toy import sine_classification
 from gpsd.distillation.data_centric_gpc import DataCentricGPC
 from gpsd.laplace import LaplaceGPClassifier
@@ -98,8 +103,10 @@ def test_three_steps_match_naive_chain(toy, likelihood):
             x, targets, _kernel(), likelihood=lik, noise=noise[step - 1]
         ).fit()
         torch.testing.assert_close(model.latent_modes[step - 1], naive.mode.f, rtol=1e-7, atol=1e-7)
-        mean, var = model.predict_latent(test_x, step=step)
-        n_mean, n_var = naive.predict_latent(test_x)
+        latent = model.predict_latent(test_x, step=step)
+        mean, var = latent.mean, latent.variance
+        latent = naive.predict_latent(test_x)
+        n_mean, n_var = latent.mean, latent.variance
         torch.testing.assert_close(mean, n_mean.detach(), rtol=1e-7, atol=1e-7)
         torch.testing.assert_close(var, n_var.detach(), rtol=1e-7, atol=1e-7)
         f_prev = naive.mode.f
@@ -154,13 +161,10 @@ def test_bad_input(toy):
     with pytest.raises(ValueError, match="soft_target_likelihood"):
         DataCentricGPC(x, y, _kernel(), soft_target_likelihood="beta")
     model = DataCentricGPC(x, y, _kernel(), num_steps=2)
-    with pytest.raises(RuntimeError, match="not fitted"):
-        model.predict_proba(test_x)
-    model.fit()
     with pytest.raises(ValueError, match="step must be in 1..2"):
         model.predict_proba(test_x, step=3)
     with pytest.raises(ValueError, match="step must be a positive int"):
-        model.predict_proba(test_x, step=1.7)  # used to predict step 1
+        model.predict_proba(test_x, step=1.7)  # not rounded to step 1
 
 
 def test_float32_close_to_float64(toy):
@@ -171,3 +175,175 @@ def test_float32_close_to_float64(toy):
     p32 = model.predict_proba(test_x.float())
     assert p32.dtype == torch.float32
     torch.testing.assert_close(p32.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_fit_returns_self_and_the_model_fits_lazily(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=2)
+    assert model.fit() is model
+    lazy = DataCentricGPC(x, y, _kernel(), num_steps=2)  # no fit(): the first prediction fits
+    torch.testing.assert_close(lazy.predict_proba(test_x), model.predict_proba(test_x))
+    with pytest.raises(TypeError):
+        DataCentricGPC(x, y, _kernel(), gpytorch.means.ZeroMean())
+
+
+def test_every_step_along_a_step_dimension_and_step_t_is_row_t_minus_1(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=3, noise=[0.0, 0.1, 0.2])
+    proba = model.predict_proba(test_x)
+    M = test_x.shape[0]
+    assert proba.shape == (3, M, 2)
+    torch.testing.assert_close(proba.sum(-1), torch.ones(3, M, dtype=torch.float64))
+    latent = model.predict_latent(test_x)
+    assert isinstance(latent, gpsd.Prediction) and latent.mean.shape == (3, M)
+    labels = model.predict(test_x)
+    assert labels.dtype == torch.long and labels.shape == (3, M)
+    torch.testing.assert_close(labels, (proba[..., 1] > 0.5).long())
+    for t in (1, 2, 3):
+        torch.testing.assert_close(model.predict_proba(test_x, step=t), proba[t - 1])
+        one = model.predict_latent(test_x, step=t)
+        torch.testing.assert_close(
+            (one.mean, one.variance), (latent.mean[t - 1], latent.variance[t - 1])
+        )
+        torch.testing.assert_close(model.predict(test_x, step=t), labels[t - 1])
+    # step 1 is the ordinary classifier on the labels (row 0 of step_targets)
+    torch.testing.assert_close(model.step_targets[0], y)
+    reference = LaplaceGPClassifier(x, y, _kernel(), noise=0.0)
+    torch.testing.assert_close(proba[0], reference.predict_proba(test_x).detach())
+    # the noise is one value per step, entry t - 1 for step t
+    assert model.noise.shape == (3,) and model.noise[1].item() == 0.1
+
+
+def test_a_batch_of_label_sets_puts_the_step_after_the_batch(toy):
+    x, y, test_x = toy
+    labels = torch.stack([y, 1 - y])  # shape: (2, n)
+    model = DataCentricGPC(x, labels, _kernel(), num_steps=3)
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (2, 3, test_x.shape[0], 2)
+    single = DataCentricGPC(x, 1 - y, _kernel(), num_steps=3)
+    torch.testing.assert_close(proba[1], single.predict_proba(test_x))
+    assert model.predict_proba(test_x, step=2).shape == (2, test_x.shape[0], 2)
+
+
+def test_best_step_is_the_1_based_step_of_the_smallest_validation_log_loss(toy):
+    x, y, test_x = toy
+    val_x, val_y, _ = sine_classification(40, seed=7)
+    model = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.05)
+    losses = model.validation_log_loss(val_x, val_y)
+    assert losses.shape == (4,)
+    p = model.predict_proba(val_x)[..., 1]
+    by_hand = -(val_y * p.log() + (1 - val_y) * (1 - p).log()).mean(-1)
+    torch.testing.assert_close(losses, by_hand)
+    step = model.best_step("validation", val_x=val_x, val_y=val_y)
+    assert isinstance(step, int) and step == int(by_hand.argmin()) + 1
+    with pytest.raises(ValueError, match="criterion"):
+        model.best_step("gcv", val_x=val_x, val_y=val_y)
+    with pytest.raises(ValueError, match="val_y"):
+        model.validation_log_loss(val_x, val_y[:3])
+
+
+def test_fit_reports_each_step_and_a_callback_stops_it(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1)
+    records = []
+    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+    assert [r.iteration for r in records] == [1, 2]
+    assert records[0].task == "DataCentricGPC.fit" and records[0].total == 4
+    assert len(model.newton_iterations) == 2
+    assert model.predict_proba(test_x).shape[0] == 2  # the steps the fit reached
+    with pytest.raises(ValueError, match="not fitted"):
+        model.predict_proba(test_x, step=3)
+    full = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1).fit(progress=True)
+    torch.testing.assert_close(
+        model.predict_proba(test_x, step=2), full.predict_proba(test_x, step=2)
+    )
+    model.fit()
+    assert model.predict_proba(test_x).shape[0] == 4
+
+
+def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
+    import gpsd.distillation.data_centric_gpc as module
+
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=2).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert len(calls) == 2  # both steps refitted
+    model.covar_module.outputscale = 2.0
+    model.predict_proba(test_x)
+    assert len(calls) == 4
+
+
+# a short lengthscale, where most kernel entries are far below rounding: on a CPU they are set
+# to zero below eps^2 * max before the matrix products; sklearn, in numpy float64 with every
+# entry kept, is the reference
+SHORT_LENGTHSCALE, SHORT_OUTPUTSCALE = 0.08, 3.0
+
+
+@pytest.fixture(scope="module")
+def short_lengthscale_problem():
+    gen = np.random.default_rng(4)
+    x = np.sort(gen.uniform(0, 12, 150))
+    y = (np.sin(2 * x) + 0.3 * gen.standard_normal(150) > 0).astype(float)
+    test_x = np.linspace(0, 12, 61)
+    gpc = GaussianProcessClassifier(
+        ConstantKernel(SHORT_OUTPUTSCALE) * RBF(SHORT_LENGTHSCALE),
+        optimizer=None,
+        max_iter_predict=500,
+    ).fit(x[:, None], y)
+    base = gpc.base_estimator_
+    K = base.kernel_(x[:, None])
+    # the case at hand: entries that are positive yet negligible, many of them subnormal
+    assert ((K > 0) & (K < np.finfo(float).eps ** 2 * K.max())).mean() > 0.1
+    assert ((K > 0) & (K < np.finfo(float).tiny)).any()
+    mean, var = base.latent_mean_and_variance(test_x[:, None])
+    return x, y, test_x, base, mean, var
+
+
+def _short_lengthscale_kernel(dtype):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(dtype)
+    k.outputscale = torch.tensor(SHORT_OUTPUTSCALE, dtype=dtype)
+    k.base_kernel.lengthscale = torch.tensor(SHORT_LENGTHSCALE, dtype=dtype)
+    return k
+
+
+def test_data_centric_first_step_matches_sklearn(short_lengthscale_problem):
+    x, y, test_x, base, mean, var = short_lengthscale_problem
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    model = DataCentricGPC(t(x), t(y), _short_lengthscale_kernel(torch.float64), num_steps=2).fit()
+    np.testing.assert_allclose(model.latent_modes[0].numpy(), base.f_cached, atol=1e-7)
+    latent = model.predict_latent(t(test_x), step=1)
+    m, v = latent.mean, latent.variance
+    np.testing.assert_allclose(m.numpy(), mean, atol=1e-7)
+    np.testing.assert_allclose(v.numpy(), var, atol=1e-7)
+
+
+@pytest.fixture
+def toy_for_refits():
+    return sine_classification(25, seed=4)
+
+
+def test_data_centric_gpc_follows_hyperparameters_and_settings(toy_for_refits):
+    x, y, test_x = toy_for_refits
+    model = DataCentricGPC(x, y, rbf_kernel(3.0, 1.0), num_steps=3).fit()
+    model.predict_proba(test_x)
+    model.covar_module.outputscale = 8.0
+    model.covar_module.base_kernel.lengthscale = 0.6
+    model.threshold_targets = True
+    # the modes of the first kernel were combined with the new one: probabilities far off
+    fresh = DataCentricGPC(x, y, rbf_kernel(8.0, 0.6), num_steps=3, threshold_targets=True).fit()
+    for step in (1, 3):
+        torch.testing.assert_close(
+            model.predict_proba(test_x, step=step), fresh.predict_proba(test_x, step=step)
+        )
+        torch.testing.assert_close(
+            model.predict_latent(test_x, step=step).mean,
+            fresh.predict_latent(test_x, step=step).mean,
+        )

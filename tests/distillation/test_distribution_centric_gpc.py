@@ -1,11 +1,17 @@
-"""DistributionCentricGPC: the recursion against dense formulas, data duplication, Prop. 4.2."""
+"""DistributionCentricGPC: the recursion against dense formulas, data duplication, Prop. 4.2,
+scikit-learn for step 1, and the estimator convention (every step along a step dimension,
+best_step, callbacks)."""
 
 import gpytorch
 import numpy as np
 import pytest
 import torch
+from gpr_reference import rbf_kernel
 from scipy import optimize
+from sklearn.gaussian_process import GaussianProcessClassifier
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 
+import gpsd
 from gpsd.data.toy import sine_classification
 from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
 from gpsd.laplace import AutogradLikelihoodTerms, LaplaceGPClassifier
@@ -58,7 +64,8 @@ def test_iterated_matches_dense_recursion(toy):
     test_x = test_x[::9]
     model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method="iterated").fit()
     for step, (mean, var) in enumerate(_dense_recursion(x, y, test_x, 3), start=1):
-        m, v = model.predict_latent(test_x, step=step)
+        latent = model.predict_latent(test_x, step=step)
+        m, v = latent.mean, latent.variance
         np.testing.assert_allclose(m.numpy(), mean, atol=1e-6)
         np.testing.assert_allclose(v.numpy(), var, atol=1e-6)
 
@@ -76,7 +83,8 @@ def test_step_one_is_the_ordinary_gpc(toy, method):
         .base_estimator_
     )
     mean, var = base.latent_mean_and_variance(test_x.numpy()[:, None])
-    m, v = model.predict_latent(test_x)
+    latent = model.predict_latent(test_x, step=1)
+    m, v = latent.mean, latent.variance
     np.testing.assert_allclose(m.numpy(), mean, atol=1e-6)
     np.testing.assert_allclose(v.numpy(), var, atol=1e-6)
 
@@ -86,8 +94,10 @@ def test_tempered_equals_duplicated_data(toy):
     t = 3
     model = DistributionCentricGPC(x, y, _kernel(), num_steps=t, method="tempered").fit()
     dup = LaplaceGPClassifier(x.repeat(t), y.repeat(t), _kernel()).fit()
-    m, v = model.predict_latent(test_x)
-    dm, dv = dup.predict_latent(test_x)
+    latent = model.predict_latent(test_x, step=t)
+    m, v = latent.mean, latent.variance
+    latent = dup.predict_latent(test_x)
+    dm, dv = latent.mean, latent.variance
     torch.testing.assert_close(m, dm.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(v, dv.detach(), rtol=1e-6, atol=1e-6)
 
@@ -98,8 +108,10 @@ def test_scaled_kernel_keeps_mean_and_scales_variance(toy):
         tempered = DistributionCentricGPC(x, y, _kernel(), num_steps=t, method="tempered").fit()
         scaled = DistributionCentricGPC(x, y, _kernel(), num_steps=t, method="scaled_kernel").fit()
         torch.testing.assert_close(scaled.latent_modes[-1], tempered.latent_modes[-1])
-        m_t, v_t = tempered.predict_latent(test_x)
-        m_s, v_s = scaled.predict_latent(test_x)
+        latent = tempered.predict_latent(test_x, step=t)
+        m_t, v_t = latent.mean, latent.variance
+        latent = scaled.predict_latent(test_x, step=t)
+        m_s, v_s = latent.mean, latent.variance
         torch.testing.assert_close(m_s, m_t, rtol=1e-8, atol=1e-8)
         torch.testing.assert_close(v_s, t * v_t, rtol=1e-8, atol=1e-8)
 
@@ -115,9 +127,9 @@ def test_gaussian_likelihood_iterations_equal_tempering(toy):
     tm = DistributionCentricGPC(x, y, _kernel(), num_steps=4, method="tempered", likelihood=terms)
     tm.fit()
     for step in (1, 2, 4):
-        torch.testing.assert_close(
-            it.predict_latent(test_x, step), tm.predict_latent(test_x, step), rtol=1e-7, atol=1e-7
-        )
+        a, b = it.predict_latent(test_x, step=step), tm.predict_latent(test_x, step=step)
+        torch.testing.assert_close(a.mean, b.mean, rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(a.variance, b.variance, rtol=1e-7, atol=1e-7)
 
 
 def test_lazy_steps_and_state_dict(toy):
@@ -126,7 +138,7 @@ def test_lazy_steps_and_state_dict(toy):
     assert model.computed_steps.tolist() == [False, False, False, True]
     p2 = model.predict_proba(test_x, step=2)
     ref = DistributionCentricGPC(x, y, _kernel(), num_steps=2, method="scaled_kernel").fit()
-    torch.testing.assert_close(p2, ref.predict_proba(test_x), rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(p2, ref.predict_proba(test_x, step=2), rtol=1e-8, atol=1e-8)
     other = DistributionCentricGPC(x, y, _kernel(1.0, 3.0), num_steps=4, method="scaled_kernel")
     other.load_state_dict(model.state_dict())
     torch.testing.assert_close(other.predict_proba(test_x, step=2), p2)
@@ -141,12 +153,10 @@ def test_bad_input(toy):
     with pytest.raises(ValueError, match="num_steps"):
         DistributionCentricGPC(x, y, _kernel(), num_steps=-1)
     model = DistributionCentricGPC(x, y, _kernel(), num_steps=2)
-    with pytest.raises(RuntimeError, match="not fitted"):
-        model.predict_latent(test_x)
     with pytest.raises(ValueError, match="test_x must have 1 features"):
         model.fit().predict_latent(torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="step must be a positive int"):
-        model.predict_latent(test_x, step=1.7)  # used to predict step 1
+        model.predict_latent(test_x, step=1.7)  # not rounded to step 1
     with pytest.raises(ValueError, match="step must be in 1..2"):
         model.predict_latent(test_x, step=3)
 
@@ -159,14 +169,18 @@ def test_store_only_last_step(toy, method):
         x, y, _kernel(), num_steps=3, method=method, store_all_steps=False
     ).fit()
     assert last.covariance_corrections.shape[0] == 1
-    torch.testing.assert_close(last.predict_latent(test_x), full.predict_latent(test_x))
+    a, b = last.predict_latent(test_x, step=3), full.predict_latent(test_x, step=3)
+    torch.testing.assert_close((a.mean, a.variance), (b.mean, b.variance))
     if method == "iterated":
         with pytest.raises(ValueError, match="store_all_steps=True"):
             last.predict_latent(test_x, step=2)
+        with pytest.raises(ValueError, match="store_all_steps=True"):
+            last.predict_latent(test_x)  # every step
     else:
-        torch.testing.assert_close(
-            last.predict_latent(test_x, step=2), full.predict_latent(test_x, step=2)
-        )
+        a, b = last.predict_latent(test_x, step=2), full.predict_latent(test_x, step=2)
+        torch.testing.assert_close((a.mean, a.variance), (b.mean, b.variance))
+        a, b = last.predict_latent(test_x), full.predict_latent(test_x)
+        torch.testing.assert_close((a.mean, a.variance), (b.mean, b.variance))
 
 
 @pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
@@ -179,3 +193,165 @@ def test_float32_close_to_float64(toy, method):
     p32 = model.predict_proba(test_x.float())
     assert p32.dtype == torch.float32
     torch.testing.assert_close(p32.double(), ref.predict_proba(test_x), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
+def test_fit_returns_self_and_every_step_is_predicted_along_a_step_dimension(toy, method):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method)
+    lazy = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method)  # fits on use
+    assert model.fit() is model
+    M = test_x.shape[0]
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (3, M, 2)
+    torch.testing.assert_close(proba.sum(-1), torch.ones(3, M, dtype=torch.float64))
+    torch.testing.assert_close(lazy.predict_proba(test_x), proba)
+    latent = model.predict_latent(test_x)
+    assert isinstance(latent, gpsd.Prediction) and latent.mean.shape == (3, M)
+    labels = model.predict(test_x)
+    assert labels.dtype == torch.long and labels.shape == (3, M)
+    for t in (1, 2, 3):
+        torch.testing.assert_close(model.predict_proba(test_x, step=t), proba[t - 1])
+        one = model.predict_latent(test_x, step=t)
+        torch.testing.assert_close(
+            (one.mean, one.variance), (latent.mean[t - 1], latent.variance[t - 1])
+        )
+    # step 1 is the ordinary classifier
+    reference = LaplaceGPClassifier(x, y, _kernel()).predict_proba(test_x).detach()
+    torch.testing.assert_close(proba[0], reference)
+    with pytest.raises(TypeError):
+        DistributionCentricGPC(x, y, _kernel(), gpytorch.means.ZeroMean())
+
+
+def test_best_step_is_the_1_based_step_of_the_smallest_validation_log_loss(toy):
+    x, y, _ = toy
+    val_x, val_y, _ = sine_classification(40, seed=7)
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=4)
+    losses = model.validation_log_loss(val_x, val_y)
+    p = model.predict_proba(val_x)[..., 1]
+    by_hand = -(val_y * p.log() + (1 - val_y) * (1 - p).log()).mean(-1)
+    torch.testing.assert_close(losses, by_hand)
+    step = model.best_step(val_x=val_x, val_y=val_y)
+    assert isinstance(step, int) and step == int(by_hand.argmin()) + 1
+
+
+def test_fit_reports_each_iterated_step_and_a_callback_stops_it(toy):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=4)
+    records = []
+    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+    assert [r.iteration for r in records] == [1, 2]
+    assert records[0].task == "DistributionCentricGPC.fit" and records[0].total == 4
+    assert model.predict_proba(test_x).shape[0] == 2  # the steps the fit reached
+    with pytest.raises(ValueError):
+        model.predict_proba(test_x, step=3)
+    full = DistributionCentricGPC(x, y, _kernel(), num_steps=4).fit(progress=True)
+    torch.testing.assert_close(
+        model.predict_proba(test_x, step=2), full.predict_proba(test_x, step=2)
+    )
+    tempered = DistributionCentricGPC(x, y, _kernel(), num_steps=4, method="tempered")
+    records = []
+    tempered.fit(callback=records.append)
+    assert [(r.iteration, r.total) for r in records] == [(1, 1)]  # one Laplace fit
+
+
+def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
+    import gpsd.distillation.distribution_centric_gpc as module
+
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=2).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert len(calls) == 2
+    model.covar_module.outputscale = 2.0
+    model.predict_proba(test_x)
+    assert len(calls) == 4
+
+
+# a short lengthscale, where most kernel entries are far below rounding: on a CPU they are set
+# to zero below eps^2 * max before the matrix products; sklearn, in numpy float64 with every
+# entry kept, is the reference
+SHORT_LENGTHSCALE, SHORT_OUTPUTSCALE = 0.08, 3.0
+
+
+@pytest.fixture(scope="module")
+def short_lengthscale_problem():
+    gen = np.random.default_rng(4)
+    x = np.sort(gen.uniform(0, 12, 150))
+    y = (np.sin(2 * x) + 0.3 * gen.standard_normal(150) > 0).astype(float)
+    test_x = np.linspace(0, 12, 61)
+    gpc = GaussianProcessClassifier(
+        ConstantKernel(SHORT_OUTPUTSCALE) * RBF(SHORT_LENGTHSCALE),
+        optimizer=None,
+        max_iter_predict=500,
+    ).fit(x[:, None], y)
+    base = gpc.base_estimator_
+    K = base.kernel_(x[:, None])
+    # the case at hand: entries that are positive yet negligible, many of them subnormal
+    assert ((K > 0) & (K < np.finfo(float).eps ** 2 * K.max())).mean() > 0.1
+    assert ((K > 0) & (K < np.finfo(float).tiny)).any()
+    mean, var = base.latent_mean_and_variance(test_x[:, None])
+    return x, y, test_x, base, mean, var
+
+
+def _short_lengthscale_kernel(dtype):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(dtype)
+    k.outputscale = torch.tensor(SHORT_OUTPUTSCALE, dtype=dtype)
+    k.base_kernel.lengthscale = torch.tensor(SHORT_LENGTHSCALE, dtype=dtype)
+    return k
+
+
+def test_distribution_centric_first_step_matches_sklearn(short_lengthscale_problem):
+    x, y, test_x, base, mean, var = short_lengthscale_problem
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    model = DistributionCentricGPC(
+        t(x), t(y), _short_lengthscale_kernel(torch.float64), num_steps=2
+    ).fit()
+    latent = model.predict_latent(t(test_x), step=1)
+    m, v = latent.mean, latent.variance
+    np.testing.assert_allclose(m.numpy(), mean, atol=1e-7)
+    np.testing.assert_allclose(v.numpy(), var, atol=1e-7)
+
+
+@pytest.fixture
+def toy_for_refits():
+    return sine_classification(25, seed=4)
+
+
+@pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
+def test_distribution_centric_gpc_follows_hyperparameters(toy_for_refits, method):
+    x, y, test_x = toy_for_refits
+    model = DistributionCentricGPC(x, y, rbf_kernel(3.0, 1.0), num_steps=3, method=method).fit()
+    model.predict_proba(test_x)
+    model.covar_module.outputscale = 8.0
+    model.covar_module.base_kernel.lengthscale = 0.6
+    fresh = DistributionCentricGPC(x, y, rbf_kernel(8.0, 0.6), num_steps=3, method=method).fit()
+    torch.testing.assert_close(model.predict_proba(test_x), fresh.predict_proba(test_x))
+    got, want = model.predict_latent(test_x), fresh.predict_latent(test_x)
+    torch.testing.assert_close((got.mean, got.variance), (want.mean, want.variance))
+
+
+def test_distribution_centric_gpc_keeps_a_loaded_fit_and_a_fit_moved_to_float32(toy_for_refits):
+    x, y, test_x = toy_for_refits
+    model = DistributionCentricGPC(x, y, rbf_kernel(3.0, 1.0), num_steps=3, method="iterated").fit()
+    loaded = DistributionCentricGPC(x, y, rbf_kernel(1.0, 3.0), num_steps=3, method="iterated")
+    loaded.load_state_dict(model.state_dict())
+    torch.testing.assert_close(loaded.predict_proba(test_x), model.predict_proba(test_x))
+    assert loaded.newton_iterations == {}  # the loaded steps were used, not refitted
+    # a change before .to() is still a change: the converted model refits
+    loaded.covar_module.outputscale = 8.0
+    loaded.float()
+    loaded.predict_proba(test_x.float())
+    assert sorted(loaded.newton_iterations) == [1, 2, 3]
+    # a conversion alone is no change: the converted steps are used as they are
+    loaded.newton_iterations = {}
+    loaded.double()
+    loaded.predict_proba(test_x)
+    assert loaded.newton_iterations == {}

@@ -1,5 +1,8 @@
-"""Laplace GP classification against sklearn, a generic optimiser, quadrature and finite differences."""
+"""LaplaceGPClassifier against scikit-learn's GaussianProcessClassifier, a generic optimiser,
+quadrature and finite differences; its refits, state, hyperparameter training, gradients
+through the mode, and the estimator convention (fit, predict_proba, predict, predict_latent)."""
 
+import copy
 import math
 
 import gpytorch
@@ -7,14 +10,24 @@ import numpy as np
 import pytest
 import torch
 from conftest import requires_cuda
+from gpr_reference import rbf_kernel
+from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 from scipy import integrate, optimize
+from sklearn.gaussian_process import GaussianProcessClassifier
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 
+import gpsd
+from gpsd import (
+    DataCentricGPC,
+    DistributionCentricGPC,
+    LaplaceGPClassifier,
+)
 from gpsd.data.toy import sine_classification
 from gpsd.laplace import (
     AutogradLikelihoodTerms,
     BernoulliLogitTerms,
+    BernoulliProbitTerms,
     LaplaceConvergenceError,
-    LaplaceGPClassifier,
     find_laplace_mode,
     gauss_hermite_expectation,
 )
@@ -51,14 +64,15 @@ def test_matches_sklearn_gaussian_process_classifier(toy):
     sk_mean = K_star.T @ (base.y_train_ - base.pi_)
     v = np.linalg.solve(base.L_, base.W_sr_[:, None] * K_star)
     sk_var = base.kernel_.diag(test_x.numpy()[:, None]) - (v * v).sum(0)
-    mean, var = model.predict_latent(test_x)
+    latent = model.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
     np.testing.assert_allclose(mean.detach().numpy(), sk_mean, atol=1e-6, rtol=0)
     np.testing.assert_allclose(var.detach().numpy(), sk_var, atol=1e-6, rtol=0)
     assert model.mode.log_marginal_likelihood.item() == pytest.approx(
         base.log_marginal_likelihood_value_, abs=1e-6
     )
     # sklearn's probabilities use an erf-mixture approximation of the same integral
-    probs = model.predict_proba(test_x).detach().numpy()
+    probs = model.predict_proba(test_x)[..., 1].detach().numpy()
     np.testing.assert_allclose(probs, gpc.predict_proba(test_x.numpy()[:, None])[:, 1], atol=5e-4)
 
 
@@ -131,7 +145,7 @@ def test_hyperparameters_train_in_a_torch_loop(toy):
     x, y, _ = toy
     model = LaplaceGPClassifier(x, y, _kernel(1.0, 0.3))
     start = model.log_marginal_likelihood().item()
-    history = model.optimize_hyperparameters(num_iter=25, lr=0.1)
+    history = model.optimize_hyperparameters(max_iter=25, lr=0.1).history
     assert -history[-1] > start + 1.0
     assert model.log_marginal_likelihood().item() > start
 
@@ -164,10 +178,11 @@ def test_gauss_hermite_is_exact_to_order():
 def test_probit_link_quadrature_matches_closed_form(toy):
     x, y, test_x = toy
     model = LaplaceGPClassifier(x, y, _kernel(), likelihood="probit").fit()
-    mean, var = model.predict_latent(test_x)
+    latent = model.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
     exact = torch.special.ndtr(mean / torch.sqrt(1 + var))
     torch.testing.assert_close(
-        model.predict_proba(test_x).detach(), exact.detach(), rtol=1e-8, atol=1e-10
+        model.predict_proba(test_x)[..., 1].detach(), exact.detach(), rtol=1e-8, atol=1e-10
     )
 
 
@@ -237,13 +252,16 @@ def test_batch_of_problems_matches_separate_fits(toy):
         single = LaplaceGPClassifier(x, y2[i], _kernel()).fit()
         torch.testing.assert_close(batch.mode.f[i], single.mode.f, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(
-            batch.predict_proba(test_x)[i], single.predict_proba(test_x), rtol=1e-9, atol=1e-9
+            batch.predict_proba(test_x)[..., 1][i],
+            single.predict_proba(test_x)[..., 1],
+            rtol=1e-9,
+            atol=1e-9,
         )
     assert batch.log_marginal_likelihood().shape == (3,)
 
 
 def test_a_batch_of_prior_means_or_start_points_broadcasts(toy):
-    # a prior mean (or init_f) with a batch that K and y lack was a bare torch expand error
+    # a prior mean (or init_f) with a batch that K and y lack broadcasts
     x, y, _ = toy
     K = _kernel()(x).to_dense().detach()
     means = torch.tensor([-0.5, 0.0, 0.8], dtype=torch.float64).unsqueeze(-1).expand(3, 40)
@@ -264,12 +282,12 @@ def test_a_batch_of_prior_means_or_start_points_broadcasts(toy):
 def test_state_dict_round_trip_and_dtype(toy):
     x, y, test_x = toy
     model = LaplaceGPClassifier(x, y, _kernel()).fit()
-    probs = model.predict_proba(test_x)
+    probs = model.predict_proba(test_x)[..., 1]
     other = LaplaceGPClassifier(x, y, _kernel(0.5, 0.5))
     other.load_state_dict(model.state_dict())
-    torch.testing.assert_close(other.predict_proba(test_x), probs)
+    torch.testing.assert_close(other.predict_proba(test_x)[..., 1], probs)
     model32 = model.to(torch.float32)
-    p32 = model32.predict_proba(test_x.float())
+    p32 = model32.predict_proba(test_x.float())[..., 1]
     assert p32.dtype == torch.float32
     torch.testing.assert_close(p32.double(), probs, rtol=1e-4, atol=1e-4)
 
@@ -301,13 +319,12 @@ def test_bad_input(toy):
         LaplaceGPClassifier(x, y, "rbf")
     model = LaplaceGPClassifier(x, y, _kernel())
     with pytest.raises(ValueError, match="test_x must have 1 features"):
-        model.predict_proba(torch.zeros(3, 2, dtype=torch.float64))
-    # 2.7 used to run 2 iterations and -1 none, silently
+        model.predict_proba(torch.zeros(3, 2, dtype=torch.float64))[..., 1]
     for num_iter in (2.7, -1):
-        with pytest.raises(ValueError, match="num_iter must be a non-negative int"):
-            model.optimize_hyperparameters(num_iter=num_iter)
+        with pytest.raises(ValueError, match="max_iter must be a non-negative int"):
+            model.optimize_hyperparameters(max_iter=num_iter)
     with pytest.raises(ValueError, match="lr must be positive"):
-        model.optimize_hyperparameters(num_iter=1, lr=float("nan"))
+        model.optimize_hyperparameters(max_iter=1, lr=float("nan"))
 
 
 def test_non_convergence_raises(toy):
@@ -322,7 +339,9 @@ def test_cuda_matches_cpu(toy):
     x, y, test_x = toy
     cpu = LaplaceGPClassifier(x, y, _kernel()).fit()
     gpu = LaplaceGPClassifier(x.cuda(), y.cuda(), _kernel().cuda()).fit()
-    torch.testing.assert_close(gpu.predict_proba(test_x.cuda()).cpu(), cpu.predict_proba(test_x))
+    torch.testing.assert_close(
+        gpu.predict_proba(test_x.cuda())[..., 1].cpu(), cpu.predict_proba(test_x)[..., 1]
+    )
 
 
 def test_gaussian_likelihood_laplace_is_exact_gp_marginal_likelihood(toy):
@@ -358,3 +377,404 @@ def test_gaussian_likelihood_laplace_is_exact_gp_marginal_likelihood(toy):
     ref_grads = torch.autograd.grad(ref, list(params.values()))
     for name, g, r in zip(params, grads, ref_grads, strict=True):
         assert g.item() == pytest.approx(r.item(), rel=1e-7, abs=1e-9), name
+
+
+def test_fit_returns_self_and_the_settings_are_keyword_only(toy):
+    x, y, _ = toy
+    model = LaplaceGPClassifier(x, y, _kernel())
+    assert model.fit() is model
+    with pytest.raises(TypeError):
+        LaplaceGPClassifier(x, y, _kernel(), gpytorch.means.ZeroMean())
+
+
+def test_predictions_follow_scikit_learn_and_gpytorch(toy):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel())
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (test_x.shape[0], 2)
+    torch.testing.assert_close(proba.sum(-1), torch.ones_like(proba[:, 0]))
+    labels = model.predict(test_x)
+    assert labels.dtype == torch.long and labels.shape == test_x.shape
+    torch.testing.assert_close(labels, (proba[:, 1] > 0.5).long())
+    latent = model.predict_latent(test_x)
+    assert isinstance(latent, gpsd.Prediction)
+    assert latent.mean.shape == latent.variance.shape == test_x.shape
+    dist = model(test_x)
+    assert isinstance(dist, gpytorch.distributions.MultivariateNormal)
+    torch.testing.assert_close(dist.mean, latent.mean)
+    # the probit closed form in column 1, its complement in column 0
+    probit = model.predict_proba(test_x, method="probit")
+    torch.testing.assert_close(probit[:, 0], 1 - probit[:, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_data_of_a_low_precision_dtype_are_refused_before_fitting(toy, dtype):
+    x, y, _ = toy
+    with pytest.raises(TypeError, match="train_x must be float32 or float64"):
+        LaplaceGPClassifier(x.to(dtype), y.to(dtype), _kernel().to(dtype))
+
+
+def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
+    import gpsd.laplace.laplace_gp_classifier as module
+
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []  # the fit is reused
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert calls == [1]
+    model.covar_module.outputscale = 3.0  # a parameter changed: refits
+    model.predict_proba(test_x)
+    assert calls == [1, 1]
+
+
+def test_optimize_hyperparameters_reports_progress_and_stops_on_the_callback(toy):
+    x, y, _ = toy
+    model = LaplaceGPClassifier(x, y, _kernel(1.0, 0.3))
+    records = []
+    out = model.optimize_hyperparameters(
+        max_iter=10, lr=0.1, callback=lambda r: records.append(r) or r.iteration == 3
+    )
+    assert out is model
+    assert [r.iteration for r in records] == [1, 2, 3]
+    assert records[0].task == "LaplaceGPClassifier.optimize_hyperparameters"
+    assert records[0].total == 10
+    assert [r.loss for r in records] == model.history
+    model.optimize_hyperparameters(max_iter=2, lr=0.1, progress=True)
+    assert len(model.history) == 2
+
+
+@pytest.fixture
+def toy_classifier_refits_and_detaches():
+    return sine_classification(30, seed=3)
+
+
+def _model(x, y, outputscale=2.0, lengthscale=1.3, constant=0.0, **kw):
+    mean = gpytorch.means.ConstantMean().double()
+    mean.constant.data.fill_(constant)
+    kernel = rbf_kernel(outputscale, lengthscale, torch.float64)
+    return LaplaceGPClassifier(x, y, kernel, mean_module=mean, **kw)
+
+
+def test_predictions_follow_changed_hyperparameters_and_temperature(
+    toy_classifier_refits_and_detaches,
+):
+    x, y, test_x = toy_classifier_refits_and_detaches
+    model = _model(x, y)
+    model.predict_proba(test_x)[..., 1]  # fits the mode at the first hyperparameters
+    model.covar_module.outputscale = 10.0
+    model.covar_module.base_kernel.lengthscale = 0.5
+    model.mean_module.constant.data.fill_(0.4)
+    model.temperature = 2.0
+    # the mode of the first hyperparameters with the new kernel would be off by up to 0.42
+    fresh = _model(x, y, 10.0, 0.5, 0.4, temperature=2.0)
+    torch.testing.assert_close(
+        model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1]
+    )
+    latent = model.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
+    latent = fresh.predict_latent(test_x)
+    fresh_mean, fresh_var = latent.mean, latent.variance
+    torch.testing.assert_close(mean, fresh_mean)
+    torch.testing.assert_close(var, fresh_var)
+
+
+def test_an_optimiser_step_refits_before_predicting(toy_classifier_refits_and_detaches):
+    x, y, test_x = toy_classifier_refits_and_detaches
+    model = _model(x, y)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        (-model.log_marginal_likelihood()).backward()
+        optimizer.step()
+    fresh = _model(x, y)
+    fresh.load_state_dict(model.state_dict())
+    fresh.fit(warm_start=False)
+    torch.testing.assert_close(
+        model.predict_proba(test_x)[..., 1], fresh.predict_proba(test_x)[..., 1]
+    )
+
+
+def test_soft_targets_with_a_graph_are_stored_detached(toy_classifier_refits_and_detaches):
+    x, y, _ = toy_classifier_refits_and_detaches
+    teacher = _model(x, y)
+    soft = teacher.predict_proba(x)[..., 1]
+    assert soft.requires_grad  # the teacher's predictions are differentiable
+    student = _model(x, soft, likelihood="continuous_bernoulli")
+    reference = _model(x, soft.detach(), likelihood="continuous_bernoulli")
+    assert not student.train_targets.requires_grad
+    optimizer = torch.optim.Adam(student.parameters(), lr=0.05)
+    for _ in range(2):  # the second backward pass ran into the teacher's freed graph
+        optimizer.zero_grad()
+        loss = -student.log_marginal_likelihood()
+        loss.backward()
+        optimizer.step()
+        ref_loss = -reference.log_marginal_likelihood()
+        ref_grads = torch.autograd.grad(ref_loss, list(reference.parameters()))
+        torch.testing.assert_close(loss, ref_loss)
+        for p, g in zip(student.parameters(), ref_grads, strict=True):
+            torch.testing.assert_close(p.grad, g)
+        with torch.no_grad():
+            for p, q in zip(student.parameters(), reference.parameters(), strict=True):
+                q.copy_(p)
+    assert all(p.grad is None for p in teacher.parameters())  # the loss reached the teacher
+
+
+def test_a_float64_kernel_on_float32_data_matches_the_float64_fit():
+    # the classifier works in the data's dtype, as DataCentricGPC and DistributionCentricGPC do
+    x, y, test_x = sine_classification(30, seed=0)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    model32 = LaplaceGPClassifier(x.float(), y.float(), kernel)
+    latent = model32.predict_latent(test_x.float())
+    mean, var = latent.mean, latent.variance
+    proba = model32.predict_proba(test_x.float())[..., 1]
+    assert mean.dtype == var.dtype == proba.dtype == torch.float32
+    # the reference: everything in float64 at the same (float32-rounded) inputs
+    x64, test64 = x.float().double(), test_x.float().double()
+    model64 = LaplaceGPClassifier(x64, y.double(), copy.deepcopy(kernel))
+    latent = model64.predict_latent(test64)
+    ref_mean, ref_var = latent.mean, latent.variance
+    torch.testing.assert_close(mean.double(), ref_mean, rtol=0, atol=1e-4)
+    torch.testing.assert_close(var.double(), ref_var, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        proba.double(), model64.predict_proba(test64)[..., 1], rtol=0, atol=1e-4
+    )
+    cov = model32(test_x.float()).covariance_matrix
+    torch.testing.assert_close(torch.diagonal(cov).double(), ref_var, rtol=0, atol=1e-4)
+
+
+DT = torch.float64
+
+
+class _ScaledLogit(_OneDimensionalLikelihood):
+    """Bernoulli(sigmoid(a f)) with a learnable slope a: log-concave, one likelihood parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("raw_a", torch.nn.Parameter(torch.tensor(0.3, dtype=DT)))
+
+    def forward(self, f, *args, **kwargs):
+        slope = torch.nn.functional.softplus(self.raw_a)
+        return torch.distributions.Bernoulli(logits=slope * f, validate_args=False)
+
+
+def _model_prediction_gradients(likelihood="bernoulli_logit"):
+    gen = torch.Generator().manual_seed(3)
+    x = 6 * torch.rand(30, 1, generator=gen, dtype=DT) - 3
+    y = (torch.rand(30, generator=gen, dtype=DT) < torch.sigmoid(2 * torch.sin(x[:, 0]))).to(DT)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    kernel.outputscale = 2.0
+    kernel.base_kernel.lengthscale = 0.8
+    mean = gpytorch.means.ConstantMean().to(DT)
+    mean.constant.data.fill_(0.2)
+    return LaplaceGPClassifier(x, y, kernel, mean_module=mean, likelihood=likelihood)
+
+
+TEST_X = torch.tensor([[-2.0], [0.3], [2.5]], dtype=DT)
+
+
+def _outputs(model):
+    latent = model.predict_latent(TEST_X)
+    mean, var = latent.mean, latent.variance
+    cov = model(TEST_X).covariance_matrix
+    return [mean.sum(), var.sum(), model.predict_proba(TEST_X)[..., 1].sum(), cov[0, 1]]
+
+
+def _central_differences(model, param, h=1e-5):
+    with torch.no_grad():
+        param += h
+        up = [float(t) for t in _outputs(model)]
+        param -= 2 * h
+        down = [float(t) for t in _outputs(model)]
+        param += h
+    return torch.tensor([(u - d) / (2 * h) for u, d in zip(up, down, strict=True)], dtype=DT)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "covar_module.raw_outputscale",
+        "covar_module.base_kernel.raw_lengthscale",
+        "mean_module.raw_constant",
+    ],
+)
+def test_prediction_gradients_in_kernel_and_mean_parameters(name):
+    model = _model_prediction_gradients()
+    param = dict(model.named_parameters())[name]
+    outputs = _outputs(model)
+    grads = torch.stack(
+        [torch.autograd.grad(t, param, retain_graph=True)[0].sum() for t in outputs]
+    )
+    expected = _central_differences(model, param)
+    assert grads.abs().max() > 1e-3  # the outputs do depend on the parameter
+    torch.testing.assert_close(grads, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_prediction_gradients_in_a_likelihood_parameter():
+    likelihood = _ScaledLogit()
+    model = _model_prediction_gradients(AutogradLikelihoodTerms(likelihood))
+    outputs = _outputs(model)
+    grads = torch.stack(
+        [torch.autograd.grad(t, likelihood.raw_a, retain_graph=True)[0] for t in outputs]
+    )
+    expected = _central_differences(model, likelihood.raw_a)
+    assert grads.abs().max() > 1e-3
+    torch.testing.assert_close(grads, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_values_are_those_of_the_mode_found_without_autograd():
+    model = _model_prediction_gradients()
+    with torch.no_grad():
+        plain = [t.clone() for t in _outputs(model)]
+    for got, expected in zip(_outputs(model), plain, strict=True):
+        torch.testing.assert_close(got.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+def _classifier(prior):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(20, 1, generator=g, dtype=torch.float64) * 5
+    y = torch.rand(20, generator=g, dtype=torch.float64) < torch.sigmoid(3 * torch.sin(x[:, 0]))
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(lengthscale_prior=prior))
+    return LaplaceGPClassifier(x, y.double(), kernel.double())
+
+
+def _adam_by_hand(model, log_prior, num_iter=10, lr=0.2):
+    """The hyperparameter posterior's maximisation written out, with the prior given here."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    history = []
+    for _ in range(num_iter):
+        optimizer.zero_grad()
+        loss = -(model.log_marginal_likelihood().sum() + log_prior(model))
+        loss.backward()
+        optimizer.step()
+        history.append(loss.item())
+    return history
+
+
+def test_optimize_hyperparameters_adds_the_registered_hyperpriors():
+    # a N(5, 0.01^2) lengthscale prior pulls the lengthscale to 5 (1.374 without it)
+    prior = gpytorch.priors.NormalPrior(torch.tensor(5.0).double(), torch.tensor(0.01).double())
+    with_prior = _classifier(prior)
+    history = with_prior.optimize_hyperparameters(max_iter=10, lr=0.2).history
+    by_hand = _classifier(None)
+    expected = _adam_by_hand(
+        by_hand, lambda m: prior.log_prob(m.covar_module.base_kernel.lengthscale).sum()
+    )
+    torch.testing.assert_close(history, expected, rtol=1e-10, atol=0)
+    lengthscale = with_prior.covar_module.base_kernel.lengthscale
+    torch.testing.assert_close(lengthscale, by_hand.covar_module.base_kernel.lengthscale)
+    without = _classifier(None)
+    without.optimize_hyperparameters(max_iter=10, lr=0.2)
+    assert lengthscale.item() > without.covar_module.base_kernel.lengthscale.item() + 0.5  # to 5
+    # the evidence alone
+    torch.testing.assert_close(
+        with_prior.log_marginal_likelihood(), by_hand.log_marginal_likelihood(), rtol=1e-10, atol=0
+    )
+
+
+def test_optimize_hyperparameters_without_priors_maximises_the_evidence():
+    model = _classifier(None)
+    assert model.log_prior().item() == 0.0
+    history = model.optimize_hyperparameters(max_iter=10, lr=0.2).history
+    expected = _adam_by_hand(_classifier(None), lambda m: 0.0)
+    torch.testing.assert_close(history, expected, rtol=1e-10, atol=0)
+
+
+def test_probit_method_is_exact_for_a_probit_likelihood(toy):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel(), likelihood="bernoulli_probit").fit()
+    latent = model.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
+    exact = gauss_hermite_expectation(torch.special.ndtr, mean, var, 200)
+    torch.testing.assert_close(model.predict_proba(test_x, method="probit")[..., 1], exact)
+    ds = DistributionCentricGPC(x, y, _kernel(), num_steps=2, likelihood="bernoulli_probit").fit()
+    latent = ds.predict_latent(test_x)
+    mean, var = latent.mean, latent.variance
+    exact = gauss_hermite_expectation(torch.special.ndtr, mean, var, 200)
+    torch.testing.assert_close(ds.predict_proba(test_x, method="probit")[..., 1], exact)
+
+
+def test_classifier_arguments_are_named(toy):
+    x, y, _ = toy
+    K = _kernel()(x).to_dense().detach()
+    with pytest.raises(ValueError, match="max_iter"):
+        find_laplace_mode(K, y, BernoulliProbitTerms(), max_iter=0)
+    for cls, kw in ((DataCentricGPC, dict(noise=0.1)), (DistributionCentricGPC, {})):
+        with pytest.raises(ValueError, match="max_iter"):
+            cls(x, y, _kernel(), num_steps=2, max_iter=0, **kw)
+        with pytest.raises(ValueError, match="max_iter"):
+            cls(x, y, _kernel(), num_steps=2, max_iter=2.5, **kw)
+    with pytest.raises(ValueError, match="temperature"):
+        LaplaceGPClassifier(x, y, _kernel(), temperature=float("inf"))
+    with pytest.raises(TypeError, match="noise must be a number or a sequence"):
+        DataCentricGPC(x, y, _kernel(), num_steps=2, noise="0.1")
+    reference = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=0.1).fit()
+    for noise in (torch.tensor(0.1, dtype=torch.float64), np.float64(0.1)):
+        model = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=noise).fit()
+        torch.testing.assert_close(model.latent_modes, reference.latent_modes)
+
+
+# a short lengthscale, where most kernel entries are far below rounding: on a CPU they are set
+# to zero below eps^2 * max before the matrix products (the x86 slow path for subnormal
+# numbers); sklearn, in numpy float64 with every entry kept, is the reference
+SHORT_LENGTHSCALE, SHORT_OUTPUTSCALE = 0.08, 3.0
+
+
+@pytest.fixture(scope="module")
+def problem():
+    gen = np.random.default_rng(4)
+    x = np.sort(gen.uniform(0, 12, 150))
+    y = (np.sin(2 * x) + 0.3 * gen.standard_normal(150) > 0).astype(float)
+    test_x = np.linspace(0, 12, 61)
+    gpc = GaussianProcessClassifier(
+        ConstantKernel(SHORT_OUTPUTSCALE) * RBF(SHORT_LENGTHSCALE),
+        optimizer=None,
+        max_iter_predict=500,
+    ).fit(x[:, None], y)
+    base = gpc.base_estimator_
+    K = base.kernel_(x[:, None])
+    # the case at hand: entries that are positive yet negligible, many of them subnormal
+    assert ((K > 0) & (K < np.finfo(float).eps ** 2 * K.max())).mean() > 0.1
+    assert ((K > 0) & (K < np.finfo(float).tiny)).any()
+    mean, var = base.latent_mean_and_variance(test_x[:, None])
+    return x, y, test_x, base, mean, var
+
+
+def _kernel_short_lengthscale(dtype):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(dtype)
+    k.outputscale = torch.tensor(SHORT_OUTPUTSCALE, dtype=dtype)
+    k.base_kernel.lengthscale = torch.tensor(SHORT_LENGTHSCALE, dtype=dtype)
+    return k
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_laplace_classifier_matches_sklearn(problem, dtype):
+    x, y, test_x, base, mean, var = problem
+    tol = 1e-7 if dtype == torch.float64 else 2e-3  # float32: 5e-4 with or without dropping
+    t = lambda a: torch.as_tensor(a, dtype=dtype)  # noqa: E731
+    model = LaplaceGPClassifier(t(x), t(y), _kernel_short_lengthscale(dtype)).fit()
+    np.testing.assert_allclose(model.mode.f.double().numpy(), base.f_cached, atol=tol)
+    latent = model.predict_latent(t(test_x))
+    m, v = latent.mean, latent.variance
+    np.testing.assert_allclose(m.detach().double().numpy(), mean, atol=tol)
+    np.testing.assert_allclose(v.detach().double().numpy(), var, atol=tol)
+    lml = model.log_marginal_likelihood()
+    assert float(lml.detach()) == pytest.approx(base.log_marginal_likelihood_value_, rel=tol)
+    lml.backward()  # the gradient passes through the kept entries
+    grads = [p.grad for p in model.covar_module.parameters()]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("noise", [torch.full((12,), 0.1), "0.1x", -1.0, float("nan")])
+def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
+    x = torch.linspace(0, 1, 12, dtype=torch.float64).unsqueeze(-1)
+    y = (torch.sin(6 * x).squeeze(-1) > 0).double()
+    with pytest.raises(ValueError, match="noise must be a finite float >= 0"):
+        LaplaceGPClassifier(x, y, _kernel(), noise=noise)

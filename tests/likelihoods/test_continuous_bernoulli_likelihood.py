@@ -1,18 +1,20 @@
-"""ContinuousBernoulli distribution and ContinuousBernoulliLikelihood."""
+"""ContinuousBernoulliLikelihood: GPyTorch's likelihood test suite, its expectations at every
+latent variance against mpmath, observation shapes, and variational models (SVGP on soft labels)."""
 
+import functools
 import math
 import unittest
 
-import cb_reference
 import gpytorch
 import pytest
 import torch
 from cb_reference import cb_gaussian_expectations
 from conftest import requires_cuda
+from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 from gpytorch.test.base_likelihood_test_case import BaseLikelihoodTestCase
 from scipy import integrate
 
-from gpsd.likelihoods import ContinuousBernoulli, ContinuousBernoulliLikelihood
+from gpsd.likelihoods import ContinuousBernoulli, ContinuousBernoulliLikelihood, cb_log_density
 
 
 class TestContinuousBernoulliLikelihoodGPyTorchSuite(BaseLikelihoodTestCase, unittest.TestCase):
@@ -61,82 +63,6 @@ class TestContinuousBernoulliLikelihoodGPyTorchSuite(BaseLikelihoodTestCase, uni
         self.assertIsInstance(output, torch.distributions.Distribution)
         self.assertEqual(output.sample().shape[-len(batch_shape) - 1 :], batch_shape + (5,))
         self.assertAllClose(output.mean.mean(0), default.mean.mean(0), rtol=0.05, atol=0.02)
-
-
-@pytest.mark.parametrize("f", [-300.0, -20.0, -2.0, -1e-7, 0.0, 1e-5, 0.7, 5.0, 40.0, 300.0])
-def test_density_integrates_to_one_and_moments(f):
-    dist = ContinuousBernoulli(torch.tensor(f, dtype=torch.float64))
-
-    def density(y):
-        return math.exp(dist.log_prob(torch.tensor(y, dtype=torch.float64)).item())
-
-    points = [1e-3, 1 - 1e-3] if abs(f) > 50 else None
-    mass = integrate.quad(density, 0, 1, points=points, epsabs=1e-13, epsrel=1e-11, limit=200)[0]
-    first = integrate.quad(lambda y: y * density(y), 0, 1, points=points, epsabs=1e-13, limit=200)[
-        0
-    ]
-    second = integrate.quad(
-        lambda y: y * y * density(y), 0, 1, points=points, epsabs=1e-13, limit=200
-    )[0]
-    assert mass == pytest.approx(1.0, rel=1e-8)
-    assert dist.mean.item() == pytest.approx(first, rel=1e-7, abs=1e-12)
-    assert dist.variance.item() == pytest.approx(second - first**2, rel=1e-6, abs=1e-12)
-
-    def neg_plogp(y):
-        lp = dist.log_prob(torch.tensor(y, dtype=torch.float64)).item()
-        return -math.exp(lp) * lp
-
-    entropy = integrate.quad(neg_plogp, 0, 1, points=points, epsabs=1e-12, limit=200)[0]
-    assert dist.entropy().item() == pytest.approx(entropy, rel=1e-6, abs=1e-9)
-
-
-def test_matches_torch_distribution_where_torch_is_accurate():
-    logits = torch.linspace(-8, 8, 33, dtype=torch.float64)
-    y = torch.rand(33, dtype=torch.float64)
-    ours = ContinuousBernoulli(logits)
-    ref = torch.distributions.ContinuousBernoulli(logits=logits, lims=(0.4999, 0.5001))
-    torch.testing.assert_close(ours.log_prob(y), ref.log_prob(y), rtol=1e-8, atol=1e-8)
-    torch.testing.assert_close(ours.mean, ref.mean, rtol=1e-8, atol=1e-8)
-
-
-def test_cdf_icdf_and_sampling():
-    logits = torch.tensor([-200.0, -10.0, -0.5, 0.0, 1e-8, 2.0, 30.0, 200.0], dtype=torch.float64)
-    dist = ContinuousBernoulli(logits)
-    u = torch.tensor([0.05, 0.3, 0.5, 0.77, 0.95], dtype=torch.float64).unsqueeze(-1)
-    y = dist.icdf(u)
-    torch.testing.assert_close(dist.cdf(y), u.expand_as(y), rtol=1e-9, atol=1e-12)
-    samples = dist.sample(torch.Size([40000]))
-    assert samples.shape == (40000, 8)
-    assert ((samples >= 0) & (samples <= 1)).all()
-    se = (dist.variance / 40000).sqrt()
-    assert ((samples.mean(0) - dist.mean).abs() < 5 * se + 1e-12).all()
-
-
-def test_rsample_is_differentiable():
-    logits = torch.tensor([-3.0, 0.5, 4.0], dtype=torch.float64, requires_grad=True)
-    torch.manual_seed(3)
-    y = ContinuousBernoulli(logits).rsample(torch.Size([50000]))
-    y.mean(0).sum().backward()
-    # d mean / d f = A''(f) = variance, by the reparameterisation gradient
-    expected = ContinuousBernoulli(logits.detach()).variance
-    torch.testing.assert_close(logits.grad, expected, rtol=0.05, atol=2e-3)
-
-
-def test_float32_large_logits_are_exact_where_torch_is_not():
-    f = torch.tensor([-30.0, -20.0, 20.0, 30.0])
-    y = torch.tensor([0.5, 0.5, 0.5, 0.5])
-    ours = ContinuousBernoulli(f).log_prob(y).double()
-    f64 = f.double()
-    exact = y.double() * f64 - (
-        f64.clamp_min(0) + torch.log(-torch.expm1(-f64.abs())) - f64.abs().log()
-    )
-    torch.testing.assert_close(ours, exact, rtol=1e-6, atol=1e-6)
-
-
-def test_validation_of_support():
-    dist = ContinuousBernoulli(torch.zeros(2), validate_args=True)
-    with pytest.raises(ValueError):
-        dist.log_prob(torch.tensor([0.5, 1.5]))
 
 
 def test_likelihood_batch_shapes_and_state_dict():
@@ -207,51 +133,6 @@ def test_works_with_predictive_log_likelihood_and_variational_elbo():
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("f", [2e-6, 1e-5, 1e-4, 1e-3, 0.5, 0.99, 1.01, -1e-3])
-def test_icdf_near_zero_logits_against_mpmath(dtype, f):
-    mpmath = pytest.importorskip("mpmath")
-    mpmath.mp.dps = 40
-    logit = torch.tensor(f, dtype=dtype)
-    u = torch.tensor([1e-3, 0.1, 0.3, 0.5, 0.9, 0.999], dtype=dtype)
-    got = ContinuousBernoulli(logit).icdf(u).double()
-    ref = [float(cb_reference.icdf(float(logit), float(v))) for v in u]
-    # float32 used to lose 2e-2 at f = 2e-6 (exp(-f) rounded, then divided by f)
-    tol = 4 * torch.finfo(dtype).eps
-    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_mean_and_entropy_gradients_at_very_negative_logits(dtype):
-    # d/df A'(f) = A''(f) ~ 1/f^2 there; exp(-f) overflowed and the gradient was NaN
-    logits = torch.tensor([-100.0, -800.0, -1e4], dtype=dtype, requires_grad=True)
-    ContinuousBernoulli(logits).mean.sum().backward()
-    torch.testing.assert_close(logits.grad, 1 / logits.detach() ** 2, rtol=1e-5, atol=0)
-    logits.grad = None
-    # H = A(f) - f A'(f), dH/df = -f A''(f) ~ -1/f
-    ContinuousBernoulli(logits).entropy().sum().backward()
-    torch.testing.assert_close(logits.grad, -1 / logits.detach(), rtol=1e-5, atol=0)
-
-
-def test_cdf_and_icdf_gradients_at_zero_are_zero():
-    for f in (2.0, -3.0, 1e4):
-        logit = torch.tensor(f, dtype=torch.float64, requires_grad=True)
-        dist = ContinuousBernoulli(logit)
-        (dist.cdf(torch.tensor(0.0, dtype=torch.float64)) + dist.icdf(torch.tensor(0.0))).backward()
-        assert float(logit.grad) == 0.0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_icdf_at_one_is_one_with_zero_gradient(dtype):
-    # F^{-1}(1) = 1 for every f; at f << 0 expm1(f) rounds to -1 and log1p(u expm1(f)) was -inf,
-    # which gave the right value after clamping but a NaN gradient
-    logits = torch.tensor([-1e4, -100.0, -3.0, 0.5, 3.0, 1e4], dtype=dtype, requires_grad=True)
-    out = ContinuousBernoulli(logits).icdf(torch.ones(6, dtype=dtype))
-    out.sum().backward()
-    assert torch.equal(out.detach(), torch.ones(6, dtype=dtype))
-    assert torch.equal(logits.grad, torch.zeros(6, dtype=dtype))
-
-
 def test_float64_quadrature_is_float64_accurate_without_converting_the_likelihood():
     # GPyTorch's quadrature nodes are float32 until the likelihood itself is converted (models are
     # usually converted with .double(), likelihoods often not): both were off by up to 3e-8
@@ -272,10 +153,10 @@ def test_float64_quadrature_is_float64_accurate_without_converting_the_likelihoo
 @pytest.mark.parametrize(
     "dtype,mean,variance,y,rtol",
     [
-        (torch.float64, 800.0, 0.01, 0.0, 1e-12),  # was -inf
-        (torch.float64, -750.0, 1.0, 1.0, 1e-12),  # was -742.8306, 0.05 nats off
+        (torch.float64, 800.0, 0.01, 0.0, 1e-12),  # the naive form: -inf
+        (torch.float64, -750.0, 1.0, 1.0, 1e-12),  # naive: 0.05 nats off
         (torch.float32, 120.0, 1.0, 0.0, 1e-6),  # was -inf
-        (torch.float32, -95.0, 0.2, 1.0, 1e-6),  # was right, with a NaN gradient
+        (torch.float32, -95.0, 0.2, 1.0, 1e-6),  # naive: a NaN gradient
     ],
 )
 def test_log_marginal_where_every_node_density_underflows(dtype, mean, variance, y, rtol):
@@ -287,10 +168,393 @@ def test_log_marginal_where_every_node_density_underflows(dtype, mean, variance,
     assert torch.isfinite(got).all()
     ref = cb_gaussian_expectations(y, mean, variance)
     assert got.item() == pytest.approx(ref.log_marginal, rel=rtol)
-    # PredictiveLogLikelihood is built on it: its loss was inf and its gradients NaN
+    # PredictiveLogLikelihood is built on it: its loss must be finite and its gradients too
     mean_param = torch.tensor([mean], dtype=dtype, requires_grad=True)
     mvn = gpytorch.distributions.MultivariateNormal(
         mean_param, torch.tensor([[variance]], dtype=dtype)
     )
     likelihood.log_marginal(torch.tensor([y], dtype=dtype), mvn).sum().backward()
     assert mean_param.grad.item() == pytest.approx(ref.log_marginal_dmean, rel=max(rtol, 1e-7) * 10)
+
+
+DT = torch.float64
+MEAN = torch.tensor([0.3, -1.2, 2.0, 0.0, 4.5], dtype=DT)
+VAR = torch.tensor([0.5, 2.0, 0.1, 3.0, 1.0], dtype=DT)
+LATENT = gpytorch.distributions.MultivariateNormal(MEAN, torch.diag(VAR))
+TARGETS = torch.tensor([0.1, 0.9, 0.3, 0.6, 0.5], dtype=DT)
+
+
+@pytest.mark.parametrize("method", ["expected_log_prob", "log_marginal"])
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        (TARGETS.unsqueeze(-1), r"observations must have shape \(\*batch, 5\).*\(5, 1\)"),
+        (TARGETS[:3], r"observations must have shape \(\*batch, 5\).*\(3,\)"),
+        (TARGETS.expand(3, 2, 5), r"batch shape of observations \(3, 2, 5\) does not broadcast"),
+    ],
+)
+def test_targets_of_another_shape_are_refused(method, targets, message):
+    latent = gpytorch.distributions.MultivariateNormal(
+        MEAN.expand(2, 2, 5), torch.diag_embed(VAR.expand(2, 2, 5))
+    )
+    with pytest.raises(ValueError, match=message):
+        getattr(ContinuousBernoulliLikelihood(), method)(targets, latent)
+
+
+def _expected_log_density(y, mean, var):
+    """E[log p(y|f)], f ~ N(mean, var), by adaptive quadrature."""
+
+    def integrand(f):
+        density = math.exp(-0.5 * (f - mean) ** 2 / var) / (2 * math.pi * var) ** 0.5
+        return float(cb_log_density(torch.tensor(y, dtype=DT), torch.tensor(f, dtype=DT)) * density)
+
+    sd = var**0.5
+    return integrate.quad(integrand, mean - 12 * sd, mean + 12 * sd, epsabs=1e-13)[0]
+
+
+def test_a_batch_of_targets_against_one_latent_is_the_loop_over_targets():
+    batch = torch.stack([TARGETS, 1 - TARGETS])  # shape: (2, 5)
+    got = ContinuousBernoulliLikelihood().expected_log_prob(batch, LATENT)
+    assert got.shape == (2, 5)
+    expected = torch.tensor(
+        [
+            [
+                _expected_log_density(float(y), float(m), float(v))
+                for y, m, v in zip(row, MEAN, VAR, strict=True)
+            ]
+            for row in batch
+        ],
+        dtype=DT,
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_one_latent_value_against_several_targets_broadcasts():
+    latent = torch.distributions.Normal(torch.tensor(0.7, dtype=DT), torch.tensor(1.3, dtype=DT))
+    got = ContinuousBernoulliLikelihood().expected_log_prob(TARGETS, latent)
+    expected = torch.tensor(
+        [_expected_log_density(float(y), 0.7, 1.3**2) for y in TARGETS], dtype=DT
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_a_multitask_latent_gives_one_term_per_point_and_a_scalar_elbo():
+    # IndependentMultitaskVariationalStrategy: the ELBO is a scalar (an ELBO of shape (n,)
+    # would count the KL divergence n times in its .sum())
+    torch.manual_seed(0)
+    n, tasks, m = 40, 3, 8
+    x = torch.rand(n, 1, dtype=DT) * 4 - 2
+    soft = torch.stack([torch.sigmoid(2 * torch.sin(k * x[:, 0])) for k in (1, 2, 3)], -1)
+    batch = torch.Size([tasks])
+
+    class Multitask(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            z = torch.linspace(-2, 2, m, dtype=DT).view(1, m, 1).repeat(tasks, 1, 1)
+            dist = gpytorch.variational.CholeskyVariationalDistribution(m, batch_shape=batch)
+            strategy = gpytorch.variational.IndependentMultitaskVariationalStrategy(
+                gpytorch.variational.VariationalStrategy(self, z, dist), num_tasks=tasks
+            )
+            super().__init__(strategy)
+            self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
+            self.covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch
+            )
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    model = Multitask().to(DT)
+    model(x)  # the first call initialises q(u) from the prior
+    with torch.no_grad():  # a variational distribution away from the prior: KL > 0
+        strategy = model.variational_strategy.base_variational_strategy
+        strategy._variational_distribution.variational_mean.fill_(1.5)
+    likelihood = ContinuousBernoulliLikelihood()
+    latent = model(x)
+    elbo = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=n)(latent, soft)
+    assert elbo.shape == ()
+    # independently: each task's marginal Normal, one expected log density per entry
+    mean, var = latent.mean, latent.variance  # shape: (n, tasks)
+    terms = ContinuousBernoulliLikelihood().expected_log_prob(
+        soft.T, torch.distributions.Normal(mean.T, var.T.sqrt())
+    )  # shape: (tasks, n)
+    kl = model.variational_strategy.kl_divergence().sum()
+    assert kl > 1.0
+    torch.testing.assert_close(elbo, (terms.sum() - kl) / n, rtol=1e-12, atol=1e-12)
+    predictive = gpytorch.mlls.PredictiveLogLikelihood(likelihood, model, num_data=n)
+    assert predictive(latent, soft).shape == ()
+
+
+# (y, mean, variance), all exact in float32: both Gauss-Hermite regimes, the split rules of
+# expected_log_prob (|mean| < 7 s) and of log_marginal (tilt y + mean / variance in [-2.5, 3.5]),
+# the mode-centred rule of log_marginal beyond, and extremes of variance and mean
+POINTS = [
+    (0.25, -1.0, 0.5),
+    (0.125, 0.5, 2.125),
+    (0.0, 2.0, 2.875),
+    (0.75, 0.0, 3.5),
+    (0.5, 0.25, 10.0),
+    (1.0, -3.0, 100.0),
+    (0.0625, 25.0, 100.0),
+    (0.9375, -30.0, 1e3),
+    (0.5, 0.0, 1e4),
+    (0.0, 70.0, 100.0),
+    (0.0625, 400.0, 100.0),
+    (1.0, -300.0, 100.0),
+    (1.0, 1e3, 10.0),
+    (0.6875, 0.0, 1e10),
+    (0.25, 1e5, 1e9),
+    (0.0, -7.5e7, 3.0),
+]
+FIELDS = (
+    "expected_log_prob",
+    "log_marginal",
+    "expected_log_prob_dmean",
+    "expected_log_prob_dvariance",
+    "log_marginal_dmean",
+    "log_marginal_dvariance",
+)
+
+
+@functools.cache
+def _references() -> torch.Tensor:
+    """mpmath values at the points, shape ``(len(POINTS), 6)``."""
+    assert torch.tensor(POINTS, dtype=torch.float32).double().tolist() == [list(p) for p in POINTS]
+    return torch.tensor([cb_gaussian_expectations(*p) for p in POINTS], dtype=torch.float64)
+
+
+def _ours(dtype: torch.dtype) -> torch.Tensor:
+    y, mean, variance = torch.tensor(POINTS, dtype=dtype).unbind(-1)
+    mean.requires_grad_(True)
+    variance.requires_grad_(True)
+    likelihood = ContinuousBernoulliLikelihood()
+    dist = torch.distributions.Normal(mean, variance.sqrt())
+    elp = likelihood.expected_log_prob(y, dist)
+    elp_grads = torch.autograd.grad(elp.sum(), (mean, variance))
+    dist = torch.distributions.Normal(mean, variance.sqrt())
+    lm = likelihood.log_marginal(y, dist)
+    lm_grads = torch.autograd.grad(lm.sum(), (mean, variance))
+    assert elp.dtype == lm.dtype == dtype
+    return torch.stack([elp, lm, *elp_grads, *lm_grads], dim=-1).detach().double()
+
+
+@pytest.mark.parametrize(
+    "dtype,value_tol,grad_tol", [(torch.float64, 2e-12, 1e-11), (torch.float32, 2e-6, 5e-5)]
+)
+def test_values_and_gradients_match_mpmath(dtype, value_tol, grad_tol):
+    ref = _references()
+    got = _ours(dtype)
+    error = (got - ref).abs() / ref.abs().clamp_min(1.0)
+    tolerances = [value_tol] * 2 + [grad_tol] * 4
+    for k, (name, tol) in enumerate(zip(FIELDS, tolerances, strict=True)):
+        worst = int(error[:, k].argmax())
+        assert error[worst, k] <= tol, (
+            f"{name} off by {error[worst, k]:.2e} at (y, mean, variance) = {POINTS[worst]}: "
+            f"{got[worst, k]} vs {ref[worst, k]}"
+        )
+
+
+def test_gradients_match_finite_differences():
+    # the analytic derivative of log g (and its continued fraction) against central differences
+    y, mean, variance = torch.tensor(POINTS[:13], dtype=torch.float64).unbind(-1)
+    likelihood = ContinuousBernoulliLikelihood()
+    for method in (likelihood.expected_log_prob, likelihood.log_marginal):
+
+        def fn(m, v, method=method):
+            return method(y, torch.distributions.Normal(m, v.sqrt()))
+
+        assert torch.autograd.gradcheck(
+            fn, (mean.clone().requires_grad_(), variance.clone().requires_grad_()), atol=1e-6
+        )
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "variance 3 (expected_log_prob rule)",
+        "variance 2 (log_marginal rule)",
+        "|mean| = 7 s",
+        "tilt -2.5",
+        "tilt 3.5",
+    ],
+)
+def test_continuous_across_regime_boundaries(where):
+    rows = []
+    for y in (0.0, 0.4, 1.0):
+        for base in (-2.0, 0.0, 1.5, 5.0):
+            mean, variance = base, 2.0 if where.startswith("variance 2") else 3.0
+            if where == "|mean| = 7 s":
+                variance = 4.0 + base**2
+                mean = 7.0 * variance**0.5
+            elif where.startswith("tilt"):
+                variance = 5.0 + base**2
+                mean = (float(where.split()[1]) - y) * variance
+            rows.append((y, mean, variance))
+    y, mean, variance = torch.tensor(rows, dtype=torch.float64).unbind(-1)
+    # one side of the boundary and the other, 1e-9 relative apart
+    moved = variance if where.startswith("variance") else mean
+    sides = [moved * (1 - 1e-9), moved * (1 + 1e-9)]
+    likelihood = ContinuousBernoulliLikelihood()
+    for method in (likelihood.expected_log_prob, likelihood.log_marginal):
+        values, slopes = [], []
+        for side in sides:
+            side = side.clone().requires_grad_(True)
+            m, v = (mean, side) if where.startswith("variance") else (side, variance)
+            value = method(y, torch.distributions.Normal(m, v.sqrt()))
+            (slope,) = torch.autograd.grad(value.sum(), side)
+            values.append(value.detach())
+            slopes.append(slope)
+        # the change predicted by the trapezoid rule on the slopes is exact to O(1e-18); a switch
+        # of rule at the boundary shows as the difference of the two rules' errors
+        predicted = 0.5 * (slopes[0] + slopes[1]) * (sides[1] - sides[0])
+        torch.testing.assert_close(values[1] - values[0], predicted, rtol=0, atol=1e-11)
+
+
+def test_batched_multivariate_normal_with_broadcast_targets():
+    generator = torch.Generator().manual_seed(3)
+    mean = 10 * torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
+    variance = torch.exp(6 * torch.rand(2, 3, 5, generator=generator, dtype=torch.float64))
+    y = torch.rand(5, generator=generator, dtype=torch.float64)
+    mvn = gpytorch.distributions.MultivariateNormal(mean, torch.diag_embed(variance))
+    likelihood = ContinuousBernoulliLikelihood()
+    for method in (likelihood.expected_log_prob, likelihood.log_marginal):
+        got = method(y, mvn)
+        assert got.shape == (2, 3, 5)
+        for index in ((0, 0), (1, 2)):
+            one = gpytorch.distributions.MultivariateNormal(
+                mean[index], torch.diag(variance[index])
+            )
+            torch.testing.assert_close(got[index], method(y, one), rtol=1e-14, atol=1e-14)
+
+
+def test_targets_outside_the_support_raise():
+    likelihood = ContinuousBernoulliLikelihood()
+    dist = torch.distributions.Normal(torch.zeros(3), 10 * torch.ones(3))
+    with pytest.raises(ValueError, match="support"):
+        likelihood.expected_log_prob(torch.tensor([0.2, 1.5, 0.3]), dist)
+    with pytest.raises(ValueError, match="support"):
+        likelihood.log_marginal(torch.tensor([-0.1, 0.5, 0.3]), dist)
+
+
+def test_log_density_is_exact_at_large_logits_in_float32_and_differentiable_at_zero():
+    f = torch.tensor([-3e3, -1e3, 1e3, 3e3])
+    y = torch.tensor([0.3, 0.7, 0.3, 0.7])
+    f64, y64 = f.double(), y.double()
+    # y f - A(f) with A(f) = max(f, 0) + log(1 - e^{-|f|}) - log|f| in float64
+    exact = y64 * f64 - (f64.clamp_min(0) + torch.log(-torch.expm1(-f64.abs())) - f64.abs().log())
+    # y f - A(f) in float32 lost 1e-4 here (A(f) ~ f rounds to 6e-5 at 1e3)
+    torch.testing.assert_close(cb_log_density(y, f).double(), exact, rtol=2e-7, atol=1e-6)
+    # d/df log p = y - A'(f) and A'(0) = 1/2; the |f| of the stable form has no slope at 0
+    zero = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0.0, 0.3, 1.0], dtype=torch.float64)
+    cb_log_density(targets, zero).sum().backward()
+    torch.testing.assert_close(zero.grad, targets - 0.5, rtol=0, atol=1e-15)
+
+
+def test_plain_gauss_hermite_was_wrong_at_large_variance():
+    y, mean, variance = torch.tensor([(0.5, 0.25, 100.0)], dtype=torch.float64).unbind(-1)
+    ref = cb_gaussian_expectations(0.5, 0.25, 100.0)
+    likelihood = ContinuousBernoulliLikelihood().double()  # GPyTorch's nodes in float64
+    dist = torch.distributions.Normal(mean, variance.sqrt())
+    plain = _OneDimensionalLikelihood.expected_log_prob(likelihood, y, dist)
+    ours = likelihood.expected_log_prob(y, dist)
+    assert abs(plain.item() - ref.expected_log_prob) > 1e-3
+    assert abs(ours.item() - ref.expected_log_prob) < 1e-11
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_matches_cpu(dtype):
+    y, mean, variance = torch.tensor(POINTS, dtype=dtype).unbind(-1)
+    likelihood = ContinuousBernoulliLikelihood()
+    for method in (likelihood.expected_log_prob, likelihood.log_marginal):
+        cpu = method(y, torch.distributions.Normal(mean, variance.sqrt()))
+        cuda = method(y.cuda(), torch.distributions.Normal(mean.cuda(), variance.sqrt().cuda()))
+        assert cuda.device.type == "cuda"
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(cuda.cpu(), cpu, rtol=tol, atol=tol)
+
+
+sklearn = pytest.importorskip("sklearn")
+
+
+class _BernoulliLogitLikelihood(gpytorch.likelihoods.likelihood._OneDimensionalLikelihood):
+    """The misspecified alternative: Bernoulli-logistic log-density y f - log(1 + e^f) on y in [0, 1]."""
+
+    def forward(self, function_samples, *args, **kwargs):
+        f = function_samples
+
+        class _Soft(torch.distributions.Distribution):
+            arg_constraints = {}
+
+            def __init__(self):
+                super().__init__(batch_shape=f.shape, validate_args=False)
+
+            def log_prob(self, y):
+                return y * f - torch.nn.functional.softplus(f)
+
+        return _Soft()
+
+
+class _SVGP(gpytorch.models.ApproximateGP):
+    def __init__(self, inducing):
+        strategy = gpytorch.variational.VariationalStrategy(
+            self,
+            inducing,
+            gpytorch.variational.CholeskyVariationalDistribution(inducing.shape[0]),
+            learn_inducing_locations=False,
+        )
+        super().__init__(strategy)
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        self.covar_module.base_kernel.lengthscale = 4.0
+        self.covar_module.outputscale = 4.0
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _fit(likelihood, x, y, inducing, iters=40):
+    torch.manual_seed(0)
+    model = _SVGP(inducing).double()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=y.numel())
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(iters):
+        opt.zero_grad()
+        (-mll(model(x), y)).backward()
+        opt.step()
+    return model
+
+
+def test_svgp_with_continuous_bernoulli_recovers_probabilities_better():
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.linear_model import LogisticRegression
+
+    data = load_breast_cancer()
+    x = torch.as_tensor(data.data, dtype=torch.float64)
+    x = (x - x.mean(0)) / x.std(0)
+    labels = torch.as_tensor(data.target, dtype=torch.float64)
+    # real-data latent: a regularised logistic regression on the real labels
+    clf = LogisticRegression(C=0.02, max_iter=1000).fit(x.numpy(), labels.numpy())
+    g = torch.as_tensor(clf.decision_function(x.numpy()), dtype=torch.float64).clamp(-6, 6)
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(x.shape[0], generator=gen)
+    train, test = perm[:200], perm[200:]
+    torch.manual_seed(1)
+    soft = ContinuousBernoulli(g[train]).sample()  # soft labels in [0, 1] drawn given the latent
+    inducing = x[train][:25].clone()
+    results = {}
+    for name, likelihood in [
+        ("cb", ContinuousBernoulliLikelihood()),
+        ("bern", _BernoulliLogitLikelihood()),
+    ]:
+        model = _fit(likelihood, x[train], soft, inducing)
+        model.eval()
+        with torch.no_grad():
+            post = model(x[test])
+            nodes = torch.randn(2000, 1, dtype=torch.float64, generator=gen)
+            prob = torch.sigmoid(post.mean + post.variance.sqrt() * nodes).mean(0)
+        results[name] = (prob - torch.sigmoid(g[test])).square().mean().sqrt().item()
+    print(results)
+    assert results["cb"] < 0.8 * results["bern"], results

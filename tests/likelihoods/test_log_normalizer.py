@@ -4,11 +4,13 @@ import math
 
 import cb_reference
 import mpmath
+import numpy as np
 import pytest
 import torch
 
 from gpsd.likelihoods import (
     ContinuousBernoulli,
+    cb_entropy,
     cb_log_normalizer,
     cb_mean,
     cb_variance,
@@ -113,8 +115,8 @@ def test_rejects_non_float():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_entropy_against_mpmath(dtype):
-    # H = A(f) - f A'(f) was evaluated as written: the f/2 of both terms cancelled near 0 (2.4e-4
-    # relative error at f = 1e-3 in float32) and their f at large f (4.6e-5 at f = 1e4 in float32)
+    # H = A(f) - f A'(f) as written cancels the f/2 of both terms near 0 (2.4e-4 relative error
+    # at f = 1e-3 in float32) and their f at large f (4.6e-5 at f = 1e4 in float32)
     points = [1e-6, 1e-4, 1e-3, -1e-3, 0.1, 0.5, 0.99, 1.0, -1.0, 1.01, 3.0, 30.0, -30.0, 1e3, 1e4]
     points += [1e5, -1e5, 1e6]
     f = torch.tensor(points, dtype=dtype, requires_grad=True)
@@ -126,3 +128,45 @@ def test_entropy_against_mpmath(dtype):
             exact_grad = -point * cb_reference.cb_variance(point)  # dH/df = -f A''(f)
         assert abs(value - float(exact)) <= 8 * torch.finfo(dtype).eps * abs(float(exact)), point
         assert abs(g - float(exact_grad)) <= 1e3 * torch.finfo(dtype).eps * abs(float(exact_grad))
+
+
+DTYPES = [torch.float32, torch.float64]
+REFERENCES = [
+    (cb_log_normalizer, cb_reference.cb_log_normalizer),
+    (cb_mean, cb_reference.cb_mean),
+    (cb_variance, cb_reference.cb_variance),
+    (cb_entropy, cb_reference.cb_entropy),
+    (log_cb_normalizing_constant, cb_reference.log_cb_normalizing_constant),
+    (log_cb_normalizing_constant_grad, cb_reference.log_cb_normalizing_constant_grad),
+]
+# a coarse grid over |f| <= 3.5, and dense ones just above the series cut-offs (|f| = 1.25 of the
+# log C family, 2.5 of the A family), where the closed forms take over and the error is largest
+GRID = np.concatenate(
+    [np.linspace(0.3, 3.5, 97), [6.0, 20.0, 100.0], np.linspace(1.25, 1.5, 301)]
+    + [np.linspace(2.5, 3.0, 301)]
+)
+GRID = np.concatenate([GRID, -GRID])
+#: the relative error the module docs state, in machine epsilons
+STATED_BOUND = 6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("function", "reference"), REFERENCES, ids=lambda r: r.__name__)
+def test_log_normalizer_family_is_within_the_stated_bound_of_mpmath(dtype, function, reference):
+    eps = torch.finfo(dtype).eps
+    f = torch.tensor(GRID, dtype=dtype)
+    for fi, oi in zip(f.tolist(), function(f).tolist(), strict=True):
+        with mpmath.workdps(50):
+            exact = reference(mpmath.mpf(fi))
+        assert abs(oi - exact) <= STATED_BOUND * eps * abs(exact), fi
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_cb_hessian_absolute_error_is_below_1_5_eps_through_its_sign_change(dtype):
+    # it vanishes at |a| = 2.678 (a relative error means nothing there)
+    eps = torch.finfo(dtype).eps
+    a = torch.tensor(GRID, dtype=dtype)
+    for ai, oi in zip(a.tolist(), log_cb_normalizing_constant_hessian(a).tolist(), strict=True):
+        with mpmath.workdps(50):
+            exact = cb_reference.log_cb_normalizing_constant_hessian(ai)
+        assert abs(oi - exact) <= 1.5 * eps, ai

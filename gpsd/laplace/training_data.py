@@ -1,7 +1,12 @@
-"""The training data of the Laplace classifiers: checked at construction and on replacement."""
+"""The training data of the Laplace classifiers: checked at construction and on replacement.
+
+Public so that every binary GP classifier (:class:`~gpsd.LaplaceGPClassifier` and the GPC
+self-distillers) checks and replaces its data the same way.
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from gpsd._internal.validation import (
@@ -20,7 +25,7 @@ def checked_classification_data(
     train_x: object, train_y: object, terms: LaplaceLikelihoodTerms, like: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``train_x`` as ``(*b, n, d)`` (a 1-D tensor is ``(n, 1)``, ``n >= 1``) and ``train_y`` as
-    ``(*b, n)`` in its dtype, both finite, detached and on one device, ``train_y`` in the support
+    ``(*b, n)`` in its dtype (float32 or float64: a ``TypeError`` otherwise), both finite, detached and on one device, ``train_y`` in the support
     of ``terms``; with ``like``, in the dtype and on the device of ``like``.
 
     Detached: a graph into (say) a feature extractor would be stored in the buffers, and every
@@ -28,6 +33,11 @@ def checked_classification_data(
     """
     where = {} if like is None else {"dtype": like.dtype}
     train_x = as_float_tensor(train_x, "train_x", **where)
+    if train_x.dtype not in (torch.float32, torch.float64):
+        raise TypeError(
+            f"train_x must be float32 or float64 (the Laplace fit factorises in its dtype), "
+            f"got {train_x.dtype}; convert it with .double() or .float()"
+        )
     train_x = check_matrix(train_x, "train_x", nonempty=True).detach()
     if like is not None:
         check_same_device(like, train_x, "train_x", "the model")

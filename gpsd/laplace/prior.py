@@ -1,5 +1,8 @@
 """The GP prior's blocks that the Laplace classifiers work with, in the training data's dtype.
 
+Public so that models built on the Laplace approximation (the GPC self-distillers of
+:mod:`gpsd.distillation`) evaluate the prior exactly as :class:`~gpsd.LaplaceGPClassifier` does.
+
 A kernel or mean in another dtype than the data (float64 modules on float32 data) would otherwise
 mix dtypes in the Newton iterations and the predictions.
 """
