@@ -106,10 +106,10 @@ def test_least_squares_start_matches_lstsq_on_ill_conditioned_rows(
     n, span, lengthscale, m, b, seed
 ):
     # lengthscales several times the spacing of the inducing points: rows with cond(K_UU(J, :))
-    # about 2e8 passed the old Cholesky-diagonal test; their normal-equation solutions had
-    # residuals up to 4.1e-4 against 2.7e-11 from lstsq (max |w| 7503 against 5.0), and the
-    # start's error was 1.2e-2 against 4.6e-7 from the lstsq start (1000 inputs, m = 100:
-    # 55 rows, 2.0e-4 against 1.7e-6)
+    # about 2e8, which pass a Cholesky-diagonal test while their normal-equation solutions have
+    # residuals up to 4.1e-4 against 2.7e-11 from lstsq (max |w| 7503 against 5.0); such a
+    # start errs by 1.2e-2 against 4.6e-7 from the lstsq start (1000 inputs, m = 100: 55 rows,
+    # 2.0e-4 against 1.7e-6)
     gen = torch.Generator().manual_seed(seed)
     x = torch.rand(n, 1, generator=gen, dtype=DT) * span
     kernel = unit_rbf(lengthscale)
@@ -457,7 +457,7 @@ def test_steps_that_lower_the_error_do_not_warn(kwargs):
 
 
 def test_near_coincident_inducing_points_are_named_not_the_precision():
-    # float64 and a noise of 1e-2: the old message blamed the noise and advised float64
+    # float64 and a noise of 1e-2: the message names the inducing points, not the precision
     gen = torch.Generator().manual_seed(0)
     x = 10 * torch.rand(60, 1, generator=gen, dtype=DT)
     u = torch.cat([x[:10], x[:10] + 1e-9])
@@ -599,8 +599,9 @@ def test_one_dimensional_inputs_equal_a_column_of_inputs():
 
 
 def test_float32_student_of_inputs_far_from_the_origin_is_as_good_as_at_the_origin():
-    # A stationary kernel cannot tell x from x + 2000; in float32 the distance expansion used to
-    # pick wrong neighbours for most rows there (mean errors of 0.4 on a unit-amplitude sine).
+    # A stationary kernel cannot tell x from x + 2000; in float32 the uncentred distance
+    # expansion picks wrong neighbours for most rows there (mean errors of 0.4 on a
+    # unit-amplitude sine).
     gen = torch.Generator().manual_seed(0)
     x = 10 * torch.rand(600, 1, generator=gen, dtype=DT)
     y = torch.sin(2 * x).squeeze(-1)
@@ -640,8 +641,8 @@ class _ConstantMeanTeacher(gpytorch.models.ExactGP):
 
 
 def test_python_float_noise_and_a_float64_mean_constant_keep_float64_precision():
-    # 0.05 and MU used to pass through a float32 tensor: noise 0.05000000074505806, mean
-    # constant 1000.1234741210938, and a prediction far from the data off by 1.7e-5
+    # through a float32 tensor 0.05 and MU would become 0.05000000074505806 and
+    # 1000.1234741210938, and a prediction far from the data would be off by 1.7e-5
     x, y = offset_data(offset=MU)
     mean_module = gpytorch.means.ConstantMean().to(DT)
     mean_module.constant.data.fill_(MU)
@@ -688,9 +689,10 @@ class _ArdTeacher(gpytorch.models.ExactGP):
 
 @pytest.mark.parametrize("prepare_first", [True, False])
 def test_teacher_trained_further_after_construction_does_not_leak_in(prepare_first):
-    # the distiller kept the teacher's live kernel next to a copied noise and (after prepare) a
-    # cached K_UU: hyperparameters changed before fit() moved the student's mean by 0.89 (0.61
-    # without prepare) from the distillation of the teacher as given; now they agree to 1e-10
+    # the distiller copies the teacher's kernel with its noise and mean: with the live kernel
+    # (and, after prepare, a cached K_UU) hyperparameters changed before fit() would move the
+    # student's mean by 0.89 (0.61 without prepare) from the distillation of the teacher as
+    # given; the two agree to 1e-10
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(80, 2, generator=gen, dtype=DT)
     y = torch.sin(2 * x).sum(-1)
@@ -769,8 +771,8 @@ class _ScalingTeacher(gpytorch.models.ExactGP):
 @pytest.mark.parametrize("dtype", [torch.float32, DT])
 @pytest.mark.parametrize("training", [True, False])
 def test_a_teacher_whose_forward_transforms_the_inputs_warns(dtype, training):
-    # a teacher whose forward scaled the inputs was distilled as if covar_module acted on the
-    # raw inputs, silently (an RBF teacher's student missed its mean by 0.5 on [0, 100]); a
+    # a teacher whose forward scales the inputs is distilled as if covar_module acted on the
+    # raw inputs (an RBF teacher's student misses its mean by 0.5 on [0, 100]): it warns; a
     # standard teacher (1-d inputs spanning 145 lengthscales) must not warn; modes are kept
     gen = torch.Generator().manual_seed(0)
     x = (torch.rand(60, generator=gen, dtype=DT) * 100).to(dtype)

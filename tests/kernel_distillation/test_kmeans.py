@@ -69,7 +69,7 @@ def test_kmeans_with_zero_iterations_is_the_kmeans_plus_plus_start():
 
 
 def test_kmeans_of_a_single_input_does_not_warn():
-    # the stopping scale was an unbiased std: a UserWarning ("degrees of freedom <= 0") and NaN
+    # an unbiased std as the stopping scale would warn ("degrees of freedom <= 0") and be NaN
     x = torch.tensor([[0.5, -1.0]], dtype=DT)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -108,7 +108,7 @@ def test_kmeans_tol_must_be_a_non_negative_real_number(tol):
 
 @pytest.mark.parametrize("seed", [1.7, -1, "3", None])
 def test_kmeans_seed_must_be_a_non_negative_int(seed):
-    # seed=1.7 used to run as seed=1 and "3" as 3, silently
+    # seed=1.7 must not run as seed=1, nor "3" as 3
     x = torch.randn(20, 2, dtype=DT)
     with pytest.raises(ValueError, match="seed must be a non-negative integer"):
         kmeans_plus_plus(x, 3, seed=seed)

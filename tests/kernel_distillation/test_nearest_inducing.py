@@ -28,7 +28,7 @@ def test_nearest_inducing_points_matches_argsort(chunk_size):
 
 def test_nearest_inducing_points_returns_the_float32_distances_themselves():
     # Inducing points spread over [0, 1000]: the expansion |x|^2 - 2 x.u + |u|^2 errs by about
-    # eps * 500^2 = 0.015, and returned 0 for a squared distance of 1e-4 (0.0156 for 4e-4).
+    # eps * 500^2 = 0.015, and gives 0 for a squared distance of 1e-4 (0.0156 for 4e-4).
     u = torch.arange(0.0, 1001.0).unsqueeze(-1)
     x = torch.tensor([[999.01], [0.02], [500.03]])
     d2, idx = nearest_inducing_points(x, u, 3)
@@ -134,7 +134,7 @@ def test_bad_arguments_are_named():
     ],
 )
 def test_integer_arguments_are_checked(call, match):
-    # a non-positive chunk size used to return no neighbours at all, silently
+    # a non-positive chunk size must not return no neighbours at all, silently
     x = torch.randn(10, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with pytest.raises(ValueError, match=match):
         call(x)

@@ -182,7 +182,7 @@ def test_coincident_inducing_points_without_jitter_name_the_jitter():
     )
     student = kd.fit().student
     assert torch.unique(student.inducing_points).numel() < 10
-    # before: "torch.linalg.solve: ... The solver failed because the input matrix is singular"
+    # a message that names the jitter, not torch.linalg.solve's "the input matrix is singular"
     with pytest.raises(RuntimeError, match="positive jitter"):
         student.predict(torch.tensor([[0.5]], dtype=DT))
     student.jitter = None  # the default jitter predicts
@@ -231,13 +231,13 @@ def test_generic_kernel_predicts_but_is_not_exportable():
     assert mean.shape == var.shape == (5,) and bool(torch.isfinite(mean).all())
     eager = student.prediction_module()(test_x)  # the bare path still runs eagerly
     torch.testing.assert_close(eager[0], mean)
-    # tracing it names the reason (it used to fail with an opaque data-dependent error)
+    # tracing it names the reason, not an opaque data-dependent error
     with pytest.raises(Exception, match="kernel is not exportable"):
         torch.export.export(student.prediction_module(), (test_x,))
 
 
 def test_prediction_module_of_a_generic_kernel_is_differentiable_in_x():
-    # the RBF and Matérn students were; a kernel kept as a GPyTorch module gave no gradient
+    # as the RBF and Matérn students are: a kernel kept as a GPyTorch module gives a gradient too
     gen = torch.Generator().manual_seed(1)
     n, m, b = 30, 9, 3
     u = torch.randn(m, 2, generator=gen, dtype=DT)
@@ -252,8 +252,8 @@ def test_prediction_module_of_a_generic_kernel_is_differentiable_in_x():
 
 
 def test_generic_kernel_of_another_dtype_than_the_inputs():
-    # a float64 kernel with float32 inputs: the float32 student used to fail in linalg.solve
-    # ("Expected A and B to have the same dtype") at its first prediction
+    # a float64 kernel with float32 inputs: the float32 student must predict (not fail in
+    # linalg.solve with "Expected A and B to have the same dtype")
     x, y = offset_data()
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.PeriodicKernel()).to(DT)
     s64 = (
@@ -322,7 +322,7 @@ def test_state_dict_carries_sparsity_and_jitter():
         ard_kernel(), torch.zeros(m, 2, dtype=DT), torch.eye(m, dtype=DT), torch.zeros(m, dtype=DT),
         torch.zeros(m, m, dtype=DT), sparsity=2, noise=1.0, jitter=1e-3,
     )  # fmt: skip
-    blank.load_state_dict(student.state_dict())  # predicted with sparsity 2, jitter 1e-3 before
+    blank.load_state_dict(student.state_dict())  # built with sparsity 2, jitter 1e-3
     assert (blank.sparsity, blank.jitter) == (student.sparsity, student.jitter)
     prediction = blank.predict(test_x)
     m1, v1 = prediction.mean, prediction.variance
@@ -336,7 +336,7 @@ def test_state_dict_carries_sparsity_and_jitter():
 
 def test_state_dict_carries_the_kernel_type():
     # RBF and Matérn students hold the same buffers: a Matérn-1/2 student loaded into one built
-    # with an RBF kernel used to predict with the RBF (means off by 0.9)
+    # with an RBF kernel must predict with the Matérn kernel (the RBF's means are off by 0.9)
     x, y = offset_data()
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=0.5)).to(DT)
     student = (
@@ -390,9 +390,10 @@ def test_jitter_must_be_finite_and_non_negative_also_when_loaded():
 
 
 def test_loading_a_state_into_the_student_leaves_the_callers_and_the_distillations_tensors():
-    # the student's buffers were the caller's inducing points and noise and the distillation's
-    # K_UU and neighbour scale: loading another student's state moved the caller's points by up
-    # to 3.1, set the caller's noise to 0.05 and the distillation's error from 2.40 to 35.7
+    # the student's buffers are copies: were they the caller's inducing points and noise and
+    # the distillation's K_UU and neighbour scale, loading another student's state would move
+    # the caller's points by up to 3.1, set the caller's noise to 0.05 and the distillation's
+    # error from 2.40 to 35.7
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(100, 1, generator=gen, dtype=DT) * 5
     y = torch.sin(x[:, 0])
@@ -429,8 +430,8 @@ def test_loading_a_state_into_the_student_leaves_the_callers_and_the_distillatio
 
 
 def test_from_sparse_weights_evaluates_k_uu_as_the_distillation_does():
-    # float32 inducing points on [0, 10]^2, lengthscale 0.1: the default K_UU, GPyTorch's in
-    # float32, erred by 1.9e-4 from the float64 formula; the distillation's evaluation by 4.6e-8
+    # float32 inducing points on [0, 10]^2, lengthscale 0.1: GPyTorch's K_UU in float32 errs by
+    # 1.9e-4 from the float64 formula, the distillation's evaluation (the default) by 4.6e-8
     gen = torch.Generator().manual_seed(0)
     u = (torch.rand(300, 2, generator=gen, dtype=DT) * 10).float()
     n, b = 50, 4
@@ -473,8 +474,7 @@ def test_from_sparse_weights_takes_cpu_weights_and_targets_for_cuda_inducing_poi
     kd.prepare()
     args = (kd.weight_values, kd.neighbour_indices, kd.train_y, 0.1)
     s_cpu = SparseLowRankStudent.from_sparse_weights(kd.covar_module, kd.inducing_points, *args)
-    # before: the kernel, weight_values and train_y stayed on the CPU and the precomputation
-    # failed
+    # the kernel, weight_values and train_y follow the inducing points to the GPU
     s_gpu = SparseLowRankStudent.from_sparse_weights(
         kd.covar_module, kd.inducing_points.cuda(), *args
     )
@@ -493,7 +493,7 @@ def test_from_sparse_weights_checks_the_indices():
     values = torch.rand(20, 2, generator=torch.Generator().manual_seed(1), dtype=DT)
     idx = torch.randint(5, (20, 2), generator=torch.Generator().manual_seed(2))
     SparseLowRankStudent.from_sparse_weights(iso_kernel(), u, values, idx, y, 0.1)  # valid
-    # float indices were truncated silently
+    # float indices are refused, not truncated
     with pytest.raises(TypeError, match="weight_indices must hold integer indices"):
         SparseLowRankStudent.from_sparse_weights(iso_kernel(), u, values, idx + 0.7, y, 0.1)
     for bad in (-1, 5):
@@ -575,7 +575,7 @@ def test_student_constructor_names_the_bad_argument(changes, match):
     ],
 )
 def test_student_constructor_rejects_non_finite_values(changes, match):
-    # each of these was accepted and predicted NaN (or, for the scale, arbitrary neighbours)
+    # each of these would predict NaN (or, for the scale, pick arbitrary neighbours)
     args = dict(
         covar_module=iso_kernel(),
         inducing_points=torch.randn(5, 2, generator=torch.Generator().manual_seed(0), dtype=DT),
@@ -593,7 +593,7 @@ def test_student_constructor_rejects_non_finite_values(changes, match):
 
 @pytest.mark.parametrize("shape", [(5, 5), (1, 5)])
 def test_student_refuses_predictive_mean_weights_with_a_batch_dimension(shape):
-    # accepted before, and prediction then failed inside an index or a broadcast
+    # refused by name, not failing later inside an index or a broadcast
     u = torch.randn(5, 2, generator=torch.Generator().manual_seed(0), dtype=DT)
     kernel = gpytorch.kernels.RBFKernel().to(DT)
     with pytest.raises(ValueError, match=r"predictive_mean_weights must have shape \(5,\)"):
