@@ -90,9 +90,12 @@ class SparseLowRankStudent(gpytorch.Module):
     :math:`O(m d + b^3)` per point with the exact neighbour search used here (the paper's KD-tree
     gives :math:`O(b \log m + b^3)` on a CPU).
 
-    Build one with :meth:`from_sparse_weights` (or :class:`~gpsd.KernelDistillation`); the
-    constructor takes the precomputed quantities, so that a student of the same shapes can be
-    created and filled with :meth:`load_state_dict`.
+    Build one with :class:`~gpsd.KernelDistillation` (``KernelDistillation(teacher, ...).fit()
+    .student``) or :meth:`from_sparse_weights`; the constructor takes the precomputed
+    quantities, so that a student of the same shapes can be created and filled with
+    :meth:`load_state_dict`. :meth:`predict` returns a :class:`~gpsd.Prediction` (latent;
+    ``include_noise=True`` adds :math:`\sigma^2`), ``student(test_x)`` a GPyTorch
+    ``MultivariateNormal`` with a diagonal covariance.
 
     The prediction path (:meth:`prediction_module`) exports with ``torch.export`` when the kernel is
     an RBF or Matérn (:math:`\nu \in \{1/2, 3/2, 5/2\}`) kernel, with one or ARD lengthscales,

@@ -436,7 +436,7 @@ def test_a_fixed_step_that_raises_the_error_warns_and_names_it():
     torch.testing.assert_close(torch.tensor(errors[-1], dtype=DT), direct, rtol=1e-8, atol=0)
 
 
-def test_a_diverging_fixed_step_names_the_step_size_not_the_precision():
+def test_a_diverging_fixed_step_names_lr_not_the_precision():
     # the error grows about 1e5-fold a step from 4e-4: beyond float64's range within 10 steps,
     # whatever the rounding of the start
     # (overflow on the way may also warn, depending on where it happens)
