@@ -392,18 +392,19 @@ def kernel_distillation_table(args, dtype: torch.dtype, report: Report) -> None:
         holder = {}
 
         def distil(x=x, y=y, kernel=kernel, holder=holder):
-            kd = KernelDistillation.from_kernel(
-                kernel, x, y, 0.1, args.kd_m, args.kd_b, num_steps=2
+            kd = KernelDistillation.from_data(
+                x, y, kernel, noise=0.1, num_inducing=args.kd_m, sparsity=args.kd_b, max_iter=2
             )
-            holder["student"], holder["inducing"] = kd.fit(), kd.inducing_points
+            holder["student"], holder["inducing"] = kd.fit().student, kd.inducing_points
             holder["rms"] = kd.frobenius_errors[-1] / x.shape[0]
 
         try:
             t_distil, peak, _ = measure(distil, 1)
             student = holder["student"]
-            t_student, (student_mean, _) = timed(
+            t_student, student_prediction = timed(
                 lambda student=student, test_x=test_x: student.predict(test_x), 5
             )
+            student_mean = student_prediction.mean
             sgpr = sgpr_predictor(x, y, test_x, holder["inducing"])
             t_sgpr = timer(sgpr, 5)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:

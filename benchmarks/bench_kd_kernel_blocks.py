@@ -25,9 +25,9 @@ import gpytorch
 import torch
 from _timing import cpu_name, cuda_missing, median_time, sync, write_report
 
+from gpsd._internal.negligible import kernel_matrix
 from gpsd.kernel_distillation import KernelDistillation
 from gpsd.kernel_distillation import kernel_distillation as distillation_module
-from gpsd._internal.negligible import kernel_matrix
 
 GPSD_BLOCK = distillation_module.evaluate_kernel
 
@@ -120,7 +120,9 @@ def pass_table(args, device: torch.device) -> str:
     y = torch.sin(x).sum(-1)
     for lengthscale in [1.0, 0.1]:
         kernel = make_kernel("RBF", lengthscale, torch.float32, device)
-        kd = KernelDistillation.from_kernel(kernel, x, y, 0.1, m, b, num_steps=0)
+        kd = KernelDistillation.from_data(
+            x, y, kernel, noise=0.1, num_inducing=m, sparsity=b, max_iter=0
+        )
         kd.prepare()
         samples: list[list[float]] = [[], []]
         try:  # alternate the two, one pass each, so that drifts in machine speed hit both

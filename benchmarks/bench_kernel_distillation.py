@@ -139,12 +139,13 @@ def run_dataset(name, args, device, dtype, curve_bs):
     stage(f"{name}: distillation")
     # ---- kernel distillation
     t0 = time.perf_counter()
-    kd = KernelDistillation(teacher, m, b, num_steps=steps, seed=0)
-    student = kd.fit()
+    kd = KernelDistillation(teacher, num_inducing=m, sparsity=b, max_iter=steps, seed=0)
+    student = kd.fit().student
     info["distill_s"] = time.perf_counter() - t0
     info["distill_timings"] = dict(kd.timings)
     info["frobenius"] = (kd.frobenius_errors[0], kd.frobenius_errors[-1])
-    sm, sv = student.predict(tx)
+    prediction = student.predict(tx)
+    sm, sv = prediction.mean, prediction.variance
     rows["distillation"] = dict(
         smse=smse(sm, ty),
         var_rmse=float((sv - ev).pow(2).mean().sqrt()),
@@ -206,9 +207,11 @@ def run_dataset(name, args, device, dtype, curve_bs):
     for bb in curve_bs if with_curve else []:
         if bb > m:
             continue
-        kd_b = KernelDistillation(teacher, m, bb, num_steps=args.curve_steps, inducing_points=u)
-        s_b = kd_b.fit()
-        mb, vb = s_b.predict(tx)
+        kd_b = KernelDistillation(
+            teacher, num_inducing=m, sparsity=bb, max_iter=args.curve_steps, inducing_points=u
+        )
+        prediction_b = kd_b.fit().student.predict(tx)
+        mb, vb = prediction_b.mean, prediction_b.variance
         curve.append((bb, smse(mb, ty), float((vb - ev).pow(2).mean().sqrt())))
     return info, rows, curve
 
@@ -219,7 +222,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     parser.add_argument("--datasets", nargs="+", default=list(SETTINGS))
     parser.add_argument(
-        "--steps", type=int, default=None, help="gradient steps T (default 20/10/2 per data set)"
+        "--steps",
+        type=int,
+        default=None,
+        help="descent iterations, max_iter (default 20/10/2 per data set)",
     )
     parser.add_argument("--curve-steps", type=int, default=5)
     parser.add_argument("--train-iters", type=int, default=60)

@@ -59,14 +59,17 @@ def main() -> None:
 
     sync(device)
     start = time.perf_counter()
-    kd = KernelDistillation.from_kernel(kernel, x, y, 0.1, args.m, args.b, num_steps=2)
-    student = kd.fit()
+    kd = KernelDistillation.from_data(
+        x, y, kernel, noise=0.1, num_inducing=args.m, sparsity=args.b, max_iter=2
+    )
+    student = kd.fit().student
     sync(device)
     t_distil = time.perf_counter() - start
     phases = kd.timings  # K-means and top-b, least-squares initialisation, gradient steps, student
     rms_init, rms_final = (e / args.n for e in (kd.frobenius_errors[0], kd.frobenius_errors[-1]))
     start = time.perf_counter()
-    mean, variance = student.predict(test_x)
+    prediction = student.predict(test_x)
+    mean, variance = prediction.mean, prediction.variance
     sync(device)
     t_predict = time.perf_counter() - start
     finite = bool(torch.isfinite(mean).all() and torch.isfinite(variance).all())

@@ -67,8 +67,9 @@ def main() -> None:
             post = teacher(test_x)
             exact_mean, exact_var = post.mean, post.variance
 
-    student = KernelDistillation(teacher, 100, 10, num_steps=20).fit()
-    kd_mean, kd_var = student.predict(test_x)
+    distiller = KernelDistillation(teacher, num_inducing=100, sparsity=10, max_iter=20).fit()
+    prediction = distiller.student.predict(test_x)
+    kd_mean, kd_var = prediction.mean, prediction.variance
 
     kiss_lik = gpytorch.likelihoods.GaussianLikelihood().to(DT)
     kiss_kernel = gpytorch.kernels.ScaleKernel(

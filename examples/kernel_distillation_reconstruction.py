@@ -6,7 +6,7 @@ with 400 grid points (GPyTorch ``GridInterpolationKernel``, cubic interpolation)
 distillation with m = 100 inducing points and sparsity b = 6. Prints the Frobenius errors and the
 error against b (Fig. 2d) and writes ``examples/output/kernel_distillation_reconstruction.png``.
 
-Run: ``python examples/kernel_distillation_reconstruction.py [--steps 100]``
+Run: ``python examples/kernel_distillation_reconstruction.py [--max-iter 100]``
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--lengthscale", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=30, help="gradient steps T")
+    parser.add_argument("--max-iter", type=int, default=30, help="projected-descent iterations")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -70,9 +70,10 @@ def main() -> None:
     y = torch.zeros(args.n, dtype=DT)  # targets do not enter the reconstruction
 
     t0 = time.perf_counter()
-    kd = KernelDistillation.from_kernel(
-        kernel, x, y, 1e-2, 100, 6, num_steps=args.steps, seed=args.seed
-    )
+    kd = KernelDistillation.from_data(
+        x, y, kernel, noise=1e-2, num_inducing=100, sparsity=6, max_iter=args.max_iter,
+        seed=args.seed,
+    )  # fmt: skip
     kd.fit()
     t_kd = time.perf_counter() - t0
     w = kd.dense_weights()
@@ -86,7 +87,7 @@ def main() -> None:
         "KISS-GP (400 grid points)": (k_xx - k_kiss).norm(),
         "SoR (200 K-means points)": (k_xx - k_sor).norm(),
         "distillation init (m=100, b=6)": (k_xx - k_init).norm(),
-        f"distillation after T={args.steps} (m=100, b=6)": (k_xx - k_distill).norm(),
+        f"distillation after {args.max_iter} iterations (m=100, b=6)": (k_xx - k_distill).norm(),
     }
     print(f"## Kernel reconstruction, n={args.n}, RBF lengthscale {args.lengthscale}\n")
     print("| method | ‖K_XX − K̃‖_F | paper |")
@@ -96,19 +97,19 @@ def main() -> None:
         print(f"| {name} | {float(err):.3e} | {ref} |")
     print(f"\ndistillation time: {t_kd:.1f} s (K-means {kd.timings['kmeans']:.2f} s)")
     print(
-        "checked: the chunked error of the last step equals the dense one: "
+        "checked: the chunked error of the last iteration equals the dense one: "
         f"{kd.frobenius_errors[-1]:.6e} vs {float((k_xx - k_distill).norm()):.6e}"
     )
 
     # error against b (Fig. 2d)
     sparsities = [1, 2, 3, 4, 5, 6, 8, 10, 15]
     err_b_init, err_b = [], []
-    print("\n| b | init error | error after T steps |")
+    print(f"\n| b | init error | error after {args.max_iter} iterations |")
     print("|---|---|---|")
     for b in sparsities:
-        kd_b = KernelDistillation.from_kernel(
-            kernel, x, y, 1e-2, 100, b, num_steps=args.steps, seed=args.seed,
-            inducing_points=kd.inducing_points,
+        kd_b = KernelDistillation.from_data(
+            x, y, kernel, noise=1e-2, num_inducing=100, sparsity=b, max_iter=args.max_iter,
+            seed=args.seed, inducing_points=kd.inducing_points,
         )  # fmt: skip
         kd_b.fit()
         err_b_init.append(kd_b.frobenius_errors[0])
@@ -132,7 +133,7 @@ def main() -> None:
         ax.set_title(title)
         fig.colorbar(im, ax=ax, fraction=0.046)
     axes[3].semilogy(sparsities, err_b_init, "o--", label="least-squares init")
-    axes[3].semilogy(sparsities, err_b, "o-", label=f"after T={args.steps} steps")
+    axes[3].semilogy(sparsities, err_b, "o-", label=f"after {args.max_iter} iterations")
     axes[3].set_xlabel("sparsity b")
     axes[3].set_ylabel(r"$\|K_{XX} - W K_{UU} W^\top\|_F$")
     axes[3].set_title("(d) error vs b")

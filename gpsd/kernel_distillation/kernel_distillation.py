@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from torch import Tensor
 
+from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.teacher import frozen_copy
 from gpsd._internal.validation import (
     as_float_tensor,
@@ -24,6 +24,7 @@ from gpsd._internal.validation import (
     check_same_device,
     check_vector,
 )
+from gpsd.exceptions import NotFittedError
 from gpsd.kernel_distillation._stationary_kernel import (
     check_lengthscale_count,
     evaluate_kernel,
@@ -32,12 +33,29 @@ from gpsd.kernel_distillation._stationary_kernel import (
 from gpsd.kernel_distillation.kmeans import kmeans
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 from gpsd.kernel_distillation.sparse_low_rank_student import SparseLowRankStudent
+from gpsd.progress import Callback
 
 __all__ = ["KernelDistillation"]
 
+#: Elements of the temporaries of one block of K_XX columns or of least-squares rows.
 _CHUNK_ELEMENTS = 2**22
 #: Training inputs on which a teacher's ``forward`` is compared with its modules.
 _FORWARD_CHECK_POINTS = 8
+
+
+def _mean_constant(mean_module: object, name: str) -> float:
+    """The prior mean of ``mean_module`` (``None``, a ``ZeroMean`` or a one-constant
+    ``ConstantMean``) as a finite Python float, or an error naming ``name``."""
+    if mean_module is None or isinstance(mean_module, gpytorch.means.ZeroMean):
+        return 0.0
+    if isinstance(mean_module, gpytorch.means.ConstantMean) and mean_module.constant.numel() == 1:
+        value = float(mean_module.constant.detach())
+        if not np.isfinite(value):
+            raise ValueError(f"{name}'s constant must be finite, got {value}")
+        return value
+    raise TypeError(
+        f"{name} must be None, a ZeroMean or a ConstantMean, got {type(mean_module).__name__}"
+    )
 
 
 def _forward_matches_modules(
@@ -190,7 +208,7 @@ class KernelDistillation:
     kept only on the sparsity pattern. (Algorithm 1 of the paper writes
     :math:`E^\top W K_{UU}` with the diagonal of :math:`E` doubled; that is not the gradient of the
     stated objective, so the exact gradient is used here; the factor is checked against autograd.)
-    ``step_size=None`` (default) takes the exact line-search step along the projected gradient
+    ``lr=None`` (default) takes the exact line-search step along the projected gradient
     (the objective is a quartic in the step, whose coefficients one extra pass gives); a float
     :math:`s` takes fixed steps :math:`W \leftarrow W - s\, P(4 E W K_{UU})`
     (:math:`E = W K_{UU} W^\top - K_{XX}`, :math:`P` keeping the pattern). The paper's step with
@@ -217,103 +235,128 @@ class KernelDistillation:
     n = 4096, m = 1000, b = 20, d = 2: 0.14 s of 0.63 s in float64 on one CPU thread). The
     objective alone and the line search skip that product: :math:`O(n^2 (d + b))`.
 
+    Usage::
+
+        distiller = KernelDistillation(teacher, num_inducing=100, sparsity=10).fit()
+        prediction = distiller.student.predict(test_x)  # a gpsd.Prediction
+
     :param teacher: a trained ``gpytorch.models.ExactGP`` with a ``GaussianLikelihood``, a
         ``ZeroMean`` or ``ConstantMean`` and no batch shape. "Trained" is checked as: training
         data set (``train_inputs``/``train_targets`` not ``None``) and, with
         ``require_trained=True``, not every raw hyperparameter still at GPyTorch's initial value 0.
-        Use :meth:`from_kernel` to pass ``(kernel, train_x, train_y, noise)`` instead. Its kernel,
-        noise and mean are copied here: training the teacher further does not reach the
+        Use :meth:`from_data` to pass ``(train_x, train_y, covar_module, noise=...)`` instead. Its
+        kernel, noise and mean are copied here: training the teacher further does not reach the
         distillation.
     :param num_inducing: ``m``, number of inducing points (``b <= m <= n``).
     :param sparsity: ``b``, non-zeros per row of :math:`W`.
-    :param num_steps: ``T``, gradient steps.
-    :param step_size: fixed step :math:`\eta`; ``None`` for exact line search.
-    :param optimizer: a factory ``params -> torch.optim.Optimizer`` used instead of plain descent.
+    :param max_iter: the most projected-descent iterations one :meth:`fit` takes.
+    :param lr: fixed step :math:`s` of the descent; ``None`` for the exact line search.
+    :param optimizer: a factory ``params -> torch.optim.Optimizer`` used instead of plain descent
+        (its learning rate is the optimiser's; give no ``lr`` with it).
     :param inducing_points: optional ``(m, d)`` inducing points (skips K-means).
-    :param kmeans_iters: Lloyd iterations of K-means.
+    :param kmeans_max_iter: the most Lloyd iterations of K-means.
     :param seed: seed of the k-means++ seeding.
     :param chunk_size: columns of :math:`K_{XX}` per block (default: about :math:`2^{22}/n`).
-    :param callback: called as ``callback(step, frobenius_error)`` after every step, with the
-        error :math:`\|K_{XX} - W K_{UU} W^\top\|_F` of the updated :math:`W`
-        (``frobenius_errors[step + 1]``).
-    :param progress: print one line per step to stderr.
     :param jitter: the student's relative jitter (see :class:`~gpsd.SparseLowRankStudent`).
     :param neighbour_metric: ``"lengthscale"`` (default) runs K-means and the nearest-neighbour
         search on :math:`x / \ell` when the kernel is RBF/Matérn with (ARD) lengthscales
         :math:`\ell`, so that "nearest" means nearest in the kernel's metric; ``"euclidean"`` uses
         the raw inputs, as the paper does. Other kernels always use the raw inputs.
     :param require_trained: refuse a teacher whose raw hyperparameters are all still 0.
+
+    :ivar covar_module: a frozen copy of the teacher's kernel.
+    :ivar frobenius_errors: :math:`\|K_{XX} - W K_{UU} W^\top\|_F` of the last :meth:`fit`,
+        indexed by iteration (see :meth:`fit`).
+    :ivar student: the :class:`~gpsd.SparseLowRankStudent` of the last :meth:`fit` (reading it
+        before :meth:`fit` raises :class:`~gpsd.NotFittedError`).
     """
 
     def __init__(
         self,
         teacher: ExactGP,
+        *,
         num_inducing: int,
         sparsity: int,
-        *,
-        num_steps: int = 20,
-        step_size: float | None = None,
+        max_iter: int = 20,
+        lr: float | None = None,
         optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
         inducing_points: Tensor | None = None,
-        kmeans_iters: int = 50,
+        kmeans_max_iter: int = 50,
         seed: int = 0,
         chunk_size: int | None = None,
-        callback: Callable[[int, float], None] | None = None,
-        progress: bool = False,
         jitter: float | None = None,
         neighbour_metric: str = "lengthscale",
         require_trained: bool = True,
     ) -> None:
-        kernel, train_x, train_y, noise, mean_constant = self._unpack_teacher(
+        covar_module, train_x, train_y, noise, mean_constant = self._unpack_teacher(
             teacher, require_trained
         )
         self._setup(
-            kernel, train_x, train_y, noise, mean_constant, num_inducing, sparsity, num_steps,
-            step_size, optimizer, inducing_points, kmeans_iters, seed, chunk_size, callback,
-            progress, jitter, neighbour_metric,
+            covar_module, train_x, train_y, noise, mean_constant, num_inducing, sparsity,
+            max_iter, lr, optimizer, inducing_points, kmeans_max_iter, seed, chunk_size, jitter,
+            neighbour_metric,
         )  # fmt: skip
-        if not _forward_matches_modules(teacher, self.kernel, self.mean_constant, self.train_x):
+        if not _forward_matches_modules(
+            teacher, self.covar_module, self.mean_constant, self.train_x
+        ):
             warnings.warn(
                 "teacher.forward differs from MultivariateNormal(mean_module(x), "
                 "covar_module(x)) on the teacher's training inputs (it transforms the inputs, "
                 "say): kernel distillation distils covar_module and mean_module applied to the "
                 "raw inputs, so the student will not reproduce this teacher; to distil a kernel of "
-                "transformed inputs, pass them to KernelDistillation.from_kernel (and transform "
+                "transformed inputs, pass them to KernelDistillation.from_data (and transform "
                 "test inputs alike)",
                 UserWarning,
                 stacklevel=2,
             )
 
     @classmethod
-    def from_kernel(
+    def from_data(
         cls,
-        kernel: gpytorch.kernels.Kernel,
         train_x: Tensor,
         train_y: Tensor,
+        covar_module: gpytorch.kernels.Kernel,
+        *,
         noise: float | Tensor,
         num_inducing: int,
         sparsity: int,
-        *,
-        mean_constant: float = 0.0,
-        **kwargs,
+        mean_module: gpytorch.means.Mean | None = None,
+        max_iter: int = 20,
+        lr: float | None = None,
+        optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+        inducing_points: Tensor | None = None,
+        kmeans_max_iter: int = 50,
+        seed: int = 0,
+        chunk_size: int | None = None,
+        jitter: float | None = None,
+        neighbour_metric: str = "lengthscale",
     ) -> KernelDistillation:
-        """Distil the GP given by a kernel, its training data and its noise variance."""
+        r"""Distil the GP given by its training data, kernel and noise variance (no teacher model).
+
+        :param train_x: training inputs, shape ``(n, d)`` or ``(n,)``.
+        :param train_y: training targets, shape ``(n,)``.
+        :param covar_module: the GP's (trained) kernel, without batch shape; copied.
+        :param noise: the observation noise variance :math:`\sigma^2`, one positive value.
+        :param mean_module: ``None`` or a ``ZeroMean`` (prior mean 0) or a ``ConstantMean``.
+
+        The other arguments are the constructor's.
+        """
         obj = cls.__new__(cls)
-        if not isinstance(kernel, gpytorch.kernels.Kernel):
-            raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel)}")
+        if not isinstance(covar_module, gpytorch.kernels.Kernel):
+            raise TypeError(
+                f"covar_module must be a gpytorch.kernels.Kernel, got {type(covar_module)}"
+            )
         x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
         y = as_float_tensor(train_y, "train_y", dtype=x.dtype, device=x.device)
         noise_t = as_float_tensor(noise, "noise", dtype=x.dtype, device=x.device).reshape(-1)
-        defaults = dict(
-            num_steps=20, step_size=None, optimizer=None, inducing_points=None, kmeans_iters=50,
-            seed=0, chunk_size=None, callback=None, progress=False, jitter=None,
-            neighbour_metric="lengthscale",
+        mean_constant = _mean_constant(mean_module, "mean_module")
+        obj._setup(
+            covar_module, x, y, noise_t, mean_constant, num_inducing, sparsity, max_iter, lr,
+            optimizer, inducing_points, kmeans_max_iter, seed, chunk_size, jitter,
+            neighbour_metric,
         )  # fmt: skip
-        unknown = set(kwargs) - set(defaults)
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
-        defaults.update(kwargs)
-        obj._setup(kernel, x, y, noise_t, float(mean_constant), num_inducing, sparsity, **defaults)
         return obj
 
     @staticmethod
@@ -321,7 +364,8 @@ class KernelDistillation:
         if not isinstance(teacher, ExactGP):
             raise TypeError(
                 f"teacher must be a trained gpytorch.models.ExactGP, got {type(teacher).__name__}; "
-                "use KernelDistillation.from_kernel(kernel, train_x, train_y, noise, ...) otherwise"
+                "use KernelDistillation.from_data(train_x, train_y, covar_module, noise=...) "
+                "otherwise"
             )
         if not isinstance(teacher.likelihood, GaussianLikelihood):
             raise TypeError(
@@ -350,25 +394,17 @@ class KernelDistillation:
                 f"{tuple(x.shape)} and {tuple(y.shape)}"
             )
         mean = teacher.mean_module if hasattr(teacher, "mean_module") else None
-        if isinstance(mean, gpytorch.means.ZeroMean) or mean is None:
-            mean_constant = 0.0
-        elif isinstance(mean, gpytorch.means.ConstantMean) and mean.constant.numel() == 1:
-            mean_constant = float(mean.constant.detach())
-        else:
-            raise TypeError(
-                "teacher.mean_module must be a ZeroMean or a ConstantMean, got "
-                f"{type(mean).__name__}"
-            )
-        kernel = getattr(teacher, "covar_module", None)
-        if not isinstance(kernel, gpytorch.kernels.Kernel):
+        mean_constant = _mean_constant(mean, "teacher.mean_module")
+        covar_module = getattr(teacher, "covar_module", None)
+        if not isinstance(covar_module, gpytorch.kernels.Kernel):
             raise TypeError("teacher must keep its kernel in teacher.covar_module")
         noise = teacher.likelihood.noise.detach().reshape(-1)
-        return kernel, x.detach(), y.detach(), noise, mean_constant
+        return covar_module, x.detach(), y.detach(), noise, mean_constant
 
     def _setup(
-        self, kernel, train_x, train_y, noise, mean_constant, num_inducing, sparsity, num_steps,
-        step_size, optimizer, inducing_points, kmeans_iters, seed, chunk_size, callback, progress,
-        jitter, neighbour_metric,
+        self, covar_module, train_x, train_y, noise, mean_constant, num_inducing, sparsity,
+        max_iter, lr, optimizer, inducing_points, kmeans_max_iter, seed, chunk_size, jitter,
+        neighbour_metric,
     ) -> None:  # fmt: skip
         # the distillation and its student are no functions of these: keep no autograd graph
         # (a noise such as likelihood.noise would otherwise leave the student's buffers attached
@@ -376,21 +412,19 @@ class KernelDistillation:
         x = check_matrix(train_x.detach(), "train_x")
         if x.dim() != 2:
             raise ValueError(f"train_x must have shape (n, d), got {tuple(x.shape)}")
-        if kernel.batch_shape != torch.Size():
+        if covar_module.batch_shape != torch.Size():
             raise ValueError(
-                "kernel must have no batch shape (the student distils one kernel), got batch "
-                f"shape {tuple(kernel.batch_shape)}"
+                "covar_module must have no batch shape (the student distils one kernel), got "
+                f"batch shape {tuple(covar_module.batch_shape)}"
             )
         # a frozen copy, like the noise and the mean: K_UU, the neighbour metric and the student
         # describe the kernel as given, even if the teacher goes on training before fit()
-        kernel = frozen_copy(kernel)
+        covar_module = frozen_copy(covar_module)
         n = x.shape[0]
         if train_y.dim() != 1:
             raise ValueError(f"train_y must have shape (n={n},), got {tuple(train_y.shape)}")
         y = check_vector(train_y.detach().to(x), "train_y", n)
         noise = noise.detach()
-        if not np.isfinite(mean_constant):
-            raise ValueError(f"mean_constant must be finite, got {mean_constant}")
         if noise.numel() != 1 or not bool(noise > 0) or not bool(torch.isfinite(noise).all()):
             raise ValueError(f"noise must be one positive finite variance, got {noise.tolist()}")
         num_inducing = check_int(num_inducing, "num_inducing")
@@ -403,19 +437,18 @@ class KernelDistillation:
             raise ValueError(
                 f"sparsity (b={sparsity}) must not exceed num_inducing (m={num_inducing})"
             )
-        num_steps = check_int(num_steps, "num_steps", minimum=0)
-        kmeans_iters = check_int(kmeans_iters, "kmeans_iters", minimum=0)
+        max_iter = check_int(max_iter, "max_iter", minimum=0)
+        kmeans_max_iter = check_int(kmeans_max_iter, "kmeans_max_iter", minimum=0)
         chunk_size = check_int(chunk_size, "chunk_size", optional=True)
         seed = check_int(seed, "seed", minimum=0)
-        if step_size is not None:
-            step_size = check_positive_float(step_size, "step_size")
-        if step_size is not None and optimizer is not None:
-            raise ValueError("give either step_size or optimizer, not both")
+        if lr is not None:
+            lr = check_positive_float(lr, "lr")
+        if lr is not None and optimizer is not None:
+            raise ValueError("give either lr or optimizer, not both")
         if jitter is not None:
             jitter = check_positive_float(jitter, "jitter", allow_zero=True)
-        for name, fn in (("optimizer", optimizer), ("callback", callback)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+        if optimizer is not None and not callable(optimizer):
+            raise TypeError(f"optimizer must be callable or None, got {type(optimizer).__name__}")
         if inducing_points is not None:
             u = check_matrix(
                 as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype).detach(),
@@ -429,28 +462,28 @@ class KernelDistillation:
                     f"got {tuple(u.shape)}"
                 )
             inducing_points = u.clone()  # a copy: the caller's tensor is no state of this object
-        for p in kernel.parameters():
-            check_same_device(x, p, "the kernel's parameters", "train_x")
+        for p in covar_module.parameters():
+            check_same_device(x, p, "covar_module's parameters", "train_x")
         if neighbour_metric not in ("lengthscale", "euclidean"):
             raise ValueError(
                 f"neighbour_metric must be 'lengthscale' or 'euclidean', got {neighbour_metric!r}"
             )
         scale = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-        params = stationary_kernel_parameters(kernel)
+        params = stationary_kernel_parameters(covar_module)
         if params is not None:
             check_lengthscale_count(params[1], x.shape[-1], "train_x")
         if neighbour_metric == "lengthscale" and params is not None:
             scale = (scale * params[1].to(scale)).contiguous()
         self.neighbour_scale = scale  # shape: (d,)
-        self.kernel = kernel
+        self.covar_module = covar_module
         self.train_x, self.train_y = x, y
         self.noise = noise.to(x, copy=True).reshape(())
         self.mean_constant = float(mean_constant)
-        self.num_inducing, self.sparsity, self.num_steps = num_inducing, sparsity, num_steps
-        self.step_size, self.optimizer = step_size, optimizer
-        self.kmeans_iters, self.seed = kmeans_iters, seed
+        self.num_inducing, self.sparsity, self.max_iter = num_inducing, sparsity, max_iter
+        self.lr, self.optimizer = lr, optimizer
+        self.kmeans_max_iter, self.seed = kmeans_max_iter, seed
         self.chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(n, num_inducing * sparsity))
-        self.callback, self.progress, self.jitter = callback, progress, jitter
+        self.jitter = jitter
         self.inducing_points: Tensor | None = inducing_points
         self.neighbour_indices: Tensor | None = None
         self.weight_values: Tensor | None = None
@@ -458,7 +491,20 @@ class KernelDistillation:
         self.inducing_covariance: Tensor | None = None
         self.frobenius_errors: list[float] = []
         self.timings: dict[str, float] = {}
-        self.student: SparseLowRankStudent | None = None
+        self._student: SparseLowRankStudent | None = None
+
+    @property
+    def student(self) -> SparseLowRankStudent:
+        """The :class:`~gpsd.SparseLowRankStudent` of the last :meth:`fit`.
+
+        :raises NotFittedError: before the first :meth:`fit`.
+        """
+        if self._student is None:
+            raise NotFittedError(
+                "this KernelDistillation has no student yet: call fit() first "
+                "(distiller = KernelDistillation(teacher, ...).fit(); distiller.student)"
+            )
+        return self._student
 
     # ------------------------------------------------------------------ building blocks
     def prepare(self) -> None:
@@ -468,7 +514,7 @@ class KernelDistillation:
         scale = self.neighbour_scale
         if self.inducing_points is None:
             centres = kmeans(
-                x / scale, self.num_inducing, num_iters=self.kmeans_iters, seed=self.seed
+                x / scale, self.num_inducing, max_iter=self.kmeans_max_iter, seed=self.seed
             )
             self.inducing_points = centres * scale
         t1 = time.perf_counter()
@@ -476,7 +522,7 @@ class KernelDistillation:
         self.neighbour_indices = idx.sort(dim=-1).values  # shape: (n, b)
         self._pattern = _SparseRows(self.neighbour_indices, self.num_inducing)
         self.inducing_covariance = evaluate_kernel(
-            self.kernel, self.inducing_points, self.inducing_points
+            self.covar_module, self.inducing_points, self.inducing_points
         )
         self.initial_weight_values = self.least_squares_weights()
         self.weight_values = self.initial_weight_values.clone()
@@ -503,7 +549,7 @@ class KernelDistillation:
         out = []
         for start in range(0, self.train_x.shape[0], rows):
             xr = self.train_x[start : start + rows]
-            rhs = evaluate_kernel(self.kernel, xr, self.inducing_points).to(work)  # (c, m)
+            rhs = evaluate_kernel(self.covar_module, xr, self.inducing_points).to(work)  # (c, m)
             j = idx[start : start + rows]  # shape: (c, b)
             design = kuu[j]  # K_UU(J_i, :), shape: (c, b, m)
             gram = kuu_gram[j.unsqueeze(-1), j.unsqueeze(-2)]  # shape: (c, b, b)
@@ -512,7 +558,7 @@ class KernelDistillation:
 
     def _columns(self, start: int) -> tuple[slice, Tensor]:
         cols = slice(start, min(start + self.chunk_size, self.train_x.shape[0]))
-        return cols, evaluate_kernel(self.kernel, self.train_x, self.train_x[cols])  # (n, c)
+        return cols, evaluate_kernel(self.covar_module, self.train_x, self.train_x[cols])  # (n, c)
 
     def _times_kuu(self, values: Tensor, cols: slice) -> Tensor:
         """Rows ``cols`` of :math:`W K_{UU}`, shape ``(c, m)``."""
@@ -599,16 +645,28 @@ class KernelDistillation:
             t = 0.0
         return t, max(poly(t), 0.0)
 
-    def fit(self) -> SparseLowRankStudent:
-        """Take ``num_steps`` descent steps from the current :math:`W` and return the student;
-        ``frobenius_errors`` holds the error of that start and after every step
-        (``num_steps + 1`` values).
+    def fit(
+        self, *, progress: object = False, callback: Callback | None = None
+    ) -> KernelDistillation:
+        r"""Take up to ``max_iter`` descent iterations from the current :math:`W`, build the
+        student (:attr:`student`) and return this distiller.
+
+        :attr:`frobenius_errors` holds :math:`\|K_{XX} - W K_{UU} W^\top\|_F` indexed by
+        iteration: entry 0 is the error of the start, entry ``k`` the error after iteration
+        ``k``; ``max_iter + 1`` entries, or ``k + 1`` when the callback stops the descent after
+        iteration ``k`` (the student is then built from the :math:`W` reached there).
 
         The first call starts from the least-squares :math:`W` (running :meth:`prepare` if it has
         not run). A further call continues from where the last one stopped (an ``optimizer`` starts
-        afresh, without its earlier state), and ``frobenius_errors`` then describes the new steps
-        only. To start over from the least-squares :math:`W` instead, set
+        afresh, without its earlier state), and :attr:`frobenius_errors` then describes the new
+        iterations only. To start over from the least-squares :math:`W` instead, set
         ``weight_values = initial_weight_values.clone()`` first.
+
+        :param progress: ``False``, ``True`` (a ``tqdm`` bar) or a ``tqdm`` bar to advance.
+        :param callback: called after every iteration ``k`` with an
+            :class:`~gpsd.IterationRecord` whose ``iteration`` is ``k`` and whose ``loss`` is the
+            error after it (``frobenius_errors[k]``); returning ``True`` stops the descent.
+        :return: this distiller.
         """
         if self.weight_values is None:
             self.prepare()
@@ -619,34 +677,43 @@ class KernelDistillation:
         if self.optimizer is not None:
             param = torch.nn.Parameter(values.clone())
             opt = self.optimizer([param])
-        for step in range(self.num_steps):
-            current = param.detach() if opt is not None else values
-            obj, grad = self.objective_and_gradient(current)
-            errors.append(float(obj.sqrt()))
-            if step > 0:  # the error after the previous step is known now
-                self._report(step - 1, errors[-1])
-            if opt is not None:
-                opt.zero_grad()
-                param.grad = grad
-                opt.step()
-                values = param.detach().clone()
-            elif self.step_size is not None:
-                values = values - self.step_size * grad
-            else:
-                t, _ = self._line_search(values, grad)
-                values = values - t * grad
-            if not bool(torch.isfinite(values).all()):
-                advice = (
-                    "the exact line search took a non-finite step (an ill-conditioned "
-                    "K_UU: use float64, or fewer or more spread-out inducing points)"
-                    if self._uses_line_search
-                    else f"{self._step_rule()} is too large; lower it, or use the exact line "
-                    "search (step_size=None, the default)"
-                )
-                raise RuntimeError(f"kernel distillation diverged at step {step}: {advice}")
-        errors.append(self.frobenius_error(values))
-        if self.num_steps > 0:
-            self._report(self.num_steps - 1, errors[-1])
+        with ProgressReporter(
+            "KernelDistillation.fit", self.max_iter, progress, callback
+        ) as report:
+            stopped = False
+            for step in range(self.max_iter):
+                current = param.detach() if opt is not None else values
+                obj, grad = self.objective_and_gradient(current)
+                errors.append(float(obj.sqrt()))
+                # the error after iteration `step` is known now, with the gradient there
+                if step > 0 and report.update(step, loss=errors[-1]):
+                    stopped = True
+                    break
+                if opt is not None:
+                    opt.zero_grad()
+                    param.grad = grad
+                    opt.step()
+                    values = param.detach().clone()
+                elif self.lr is not None:
+                    values = values - self.lr * grad
+                else:
+                    t, _ = self._line_search(values, grad)
+                    values = values - t * grad
+                if not bool(torch.isfinite(values).all()):
+                    advice = (
+                        "the exact line search took a non-finite step (an ill-conditioned "
+                        "K_UU: use float64, or fewer or more spread-out inducing points)"
+                        if self._uses_line_search
+                        else f"{self._step_rule()} is too large; lower it, or use the exact line "
+                        "search (lr=None, the default)"
+                    )
+                    raise RuntimeError(
+                        f"kernel distillation diverged at iteration {step + 1}: {advice}"
+                    )
+            if not stopped:
+                errors.append(self.frobenius_error(values))
+                if self.max_iter > 0:
+                    report.update(self.max_iter, loss=errors[-1])
         self.weight_values = values
         self.frobenius_errors = errors
         # the exact line search never raises the error (beyond rounding); fixed steps can
@@ -655,14 +722,14 @@ class KernelDistillation:
             warnings.warn(
                 f"kernel distillation ended with a larger error ||K - WKW^T||_F = {errors[-1]:.3e} "
                 f"than it started with ({errors[0]:.3e}): {self._step_rule()} is too large; "
-                "lower it, or use the exact line search (step_size=None, the default)",
+                "lower it, or use the exact line search (lr=None, the default)",
                 RuntimeWarning,
                 stacklevel=2,
             )
         t1 = time.perf_counter()
         try:
-            self.student = SparseLowRankStudent.from_sparse_weights(
-                self.kernel,
+            self._student = SparseLowRankStudent.from_sparse_weights(
+                self.covar_module,
                 self.inducing_points,
                 values,
                 self.neighbour_indices,
@@ -680,32 +747,21 @@ class KernelDistillation:
                 f"kernel distillation diverged (||K - WKW^T||_F grew from {errors[0]:.3e} to "
                 f"{errors[-1]:.3e}), and the student cannot be built from its weights: "
                 f"{self._step_rule()} is too large; lower it, or use the exact line search "
-                "(step_size=None, the default)"
+                "(lr=None, the default)"
             ) from err
         self.timings.update(optimisation=t1 - t0, student=time.perf_counter() - t1)
-        return self.student
+        return self
 
     @property
     def _uses_line_search(self) -> bool:
         """Whether the steps come from the exact line search (no fixed step, no optimiser)."""
-        return self.step_size is None and self.optimizer is None
+        return self.lr is None and self.optimizer is None
 
     def _step_rule(self) -> str:
         """The fixed-step setting that chose the steps, for messages about them."""
         if self.optimizer is not None:
             return "the optimizer's learning rate"
-        return f"step_size={self.step_size:g}"
-
-    def _report(self, step: int, error: float) -> None:
-        """Progress line and callback for step ``step`` (0-based), ``error`` measured after it."""
-        if self.progress:
-            print(
-                f"kernel distillation step {step + 1}/{self.num_steps}: "
-                f"||K - WKW^T||_F = {error:.4e}",
-                file=sys.stderr,
-            )
-        if self.callback is not None:
-            self.callback(step, error)
+        return f"lr={self.lr:g}"
 
     def dense_weights(self, values: Tensor | None = None) -> Tensor:
         """:math:`W` as a dense ``(n, m)`` matrix (for inspection of small problems)."""

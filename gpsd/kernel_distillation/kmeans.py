@@ -58,7 +58,7 @@ def kmeans(
     x: Tensor,
     num_clusters: int,
     *,
-    num_iters: int = 50,
+    max_iter: int = 50,
     tol: float = 1e-6,
     seed: int = 0,
     chunk_size: int | None = None,
@@ -67,16 +67,17 @@ def kmeans(
 
     Each iteration assigns every input to its nearest centre (a chunked exact search) and moves each
     centre to the mean of its inputs. A centre that loses all its inputs is moved to the input
-    farthest from the centre it is assigned to. Stops after ``num_iters`` iterations or when no
+    farthest from the centre it is assigned to. Stops after ``max_iter`` iterations or when no
     centre moves by more than ``tol`` times the inputs' scale.
 
     :param x: inputs, shape ``(n, d)``.
     :param num_clusters: number of centroids ``k``.
+    :param max_iter: the most Lloyd iterations (0: the k-means++ start).
     :param tol: relative shift below which the iterations stop, a non-negative float.
     :param seed: seed of the k-means++ seeding (a non-negative integer).
     :return: the centroids, shape ``(k, d)``.
     """
-    num_iters = check_int(num_iters, "num_iters", minimum=0)
+    max_iter = check_int(max_iter, "max_iter", minimum=0)
     chunk_size = check_int(chunk_size, "chunk_size", optional=True)
     tol = check_positive_float(tol, "tol", allow_zero=True)
     centres = kmeans_plus_plus(x, num_clusters, seed=seed)
@@ -84,7 +85,7 @@ def kmeans(
     # population variance: defined (no warning, no NaN) for a single input too
     scale = x.var(0, correction=0).sum().clamp_min(torch.finfo(x.dtype).tiny).sqrt()
     k = num_clusters
-    for _ in range(num_iters):
+    for _ in range(max_iter):
         d2, assign = nearest_inducing_points(x, centres, 1, chunk_size=chunk_size)
         d2, assign = d2.squeeze(-1), assign.squeeze(-1)
         # the mean of a cluster as its centre plus the mean offset of its inputs from it: sums of

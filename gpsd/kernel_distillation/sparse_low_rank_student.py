@@ -9,9 +9,9 @@ import numbers
 import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
-from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
+from gpsd import settings
 from gpsd._internal.distances import squared_distances
 from gpsd._internal.validation import (
     as_float_tensor,
@@ -29,11 +29,10 @@ from gpsd.kernel_distillation._stationary_kernel import (
     stationary_kernel_from_squared_distance,
     stationary_kernel_parameters,
 )
+from gpsd.prediction import Prediction
 
 __all__ = ["SparseLowRankStudent"]
 
-# numbers held by the temporaries of one block of rows in predict (about 128 MiB in float64)
-_PREDICT_CHUNK_ELEMENTS = 2**24
 _DEFAULT_JITTER = {
     torch.float64: 1e-10,
     torch.float32: 1e-6,
@@ -91,9 +90,12 @@ class SparseLowRankStudent(gpytorch.Module):
     :math:`O(m d + b^3)` per point with the exact neighbour search used here (the paper's KD-tree
     gives :math:`O(b \log m + b^3)` on a CPU).
 
-    Build one with :meth:`from_sparse_weights` (or :class:`~gpsd.KernelDistillation`); the
-    constructor takes the precomputed quantities, so that a student of the same shapes can be
-    created and filled with :meth:`load_state_dict`.
+    Build one with :class:`~gpsd.KernelDistillation` (``KernelDistillation(teacher, ...).fit()
+    .student``) or :meth:`from_sparse_weights`; the constructor takes the precomputed
+    quantities, so that a student of the same shapes can be created and filled with
+    :meth:`load_state_dict`. :meth:`predict` returns a :class:`~gpsd.Prediction` (latent;
+    ``include_noise=True`` adds :math:`\sigma^2`), ``student(test_x)`` a GPyTorch
+    ``MultivariateNormal`` with a diagonal covariance.
 
     The prediction path (:meth:`prediction_module`) exports with ``torch.export`` when the kernel is
     an RBF or Matérn (:math:`\nu \in \{1/2, 3/2, 5/2\}`) kernel, with one or ARD lengthscales,
@@ -101,7 +103,7 @@ class SparseLowRankStudent(gpytorch.Module):
     tensors and evaluates it itself. Any other kernel is kept as a GPyTorch module; prediction
     works, export does not.
 
-    :param kernel: the teacher's (trained) kernel.
+    :param covar_module: the teacher's (trained) kernel.
     :param inducing_points: :math:`U`, shape ``(m, d)``.
     :param inducing_covariance: :math:`K_{UU}`, shape ``(m, m)``.
     :param predictive_mean_weights: :math:`\tilde\alpha`, shape ``(m,)``.
@@ -117,7 +119,7 @@ class SparseLowRankStudent(gpytorch.Module):
 
     def __init__(
         self,
-        kernel: gpytorch.kernels.Kernel,
+        covar_module: gpytorch.kernels.Kernel,
         inducing_points: Tensor,
         inducing_covariance: Tensor,
         predictive_mean_weights: Tensor,
@@ -130,8 +132,10 @@ class SparseLowRankStudent(gpytorch.Module):
         neighbour_scale: Tensor | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(kernel, gpytorch.kernels.Kernel):
-            raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel)}")
+        if not isinstance(covar_module, gpytorch.kernels.Kernel):
+            raise TypeError(
+                f"covar_module must be a gpytorch.kernels.Kernel, got {type(covar_module)}"
+            )
         # buffers hold values, never an autograd graph (a graph would also defeat deepcopy)
         u = check_matrix(
             as_float_tensor(inducing_points, "inducing_points").detach(), "inducing_points"
@@ -182,19 +186,19 @@ class SparseLowRankStudent(gpytorch.Module):
         self.register_buffer("predictive_covariance_correction", v.to(u, copy=True))
         self.register_buffer("noise", noise_t.to(u, copy=True))
         self.register_buffer("mean_constant", mu.to(u, copy=True))
-        params = stationary_kernel_parameters(kernel)
+        params = stationary_kernel_parameters(covar_module)
         if params is None:
             self.kernel_type = "generic"
             # frozen copy (the teacher's kernel stays trainable), in the student's dtype and on its
             # device: a float64 kernel would otherwise give float64 cross-covariances that a
             # float32 student cannot solve with
-            self.kernel = copy.deepcopy(kernel).to(device=u.device, dtype=u.dtype)
-            for p in self.kernel.parameters():
+            self.covar_module = copy.deepcopy(covar_module).to(device=u.device, dtype=u.dtype)
+            for p in self.covar_module.parameters():
                 p.requires_grad_(False)
         else:
             self.kernel_type, lengthscale, outputscale = params
             check_lengthscale_count(lengthscale, u.shape[-1], "inducing_points")
-            self.kernel = None
+            self.covar_module = None
             self.register_buffer("kernel_lengthscale", lengthscale.to(u))
             self.register_buffer("kernel_outputscale", outputscale.to(u))
 
@@ -229,7 +233,7 @@ class SparseLowRankStudent(gpytorch.Module):
     @classmethod
     def from_sparse_weights(
         cls,
-        kernel: gpytorch.kernels.Kernel,
+        covar_module: gpytorch.kernels.Kernel,
         inducing_points: Tensor,
         weight_values: Tensor,
         weight_indices: Tensor,
@@ -265,7 +269,7 @@ class SparseLowRankStudent(gpytorch.Module):
         :param sparsity: ``b`` at prediction (default: ``weight_values.shape[-1]``).
         :param neighbour_scale: see the class; it must match the metric that chose ``W``'s pattern.
         """
-        check_gp_modules(kernel, None, "kernel")
+        check_gp_modules(covar_module, None)
         with torch.no_grad():  # the student's buffers are values: build no autograd graph
             u = check_matrix(
                 as_float_tensor(inducing_points, "inducing_points").detach(), "inducing_points"
@@ -312,7 +316,7 @@ class SparseLowRankStudent(gpytorch.Module):
             sigma2 = _one_positive_variance(noise, u.dtype).to(u.device)
             mu = _one_finite_number(mean_constant, u.dtype).to(u.device)
             if inducing_covariance is None:  # as KernelDistillation evaluates it
-                on_u = copy.deepcopy(kernel).to(device=u.device, dtype=u.dtype)
+                on_u = copy.deepcopy(covar_module).to(device=u.device, dtype=u.dtype)
                 inducing_covariance = evaluate_kernel(on_u, u, u)
             kuu = as_float_tensor(inducing_covariance, "inducing_covariance").detach().to(u)
             if kuu.shape != (m, m):
@@ -321,12 +325,25 @@ class SparseLowRankStudent(gpytorch.Module):
                 )
             check_finite(kuu, "inducing_covariance")
             return cls._from_checked_weights(
-                kernel, u, kuu, values, idx, y, sigma2, mu, b, sparsity, jitter, neighbour_scale
-            )
+                covar_module, u, kuu, values, idx, y, sigma2, mu, b, sparsity, jitter,
+                neighbour_scale,
+            )  # fmt: skip
 
     @classmethod
     def _from_checked_weights(
-        cls, kernel, u, kuu, values, idx, y, sigma2, mu, b, sparsity, jitter, neighbour_scale
+        cls,
+        covar_module,
+        u,
+        kuu,
+        values,
+        idx,
+        y,
+        sigma2,
+        mu,
+        b,
+        sparsity,
+        jitter,
+        neighbour_scale,
     ) -> SparseLowRankStudent:
         """The body of :meth:`from_sparse_weights`, on validated, detached tensors."""
         m = u.shape[0]
@@ -364,7 +381,7 @@ class SparseLowRankStudent(gpytorch.Module):
         correction = kuu - sigma2 * (root @ minv_root)
         correction = 0.5 * (correction + correction.transpose(-1, -2))
         return cls(
-            kernel,
+            covar_module,
             u,
             kuu,
             alpha,
@@ -399,7 +416,7 @@ class SparseLowRankStudent(gpytorch.Module):
     def _cross_covariance(self, x: Tensor, neighbours: Tensor) -> tuple[Tensor, Tensor]:
         """``k(x_p, U_{J_p})`` of shape ``(p, b)`` and ``k(x_p, x_p)`` of shape ``(p,)``."""
         u_near = self.inducing_points[neighbours]  # shape: (p, b, d)
-        if self.kernel is None:
+        if self.covar_module is None:
             diff = (x.unsqueeze(-2) - u_near) / self.kernel_lengthscale
             r2 = diff.pow(2).sum(-1)
             cross = stationary_kernel_from_squared_distance(
@@ -410,22 +427,23 @@ class SparseLowRankStudent(gpytorch.Module):
         # no torch.no_grad here: the frozen kernel builds no graph of its own, and the bare
         # prediction path (prediction_module) is differentiable in x as for the kernels above
         with gpytorch.settings.lazily_evaluate_kernels(False):
-            cross = self.kernel(x.unsqueeze(-2), u_near).to_dense().squeeze(-2)
-            diag = self.kernel(x, x, diag=True)
+            cross = self.covar_module(x.unsqueeze(-2), u_near).to_dense().squeeze(-2)
+            diag = self.covar_module(x, x, diag=True)
         return cross, diag
 
-    def interpolation_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def interpolation_weights(self, test_x: Tensor) -> tuple[Tensor, Tensor]:
         r"""The sparse rows :math:`w_\star`: ``(values, indices)``, both of shape ``(p, b)``."""
-        x = self._check_inputs(x)
+        test_x = self._check_inputs(test_x)
         with torch.no_grad():
-            parts = [self._weights(rows)[:2] for rows in self._row_chunks(x)]
+            parts = [self._weights(rows)[:2] for rows in self._row_chunks(test_x)]
         return torch.cat([v for v, _ in parts]), torch.cat([i for _, i in parts])
 
     def _row_chunks(self, x: Tensor) -> tuple[Tensor, ...]:
         """``x`` split into blocks of rows whose temporaries (the ``(rows, m)`` distances and the
-        ``(rows, b, b)`` local blocks) hold about ``_PREDICT_CHUNK_ELEMENTS`` numbers."""
+        ``(rows, b, b)`` local blocks) hold about :class:`gpsd.settings.max_chunk_elements`
+        numbers."""
         per_row = self.num_inducing + 2 * self.sparsity**2 + self.sparsity * x.shape[-1]
-        rows = max(1, _PREDICT_CHUNK_ELEMENTS // per_row)
+        rows = max(1, settings.max_chunk_elements.value() // per_row)
         return x.split(rows) if x.shape[0] > 0 else (x,)
 
     def _weights(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -458,43 +476,45 @@ class SparseLowRankStudent(gpytorch.Module):
         quad = (values.unsqueeze(-2) @ v_local @ values.unsqueeze(-1)).squeeze(-1).squeeze(-1)
         return mean, nonnegative_variance(diag - quad, diag)
 
-    def _check_inputs(self, x: Tensor) -> Tensor:
+    def _check_inputs(self, test_x: Tensor) -> Tensor:
+        d = self.inducing_points.shape[-1]
         x = as_float_tensor(
-            x, "x", dtype=self.inducing_points.dtype, device=self.inducing_points.device
+            test_x, "test_x", dtype=self.inducing_points.dtype, device=self.inducing_points.device
         )
-        if x.dim() == 1 and self.inducing_points.shape[-1] == 1:
+        if x.dim() == 1 and d == 1:
             x = x.unsqueeze(-1)
-        if x.dim() != 2 or x.shape[-1] != self.inducing_points.shape[-1]:
+        if x.dim() != 2 or x.shape[-1] != d:
             raise ValueError(
-                f"x must have shape (p, d={self.inducing_points.shape[-1]}) like the inducing "
-                f"points, got {tuple(x.shape)}"
+                f"test_x must have shape (p, d={d}) like the inducing points (or (p,) for d=1), "
+                f"got {tuple(x.shape)}"
             )
-        return check_matrix(x, "x")
+        return check_matrix(x, "test_x")
 
-    def predict(self, x: Tensor, *, include_noise: bool = False) -> tuple[Tensor, Tensor]:
-        r"""Predictive mean and variance of f (of y with ``include_noise``) at ``x``.
+    def predict(self, test_x: Tensor, *, include_noise: bool = False) -> Prediction:
+        r"""Predictive mean and variance of :math:`f` (of :math:`y` with ``include_noise``).
 
         Evaluated in blocks of rows, so that memory stays :math:`O(m + b^2)` per row of a block
-        whatever ``p`` (the bare :meth:`prediction_module` takes ``x`` in one block).
+        whatever ``p`` (the block size follows :class:`gpsd.settings.max_chunk_elements`; the
+        bare :meth:`prediction_module` takes ``test_x`` in one block).
 
-        :param x: test inputs, shape ``(p, d)`` (any array-like; converted to the student's dtype
-            and device, so float64 inputs to a float32 student are rounded to float32).
-        :param include_noise: add the teacher's noise variance :math:`\sigma^2` (the predictive
-            distribution of y rather than f).
-        :return: ``(mean, variance)``, each of shape ``(p,)``.
+        :param test_x: test inputs, shape ``(p, d)`` (or ``(p,)`` for ``d = 1``; any array-like,
+            converted to the student's dtype and device, so float64 inputs to a float32 student
+            are rounded to float32).
+        :param include_noise: add the teacher's noise variance :math:`\sigma^2` (:attr:`noise`):
+            the predictive distribution of :math:`y` rather than :math:`f`.
+        :return: a :class:`~gpsd.Prediction` with ``mean`` and ``variance`` of shape ``(p,)``.
         """
-        x = self._check_inputs(x)
+        x = self._check_inputs(test_x)
         with torch.no_grad():
             parts = [self._predict(rows) for rows in self._row_chunks(x)]
         mean, variance = torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
         if include_noise:
             variance = variance + self.noise
-        return mean, variance
+        return Prediction(mean, variance)
 
-    def forward(self, x: Tensor) -> MultivariateNormal:
-        """The latent predictive distribution at ``x`` with a diagonal covariance."""
-        mean, variance = self.predict(x)
-        return MultivariateNormal(mean, DiagLinearOperator(variance))
+    def forward(self, test_x: Tensor) -> MultivariateNormal:
+        """The latent predictive distribution at ``test_x``, with a diagonal covariance."""
+        return self.predict(test_x).to_distribution()
 
     def prediction_module(self) -> torch.nn.Module:
         """A module whose ``forward(x) -> (mean, variance)`` is the bare prediction path.
