@@ -1,10 +1,13 @@
-"""Random-feature kernels with 2R >= n above GPyTorch's Cholesky size: an exact, repeatable MLL."""
+"""Tests of ProbabilisticEmbeddingKernel."""
 
 import gpytorch
 import torch
 from torch import nn
+from torch.func import functional_call
 
-from gpsd.dpkl import DPKLRegressor
+from gpsd.dpkl import (
+    DPKLRegressor,
+)
 
 
 def _net():
@@ -32,3 +35,33 @@ def test_rff_mll_is_exact_when_2r_reaches_n_above_the_cholesky_size():
         ref = -torch.distributions.MultivariateNormal(mean, cov).log_prob(y) / n
     for loss in losses:
         torch.testing.assert_close(loss.detach(), ref, rtol=1e-8, atol=1e-10)
+
+
+def _net_m(d_in=4, d_out=2):
+    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
+
+
+def _data(n=30, d=4):
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(n, d)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
+    return x, y
+
+
+def _loop_mean_features(model, x):
+    """phi-bar by an explicit loop over the particles (stand-alone modules)."""
+    ens = model.covar_module.feature_extractor
+    rf = model.covar_module.random_features
+    arch = ens.particle_module(0)
+    stacked = ens.stacked_parameters()
+    feats = [
+        rf.featurize(functional_call(arch, {k: v[i] for k, v in stacked.items()}, (x,)))
+        for i in range(ens.num_particles)
+    ]
+    return torch.stack(feats).mean(0)
+
+
+def test_mean_features_equal_particle_loop():
+    x, y = _data()
+    model = DPKLRegressor(x, y, _net_m, num_particles=4, num_random_features=6)
+    torch.testing.assert_close(model.covar_module.mean_features(x), _loop_mean_features(model, x))
