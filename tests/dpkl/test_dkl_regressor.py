@@ -1,4 +1,4 @@
-"""Tests of DKLRegressor."""
+"""Tests of DKLRegressor: one particle of DPKL is a hand-written GPyTorch deep-kernel GP."""
 
 import copy
 
@@ -50,7 +50,7 @@ def test_single_particle_dpkl_is_dkl(update):
         )
         < 1e-10
     )
-    model.fit(num_steps=5, lr=0.01)
+    model.fit(max_iter=5, lr=0.01)
     opt = torch.optim.Adam(hand.parameters(), lr=0.01)
     hand.train()
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(hand.likelihood, hand)
@@ -64,3 +64,14 @@ def test_single_particle_dpkl_is_dkl(update):
     torch.testing.assert_close(model.likelihood.noise, hand.likelihood.noise)
     dkl = DKLRegressor(x, y, copy.deepcopy(net))
     assert dkl.num_particles == 1 and dkl.kernel_type == "exact"
+
+
+def test_dkl_regressor_fits_and_predicts_the_latent_function():
+    x, y = _data(n=20)
+    model = DKLRegressor(x[:, 0], y, lambda: _net(1), mean_module=gpytorch.means.ZeroMean())
+    assert isinstance(model.mean_module, gpytorch.means.ZeroMean)
+    assert model.fit(max_iter=3) is model and len(model.history["loss"]) == 3
+    latent, observed = model.predict(x[:4, 0]), model.predict(x[:4, 0], include_noise=True)
+    torch.testing.assert_close(
+        observed.variance - latent.variance, model.likelihood.noise.expand(4)
+    )

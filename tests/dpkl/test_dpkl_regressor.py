@@ -134,7 +134,9 @@ def test_float32_and_orthogonal_matern_variant():
     torch.set_default_dtype(torch.float32)
     x = torch.randn(30, 4)
     y = torch.randn(30)
-    model = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=8, orthogonal=True, nu=1.5)
+    model = DPKLRegressor(
+        x, y, _net, num_particles=3, num_random_features=8, orthogonal=True, nu=1.5
+    )
     model.fit(max_iter=3)
     pred = model.predict(x[:5])
     assert pred.mean.dtype == torch.float32 and torch.isfinite(pred.variance).all()

@@ -1,9 +1,10 @@
-"""Tests of SSDPKLRegressor."""
+"""Tests of SSDPKLRegressor: the regulariser and the loss against dense posterior variances,
+what the regulariser reaches, and its unlabelled data."""
 
 import pytest
 import torch
+from dpkl_reference import dense_kernel, dense_variance, loop_embeddings, loop_mean_features
 from torch import nn
-from torch.func import functional_call
 
 from gpsd.dpkl import (
     DPKLRegressor,
@@ -22,26 +23,15 @@ def _data(n=30, d=4):
     return x, y
 
 
-def _loop_mean_features(model, x):
-    """phi-bar by an explicit loop over the particles (stand-alone modules)."""
-    ens = model.covar_module.feature_extractor
-    rf = model.covar_module.random_features
-    arch = ens.particle_module(0)
-    stacked = ens.stacked_parameters()
-    feats = [
-        rf.featurize(functional_call(arch, {k: v[i] for k, v in stacked.items()}, (x,)))
-        for i in range(ens.num_particles)
-    ]
-    return torch.stack(feats).mean(0)
-
-
 def test_ssdpkl_regulariser_equals_dense_posterior_variance():
     x, y = _data(n=30)
     xu = torch.randn(12, 4)
-    model = SSDPKLRegressor(x, y, _net, xu, num_particles=3, num_random_features=10, alpha=0.5)
+    model = SSDPKLRegressor(
+        x, y, _net, unlabelled_x=xu, num_particles=3, num_random_features=10, alpha=0.5
+    )
     model.likelihood.noise = 0.15
     got = model.latent_posterior_variance(xu)
-    phi, phiu = _loop_mean_features(model, x), _loop_mean_features(model, xu)
+    phi, phiu = loop_mean_features(model, x), loop_mean_features(model, xu)
     kxx = phi @ phi.mT + 0.15 * torch.eye(30)
     ks = phiu @ phi.mT  # k_star^T
     kss = (phiu**2).sum(-1)  # the true prior variance ||phi-bar(x)||^2
@@ -52,7 +42,7 @@ def test_ssdpkl_regulariser_equals_dense_posterior_variance():
     dpkl_part = DPKLRegressor.training_loss(model)
     torch.testing.assert_close(model.training_loss(), dpkl_part + 0.5 * ref.mean())
     # the exact-kernel path agrees with its own dense formula too
-    model_exact = SSDPKLRegressor(x, y, _net, xu, num_particles=2, kernel="exact")
+    model_exact = SSDPKLRegressor(x, y, _net, unlabelled_x=xu, num_particles=2, kernel="exact")
     ke = model_exact.covar_module
     kxx = ke(x).to_dense() + model_exact.likelihood.noise * torch.eye(30)
     ks = ke(xu, x).to_dense()
@@ -71,24 +61,25 @@ def _data_v(n=24):
 
 
 def test_ssdpkl_rejects_infinite_alpha():
-    # alpha = inf used to be accepted and made fit() fail with "the training loss became inf"
+    # an infinite alpha would make the training loss inf at the first iteration of fit
     x, y = _data_v(10)
     for alpha in (float("inf"), float("nan"), -1.0, True):
         with pytest.raises(ValueError, match="alpha must be a finite float"):
-            SSDPKLRegressor(x, y, _net_v, torch.randn(5, 3), alpha=alpha)
+            SSDPKLRegressor(x, y, _net_v, unlabelled_x=torch.randn(5, 3), alpha=alpha)
 
 
 def test_ssdpkl_state_dict_holds_no_data():
-    # unlabelled_x was saved in state_dict, so a model rebuilt with another unlabelled set (of
-    # another size) could not load a saved one ("size mismatch for unlabelled_x")
+    # unlabelled_x is data, not state: a model built with another unlabelled set (of another
+    # size) loads a saved one
     x, y = _data_v(12)
-    model = SSDPKLRegressor(x, y, _net_v, torch.randn(9, 3), num_particles=2)
-    model.fit(2)
+    model = SSDPKLRegressor(x, y, _net_v, unlabelled_x=torch.randn(9, 3), num_particles=2)
+    model.fit(max_iter=2)
     assert "unlabelled_x" not in model.state_dict()
-    fresh = SSDPKLRegressor(x, y, _net_v, torch.randn(4, 3), num_particles=2)
+    fresh = SSDPKLRegressor(x, y, _net_v, unlabelled_x=torch.randn(4, 3), num_particles=2)
     fresh.load_state_dict(model.state_dict())
-    for got, want in zip(fresh.predict(x[:5]), model.predict(x[:5]), strict=True):
-        torch.testing.assert_close(got, want)
+    got, want = fresh.predict(x[:5]), model.predict(x[:5])
+    torch.testing.assert_close(got.mean, want.mean)
+    torch.testing.assert_close(got.variance, want.variance)
     assert fresh.unlabelled_x.shape == (4, 3)
 
 
@@ -102,87 +93,67 @@ def _batchnorm_net():
     return nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def _loop_embeddings(model, x, training):
-    """``(m, n, d)`` by stand-alone copies of the particles in the given mode."""
-    ensemble = model.covar_module.feature_extractor
-    with torch.no_grad():
-        return torch.stack(
-            [ensemble.particle_module(i).train(training)(x) for i in range(ensemble.num_particles)]
-        )
-
-
-def _dense_kernel(model, z):
-    """The prior kernel matrix of the rows of embeddings ``z`` (``(m, N, d)``), written out."""
-    m, num_rows, _ = z.shape
-    if model.kernel_type == "rff":
-        rf = model.covar_module.random_features
-        proj = (z / rf.lengthscale) @ rf.base_frequencies.mT  # shape: (m, N, R)
-        f = torch.cat([proj.cos(), proj.sin()], -1) * (rf.outputscale / rf.num_features).sqrt()
-        phi = f.mean(0)
-        return phi @ phi.mT
-    scaled = model.covar_module.base_kernel
-    s, ell = scaled.outputscale, scaled.base_kernel.lengthscale
-    flat = z.reshape(m * num_rows, -1)
-    k = s * torch.exp(-torch.cdist(flat, flat).pow(2) / (2 * ell**2))
-    return k.reshape(m, num_rows, m, num_rows).mean((0, 2))
-
-
-def _dense_variance(k, n, noise):
-    """diag(K_qq) - diag(K_qt (K_tt + noise I)^-1 K_tq) for the first n rows as training rows."""
-    k_tt = k[:n, :n] + noise * torch.eye(n)
-    k_qt = k[n:, :n]
-    return k[n:, n:].diagonal() - (k_qt * torch.linalg.solve(k_tt, k_qt.mT).mT).sum(-1)
-
-
 @pytest.mark.parametrize("kernel", ["exact", "rff"])
 def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
-    # Before (rff): the unlabelled rows were normalised by their own batch statistics, so the
-    # regulariser was 0.0556 whether they were shifted by 0, 5 or 50 (one joint batch: 0.0555,
-    # 0.2405, 0.2311).
+    # the unlabelled rows are normalised in one batch with the labelled ones, so shifting them
+    # changes the regulariser (normalised on their own, the shift would vanish)
     x, y = _data_s()
     xu = torch.randn(15, 3)
     model = SSDPKLRegressor(
-        x, y, _batchnorm_net, xu, num_particles=3, num_random_features=30, kernel=kernel
+        x,
+        y,
+        _batchnorm_net,
+        unlabelled_x=xu,
+        num_particles=3,
+        num_random_features=30,
+        kernel=kernel,
     )
     noise = model.likelihood.noise.detach()
     model.train()
     values = []
     for shift in (0.0, 5.0):
-        z = _loop_embeddings(model, torch.cat([x, xu + shift]), training=True)
-        ref = _dense_variance(_dense_kernel(model, z), x.shape[0], noise).mean()
+        z = loop_embeddings(model, torch.cat([x, xu + shift]), training=True)
+        ref = dense_variance(dense_kernel(model, z), x.shape[0], noise).mean()
         with torch.no_grad():
             values.append(model.regulariser(xu + shift))
         torch.testing.assert_close(values[-1], ref, rtol=1e-7, atol=1e-12)
     assert values[1] > 1.5 * values[0]
-    # in evaluation mode (running statistics) the result is the dense formula as before
+    # in evaluation mode (running statistics) the result is the dense formula too
     model.eval()
-    z = _loop_embeddings(model, torch.cat([x, xu]), training=False)
-    ref = _dense_variance(_dense_kernel(model, z), x.shape[0], noise)
+    z = loop_embeddings(model, torch.cat([x, xu]), training=False)
+    ref = dense_variance(dense_kernel(model, z), x.shape[0], noise)
     with torch.no_grad():
         torch.testing.assert_close(model.latent_posterior_variance(xu), ref, rtol=1e-7, atol=1e-12)
 
 
 @pytest.mark.parametrize("kernel", ["exact", "rff"])
 def test_ssdpkl_training_loss_is_one_joint_pass_per_step(kernel):
-    # Before: three extractor passes per step (labelled rows twice, unlabelled once), so the
-    # BatchNorm running statistics were updated three times per step.
+    # one extractor pass over the labelled and unlabelled rows per step: BatchNorm's running
+    # statistics are updated once per step
     x, y = _data_s()
     xu = torch.randn(15, 3)
     model = SSDPKLRegressor(
-        x, y, _batchnorm_net, xu, num_particles=3, num_random_features=30, alpha=0.7, kernel=kernel
+        x,
+        y,
+        _batchnorm_net,
+        unlabelled_x=xu,
+        num_particles=3,
+        num_random_features=30,
+        alpha=0.7,
+        kernel=kernel,
     )
     ensemble = model.covar_module.feature_extractor
     calls = []
     ensemble.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    z = _loop_embeddings(model, torch.cat([x, xu]), training=True)
-    k = _dense_kernel(model, z)
+    z = loop_embeddings(model, torch.cat([x, xu]), training=True)
+    k = dense_kernel(model, z)
     n, noise, c = x.shape[0], model.likelihood.noise.detach(), model.mean_module.constant.detach()
     cov = k[:n, :n] + noise * torch.eye(n)
     nll = -torch.distributions.MultivariateNormal(c.expand(n), cov).log_prob(y) / n
-    ref = nll + 0.7 * _dense_variance(k, n, noise).mean()
+    ref = nll + 0.7 * dense_variance(k, n, noise).mean()
     torch.testing.assert_close(model.training_loss().detach(), ref, rtol=1e-8, atol=1e-12)
     assert calls == [n + 15]
-    model.fit(num_steps=2, lr=0.01)
+    model.fit(max_iter=2, lr=0.01)
     assert calls == [n + 15] * 3
     tracked = [v for k, v in ensemble.state_dict().items() if "num_batches_tracked" in k]
     assert all(bool((t == 3).all()) for t in tracked)
@@ -194,7 +165,9 @@ def _model(alpha=1.0):
     y = torch.sin(x.sum(-1))
     u = torch.randn(30, 3, dtype=torch.float64)
     net = lambda: nn.Sequential(nn.Linear(3, 2)).double()  # noqa: E731
-    return SSDPKLRegressor(x, y, net, u, alpha=alpha, num_particles=3, num_random_features=20), u
+    return SSDPKLRegressor(
+        x, y, net, unlabelled_x=u, alpha=alpha, num_particles=3, num_random_features=20
+    ), u
 
 
 def test_regulariser_grows_with_noise_and_outputscale():
@@ -217,7 +190,28 @@ def test_frozen_noise_and_outputscale_stay_put_in_fit():
     noise = model.likelihood.noise.clone()
     scale = model.covar_module.random_features.outputscale.clone()
     lengthscale = model.covar_module.random_features.lengthscale.clone()
-    model.fit(num_steps=5, lr=0.05)
+    model.fit(max_iter=5, lr=0.05)
     assert torch.equal(model.likelihood.noise, noise)
     assert torch.equal(model.covar_module.random_features.outputscale, scale)
     assert not torch.equal(model.covar_module.random_features.lengthscale, lengthscale)
+
+
+def test_constructor_names_the_bad_unlabelled_data_and_alpha():
+    x, y = _data(n=20)
+    with pytest.raises(ValueError, match="unlabelled_x"):
+        SSDPKLRegressor(x, y, _net, unlabelled_x=torch.randn(5, 3))
+    with pytest.raises(ValueError, match="alpha"):
+        SSDPKLRegressor(x, y, _net, unlabelled_x=torch.randn(5, 4), alpha=-1.0)
+    with pytest.raises(TypeError, match="positional"):
+        SSDPKLRegressor(x, y, _net, torch.randn(5, 4))  # keyword-only
+
+
+def test_one_dimensional_inputs_are_one_feature():
+    torch.set_default_dtype(torch.float64)
+    x, xu = torch.linspace(-2, 2, 15), torch.linspace(-3, 3, 8)
+    model = SSDPKLRegressor(
+        x, torch.sin(x), lambda: _net(1), unlabelled_x=xu, num_particles=2, num_random_features=6
+    )
+    assert model.unlabelled_x.shape == (8, 1)
+    assert model.fit(max_iter=2) is model
+    assert model.predict(xu).mean.shape == (8,)
