@@ -2,8 +2,8 @@
 
 import gpytorch
 import torch
+from dpkl_reference import loop_mean_features
 from torch import nn
-from torch.func import functional_call
 
 from gpsd.dpkl import (
     DPKLRegressor,
@@ -15,10 +15,9 @@ def _net():
 
 
 def test_rff_mll_is_exact_when_2r_reaches_n_above_the_cholesky_size():
-    # n = 820 > gpytorch.settings.max_cholesky_size (800) and 2R = 840 >= n. K(Z, Z) used to be a
-    # RootLinearOperator there, which GPyTorch solves by conjugate gradients with a stochastic
-    # Lanczos log determinant: a random loss, here 10.9709 against the dense 11.6859 (6 % off),
-    # and another value on the next call. Woodbury is exact and repeatable.
+    # n = 820 > gpytorch.settings.max_cholesky_size (800) and 2R = 840 >= n. As a plain root
+    # operator K(Z, Z) would be solved by conjugate gradients with a stochastic Lanczos log
+    # determinant (a random loss, 6 % off the dense one); Woodbury is exact and repeatable.
     torch.set_default_dtype(torch.float64)
     n = 820
     assert n > gpytorch.settings.max_cholesky_size.value()
@@ -48,20 +47,7 @@ def _data(n=30, d=4):
     return x, y
 
 
-def _loop_mean_features(model, x):
-    """phi-bar by an explicit loop over the particles (stand-alone modules)."""
-    ens = model.covar_module.feature_extractor
-    rf = model.covar_module.random_features
-    arch = ens.particle_module(0)
-    stacked = ens.stacked_parameters()
-    feats = [
-        rf.featurize(functional_call(arch, {k: v[i] for k, v in stacked.items()}, (x,)))
-        for i in range(ens.num_particles)
-    ]
-    return torch.stack(feats).mean(0)
-
-
 def test_mean_features_equal_particle_loop():
     x, y = _data()
     model = DPKLRegressor(x, y, _net_m, num_particles=4, num_random_features=6)
-    torch.testing.assert_close(model.covar_module.mean_features(x), _loop_mean_features(model, x))
+    torch.testing.assert_close(model.covar_module.mean_features(x), loop_mean_features(model, x))

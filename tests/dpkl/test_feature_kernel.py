@@ -37,8 +37,8 @@ def _kernels():
     "name", ["random features", "probabilistic embedding", "expected embedding"]
 )
 def test_equal_but_distinct_inputs_each_get_their_gradient(name):
-    # equal values took the x1 = x2 shortcut (one evaluation): x2.grad was None and x1.grad
-    # held both inputs' gradients
+    # equal values must not take the x1 = x2 shortcut (one evaluation), which would leave
+    # x2.grad None and give x1.grad both inputs' gradients
     kernel = _kernels()[name]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 3, generator=gen, dtype=DT)

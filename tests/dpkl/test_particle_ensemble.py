@@ -53,9 +53,9 @@ class _ShiftNet(nn.Module):
 
 
 def test_particle_module_of_a_network_with_a_non_persistent_buffer():
-    # particle_module used to raise RuntimeError ('Unexpected key(s) in state_dict: "shift"'):
-    # the stacked buffers include the non-persistent one, which load_state_dict rejects. The copy
-    # must evaluate to the ensemble's particle and keep the buffer non-persistent.
+    # the stacked buffers include the non-persistent one, which load_state_dict would reject
+    # ('Unexpected key(s) in state_dict: "shift"'). The copy must evaluate to the ensemble's
+    # particle and keep the buffer non-persistent.
     torch.set_default_dtype(torch.float64)
     ens = ParticleEnsemble(_ShiftNet, 3)
     with torch.no_grad():
@@ -70,8 +70,8 @@ def test_particle_module_of_a_network_with_a_non_persistent_buffer():
 
 
 def test_reinitialisation_keeps_a_frozen_weight_beside_a_trainable_bias():
-    # a Linear with a frozen (pretrained) weight and a trainable bias was reset whole: every
-    # particle got a new random, still frozen, weight
+    # a Linear with a frozen (pretrained) weight and a trainable bias is not reset whole: every
+    # particle keeps the frozen weight
     torch.manual_seed(3)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     net[0].weight.requires_grad_(False)
@@ -85,7 +85,7 @@ def test_reinitialisation_keeps_a_frozen_weight_beside_a_trainable_bias():
 
 
 def test_a_module_without_parameters_or_buffers_is_named():
-    # was accepted; the first forward failed in vmap ('Expected at least one Tensor to vmap over')
+    # refused at construction, not at the first forward in vmap
     with pytest.raises(ValueError, match="module"):
         ParticleEnsemble(nn.Identity, 3)
 
@@ -149,7 +149,7 @@ def test_ensemble_eval_mode_reaches_dropout_and_batchnorm():
 
 
 def test_frozen_parameters_stay_frozen_and_shared():
-    # the ensemble used to make every stacked parameter trainable and re-initialise frozen layers
+    # frozen layers stay frozen (not trainable stacked parameters) and are not re-initialised
     torch.set_default_dtype(torch.float64)
     net = _pretrained_frozen_body()
     ens = ParticleEnsemble(net, 3)
@@ -259,3 +259,19 @@ def test_cuda():
     out = ens(x)
     assert out.device.type == "cuda"
     torch.testing.assert_close(out[1], ens.particle_module(1).cuda()(x))
+
+
+def test_inputs_of_the_wrong_width_name_both_widths():
+    torch.set_default_dtype(torch.float64)
+    ens = ParticleEnsemble(lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), 3)
+    assert ens.in_features == 4
+    with pytest.raises(
+        ValueError, match="x has 3 input features, but the feature extractor expects 4"
+    ):
+        ens(torch.randn(5, 3))
+    assert ens(torch.randn(2, 5, 4)).shape == (3, 2, 5, 2)  # batches of inputs
+    # a network whose first layer says nothing of its width keeps the network's own error
+    shifted = ParticleEnsemble(lambda: nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2)), 2)
+    assert shifted.in_features is None
+    with pytest.raises(RuntimeError):
+        shifted(torch.randn(5, 3))

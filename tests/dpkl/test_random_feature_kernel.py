@@ -16,7 +16,7 @@ def test_random_feature_outputscale_setter_keeps_float64_precision():
     kernel = RandomFeatureKernel(4, 2).double()
     kernel.outputscale = 0.7
     assert kernel.outputscale.dtype == torch.float64
-    assert abs(kernel.outputscale.item() - 0.7) < 1e-15  # was 0.699999988079071
+    assert abs(kernel.outputscale.item() - 0.7) < 1e-15  # 0.7 read as float32 is 0.69999998807
 
 
 def _exact(z, lengthscale, outputscale, nu=None):
@@ -189,8 +189,9 @@ def test_matern_frequencies_come_from_the_generator_alone(nu):
 
 
 def test_matern_frequencies_leave_the_cuda_generators_alone(monkeypatch):
-    # a non-integer dof seeded the forked CPU RNG with torch.manual_seed, which also reseeds every
-    # CUDA generator (queued until CUDA starts): the caller's GPU randomness was reset
+    # a non-integer dof must not seed a forked CPU RNG with torch.manual_seed, which also
+    # reseeds every CUDA generator (queued until CUDA starts) and resets the caller's GPU
+    # randomness
     calls = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(seed))
@@ -277,8 +278,9 @@ def test_eval_mode_model_sees_new_frequencies_after_train_eval():
 
 
 def test_a_cpu_generator_draws_for_a_kernel_on_another_device(monkeypatch):
-    """Before, resample(cpu_generator) on a CUDA kernel raised: the draw was asked for on the
-    kernel's device with the CPU generator. The 'meta' device stands in for CUDA here."""
+    """resample(cpu_generator) on a CUDA kernel draws on the CPU and moves the draw (asking for
+    it on the kernel's device with the CPU generator would raise). The 'meta' device stands in
+    for CUDA here."""
     _strict_randn(monkeypatch)
     for nu in (None, 1.5):
         kernel = RandomFeatureKernel(8, 2, nu=nu).double().to("meta")

@@ -64,8 +64,8 @@ def test_low_precision_particles(dtype):
 
 
 def test_missing_grad_of_a_parameter_in_another_dtype():
-    # the float64-promoted direction was assigned to a float32 parameter's missing .grad:
-    # RuntimeError "attempting to assign a gradient with dtype 'double'"
+    # the float64-promoted direction must be cast to a float32 parameter's missing .grad
+    # (else: RuntimeError "attempting to assign a gradient with dtype 'double'")
     gen = torch.Generator().manual_seed(2)
     a = torch.randn(3, 2, generator=gen).requires_grad_(True)
     b = torch.randn(3, 4, generator=gen, dtype=torch.float64).requires_grad_(True)
