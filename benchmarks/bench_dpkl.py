@@ -98,7 +98,7 @@ def run_trial(x, y, test_idx, pool_idx, n, seed, args, dtype, device):
                 xtr,
                 ytr,
                 lambda: make_net(d),
-                t(xun),
+                unlabelled_x=t(xun),
                 alpha=1.0,
                 unlabelled_batch_size=256,
                 update="paper",
@@ -106,9 +106,12 @@ def run_trial(x, y, test_idx, pool_idx, n, seed, args, dtype, device):
             )
         model.to(device)
         t0 = time.perf_counter()
-        model.fit(args.steps, lr=args.lr, val_x=xval, val_y=yval, check_every=args.check_every)
+        model.fit(
+            max_iter=args.steps, lr=args.lr, val_x=xval, val_y=yval, check_every=args.check_every
+        )
         fit_s = time.perf_counter() - t0
-        mean, var = model.predict(xte)
+        pred = model.predict(xte, include_noise=True)  # of the observed targets
+        mean, var = pred.mean, pred.variance
         mean, var = mean * ysd + ymu, var * ysd**2
         rmse = float((mean - yte).pow(2).mean().sqrt())
         nll = float((0.5 * (yte - mean).pow(2) / var + 0.5 * torch.log(2 * math.pi * var)).mean())

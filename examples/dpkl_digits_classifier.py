@@ -74,12 +74,16 @@ def main() -> None:
         for name, m in (("DPKL (m=10)", 10), ("DBLR (m=1)", 1)):
             torch.manual_seed(args.seed)
             clf = DPKLClassifier(
-                make_net, 10, num_particles=m, num_weight_particles=10, latent_dim=16
+                tx(tr),
+                ty(tr),
+                make_net,
+                num_classes=10,
+                num_particles=m,
+                num_weight_particles=10,
+                latent_dim=16,
             )
             t0 = time.perf_counter()
-            clf.fit(
-                tx(tr), ty(tr), num_epochs=args.epochs, lr=args.lr, val_x=tx(val), val_y=ty(val)
-            )
+            clf.fit(max_iter=args.epochs, lr=args.lr, val_x=tx(val), val_y=ty(val))
             fit_s = time.perf_counter() - t0
             acc, nll = clf.accuracy(tx(test), ty(test)), clf.nll(tx(test), ty(test))
             results[name].append((acc, nll))

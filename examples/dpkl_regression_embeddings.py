@@ -79,9 +79,10 @@ def main() -> None:
     yte = torch.as_tensor(y[test], dtype=dtype)
     for name, model in models.items():
         t0 = time.perf_counter()
-        model.fit(args.steps, lr=1e-2, val_x=tx(val), val_y=ty(val), check_every=20)
+        model.fit(max_iter=args.steps, lr=1e-2, val_x=tx(val), val_y=ty(val), check_every=20)
         fit_s = time.perf_counter() - t0
-        mean, var = model.predict(tx(test))
+        pred = model.predict(tx(test), include_noise=True)  # of the observed targets
+        mean, var = pred.mean, pred.variance
         mean, var = mean * ysd + ymu, var * ysd**2
         rmse = float((mean - yte).pow(2).mean().sqrt())
         nll = float((0.5 * (yte - mean) ** 2 / var + 0.5 * torch.log(2 * math.pi * var)).mean())

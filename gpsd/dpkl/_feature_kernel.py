@@ -4,10 +4,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from gpsd._internal.distances import same_inputs
+
+
+class NonFiniteEmbeddingsError(ValueError):
+    """The feature extractor produced NaN or infinite embeddings (a ``ValueError``)."""
+
+
+def check_embeddings(z: Tensor) -> Tensor:
+    """Raise a :class:`NonFiniteEmbeddingsError` naming the feature extractor if the embeddings
+    ``z`` (``(m, *batch, n, d)``: one row per particle and input) hold NaN or inf; else ``z``."""
+    finite = torch.isfinite(z).all(-1)  # shape: (m, *batch, n)
+    if not bool(finite.all()):
+        rows = int((~finite).reshape(-1, finite.shape[-1]).any(0).sum())
+        raise NonFiniteEmbeddingsError(
+            f"the feature_extractor produced NaN or inf embeddings for {rows} of "
+            f"{finite.shape[-1]} input rows; check the network (its outputs on these inputs, "
+            "and its parameters)"
+        )
+    return z
 
 
 class FeatureKernel(Kernel, ABC):

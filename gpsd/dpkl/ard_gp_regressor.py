@@ -19,15 +19,19 @@ class ARDGPRegressor(EmbeddingGPRegressorBase):
     (x_j - x'_j)^2 / h_j^2\big)` on the inputs (the "GP" baseline of Mallick et al.).
 
     Same API as :class:`~gpsd.dpkl.DPKLRegressor` (``fit``, ``predict``, ``nll``, ``rmse``); all
-    hyperparameters follow the ordinary gradient. The lengthscales start at
-    ``initial_lengthscale`` (default :math:`\sqrt{D}`, the scale of the distances between
-    standardised inputs; GPyTorch's default 0.69 makes every kernel entry vanish for large
-    :math:`D`, and a short Adam run then never leaves the noise-only solution).
+    hyperparameters follow the ordinary gradient. With the default kernel the lengthscales
+    start at ``initial_lengthscale`` (default :math:`\sqrt{D}`, the scale of the distances
+    between standardised inputs; GPyTorch's default 0.69 makes every kernel entry vanish for
+    large :math:`D`, and a short Adam run then never leaves the noise-only solution).
 
-    :param train_x: ``(n, D)`` training inputs.
+    :param train_x: ``(n, D)`` training inputs, or ``(n,)`` for one input feature.
     :param train_y: ``(n,)`` training targets (standardise them).
+    :param covar_module: a GPyTorch kernel on the inputs (default: the ARD kernel above,
+        ``ScaleKernel(RBFKernel(ard_num_dims=D))``).
+    :param mean_module: the prior mean, a GPyTorch ``Mean`` (default: a learned constant).
     :param likelihood: a ``GaussianLikelihood`` (default: a new one).
-    :param initial_lengthscale: the starting value of every lengthscale (default :math:`\sqrt{D}`).
+    :param initial_lengthscale: the starting value of every lengthscale of the default kernel
+        (default :math:`\sqrt{D}`); not with ``covar_module``.
     """
 
     def __init__(
@@ -35,19 +39,35 @@ class ARDGPRegressor(EmbeddingGPRegressorBase):
         train_x: Tensor,
         train_y: Tensor,
         *,
+        covar_module: gpytorch.kernels.Kernel | None = None,
+        mean_module: gpytorch.means.Mean | None = None,
         likelihood: gpytorch.likelihoods.GaussianLikelihood | None = None,
         initial_lengthscale: float | None = None,
     ) -> None:
         train_x = check_inputs(train_x, "train_x")
-        if initial_lengthscale is None:
-            initial_lengthscale = math.sqrt(train_x.shape[-1])
-        initial_lengthscale = check_positive_float(initial_lengthscale, "initial_lengthscale")
-        super().__init__(train_x, train_y, likelihood)
-        self.covar_module = gpytorch.kernels.ScaleKernel(
-            gpytorch.kernels.RBFKernel(ard_num_dims=train_x.shape[-1])
-        )
+        if covar_module is not None:
+            if not isinstance(covar_module, gpytorch.kernels.Kernel):
+                raise TypeError(
+                    "covar_module must be a gpytorch.kernels.Kernel or None, got "
+                    f"{type(covar_module).__name__}"
+                )
+            if initial_lengthscale is not None:
+                raise ValueError(
+                    "initial_lengthscale sets the default kernel's lengthscales; with a "
+                    "covar_module of your own, set its lengthscale instead"
+                )
+        else:
+            if initial_lengthscale is None:
+                initial_lengthscale = math.sqrt(train_x.shape[-1])
+            initial_lengthscale = check_positive_float(initial_lengthscale, "initial_lengthscale")
+        super().__init__(train_x, train_y, likelihood, mean_module)
+        if covar_module is None:
+            covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.RBFKernel(ard_num_dims=train_x.shape[-1])
+            ).to(train_x)
+            # a tensor in the data's dtype: a Python float passes through float32 in the setter
+            covar_module.base_kernel.lengthscale = torch.tensor(
+                initial_lengthscale, dtype=train_x.dtype, device=train_x.device
+            )
+        self.covar_module = covar_module
         self.to(train_x)
-        # a tensor in the data's dtype: a Python float passes through float32 in the setter
-        self.covar_module.base_kernel.lengthscale = torch.tensor(
-            initial_lengthscale, dtype=train_x.dtype, device=train_x.device
-        )

@@ -21,13 +21,14 @@ class DKLRegressor(DPKLRegressor):
     gradient is the ordinary gradient of the negative log marginal likelihood. Same API
     (``fit``, ``predict``, ``nll``, ``rmse``, ``embed``).
 
-    :param train_x: ``(n, D)`` training inputs.
+    :param train_x: ``(n, D)`` training inputs, or ``(n,)`` for one input feature.
     :param train_y: ``(n,)`` training targets (standardise them).
     :param feature_extractor: a network mapping ``(n, D)`` to ``(n, latent_dim)`` or a callable
         returning one.
     :param latent_dim: :math:`d`, checked against the network's output width.
     :param nu: ``None`` (RBF kernel) or a Matérn smoothness in {0.5, 1.5, 2.5}.
     :param likelihood: a ``GaussianLikelihood`` (default: a new one).
+    :param mean_module: the prior mean, a GPyTorch ``Mean`` (default: a learned constant).
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class DKLRegressor(DPKLRegressor):
         latent_dim: int = 2,
         nu: float | None = None,
         likelihood: gpytorch.likelihoods.GaussianLikelihood | None = None,
+        mean_module: gpytorch.means.Mean | None = None,
     ) -> None:
         super().__init__(
             train_x,
@@ -50,4 +52,5 @@ class DKLRegressor(DPKLRegressor):
             nu=nu,
             update="paper",
             likelihood=likelihood,
+            mean_module=mean_module,
         )

@@ -43,7 +43,13 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
     adds SVGD's repulsive term :math:`-\tfrac{1}{m}\sum_l \nabla_{\mathbf{w}_l}\kappa(\mathbf{w}_l,
     \mathbf{w})` (:class:`~gpsd.dpkl.SteinVariationalGradient` with ``loss_type="joint"``).
 
-    :param train_x: ``(n, D)`` training inputs.
+    Train it with :meth:`fit` (which returns the model); :meth:`predict` gives the latent
+    posterior (``include_noise=True``: of the observations) as a :class:`~gpsd.Prediction`, and
+    ``model(test_x)`` in evaluation mode the latent ``MultivariateNormal``; both raise
+    :class:`~gpsd.NotFittedError` before :meth:`fit`. A feature extractor that produces NaN or
+    inf embeddings raises a ``ValueError`` that names it (in :meth:`fit`, with the iteration).
+
+    :param train_x: ``(n, D)`` training inputs, or ``(n,)`` for one input feature.
     :param train_y: ``(n,)`` training targets (standardise them).
     :param feature_extractor: a network mapping ``(n, D)`` to ``(n, latent_dim)`` (copied and
         re-initialised per particle) or a callable returning a fresh one.
@@ -58,6 +64,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         ``"svgd"``, following :attr:`update` if it is changed later).
     :param bandwidth: ``"median"`` (:math:`h = \mathrm{med}^2/\log m`) or a fixed :math:`h`.
     :param likelihood: a :class:`~gpytorch.likelihoods.GaussianLikelihood` (default: a new one).
+    :param mean_module: the prior mean, a GPyTorch ``Mean`` (default: a learned constant).
     """
 
     def __init__(
@@ -76,9 +83,10 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         repulsion: float | None = None,
         bandwidth: float | Literal["median"] = "median",
         likelihood: gpytorch.likelihoods.GaussianLikelihood | None = None,
+        mean_module: gpytorch.means.Mean | None = None,
     ) -> None:
         train_x = check_inputs(train_x, "train_x")
-        super().__init__(train_x, train_y, likelihood)
+        super().__init__(train_x, train_y, likelihood, mean_module)
         latent_dim = check_int(latent_dim, "latent_dim")
         if kernel not in ("rff", "exact"):
             raise ValueError(f"kernel must be 'rff' or 'exact', got {kernel!r}")
@@ -92,7 +100,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             # it into its running statistics
             with torch.no_grad():
                 width = ensemble.eval()(train_x[:1]).shape[-1]
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:
             raise ValueError(
                 f"train_x with {train_x.shape[-1]} features does not fit the feature extractor: "
                 f"{err}"
@@ -120,11 +128,13 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
 
     @property
     def num_particles(self) -> int:
+        """The number :math:`m` of particles."""
         return self.covar_module.feature_extractor.num_particles
 
     @torch.no_grad()
     def embed(self, x: Tensor) -> Tensor:
-        """Latent embeddings of ``x`` by every particle: ``(m, n, latent_dim)``.
+        """Latent embeddings of ``x`` (``(n, D)`` or ``(n,)``) by every particle:
+        ``(m, n, latent_dim)``.
 
         The networks run in evaluation mode (no dropout, BatchNorm's running statistics used
         and left alone), whatever mode the model is in, as in :meth:`predict`.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpytorch.models.exact_prediction_strategies import LinearPredictionStrategy
 from torch import Tensor
 
-from gpsd.dpkl._feature_kernel import FeatureKernel
+from gpsd.dpkl._feature_kernel import FeatureKernel, check_embeddings
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel
 
@@ -64,14 +64,15 @@ class ProbabilisticEmbeddingKernel(FeatureKernel):
         return self.random_features.num_dims
 
     def latent_embeddings(self, x: Tensor) -> Tensor:
-        """The particles' embeddings of ``x``: shape ``(m, *batch, n, latent_dim)``."""
+        """The particles' embeddings of ``x``: shape ``(m, *batch, n, latent_dim)``; a
+        ``ValueError`` naming the feature extractor if they hold NaN or inf."""
         z = self.feature_extractor(x)
         if z.shape[-1] != self.latent_dim:
             raise ValueError(
                 f"the feature extractor maps to {z.shape[-1]} dimensions but the latent dimension "
                 f"(random_features.num_dims) is {self.latent_dim}"
             )
-        return z
+        return check_embeddings(z)
 
     def mean_features(self, x: Tensor) -> Tensor:
         r""":math:`\bar{\boldsymbol{\Phi}}(\mathbf{X})`: shape ``(*batch, n, 2R)``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from gpsd.dpkl._feature_kernel import FeatureKernel
+from gpsd.dpkl._feature_kernel import FeatureKernel, check_embeddings
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 
 __all__ = ["ExpectedEmbeddingKernel"]
@@ -52,14 +52,15 @@ class ExpectedEmbeddingKernel(FeatureKernel):
         self.latent_dim = latent_dim
 
     def latent_embeddings(self, x: Tensor) -> Tensor:
-        """The particles' embeddings of ``x``: shape ``(m, *batch, n, d)``."""
+        """The particles' embeddings of ``x``: shape ``(m, *batch, n, d)``; a ``ValueError``
+        naming the feature extractor if they hold NaN or inf."""
         z = self.feature_extractor(x)
         if self.latent_dim is not None and z.shape[-1] != self.latent_dim:
             raise ValueError(
                 f"the feature extractor maps to {z.shape[-1]} dimensions but latent_dim is "
                 f"{self.latent_dim}"
             )
-        return z
+        return check_embeddings(z)
 
     def features(self, x: Tensor) -> Tensor:
         """What the kernel needs of ``x`` from one pass of the feature extractor: the embeddings

@@ -189,13 +189,37 @@ class ParticleEnsemble(nn.Module):
     def _call_one(self, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
         return functional_call(self._skeleton, (params, buffers), (x,))
 
+    @property
+    def in_features(self) -> int | None:
+        """The input width of the network, where it can be read: the ``in_features`` of its first
+        submodule that holds parameters (an ``nn.Linear`` first layer); else ``None``."""
+        for module in self._skeleton.modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                width = getattr(module, "in_features", None)
+                return width if isinstance(width, int) else None
+        return None
+
     def forward(self, x: Tensor) -> Tensor:
-        """Evaluate every particle on ``x``: returns shape ``(m, *x.shape[:-1], d_out)``."""
+        """Evaluate every particle on ``x``: returns shape ``(m, *x.shape[:-1], d_out)``.
+
+        Inputs of another width than the network's first layer takes (:attr:`in_features`)
+        raise a ``ValueError`` naming both widths.
+        """
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        return vmap(self._call_one, in_dims=(0, 0, None), randomness="different")(
-            self.stacked_parameters(), self.stacked_buffers(), x
-        )
+        try:
+            return vmap(self._call_one, in_dims=(0, 0, None), randomness="different")(
+                self.stacked_parameters(), self.stacked_buffers(), x
+            )
+        except RuntimeError as err:
+            expected = self.in_features
+            got = x.shape[-1] if x.dim() else None
+            if expected is None or got == expected:
+                raise
+            raise ValueError(
+                f"x has {got} input features, but the feature extractor expects {expected} "
+                f"(the in_features of its first layer); got x of shape {tuple(x.shape)}"
+            ) from err
 
     def extra_repr(self) -> str:
         return f"num_particles={self.num_particles}, base={self._skeleton.__class__.__name__}"

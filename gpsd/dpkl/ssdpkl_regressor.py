@@ -47,7 +47,10 @@ class SSDPKLRegressor(DPKLRegressor):
     grows with both) as well as moving the embeddings; freeze them (``requires_grad_(False)``)
     to regularise the embeddings alone.
 
-    :param unlabelled_x: ``(n_u, D)`` unlabelled inputs.
+    :param train_x: ``(n, D)`` labelled training inputs, or ``(n,)`` for one input feature.
+    :param train_y: ``(n,)`` training targets (standardise them).
+    :param feature_extractor: as in :class:`~gpsd.dpkl.DPKLRegressor`.
+    :param unlabelled_x: ``(n_u, D)`` unlabelled inputs (``(n_u,)`` for one feature).
     :param alpha: the regularisation weight :math:`\alpha \ge 0`.
     :param unlabelled_batch_size: minibatch size for the regulariser.
     """
@@ -57,8 +60,8 @@ class SSDPKLRegressor(DPKLRegressor):
         train_x: Tensor,
         train_y: Tensor,
         feature_extractor: nn.Module | Callable[[], nn.Module],
-        unlabelled_x: Tensor,
         *,
+        unlabelled_x: Tensor,
         alpha: float = 1.0,
         unlabelled_batch_size: int = 256,
         **kwargs,

@@ -1,5 +1,4 @@
-"""The DPKL kernels with two distinct input tensors of equal values: each gets its own gradient,
-against central finite differences in float64."""
+"""Tests of the DPKL kernels computed from per-row features (FeatureKernel)."""
 
 import gpytorch
 import pytest
@@ -12,6 +11,7 @@ from gpsd.dpkl import (
     ProbabilisticEmbeddingKernel,
     RandomFeatureKernel,
 )
+from gpsd.dpkl._feature_kernel import FeatureKernel
 
 DT = torch.float64
 
@@ -37,8 +37,8 @@ def _kernels():
     "name", ["random features", "probabilistic embedding", "expected embedding"]
 )
 def test_equal_but_distinct_inputs_each_get_their_gradient(name):
-    # equal values took the x1 = x2 shortcut (one evaluation): x2.grad was None and x1.grad
-    # held both inputs' gradients
+    # equal values must not take the x1 = x2 shortcut (one evaluation), which would leave
+    # x2.grad None and give x1.grad both inputs' gradients
     kernel = _kernels()[name]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 3, generator=gen, dtype=DT)
@@ -62,3 +62,15 @@ def test_equal_but_distinct_inputs_each_get_their_gradient(name):
                     down = (x - step, x) if which == 0 else (x, x - step)
                     fd[i, j] = (objective(*up) - objective(*down)) / (2 * h)
         torch.testing.assert_close(grad, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_feature_kernel_needs_features_and_their_covariance():
+    """The shared base is abstract: a subclass without the two methods cannot be built."""
+
+    class Incomplete(FeatureKernel):
+        def features(self, x):
+            return x
+
+    for cls in (FeatureKernel, Incomplete):
+        with pytest.raises(TypeError, match="feature_covariance"):
+            cls()

@@ -1,3 +1,5 @@
+"""Tests of RandomFeatureKernel and sample_spectral_frequencies."""
+
 import math
 
 import gpytorch
@@ -7,6 +9,14 @@ import torch
 from linear_operator.operators import LowRankRootAddedDiagLinearOperator, LowRankRootLinearOperator
 
 from gpsd.dpkl import RandomFeatureKernel, sample_spectral_frequencies
+
+
+def test_random_feature_outputscale_setter_keeps_float64_precision():
+    torch.set_default_dtype(torch.float32)
+    kernel = RandomFeatureKernel(4, 2).double()
+    kernel.outputscale = 0.7
+    assert kernel.outputscale.dtype == torch.float64
+    assert abs(kernel.outputscale.item() - 0.7) < 1e-15  # 0.7 read as float32 is 0.69999998807
 
 
 def _exact(z, lengthscale, outputscale, nu=None):
@@ -28,6 +38,31 @@ def _rff_error(R, z, seeds, orthogonal=False, nu=None):
         approx = k(z).to_dense().detach()
         errs.append(float((approx - exact).pow(2).mean().sqrt()))
     return float(np.mean(errs))
+
+
+def _woodbury_setup(n=40, R=8, d=3):
+    torch.set_default_dtype(torch.float64)
+    train_x = torch.randn(n, d)
+    train_y = torch.randn(n)
+
+    class GP(gpytorch.models.ExactGP):
+        def __init__(self):
+            lik = gpytorch.likelihoods.GaussianLikelihood()
+            super().__init__(train_x, train_y, lik)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = RandomFeatureKernel(R, d, ard_num_dims=d)
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(x), self.covar_module(x)
+            )
+
+    model = GP()
+    model.covar_module.lengthscale = torch.tensor([0.7, 1.3, 2.0])
+    model.covar_module.outputscale = 1.9
+    model.likelihood.noise = 0.3
+    model.mean_module.constant.data.fill_(0.2)
+    return model, train_x, train_y
 
 
 def test_rff_converges_to_rbf_at_rate_one_over_sqrt_r():
@@ -71,31 +106,6 @@ def test_orthogonal_frequency_blocks():
     assert abs(float(v[:, 0].std()) - 1.0) < 0.02
     assert v.shape == (2000 * d, d)
     assert sample_spectral_frequencies(7, 3, orthogonal=True).shape == (7, 3)
-
-
-def _woodbury_setup(n=40, R=8, d=3):
-    torch.set_default_dtype(torch.float64)
-    train_x = torch.randn(n, d)
-    train_y = torch.randn(n)
-
-    class GP(gpytorch.models.ExactGP):
-        def __init__(self):
-            lik = gpytorch.likelihoods.GaussianLikelihood()
-            super().__init__(train_x, train_y, lik)
-            self.mean_module = gpytorch.means.ConstantMean()
-            self.covar_module = RandomFeatureKernel(R, d, ard_num_dims=d)
-
-        def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(
-                self.mean_module(x), self.covar_module(x)
-            )
-
-    model = GP()
-    model.covar_module.lengthscale = torch.tensor([0.7, 1.3, 2.0])
-    model.covar_module.outputscale = 1.9
-    model.likelihood.noise = 0.3
-    model.mean_module.constant.data.fill_(0.2)
-    return model, train_x, train_y
 
 
 def test_woodbury_mll_equals_dense_cholesky_with_equal_gradients(monkeypatch):
@@ -179,8 +189,9 @@ def test_matern_frequencies_come_from_the_generator_alone(nu):
 
 
 def test_matern_frequencies_leave_the_cuda_generators_alone(monkeypatch):
-    # a non-integer dof seeded the forked CPU RNG with torch.manual_seed, which also reseeds every
-    # CUDA generator (queued until CUDA starts): the caller's GPU randomness was reset
+    # a non-integer dof must not seed a forked CPU RNG with torch.manual_seed, which also
+    # reseeds every CUDA generator (queued until CUDA starts) and resets the caller's GPU
+    # randomness
     calls = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(seed))
@@ -196,3 +207,100 @@ def test_matern_frequencies_are_student_t(nu):
     v = sample_spectral_frequencies(20000, 1, nu=nu, generator=gen, dtype=torch.float64)
     ks = stats.kstest(v.squeeze(-1).numpy(), stats.t(df=2 * nu).cdf)
     assert ks.pvalue > 1e-3
+
+
+class _GP(gpytorch.models.ExactGP):
+    def __init__(self, x, y, kernel):
+        super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood())
+        self.covar_module = kernel
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(
+            torch.zeros_like(x[:, 0]), self.covar_module(x)
+        )
+
+
+def _posterior_mean_from_features(kernel, x, y, xs, noise):
+    """Weight-space posterior mean  phi_* (Phi^T Phi + noise I)^{-1} Phi^T y  (dense, float64)."""
+    with torch.no_grad():
+        phi, phi_s = kernel.featurize(x), kernel.featurize(xs)
+        a = phi.mT @ phi + noise * torch.eye(phi.shape[-1], dtype=x.dtype)
+        return phi_s @ torch.linalg.solve(a, phi.mT @ y)
+
+
+def _strict_randn(monkeypatch):
+    """torch.randn refusing a generator on another device than the draw, as CUDA does ("Expected
+    a 'cuda' device type for generator but found 'cpu'"); the CPU does not check."""
+    plain = torch.randn
+
+    def randn(*args, generator=None, device=None, **kwargs):
+        want = torch.device("cpu" if device is None else device)
+        if generator is not None and generator.device.type != want.type:
+            raise RuntimeError(f"Expected a '{want.type}' device type for generator")
+        return plain(*args, generator=generator, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", randn)
+
+
+def test_resample_with_a_generator_draws_the_spectral_frequencies_of_that_generator():
+    kernel = RandomFeatureKernel(7, 3, nu=1.5).double()
+    kernel.resample(torch.Generator().manual_seed(5))
+    expected = sample_spectral_frequencies(
+        7, 3, nu=1.5, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    torch.testing.assert_close(kernel.base_frequencies, expected, rtol=0, atol=0)
+    before = kernel.base_frequencies.clone()
+    kernel.resample(torch.Generator().manual_seed(6))
+    assert not torch.equal(kernel.base_frequencies, before)
+
+
+def test_eval_mode_model_sees_new_frequencies_after_train_eval():
+    torch.manual_seed(0)
+    x = torch.randn(40, 2, dtype=torch.float64)
+    y = torch.sin(x.sum(-1))
+    xs = torch.randn(9, 2, dtype=torch.float64)
+    kernel = RandomFeatureKernel(10, 2).double()
+    model = _GP(x, y, kernel).double()
+    model.likelihood.noise = 0.05
+    model.eval()
+    with torch.no_grad():
+        old = model(xs).mean
+    torch.testing.assert_close(old, _posterior_mean_from_features(kernel, x, y, xs, 0.05))
+
+    kernel.resample(torch.Generator().manual_seed(1))
+    model.train()
+    model.eval()
+    with torch.no_grad():
+        new = model(xs).mean
+    reference = _posterior_mean_from_features(kernel, x, y, xs, 0.05)
+    torch.testing.assert_close(new, reference)
+    assert (new - old).abs().max() > 1e-3  # the draw changed the predictor
+
+
+def test_a_cpu_generator_draws_for_a_kernel_on_another_device(monkeypatch):
+    """resample(cpu_generator) on a CUDA kernel draws on the CPU and moves the draw (asking for
+    it on the kernel's device with the CPU generator would raise). The 'meta' device stands in
+    for CUDA here."""
+    _strict_randn(monkeypatch)
+    for nu in (None, 1.5):
+        kernel = RandomFeatureKernel(8, 2, nu=nu).double().to("meta")
+        kernel.resample(torch.Generator().manual_seed(0))
+        assert kernel.base_frequencies.device.type == "meta"
+        on_cpu = sample_spectral_frequencies(
+            8, 2, nu=nu, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+        )
+        moved = sample_spectral_frequencies(
+            8, 2, nu=nu, generator=torch.Generator().manual_seed(0), dtype=torch.float64,
+            device="meta",
+        )  # fmt: skip
+        assert moved.device.type == "meta" and moved.shape == on_cpu.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernel_resampled_with_a_cpu_generator_equals_the_cpu_draw():
+    kernel = RandomFeatureKernel(8, 3, nu=2.5).double().cuda()
+    kernel.resample(torch.Generator().manual_seed(4))
+    expected = sample_spectral_frequencies(
+        8, 3, nu=2.5, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+    )
+    torch.testing.assert_close(kernel.base_frequencies.cpu(), expected, rtol=0, atol=0)

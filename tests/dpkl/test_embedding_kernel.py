@@ -1,10 +1,13 @@
-"""Random-feature kernels with 2R >= n above GPyTorch's Cholesky size: an exact, repeatable MLL."""
+"""Tests of ProbabilisticEmbeddingKernel."""
 
 import gpytorch
 import torch
+from dpkl_reference import loop_mean_features
 from torch import nn
 
-from gpsd.dpkl import DPKLRegressor
+from gpsd.dpkl import (
+    DPKLRegressor,
+)
 
 
 def _net():
@@ -12,10 +15,9 @@ def _net():
 
 
 def test_rff_mll_is_exact_when_2r_reaches_n_above_the_cholesky_size():
-    # n = 820 > gpytorch.settings.max_cholesky_size (800) and 2R = 840 >= n. K(Z, Z) used to be a
-    # RootLinearOperator there, which GPyTorch solves by conjugate gradients with a stochastic
-    # Lanczos log determinant: a random loss, here 10.9709 against the dense 11.6859 (6 % off),
-    # and another value on the next call. Woodbury is exact and repeatable.
+    # n = 820 > gpytorch.settings.max_cholesky_size (800) and 2R = 840 >= n. As a plain root
+    # operator K(Z, Z) would be solved by conjugate gradients with a stochastic Lanczos log
+    # determinant (a random loss, 6 % off the dense one); Woodbury is exact and repeatable.
     torch.set_default_dtype(torch.float64)
     n = 820
     assert n > gpytorch.settings.max_cholesky_size.value()
@@ -32,3 +34,20 @@ def test_rff_mll_is_exact_when_2r_reaches_n_above_the_cholesky_size():
         ref = -torch.distributions.MultivariateNormal(mean, cov).log_prob(y) / n
     for loss in losses:
         torch.testing.assert_close(loss.detach(), ref, rtol=1e-8, atol=1e-10)
+
+
+def _net_m(d_in=4, d_out=2):
+    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
+
+
+def _data(n=30, d=4):
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(n, d)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
+    return x, y
+
+
+def test_mean_features_equal_particle_loop():
+    x, y = _data()
+    model = DPKLRegressor(x, y, _net_m, num_particles=4, num_random_features=6)
+    torch.testing.assert_close(model.covar_module.mean_features(x), loop_mean_features(model, x))

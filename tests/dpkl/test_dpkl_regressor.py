@@ -1,0 +1,378 @@
+"""Tests of DPKLRegressor: its loss, gradients and predictions against dense formulas over
+stand-alone particles, its checks, and its rough edges (1-D inputs, a network giving NaN)."""
+
+import math
+
+import gpytorch
+import pytest
+import torch
+from conftest import requires_cuda
+from dpkl_reference import dense_kernel, dense_variance, loop_embeddings, loop_mean_features
+from torch import nn
+
+import gpsd
+from gpsd.dpkl import (
+    DKLRegressor,
+    DPKLClassifier,
+    DPKLRegressor,
+    SSDPKLRegressor,
+    SteinVariationalGradient,
+    sample_spectral_frequencies,
+)
+
+DT = torch.float64
+
+
+def _net(d_in=4, d_out=2):
+    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
+
+
+def _data(n=30, d=4):
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(n, d)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
+    return x, y
+
+
+def _data_sum(n=24, d=3):
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(n, d)
+    return x, torch.sin(x.sum(-1))
+
+
+def _dropout_net():
+    return nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 2))
+
+
+def _batchnorm_net():
+    return nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def _pretrained_frozen_body():
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    net[0].requires_grad_(False)  # a pretrained layer the user froze
+    return net
+
+
+def _dense_loss(model, x, y):
+    phi = loop_mean_features(model, x)
+    cov = phi @ phi.mT + model.likelihood.noise * torch.eye(x.shape[0])
+    mean = model.mean_module.constant.expand(x.shape[0])
+    return -torch.distributions.MultivariateNormal(mean, covariance_matrix=cov).log_prob(y)
+
+
+def test_loss_and_particle_gradients_equal_dense():
+    x, y = _data(n=40)
+    model = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=5)
+    model.likelihood.noise = 0.2
+    loss = model.training_loss() * x.shape[0]
+    params = model.particle_parameters()
+    g = torch.autograd.grad(loss, params)
+    dense = _dense_loss(model, x, y)
+    h = torch.autograd.grad(dense, params)
+    assert abs(loss.item() - dense.item()) < 1e-8
+    for a, b in zip(g, h, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+def test_predictions_equal_dense_gp_formula():
+    x, y = _data(n=25)
+    model = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=20).fit(max_iter=0)
+    xs = torch.randn(7, 4)
+    latent = model.predict(xs)
+    observed = model.predict(xs, include_noise=True)
+    with torch.no_grad():
+        phi, phis = loop_mean_features(model, x), loop_mean_features(model, xs)
+        noise, c = model.likelihood.noise, model.mean_module.constant
+        kxx = phi @ phi.mT + noise * torch.eye(25)
+        ks = phis @ phi.mT
+        ref_mean = c + ks @ torch.linalg.solve(kxx, y - c)
+        ref_var = (phis**2).sum(-1) - (ks * torch.linalg.solve(kxx, ks.mT).mT).sum(-1)
+    for pred, add in ((latent, 0.0), (observed, noise)):
+        torch.testing.assert_close(pred.mean, ref_mean, rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(pred.variance, ref_var + add, rtol=1e-7, atol=1e-9)
+    # model(test_x) is the latent MultivariateNormal
+    with torch.no_grad():
+        mvn = model(xs)
+    assert isinstance(mvn, gpytorch.distributions.MultivariateNormal)
+    torch.testing.assert_close(mvn.mean, ref_mean, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(mvn.variance, ref_var, rtol=1e-7, atol=1e-9)
+
+
+def test_single_particle_functional_gradient_is_plain_gradient():
+    x, y = _data(n=20)
+    model = DPKLRegressor(x, y, _net, num_particles=1, num_random_features=10, update="svgd")
+    model.training_loss().backward()
+    params = model.particle_parameters()
+    before = [p.grad.clone() for p in params]
+    SteinVariationalGradient(params, repulsion=1.0).transform_()
+    for a, b in zip(before, params, strict=True):
+        torch.testing.assert_close(a, b.grad)
+
+
+def test_fit_early_stopping_restores_the_best_checked_state_and_it_roundtrips():
+    x, y = _data(n=40)
+    xv, yv = _data(n=15)
+    model = DPKLRegressor(x, y, _net, num_particles=4, num_random_features=20, update="svgd")
+    first = model.training_loss().item()
+    assert model.fit(max_iter=40, lr=0.02, val_x=xv, val_y=yv, check_every=10) is model
+    hist = model.history
+    assert len(hist["loss"]) == 40 and len(hist["val_nll"]) == 5
+    assert hist["val_iteration"] == [0, 10, 20, 30, 40]
+    assert hist["loss"][-1] < first
+    # the restored state is the best checked one
+    assert math.isclose(model.nll(xv, yv), min(hist["val_nll"]), rel_tol=1e-9)
+    pred = model.predict(xv)
+    assert pred.mean.shape == (15,) and (pred.variance > 0).all()
+    other = DPKLRegressor(x, y, _net, num_particles=4, num_random_features=20)
+    other.load_state_dict(model.state_dict())  # a trained state: the model is fitted
+    torch.testing.assert_close(other.predict(xv).mean, pred.mean)
+    assert model.embed(xv).shape == (4, 15, 2)
+
+
+def test_float32_and_orthogonal_matern_variant():
+    torch.set_default_dtype(torch.float32)
+    x = torch.randn(30, 4)
+    y = torch.randn(30)
+    model = DPKLRegressor(
+        x, y, _net, num_particles=3, num_random_features=8, orthogonal=True, nu=1.5
+    )
+    model.fit(max_iter=3)
+    pred = model.predict(x[:5])
+    assert pred.mean.dtype == torch.float32 and torch.isfinite(pred.variance).all()
+
+
+def test_constructor_names_the_bad_argument():
+    x, y = _data(n=20)
+    with pytest.raises(ValueError, match="num_particles"):
+        DPKLRegressor(x, y, _net, num_particles=0)
+    with pytest.raises(ValueError, match="R"):
+        DPKLRegressor(x, y, _net, num_random_features=0)
+    with pytest.raises(ValueError, match="latent_dim"):
+        DPKLRegressor(x, y, lambda: _net(4, 3), latent_dim=2)
+    with pytest.raises(ValueError, match="bandwidth"):
+        DPKLRegressor(x, y, _net, bandwidth=-2.0)
+    with pytest.raises(ValueError, match="repulsion"):
+        DPKLRegressor(x, y, _net, update="svgd", repulsion=-1.0)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="train_x"):
+        DPKLRegressor(bad, y, _net)
+    bad_y = y.clone()
+    bad_y[3] = float("inf")
+    with pytest.raises(ValueError, match="train_y"):
+        DPKLRegressor(x, bad_y, _net)
+    with pytest.raises(ValueError, match="train_y"):
+        DPKLRegressor(x, y[:-1], _net)
+    with pytest.raises(ValueError, match="update"):
+        DPKLRegressor(x, y, _net, update="adam")
+    with pytest.raises(TypeError, match="mean_module"):
+        DPKLRegressor(x, y, _net, mean_module=gpytorch.kernels.RBFKernel())
+    model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=5).fit(max_iter=1)
+    with pytest.raises(ValueError, match="test_x must have 4 features"):
+        model.predict(torch.randn(3, 5))
+
+
+def test_one_dimensional_train_x_is_one_feature():
+    torch.set_default_dtype(torch.float64)
+    x = torch.linspace(-2, 2, 20)
+    y = torch.sin(x)
+    torch.manual_seed(1)
+    flat = DPKLRegressor(x, y, lambda: _net(1), num_particles=2, num_random_features=6)
+    torch.manual_seed(1)
+    column = DPKLRegressor(x[:, None], y, lambda: _net(1), num_particles=2, num_random_features=6)
+    assert flat.train_inputs[0].shape == (20, 1)
+    flat.fit(max_iter=2)
+    column.fit(max_iter=2)
+    xs = torch.linspace(-1, 1, 5)
+    torch.testing.assert_close(flat.predict(xs).mean, column.predict(xs[:, None]).mean)
+    torch.testing.assert_close(flat.predict(xs).variance, column.predict(xs[:, None]).variance)
+
+
+class _SqrtNet(nn.Module):
+    """A network whose output is NaN where its linear layer is negative."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.linear(x).sqrt()
+
+
+@pytest.mark.parametrize("kernel", ["rff", "exact"])
+def test_a_network_that_gives_nan_is_named_in_fit_and_predict(kernel):
+    x, y = _data_sum(n=20)
+    model = DPKLRegressor(x, y, _SqrtNet, num_particles=2, num_random_features=6, kernel=kernel)
+    with pytest.raises(ValueError, match=r"feature_extractor produced NaN or inf .* iteration 1"):
+        model.fit(max_iter=3)
+    healthy = DPKLRegressor(x, y, _net(3), num_particles=2, num_random_features=6, kernel=kernel)
+    healthy.fit(max_iter=1)
+    with torch.no_grad():  # a network that turns NaN after training
+        healthy.covar_module.feature_extractor.particle_parameters["2__bias"].fill_(math.nan)
+    with pytest.raises(ValueError, match="feature_extractor produced NaN or inf"):
+        healthy.predict(x[:3])
+    with pytest.raises(ValueError, match="feature_extractor produced NaN or inf"):
+        with torch.no_grad():
+            healthy(x[:3])
+
+
+def test_a_network_that_turns_nan_during_fit_names_the_iteration():
+    x, y = _data_sum(n=20)
+    model = DPKLRegressor(x, y, _net(3), num_particles=2, num_random_features=6)
+
+    def poison(record):
+        if record.iteration == 2:
+            with torch.no_grad():
+                model.covar_module.feature_extractor.particle_parameters["0__weight"].fill_(
+                    math.inf
+                )
+
+    with pytest.raises(ValueError, match=r"feature_extractor .* at iteration 3\)"):
+        model.fit(max_iter=5, callback=poison)
+
+
+@requires_cuda
+def test_cuda():
+    x, y = _data(n=30)
+    model = DPKLRegressor(x.cuda(), y.cuda(), _net, num_particles=3, num_random_features=8)
+    model.fit(max_iter=3)
+    mean = model.predict(x[:4].cuda()).mean
+    assert mean.device.type == "cuda"
+    cpu = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=8)
+    cpu.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    torch.testing.assert_close(cpu.predict(x[:4]).mean, mean.cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_regressors_name_a_feature_extractor_of_the_wrong_input_width():
+    x, y = _data_sum(10)
+    wide = torch.randn(10, 4)
+    net = lambda: _net(3)  # noqa: E731
+    for make in (
+        lambda: DPKLRegressor(wide, y, net),
+        lambda: DKLRegressor(wide, y, net),
+        lambda: SSDPKLRegressor(wide, y, net, unlabelled_x=torch.randn(5, 4)),
+    ):
+        with pytest.raises(ValueError, match="train_x with 4 features does not fit"):
+            make()
+
+
+def test_bad_nu_is_a_value_error():
+    x, y = _data_sum(10)
+    for kernel in ("rff", "exact"):
+        with pytest.raises(ValueError, match="nu must be"):
+            DPKLRegressor(x, y, lambda: _net(3), kernel=kernel, nu=0.7)
+    # nu = 0 or inf would give NaN frequencies, a negative nu a shape error
+    for nu in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="nu must be"):
+            sample_spectral_frequencies(5, 2, nu=nu)
+    for bad in (2.5, True, 0):
+        with pytest.raises(ValueError, match="num_features"):
+            sample_spectral_frequencies(bad, 2)
+    freq = sample_spectral_frequencies(5, 2, nu=0.75, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(freq).all()
+
+
+def test_fits_leave_frozen_parameters_alone():
+    x, y = _data_sum(24)
+    net = _pretrained_frozen_body()
+    model = DPKLRegressor(x, y, net, num_particles=3, num_random_features=5)
+    params = model.covar_module.feature_extractor.stacked_parameters()
+    body, head = params["0.weight"].detach().clone(), params["2.weight"].detach().clone()
+    model.fit(max_iter=3, lr=1e-2)
+    torch.testing.assert_close(params["0.weight"], body, rtol=0, atol=0)
+    assert not torch.equal(params["2.weight"], head)
+
+    labels = (x[:, 0] > 0).long()
+    clf = DPKLClassifier(x, labels, net, num_particles=3, num_weight_particles=2)
+    params = clf.feature_extractor.stacked_parameters()
+    body, head = params["0.weight"].detach().clone(), params["2.weight"].detach().clone()
+    clf.fit(max_iter=1, batch_size=12, lr=1e-2)
+    torch.testing.assert_close(params["0.weight"], body, rtol=0, atol=0)
+    assert not torch.equal(params["2.weight"], head)
+    net.requires_grad_(False)  # nothing trainable in the extractor: the classifier still fits
+    clf = DPKLClassifier(x, labels, net, num_particles=2, num_weight_particles=2)
+    weights = clf.class_weights.detach().clone()
+    clf.fit(max_iter=1, batch_size=12, lr=1e-2)
+    assert not torch.equal(clf.class_weights, weights)
+
+
+def test_embed_runs_the_networks_in_evaluation_mode():
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 5, dtype=DT), torch.randn(40, dtype=DT)
+
+    def net():
+        return nn.Sequential(
+            nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)
+        ).to(DT)
+
+    model = DPKLRegressor(x, y, net, num_particles=3, num_random_features=20)
+    model.train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    first, second = model.embed(x), model.embed(x)
+    assert torch.equal(first, second)  # no dropout
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert model.training and model.covar_module.feature_extractor.training
+    # an independent evaluation: each particle's network on its own, in evaluation mode
+    ensemble = model.covar_module.feature_extractor
+    for i in range(3):
+        particle = ensemble.particle_module(i).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(first[i], particle(x), rtol=1e-12, atol=1e-12)
+
+
+def test_batchnorm_network_constructs_fits_and_predicts():
+    torch.manual_seed(0)
+    x = torch.randn(30, 3, dtype=torch.float64)
+    y = torch.sin(x.sum(-1))
+    # the one-row width check runs in evaluation mode, where BatchNorm takes one row
+    model = DPKLRegressor(x, y, _batchnorm_net, num_particles=3, num_random_features=20)
+    assert model.covar_module.feature_extractor.training  # the check left training mode on
+    stats = model.covar_module.feature_extractor.state_dict()
+    stats = {k: v.clone() for k, v in stats.items() if "running" in k}
+    assert all(torch.equal(v, torch.zeros_like(v)) for k, v in stats.items() if "mean" in k)
+    model.fit(max_iter=3, lr=0.01)
+    pred = model.predict(torch.randn(7, 3, dtype=torch.float64))
+    assert torch.isfinite(pred.mean).all() and (pred.variance > 0).all()
+
+
+@pytest.mark.parametrize("kernel", ["exact", "rff"])
+def test_training_mode_dropout_variance_is_one_psd_pass(kernel):
+    # k_xx, k_xt and k_tt are blocks of one kernel matrix from one extractor pass (one dropout
+    # mask per row): with three passes sigma^2 reached -128 with the exact kernel (noise 1e-3)
+    x, y = _data_sum()
+    xq = torch.randn(10, 3)
+    model = DPKLRegressor(
+        x, y, _dropout_net, num_particles=3, num_random_features=30, kernel=kernel
+    )
+    model.likelihood.noise = 1e-3
+    model.train()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            got = model.latent_posterior_variance(xq)
+            torch.manual_seed(seed)  # the same dropout masks, one pass over all rows
+            z = model.covar_module.feature_extractor(torch.cat([x, xq]))
+        ref = dense_variance(dense_kernel(model, z), x.shape[0], 1e-3)
+        assert got.min() > -1e-10
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-10)
+
+
+def test_training_loss_in_eval_mode_is_the_marginal_likelihood():
+    # in evaluation mode GPyTorch's model(train_x) is the posterior; the loss stays the prior's
+    x, y = _data_sum()
+    model = DPKLRegressor(x, y, _dropout_net, num_particles=3, num_random_features=30)
+    model.eval()
+    z = loop_embeddings(model, x, training=False)
+    n, noise, c = x.shape[0], model.likelihood.noise.detach(), model.mean_module.constant.detach()
+    cov = dense_kernel(model, z) + noise * torch.eye(n)
+    ref = -torch.distributions.MultivariateNormal(c.expand(n), cov).log_prob(y) / n
+    torch.testing.assert_close(model.training_loss().detach(), ref, rtol=1e-8, atol=1e-12)
+
+
+def test_not_fitted_error_is_a_gpsd_error_and_a_runtime_error():
+    x, y = _data(n=10)
+    model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=4)
+    with pytest.raises(gpsd.NotFittedError, match=r"call fit\(\)") as info:
+        model.predict(x)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, gpsd.GpsdError)
