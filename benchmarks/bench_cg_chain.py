@@ -126,7 +126,7 @@ def main() -> None:
         kernel.lengthscale = lengthscale
         kernel.requires_grad_(False)
         kernel, x = kernel.to(device), x.to(device)
-        operator = ChunkedKernelOperator(x, kernel=kernel)
+        operator = ChunkedKernelOperator(x, covar_module=kernel)
         dense = kernel(x).to_dense()
         y = torch.randn(x.shape[0], 1, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
         y = y.to(device)

@@ -601,7 +601,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         return (mean - val_y.unsqueeze(-2)).square().mean(-1)
 
     def best_step(
-        self, criterion: str = "gcv", val_x: Tensor | None = None, val_y: Tensor | None = None
+        self, criterion: str = "gcv", *, val_x: Tensor | None = None, val_y: Tensor | None = None
     ) -> int | Tensor:
         """The step with the smallest score, counted from 1.
 

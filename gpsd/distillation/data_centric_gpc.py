@@ -246,7 +246,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                         check_targets=step == 1,  # later steps: the last step's probabilities
                     )
                     modes.append(mode)
-                    self.newton_iterations.append(mode.num_iter)
+                    self.newton_iterations.append(mode.iterations)
                     if self.step_targets[step - 1].shape != targets.shape:
                         self.step_targets = targets.new_zeros(self.num_steps, *targets.shape)
                         self.latent_modes = torch.zeros_like(self.step_targets)
@@ -256,7 +256,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     soft = self._soft_predictions(mode, K, m)
                     targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
                     loss = -float(mode.log_marginal_likelihood.sum())
-                    if report.update(step, loss=loss, newton_iterations=mode.num_iter):
+                    if report.update(step, loss=loss, newton_iterations=mode.iterations):
                         break
             self.is_fitted.fill_(True)
         return modes

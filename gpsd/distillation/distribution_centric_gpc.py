@@ -277,7 +277,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         S = self._middle(mode)
         # mean m + (sK)(x, X) a ; cov s k - s^2 k(x,X) S k(X,x)
         self._store(step, mode.f, scale * mode.alpha, scale**2 * S)
-        self.newton_iterations[step] = mode.num_iter
+        self.newton_iterations[step] = mode.iterations
 
     @staticmethod
     def _middle(mode) -> Tensor:
@@ -313,10 +313,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             Q = Q + P @ S @ P.transpose(-1, -2)
             Q = 0.5 * (Q + Q.transpose(-1, -2))
             self._store(step, mode.f, c, Q)
-            self.newton_iterations[step] = mode.num_iter
+            self.newton_iterations[step] = mode.iterations
             init = mode.f
             loss = -float(mode.log_marginal_likelihood.sum())
-            if report.update(step, loss=loss, newton_iterations=mode.num_iter):
+            if report.update(step, loss=loss, newton_iterations=mode.iterations):
                 break
 
     def fit(

@@ -16,7 +16,7 @@ class DKLRegressor(DPKLRegressor):
     r"""Deep Kernel Learning: :math:`K_{ij} = s\,\exp(-\lVert g_{\mathbf{w}}(\mathbf{x}_i) -
     g_{\mathbf{w}}(\mathbf{x}_j)\rVert^2 / 2\ell^2)` with one deterministic network.
 
-    It is :class:`DPKLRegressor` with ``num_particles=1`` and ``kernel="exact"``: with one particle
+    It is :class:`DPKLRegressor` with ``num_particles=1`` and ``embedding_kernel="exact"``: with one particle
     :math:`\kappa(\mathbf{w}, \mathbf{w}) = 1` and the repulsive term vanishes, so the functional
     gradient is the ordinary gradient of the negative log marginal likelihood. Same API
     (``fit``, ``predict``, ``nll``, ``rmse``, ``embed``).
@@ -48,7 +48,7 @@ class DKLRegressor(DPKLRegressor):
             feature_extractor,
             num_particles=1,
             latent_dim=latent_dim,
-            kernel="exact",
+            embedding_kernel="exact",
             nu=nu,
             update="paper",
             likelihood=likelihood,

@@ -33,8 +33,8 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         k\big(g_{\mathbf{w}_l}(\mathbf{x}), g_{\mathbf{w}_{l'}}(\mathbf{x}')\big)
         \approx \bar{\boldsymbol\phi}(\mathbf{x})^\top \bar{\boldsymbol\phi}(\mathbf{x}'),
 
-    (``kernel="rff"``: random Fourier features, or orthogonal ones with ``orthogonal=True``, as a
-    low-rank operator solved by Woodbury in :math:`O(nR^2)`; ``kernel="exact"``: the exact
+    (``embedding_kernel="rff"``: random Fourier features, or orthogonal ones with ``orthogonal=True``, as a
+    low-rank operator solved by Woodbury in :math:`O(nR^2)`; ``embedding_kernel="exact"``: the exact
     expected kernel, :math:`O(n^2m^2)`). The likelihood is Gaussian with a learned noise; the mean
     is a learned constant; the base kernel's lengthscale and outputscale are learned. The particles
     are trained by the functional gradient of the negative log marginal likelihood
@@ -56,7 +56,8 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
     :param num_particles: :math:`m \ge 1`.
     :param latent_dim: :math:`d`, checked against the network's output width.
     :param num_random_features: :math:`R \ge 1` (``2R`` features).
-    :param kernel: ``"rff"`` or ``"exact"``.
+    :param embedding_kernel: ``"rff"`` (random Fourier features) or ``"exact"``, the kernel
+        between the embeddings.
     :param orthogonal: orthogonal random features (Yu et al., 2016).
     :param nu: ``None`` (RBF base kernel) or a Matérn smoothness in {0.5, 1.5, 2.5}.
     :param update: ``"paper"`` or ``"svgd"``.
@@ -76,7 +77,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         num_particles: int = 10,
         latent_dim: int = 2,
         num_random_features: int = 100,
-        kernel: Literal["rff", "exact"] = "rff",
+        embedding_kernel: Literal["rff", "exact"] = "rff",
         orthogonal: bool = False,
         nu: float | None = None,
         update: Literal["paper", "svgd"] = "paper",
@@ -88,8 +89,8 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         train_x = check_inputs(train_x, "train_x")
         super().__init__(train_x, train_y, likelihood, mean_module)
         latent_dim = check_int(latent_dim, "latent_dim")
-        if kernel not in ("rff", "exact"):
-            raise ValueError(f"kernel must be 'rff' or 'exact', got {kernel!r}")
+        if embedding_kernel not in ("rff", "exact"):
+            raise ValueError(f"embedding_kernel must be 'rff' or 'exact', got {embedding_kernel!r}")
         # checked by the setters, before the ensemble is built
         self.update, self.repulsion, self.bandwidth = update, repulsion, bandwidth
         if nu is not None and nu not in (0.5, 1.5, 2.5):  # before either kernel is built
@@ -111,7 +112,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             raise ValueError(
                 f"the feature extractor maps to {width} dimensions but latent_dim is {latent_dim}"
             )
-        if kernel == "rff":
+        if embedding_kernel == "rff":
             random_features = RandomFeatureKernel(
                 num_random_features, latent_dim, nu=nu, orthogonal=orthogonal
             )
@@ -124,7 +125,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
                 ensemble, gpytorch.kernels.ScaleKernel(base), latent_dim=latent_dim
             )
         self.to(train_x)
-        self.kernel_type = kernel
+        self.kernel_type = embedding_kernel
 
     @property
     def num_particles(self) -> int:
@@ -157,7 +158,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             \sigma_\eta^2\mathbf I)^{-1}\mathbf{k}_\star,
             \qquad k_{\star\star} = \hat K(\mathbf{x}, \mathbf{x}),
 
-        for ``kernel="rff"`` (where :math:`k_{\star\star} = \lVert\bar{\boldsymbol\phi}(\mathbf{x})
+        for ``embedding_kernel="rff"`` (where :math:`k_{\star\star} = \lVert\bar{\boldsymbol\phi}(\mathbf{x})
         \rVert^2`) in the Woodbury form :math:`\sigma_\eta^2\, \bar{\boldsymbol\phi}^\top
         (\bar{\boldsymbol\Phi}^\top \bar{\boldsymbol\Phi} + \sigma_\eta^2 \mathbf I)^{-1}
         \bar{\boldsymbol\phi}`, :math:`O(nR^2)`.

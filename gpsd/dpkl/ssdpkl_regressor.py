@@ -32,8 +32,8 @@ class SSDPKLRegressor(DPKLRegressor):
     drawn afresh every step (all of them if fewer) and :math:`\sigma^2` is the latent posterior
     variance (:meth:`~gpsd.dpkl.DPKLRegressor.latent_posterior_variance`) with the true prior
     variance :math:`\hat K(\mathbf{x}, \mathbf{x})` of the kernel: the exact expected kernel's
-    for ``kernel="exact"``, :math:`\lVert\bar{\boldsymbol\phi}(\mathbf{x})\rVert^2` for
-    ``kernel="rff"`` (then, by Prop. 2, :math:`\sigma^2` is the squared RKHS distance of the
+    for ``embedding_kernel="exact"``, :math:`\lVert\bar{\boldsymbol\phi}(\mathbf{x})\rVert^2` for
+    ``embedding_kernel="rff"`` (then, by Prop. 2, :math:`\sigma^2` is the squared RKHS distance of the
     embedding of :math:`p(\mathbf Z\mid\mathbf x)` from the span of the labelled embeddings).
     Both terms come from one pass of the feature extractor over the labelled rows and :math:`B`
     together: in training mode (:meth:`fit`) each row's embeddings are drawn once (one dropout

@@ -208,7 +208,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
             self.mode_available.fill_(True)
         return mode
 
-    def fit(self, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceGPClassifier:
+    def fit(self, *, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceGPClassifier:
         """Find the Laplace mode at the current hyperparameters (warm start from the last mode).
 
         Predictions call it themselves where the hyperparameters changed; call it to choose the

@@ -39,7 +39,7 @@ class LaplaceMode:
     :ivar objective: :math:`\psi(\hat{\mathbf f}) = -\tfrac12 \mathbf a^\top(\hat{\mathbf f} -
         \mathbf m) + \tau \log p(\mathbf y \mid \hat{\mathbf f})`, shape ``batch``
     :ivar log_marginal_likelihood: :math:`\psi(\hat{\mathbf f}) - \sum_i \log L_{ii}` (R&W eq. 3.32)
-    :ivar num_iter: Newton iterations used
+    :ivar iterations: Newton iterations used
     :ivar temperature: :math:`\tau`, the power of the likelihood the mode was found at
     """
 
@@ -50,7 +50,7 @@ class LaplaceMode:
     chol_B: Tensor
     objective: Tensor
     log_marginal_likelihood: Tensor
-    num_iter: int
+    iterations: int
     temperature: float = 1.0
 
     def check_dtype(self, tensor: object, name: str) -> None:
@@ -291,9 +291,9 @@ def find_laplace_mode(
             raise LaplaceConvergenceError("the Laplace objective is not finite at the start point")
 
         converged = False
-        num_iter = 0
+        iterations = 0
         for iteration in range(1, max_iter + 1):
-            num_iter = iteration
+            iterations = iteration
             direction, W_now = newton_target(f)
             direction = direction - alpha
             step = torch.ones_like(psi)
@@ -356,6 +356,6 @@ def find_laplace_mode(
             chol_B=chol_B,
             objective=psi,
             log_marginal_likelihood=log_ml,
-            num_iter=num_iter,
+            iterations=iterations,
             temperature=tau,
         )

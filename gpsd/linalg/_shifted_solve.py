@@ -33,7 +33,7 @@ class ShiftedSolveEngine(SpectralEngine):
     #: dtype of the solves.
     dtype: torch.dtype
 
-    #: ``(rhs, its version counter, gamma, result, its version counter, grad mode)`` of the
+    #: ``(rhs, its version counter, noise, result, its version counter, grad mode)`` of the
     #: latest solve, reused by the next call with the same right-hand side and shift (the CG
     #: backend's timed solve serves the first step of a chain).
     _last: tuple | None = None
@@ -44,8 +44,8 @@ class ShiftedSolveEngine(SpectralEngine):
     #: :math:`N`.
     size: int
 
-    def solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
-        r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``gamma`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
+    def solve(self, noise: Tensor, rhs: Tensor) -> Tensor:
+        r""":math:`(\mathbf K + \gamma\mathbf I)^{-1}` ``rhs`` for ``noise`` ``(*s,)``, ``rhs`` ``(*, N, r)``.
 
         The previous result is reused when the same right-hand side (the same tensor, or a view of
         the same unmodified memory with the same shape) comes again with equal shifts, and the
@@ -61,21 +61,21 @@ class ShiftedSolveEngine(SpectralEngine):
                 and written == self._last[4]
                 and self._last[5] == torch.is_grad_enabled()
                 and (
-                    last_gamma is gamma
+                    last_gamma is noise
                     or (
-                        _graph_free(last_gamma, gamma)
-                        and last_gamma.shape == gamma.shape
-                        and bool(torch.equal(last_gamma, gamma))
+                        _graph_free(last_gamma, noise)
+                        and last_gamma.shape == noise.shape
+                        and bool(torch.equal(last_gamma, noise))
                     )
                 )
             ):
                 return last_out
-        out = self._solve(gamma, rhs)
-        self._last = (rhs, write_count(rhs), gamma, out, write_count(out), torch.is_grad_enabled())
+        out = self._solve(noise, rhs)
+        self._last = (rhs, write_count(rhs), noise, out, write_count(out), torch.is_grad_enabled())
         return out
 
     @abstractmethod
-    def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+    def _solve(self, noise: Tensor, rhs: Tensor) -> Tensor:
         """The solve itself, without the reuse of :meth:`solve`."""
 
     def apply(self, filt: SpectralFilter, rhs: Tensor) -> Tensor:
@@ -93,16 +93,16 @@ class ShiftedSolveEngine(SpectralEngine):
         self.quad_error_bound = None
         if not filt.is_resolvent:
             return (left.unsqueeze(-3) * self.apply(filt, left)).sum(-2)
-        gamma = filt.gamma.to(dtype=self.dtype, device=left.device)
-        steps = per_distinct_shift(gamma, lambda t, g: self._resolvent_quad_diag(g, left))
+        noise = filt.noise.to(dtype=self.dtype, device=left.device)
+        steps = per_distinct_shift(noise, lambda t, g: self._resolvent_quad_diag(g, left))
         if steps[0][1] is not None:
             self.quad_error_bound = torch.stack([bound for _, bound in steps], dim=-2)
         return torch.stack([value for value, _ in steps], dim=-2)
 
-    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _resolvent_quad_diag(self, noise: Tensor, left: Tensor) -> tuple[Tensor, Tensor | None]:
         """:math:`\\operatorname{diag}(\\mathbf C^\\top(\\mathbf K + \\gamma\\mathbf I)^{-1}\\mathbf C)`
         and a bound on its absolute error (``None``: exact up to rounding)."""
-        return (left * self.solve(gamma, left)).sum(-2), None
+        return (left * self.solve(noise, left)).sum(-2), None
 
     def error_estimate(self, gamma_min: float) -> float:
         """Zero: exact up to rounding (subclasses that iterate override this)."""
@@ -112,14 +112,14 @@ class ShiftedSolveEngine(SpectralEngine):
         """Nothing to check before solving (iterative subclasses check every solve)."""
 
 
-def per_distinct_shift(gamma: Tensor, compute: Callable[[int, Tensor], T]) -> list[T]:
-    """``compute(t, gamma[..., t])`` for every step ``t`` of ``gamma`` ``(*s, T)``, computed once
+def per_distinct_shift(noise: Tensor, compute: Callable[[int, Tensor], T]) -> list[T]:
+    """``compute(t, noise[..., t])`` for every step ``t`` of ``noise`` ``(*s, T)``, computed once
     per distinct shift: equal shifts share a result, unless their gradients must reach each one
     separately (:func:`carries_graph`)."""
     done: dict[object, T] = {}
     out = []
-    for t in range(gamma.shape[-1]):
-        g = gamma[..., t]
+    for t in range(noise.shape[-1]):
+        g = noise[..., t]
         key = t if carries_graph(g) else g.detach().cpu().numpy().tobytes()
         if key not in done:
             done[key] = compute(t, g)

@@ -336,7 +336,7 @@ def _matrix_free(
         cache_bytes = _default_cache_bytes(x)
     return ChunkedKernelOperator(
         x,
-        kernel=kernel,
+        covar_module=kernel,
         cache_bytes=cache_bytes,
         keep_after=settings.keep_kernel_rows_after.value(),
     )

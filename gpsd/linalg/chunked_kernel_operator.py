@@ -47,7 +47,7 @@ class ChunkedKernelOperator(LinearOperator):
     Inputs ``x`` and right-hand sides holding NaN or infinite values are refused with a
     ``ValueError`` naming them (every entry of the product would be NaN).
 
-    :param kernel: any GPyTorch kernel.
+    :param covar_module: any GPyTorch kernel :math:`k`.
     :param x: inputs, shape ``(*b, N, d)``, finite.
     :param chunk_size: rows evaluated at once.
     :param cache_bytes: memory the kept rows may fill, in bytes (default 0: keep none).
@@ -58,7 +58,7 @@ class ChunkedKernelOperator(LinearOperator):
         self,
         x: Tensor,
         *,
-        kernel: Kernel,
+        covar_module: Kernel,
         chunk_size: int = 2048,
         cache_bytes: int = 0,
         keep_after: int = 0,
@@ -83,14 +83,14 @@ class ChunkedKernelOperator(LinearOperator):
         rows = _rows if _rows is not None else _KeptRows()
         super().__init__(
             x,
-            kernel=kernel,
+            covar_module=covar_module,
             chunk_size=chunk_size,
             cache_bytes=cache_bytes,
             keep_after=keep_after,
             _rows=rows,
         )
         self.x = x
-        self.kernel = kernel
+        self.covar_module = covar_module
         self.chunk_size = chunk_size
         self.cache_bytes = cache_bytes
         self.keep_after = keep_after
@@ -99,7 +99,7 @@ class ChunkedKernelOperator(LinearOperator):
     @property
     def kept_bytes(self) -> int:
         """Memory the kept kernel rows fill now, in bytes."""
-        return self._rows.nbytes if self._rows.belongs_to(self.x, self.kernel) else 0
+        return self._rows.nbytes if self._rows.belongs_to(self.x, self.covar_module) else 0
 
     def _matmul(self, rhs: Tensor) -> Tensor:
         n = self.x.shape[-2]
@@ -112,7 +112,10 @@ class ChunkedKernelOperator(LinearOperator):
         out = None  # written into chunk by chunk, not concatenated: one N x r block, not two
         with torch.no_grad():
             # without a budget there is nothing to count or compare (a sync per product on GPUs)
-            keep = self.cache_bytes > 0 and self._rows.claim(self.x, self.kernel) > self.keep_after
+            keep = (
+                self.cache_bytes > 0
+                and self._rows.claim(self.x, self.covar_module) > self.keep_after
+            )
             for start in range(0, n, self.chunk_size):
                 block = self._rows.blocks.get(start) if keep else None
                 if block is None:
@@ -136,11 +139,11 @@ class ChunkedKernelOperator(LinearOperator):
         chunk then come from a distance of rounding size, about :math:`\sqrt{\epsilon}`, and
         a kernel that is not smooth at 0 turns it into an error of that size (a Matérn-1/2
         diagonal of :math:`1 - 4 \times 10^{-8}` in float64 and :math:`1 - 1.4 \times 10^{-3}`
-        in float32 instead of 1). They are replaced by ``kernel(x_I, diag=True)``, as the dense
-        ``kernel(x)`` has them.
+        in float32 instead of 1). They are replaced by ``covar_module(x_I, diag=True)``, as the dense
+        ``covar_module(x)`` has them.
         """
         rows = self.x[..., start : start + self.chunk_size, :]  # shape: (*bx, c, d)
-        block = to_dense(self.kernel(rows, self.x))  # shape: (*b, c, N)
+        block = to_dense(self.covar_module(rows, self.x))  # shape: (*b, c, N)
         diag = self._kernel_diagonal(rows, block.shape[:-1]).to(block)  # shape: (*b, c)
         if block.is_contiguous():  # a fresh tensor: written in place
             block.diagonal(offset=start, dim1=-2, dim2=-1).copy_(diag)
@@ -155,15 +158,15 @@ class ChunkedKernelOperator(LinearOperator):
         operator's trace their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the
         ``c x c`` block, evaluated with ``x1 = x2``, is taken.
         """
-        diag = self.kernel(rows, diag=True)
+        diag = self.covar_module(rows, diag=True)
         if diag.shape != shape:
-            diag = to_dense(self.kernel(rows, rows)).diagonal(dim1=-2, dim2=-1)
+            diag = to_dense(self.covar_module(rows, rows)).diagonal(dim1=-2, dim2=-1)
         return diag
 
     def _size(self) -> torch.Size:
         n = self.x.shape[-2]
         # a kernel with a batch shape on shared inputs is a batch of matrices too
-        batch = torch.broadcast_shapes(self.x.shape[:-2], self.kernel.batch_shape)
+        batch = torch.broadcast_shapes(self.x.shape[:-2], self.covar_module.batch_shape)
         return torch.Size((*batch, n, n))
 
     def _transpose_nonbatch(self) -> ChunkedKernelOperator:
@@ -177,7 +180,7 @@ class ChunkedKernelOperator(LinearOperator):
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])
         return ChunkedKernelOperator(
             x,
-            kernel=self.kernel,
+            covar_module=self.covar_module,
             chunk_size=self.chunk_size,
             cache_bytes=self.cache_bytes,
             keep_after=self.keep_after,

@@ -170,24 +170,24 @@ class ShiftedCG(ShiftedSolveEngine):
         same = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         return out.clone() if same else out
 
-    def _precondition(self, gamma: Tensor, r: Tensor) -> Tensor:
-        """:math:`\\mathbf P_\\gamma^{-1}\\mathbf r` for ``gamma`` ``(*, 1, 1)`` and ``r`` ``(*, N, c)``."""
+    def _precondition(self, noise: Tensor, r: Tensor) -> Tensor:
+        """:math:`\\mathbf P_\\gamma^{-1}\\mathbf r` for ``noise`` ``(*, 1, 1)`` and ``r`` ``(*, N, c)``."""
         v = self.ritz_vectors
-        g = gamma.squeeze(-1)  # shape: (*, 1)
+        g = noise.squeeze(-1)  # shape: (*, 1)
         scale = 1.0 / (self.ritz_values + g) - 1.0 / g  # shape: (*, q)
-        return (v @ (scale.unsqueeze(-1) * (v.mT @ r))).addcdiv_(r, gamma)
+        return (v @ (scale.unsqueeze(-1) * (v.mT @ r))).addcdiv_(r, noise)
 
     # ------------------------------------------------------------------ the solve
-    def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+    def _solve(self, noise: Tensor, rhs: Tensor) -> Tensor:
         """Preconditioned CG, one independent run per column, each stopping on its own."""
         with torch.no_grad():
-            return self._conjugate_gradients(gamma.to(self.dtype), rhs.to(self.dtype))
+            return self._conjugate_gradients(noise.to(self.dtype), rhs.to(self.dtype))
 
-    def _conjugate_gradients(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+    def _conjugate_gradients(self, noise: Tensor, rhs: Tensor) -> Tensor:
         self._residual = None  # the previous solve's: freed before this one allocates
-        shape = torch.broadcast_shapes(gamma.shape, rhs.shape[:-2], self.batch_shape)
+        shape = torch.broadcast_shapes(noise.shape, rhs.shape[:-2], self.batch_shape)
         b = rhs.expand(*shape, *rhs.shape[-2:])
-        g = gamma.expand(shape)[..., None, None]  # shape: (*shape, 1, 1)
+        g = noise.expand(shape)[..., None, None]  # shape: (*shape, 1, 1)
 
         def shifted(x: Tensor) -> Tensor:
             return self._kernel_matmul(x).addcmul_(x, g)
@@ -242,7 +242,7 @@ class ShiftedCG(ShiftedSolveEngine):
             )
         return x
 
-    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> tuple[Tensor, Tensor]:
+    def _resolvent_quad_diag(self, noise: Tensor, left: Tensor) -> tuple[Tensor, Tensor]:
         r""":math:`\mathbf c^\top(\mathbf K + \gamma\mathbf I)^{-1}\mathbf c` per column, to second
         order in the solve's error, and the bound :math:`\lVert\mathbf r\rVert^2/\gamma` on that
         error.
@@ -269,15 +269,15 @@ class ShiftedCG(ShiftedSolveEngine):
         [0, \lVert\mathbf r\rVert^2/\gamma]`, the bound returned with it
         (:attr:`quad_error_bound` after :meth:`quad_diag`).
         """
-        x = self.solve(gamma, left)
+        x = self.solve(noise, left)
         cached, self._residual = self._residual, None
         if cached is not None and cached[0] is x:
             residual = cached[1]
         else:  # a solve reused from before: its residual again
-            g = gamma.to(self.dtype).expand(x.shape[:-2])[..., None, None]
+            g = noise.to(self.dtype).expand(x.shape[:-2])[..., None, None]
             residual = left - self._kernel_matmul(x).addcmul_(x, g)
         value = (x * (left + residual)).sum(-2)  # shape: (*, M)
-        g = gamma.to(self.dtype).expand(residual.shape[:-2]).unsqueeze(-1)  # shape: (*, 1)
+        g = noise.to(self.dtype).expand(residual.shape[:-2]).unsqueeze(-1)  # shape: (*, 1)
         return value, residual.square().sum(-2) / g
 
     # ------------------------------------------------------------------ all shifts at once
@@ -297,11 +297,11 @@ class ShiftedCG(ShiftedSolveEngine):
         """
         filt = filt.to(self.dtype, self.ritz_vectors.device)  # a schedule made on the CPU, say
         if filt.is_resolvent:
-            if torch.unique(filt.gamma).numel() > 1:
-                return self.multishift_solve(filt.gamma, rhs.to(self.dtype))
+            if torch.unique(filt.noise).numel() > 1:
+                return self.multishift_solve(filt.noise, rhs.to(self.dtype))
             return super().apply(filt, rhs)
         if filt.num_filters > 1:
-            self.solve(filt.gamma.min(), rhs.to(self.dtype))
+            self.solve(filt.noise.min(), rhs.to(self.dtype))
             # the timed solve's iterations, also when it came from the reuse cache
             budget = (filt.num_filters - 1) * self._solve_iterations // 2
             if budget >= 2 * _FIRST_CHECK:  # the stopping rule needs two checkpoints
@@ -475,7 +475,7 @@ class ShiftedCG(ShiftedSolveEngine):
         out = (vectors.unsqueeze(-3) @ weights.unsqueeze(-1)).squeeze(-1)
         return out * norm[..., None, None]
 
-    def multishift_solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
+    def multishift_solve(self, noise: Tensor, rhs: Tensor) -> Tensor:
         r""":math:`(\mathbf K + \gamma_t\mathbf I)^{-1}\mathbf B` for every shift, from one CG run.
 
         The resolved Ritz pairs split off exactly, as in :meth:`multishift_quad_diag`; on the
@@ -485,14 +485,14 @@ class ShiftedCG(ShiftedSolveEngine):
         :math:`\gamma_t \ge \gamma_0`, so they stop no later than the base system does, at
         relative residual ``tol``. Memory: two ``N x r`` blocks per shift.
 
-        :param gamma: shifts, shape ``(*s, T)``.
+        :param noise: shifts, shape ``(*s, T)``.
         :param rhs: :math:`\mathbf B`, shape ``(*b, N, r)``.
         :return: shape ``(*broadcast(s, b), T, N, r)``.
         """
-        gamma0 = gamma.min()
+        gamma0 = noise.min()
         with torch.no_grad():
             d, v, z, b = self._split_resolved(rhs)
-            shifts = gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
+            shifts = noise[..., :, None, None]  # shape: (*s, T, 1, 1)
             exact = v.unsqueeze(-3) @ (z.unsqueeze(-3) / (d[..., None, :, None] + shifts))
             delta = shifts - gamma0  # shape: (*s, T, 1, 1)
             shifted = self._complement_operator(v, gamma0)
@@ -570,7 +570,7 @@ class ShiftedCG(ShiftedSolveEngine):
             return 0.5 * (half + half.mT)
 
         with torch.no_grad():  # one residual per distinct shift (a constant noise: one)
-            return torch.stack(per_distinct_shift(filt.gamma, symmetric_form), dim=-3)
+            return torch.stack(per_distinct_shift(filt.noise, symmetric_form), dim=-3)
 
     def quad_diag(self, filt: SpectralFilter, left: Tensor) -> Tensor:
         r""":math:`\operatorname{diag}(\mathbf C^\top f_t(\mathbf K)\mathbf C)`; ``(*, F, M)``.
@@ -579,11 +579,11 @@ class ShiftedCG(ShiftedSolveEngine):
         goes through :meth:`multishift_quad_diag`: one Krylov run serves every shift.
         """
         filt = filt.to(self.dtype, self.ritz_vectors.device)
-        if filt.is_resolvent and torch.unique(filt.gamma).numel() > 1:
-            return self.multishift_quad_diag(filt.gamma, left.to(self.dtype))
+        if filt.is_resolvent and torch.unique(filt.noise).numel() > 1:
+            return self.multishift_quad_diag(filt.noise, left.to(self.dtype))
         return super().quad_diag(filt, left)
 
-    def multishift_quad_diag(self, gamma: Tensor, left: Tensor) -> Tensor:
+    def multishift_quad_diag(self, noise: Tensor, left: Tensor) -> Tensor:
         r""":math:`\mathbf c^\top(\mathbf K + \gamma_t\mathbf I)^{-1}\mathbf c` for every shift and
         column, by one CG run and Gauss quadrature.
 
@@ -615,17 +615,17 @@ class ShiftedCG(ShiftedSolveEngine):
         settings, far below what the distillers warn about. Memory stays at a few ``N x M``
         blocks, whatever the number of shifts.
 
-        :param gamma: shifts, shape ``(*s, T)``.
+        :param noise: shifts, shape ``(*s, T)``.
         :param left: :math:`\mathbf C`, shape ``(*b, N, M)``.
         :return: shape ``(*broadcast(s, b), T, M)``.
         """
         with torch.no_grad():
             d, v, z, complement = self._split_resolved(left)
-            shifts = gamma[..., :, None, None]  # shape: (*s, T, 1, 1)
+            shifts = noise[..., :, None, None]  # shape: (*s, T, 1, 1)
             exact = (z.square().unsqueeze(-3) / (d[..., None, :, None] + shifts)).sum(-2)
-            gamma0 = gamma.min()
+            gamma0 = noise.min()
             alphas, betas, actives, norm2, rr = self._complement_cg(complement, v, gamma0)
-            delta = (gamma - gamma0)[..., :, None]  # shape: (*s, T, 1)
+            delta = (noise - gamma0)[..., :, None]  # shape: (*s, T, 1)
             fraction = torch.ones_like(exact)
             for j in range(len(alphas) - 1, -1, -1):  # continued fraction, from the bottom
                 alpha, active = alphas[j], actives[j]
@@ -767,7 +767,7 @@ def _raise_if_not_finite(residual: Tensor) -> None:
     if not bool(torch.isfinite(residual).all()):
         raise ValueError(
             "conjugate gradients produced a non-finite residual: the kernel operator returned "
-            "NaN or inf, or K + gamma I is not positive definite"
+            "NaN or inf, or K + noise I is not positive definite"
         )
 
 
@@ -776,5 +776,5 @@ def _columns_before_schedules(x: Tensor, filt: SpectralFilter, core_dims: int) -
     (``(r, *kb, *core)``) so that a filter's schedule batch ``*s`` broadcasts against ``*kb``
     and never against the columns."""
     batch = x.dim() - 1 - core_dims
-    pad = max(0, filt.gamma.dim() - 1 - batch)
+    pad = max(0, filt.noise.dim() - 1 - batch)
     return x.reshape(x.shape[0], *[1] * pad, *x.shape[1:])

@@ -65,30 +65,30 @@ class ShiftedCholesky(ShiftedSolveEngine):
         self._cached_bytes = 0  # bytes of the factors in the cache
         self._warned = False
 
-    def factor(self, gamma: Tensor) -> Tensor:
-        """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``gamma`` of shape ``(*s,)``.
+    def factor(self, noise: Tensor) -> Tensor:
+        """Cholesky factor of :math:`\\mathbf K + \\gamma\\mathbf I` for ``noise`` of shape ``(*s,)``.
 
-        A ``gamma`` that requires gradients (with gradients enabled) is factored afresh and not
+        A ``noise`` that requires gradients (with gradients enabled) is factored afresh and not
         cached: a cached factor would carry the graph of the shift it was made for, not this
         one's. Factors made with and without a graph to the kernel matrix are cached apart.
 
-        :raises TypeError: if ``gamma`` is not a floating-point tensor.
+        :raises TypeError: if ``noise`` is not a floating-point tensor.
         :raises ValueError: if a shift is zero, negative, NaN or infinite.
         """
-        if not isinstance(gamma, Tensor) or not gamma.is_floating_point():
-            kind = f"dtype {gamma.dtype}" if isinstance(gamma, Tensor) else type(gamma).__name__
-            raise TypeError(f"gamma must be a floating-point tensor of shifts, got {kind}")
-        host = gamma.detach().cpu()  # the cache key and the check in one transfer
+        if not isinstance(noise, Tensor) or not noise.is_floating_point():
+            kind = f"dtype {noise.dtype}" if isinstance(noise, Tensor) else type(noise).__name__
+            raise TypeError(f"noise must be a floating-point tensor of shifts, got {kind}")
+        host = noise.detach().cpu()  # the cache key and the check in one transfer
         bad = ~((host > 0) & host.isfinite())
         if bool(bad.any()):
             raise ValueError(
-                f"gamma must hold finite positive shifts; {int(bad.sum())} of them are not, "
+                f"noise must hold finite positive shifts; {int(bad.sum())} of them are not, "
                 f"such as {float(host[bad][0])}"
             )
-        if carries_graph(gamma):
-            return psd_safe_cholesky(self._shifted(gamma))
+        if carries_graph(noise):
+            return psd_safe_cholesky(self._shifted(noise))
         with_graph = self.kernel_matrix.requires_grad and torch.is_grad_enabled()
-        key = (tuple(gamma.shape), host.numpy().tobytes(), with_graph)
+        key = (tuple(noise.shape), host.numpy().tobytes(), with_graph)
         if key in self._factors:
             self._factors.move_to_end(key)
             return self._factors[key]
@@ -103,7 +103,7 @@ class ShiftedCholesky(ShiftedSolveEngine):
                 PerformanceWarning,
                 stacklevel=2,
             )
-        factor = psd_safe_cholesky(self._shifted(gamma))
+        factor = psd_safe_cholesky(self._shifted(noise))
         if self.max_cached_bytes is None:
             self.max_cached_bytes = free_memory_bytes(factor.device) // 2
         # Factors of schedules of different batch shapes differ in size: count their bytes
@@ -117,18 +117,18 @@ class ShiftedCholesky(ShiftedSolveEngine):
         self._cached_bytes += size
         return factor
 
-    def _shifted(self, gamma: Tensor) -> Tensor:
+    def _shifted(self, noise: Tensor) -> Tensor:
         """:math:`\\mathbf K + \\gamma\\mathbf I`, shape ``(*s, *b, N, N)``."""
         eye = torch.eye(self.size, dtype=self.kernel_matrix.dtype, device=self.kernel_matrix.device)
-        return self.kernel_matrix + gamma.to(self.kernel_matrix)[..., None, None] * eye
+        return self.kernel_matrix + noise.to(self.kernel_matrix)[..., None, None] * eye
 
-    def _solve(self, gamma: Tensor, rhs: Tensor) -> Tensor:
-        return torch.cholesky_solve(rhs, self.factor(gamma))
+    def _solve(self, noise: Tensor, rhs: Tensor) -> Tensor:
+        return torch.cholesky_solve(rhs, self.factor(noise))
 
-    def _resolvent_quad_diag(self, gamma: Tensor, left: Tensor) -> tuple[Tensor, None]:
+    def _resolvent_quad_diag(self, noise: Tensor, left: Tensor) -> tuple[Tensor, None]:
         """Squared column norms of :math:`\\mathbf L_\\gamma^{-1}\\mathbf C`: one triangular solve
         (exact up to rounding: no error bound)."""
-        half = torch.linalg.solve_triangular(self.factor(gamma), left, upper=False)
+        half = torch.linalg.solve_triangular(self.factor(noise), left, upper=False)
         return half.square().sum(-2), None
 
     def trace(self, filt: SpectralFilter) -> Tensor:

@@ -42,7 +42,7 @@ class SpectralFilter:
     * :meth:`resolvent`: :math:`R_t(d) = 1 / (d + \gamma_t)`, giving posterior variances.
 
     The stack has shape ``(*s, T)``: a batch of schedules ``*s`` with ``T`` steps each. The class
-    methods check their arguments: ``gamma`` a floating-point tensor of shape ``(*s, T)`` with
+    methods check their arguments: ``noise`` a floating-point tensor of shape ``(*s, T)`` with
     ``T >= 1`` finite positive shifts, ``alpha`` in :math:`[0, 1]`. Eigenvalues below zero,
     rounding errors of a positive semi-definite kernel, are evaluated as 0 (see
     :class:`~gpsd.linalg._algebra.EigenvalueAlgebra`).
@@ -50,7 +50,7 @@ class SpectralFilter:
     :param evaluate: maps an :class:`~gpsd.linalg._algebra.EigenvalueAlgebra` or
         :class:`~gpsd.linalg._algebra.PowerSeriesAlgebra` to the stacked filter, shape ``(*s, T, k)``
         or ``(*s, T, J + 1)``.
-    :param gamma: the schedule the filter was built from, shape ``(*s, T)``.
+    :param noise: the schedule the filter was built from, shape ``(*s, T)``.
     :param is_resolvent: whether the filter is :meth:`resolvent` (shifted-solve backends apply it
         specially).
     :param rebuild: builds the same filter from another schedule, for :meth:`to` (``None``: the
@@ -60,23 +60,23 @@ class SpectralFilter:
     def __init__(
         self,
         evaluate: Callable[[object], Tensor],
-        gamma: Tensor,
+        noise: Tensor,
         is_resolvent: bool = False,
         rebuild: Callable[[Tensor], SpectralFilter] | None = None,
     ) -> None:
         self._evaluate = evaluate
-        self.gamma = gamma
+        self.noise = noise
         #: ``True`` for :meth:`resolvent` filters, which shifted-solve backends apply specially.
         self.is_resolvent = is_resolvent
         self._rebuild = rebuild
 
     @property
     def batch_shape(self) -> torch.Size:
-        return self.gamma.shape[:-1]
+        return self.noise.shape[:-1]
 
     @property
     def num_filters(self) -> int:
-        return self.gamma.shape[-1]
+        return self.noise.shape[-1]
 
     def to(self, dtype: torch.dtype, device: torch.device | None = None) -> SpectralFilter:
         """The same filter with its schedule in ``dtype`` (and on ``device``), so that its values
@@ -86,10 +86,10 @@ class SpectralFilter:
         ``torch.tensor([0.1])`` makes) must not cost a float64 spectrum its precision, nor a
         float64 schedule fail on a float32 one.
         """
-        device = self.gamma.device if device is None else torch.device(device)
-        if self._rebuild is None or (self.gamma.dtype == dtype and self.gamma.device == device):
+        device = self.noise.device if device is None else torch.device(device)
+        if self._rebuild is None or (self.noise.dtype == dtype and self.noise.device == device):
             return self
-        return self._rebuild(self.gamma.to(dtype=dtype, device=device))
+        return self._rebuild(self.noise.to(dtype=dtype, device=device))
 
     def evaluate(self, algebra: object) -> Tensor:
         """Evaluate the stacked filter in ``algebra`` (values, power series or applied vectors)."""
@@ -104,75 +104,75 @@ class SpectralFilter:
 
     def series(self, order: int) -> Tensor:
         """Taylor coefficients at 0 up to ``order``; returns ``(*s, T, order + 1)``."""
-        return self._evaluate(PowerSeriesAlgebra(order, self.gamma.dtype, self.gamma.device))
+        return self._evaluate(PowerSeriesAlgebra(order, self.noise.dtype, self.noise.device))
 
     # ----------------------------------------------------------------------------------------
     @classmethod
-    def data_centric_targets(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
+    def data_centric_targets(cls, noise: Tensor, alpha: float = 0.0) -> SpectralFilter:
         """:math:`F_t` for ``t = 1..T``: the training targets after each data-centric step."""
-        gamma, alpha = _check_schedule(gamma), _check_alpha(alpha)
+        noise, alpha = _check_schedule(noise), _check_alpha(alpha)
         return cls(
-            lambda alg: _data_centric(alg, gamma, alpha)[0],
-            gamma,
+            lambda alg: _data_centric(alg, noise, alpha)[0],
+            noise,
             rebuild=lambda g: cls.data_centric_targets(g, alpha),
         )
 
     @classmethod
-    def data_centric_weights(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
+    def data_centric_weights(cls, noise: Tensor, alpha: float = 0.0) -> SpectralFilter:
         """:math:`G_t = F_{t-1} / (d + \\gamma_t)` for ``t = 1..T``: weights of the test mean."""
-        gamma, alpha = _check_schedule(gamma), _check_alpha(alpha)
+        noise, alpha = _check_schedule(noise), _check_alpha(alpha)
         return cls(
-            lambda alg: _data_centric(alg, gamma, alpha)[1],
-            gamma,
+            lambda alg: _data_centric(alg, noise, alpha)[1],
+            noise,
             rebuild=lambda g: cls.data_centric_weights(g, alpha),
         )
 
     @classmethod
-    def data_centric_residuals(cls, gamma: Tensor, alpha: float = 0.0) -> SpectralFilter:
+    def data_centric_residuals(cls, noise: Tensor, alpha: float = 0.0) -> SpectralFilter:
         r""":math:`E_t = 1 - d\,G_t(d)` for ``t = 1..T``: the residuals :math:`\mathbf y -
         \boldsymbol\mu_t` of each step's fit at the training inputs (for centred targets) and,
         by its trace, the degrees of freedom left (generalised cross-validation), evaluated
         without cancellation: :math:`E_t = (1 - F_{t-1}) + F_{t-1}\, \gamma_t / (d + \gamma_t)`,
         :math:`1 - F_t = (1 - \alpha) E_t`."""
-        gamma, alpha = _check_schedule(gamma), _check_alpha(alpha)
+        noise, alpha = _check_schedule(noise), _check_alpha(alpha)
         return cls(
-            lambda alg: _data_centric(alg, gamma, alpha, residuals=True)[2],
-            gamma,
+            lambda alg: _data_centric(alg, noise, alpha, residuals=True)[2],
+            noise,
             rebuild=lambda g: cls.data_centric_residuals(g, alpha),
         )
 
     @classmethod
-    def resolvent(cls, gamma: Tensor) -> SpectralFilter:
+    def resolvent(cls, noise: Tensor) -> SpectralFilter:
         """:math:`R_t = 1 / (d + \\gamma_t)` for ``t = 1..T``."""
-        gamma = _check_schedule(gamma)
+        noise = _check_schedule(noise)
 
         def evaluate(alg):
-            one = alg.one(gamma[..., 0])
-            steps = [alg.mul(one, alg.reciprocal(gamma[..., t])) for t in range(gamma.shape[-1])]
+            one = alg.one(noise[..., 0])
+            steps = [alg.mul(one, alg.reciprocal(noise[..., t])) for t in range(noise.shape[-1])]
             return alg.stack(steps)
 
-        return cls(evaluate, gamma, is_resolvent=True, rebuild=cls.resolvent)
+        return cls(evaluate, noise, is_resolvent=True, rebuild=cls.resolvent)
 
 
-def _check_schedule(gamma: object) -> Tensor:
-    """``gamma`` if it is a floating-point tensor of shape ``(*s, T)``, ``T >= 1``, of finite
+def _check_schedule(noise: object) -> Tensor:
+    """``noise`` if it is a floating-point tensor of shape ``(*s, T)``, ``T >= 1``, of finite
     positive shifts; otherwise a ``TypeError`` or ``ValueError`` naming it (a zero, negative or
     NaN shift made infinite or NaN filter values, an integer schedule truncated series
     coefficients such as ``2 ** -1`` to 0)."""
-    if not isinstance(gamma, Tensor) or not gamma.is_floating_point():
-        kind = f"dtype {gamma.dtype}" if isinstance(gamma, Tensor) else type(gamma).__name__
-        raise TypeError(f"gamma must be a floating-point tensor of shape (*s, T), got {kind}")
-    if gamma.dim() == 0 or gamma.shape[-1] == 0:
+    if not isinstance(noise, Tensor) or not noise.is_floating_point():
+        kind = f"dtype {noise.dtype}" if isinstance(noise, Tensor) else type(noise).__name__
+        raise TypeError(f"noise must be a floating-point tensor of shape (*s, T), got {kind}")
+    if noise.dim() == 0 or noise.shape[-1] == 0:
         raise ValueError(
-            f"gamma must have shape (*s, T) with T >= 1 steps, got shape {tuple(gamma.shape)}"
+            f"noise must have shape (*s, T) with T >= 1 steps, got shape {tuple(noise.shape)}"
         )
-    bad = ~((gamma.detach() > 0) & gamma.detach().isfinite())
+    bad = ~((noise.detach() > 0) & noise.detach().isfinite())
     if bool(bad.any()):
         raise ValueError(
-            f"gamma must hold finite positive shifts; {int(bad.sum())} of them are not, "
-            f"such as {float(gamma.detach()[bad][0])}"
+            f"noise must hold finite positive shifts; {int(bad.sum())} of them are not, "
+            f"such as {float(noise.detach()[bad][0])}"
         )
-    return gamma
+    return noise
 
 
 def _check_alpha(alpha: object) -> float:
@@ -187,7 +187,7 @@ def _check_alpha(alpha: object) -> float:
 
 
 def _data_centric(
-    alg, gamma: Tensor, alpha: float, residuals: bool = False
+    alg, noise: Tensor, alpha: float, residuals: bool = False
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     r"""Run the data-centric recurrence in ``alg``; returns ``(F_1..F_T, G_1..G_T, E_1..E_T)``
     stacked on -2 (``E`` only with ``residuals``, else ``None``).
@@ -196,11 +196,11 @@ def _data_centric(
     :math:`t`'s fit, a sum of non-negative terms with :math:`1 - F_t = (1 - \alpha) E_t` carried
     by the same recurrence (``1 - F_t`` itself cancels where :math:`F_t \approx 1`: tiny shifts).
     """
-    f_prev = alg.one(gamma[..., 0])
+    f_prev = alg.one(noise[..., 0])
     r_prev = 0.0 * f_prev  # 1 - F_0
     targets, weights, errors = [], [], []
-    for t in range(gamma.shape[-1]):
-        g = gamma[..., t]
+    for t in range(noise.shape[-1]):
+        g = noise[..., t]
         weights.append(alg.mul(f_prev, alg.reciprocal(g)))
         if residuals:
             errors.append(r_prev + alg.mul(f_prev, alg.complement(g)))

@@ -178,7 +178,7 @@ def test_best_step_counts_from_one_and_is_the_argmin_of_the_scores(cls):
         assert isinstance(best, int) and best == int(gcv.argmin()) + 1
         assert model.best_step("gcv") == best
         mse = model.validation_mse(test_x, val_y)
-        by_validation = model.best_step("validation", test_x, val_y)
+        by_validation = model.best_step("validation", val_x=test_x, val_y=val_y)
         assert isinstance(by_validation, int) and by_validation == int(mse.argmin()) + 1
         # a batch of schedules: one step per schedule, a long tensor
         batched = cls(x, y, rbf_kernel(), noise=torch.tensor([[1.0, 0.1], [0.1, 1.0]], dtype=DT))
@@ -190,7 +190,7 @@ def test_best_step_counts_from_one_and_is_the_argmin_of_the_scores(cls):
         with pytest.raises(ValueError, match="needs val_x and val_y"):
             model.best_step("validation")
         with pytest.raises(ValueError, match="criterion='validation' only"):
-            model.best_step("gcv", test_x, val_y)
+            model.best_step("gcv", val_x=test_x, val_y=val_y)
 
 
 @pytest.mark.parametrize("cls", CLASSES)

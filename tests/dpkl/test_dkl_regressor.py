@@ -41,7 +41,9 @@ def test_single_particle_dpkl_is_dkl(update):
     """m = 1: same loss and same Adam trajectory as a hand-written GPyTorch deep-kernel GP."""
     x, y = _data(n=20)
     net = _net()
-    model = DPKLRegressor(x, y, copy.deepcopy(net), num_particles=1, kernel="exact", update=update)
+    model = DPKLRegressor(
+        x, y, copy.deepcopy(net), num_particles=1, embedding_kernel="exact", update=update
+    )
     hand = _HandDKL(x, y, copy.deepcopy(net))
     assert (
         abs(

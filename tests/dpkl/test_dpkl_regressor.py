@@ -203,10 +203,14 @@ class _SqrtNet(nn.Module):
 @pytest.mark.parametrize("kernel", ["rff", "exact"])
 def test_a_network_that_gives_nan_is_named_in_fit_and_predict(kernel):
     x, y = _data_sum(n=20)
-    model = DPKLRegressor(x, y, _SqrtNet, num_particles=2, num_random_features=6, kernel=kernel)
+    model = DPKLRegressor(
+        x, y, _SqrtNet, num_particles=2, num_random_features=6, embedding_kernel=kernel
+    )
     with pytest.raises(ValueError, match=r"feature_extractor produced NaN or inf .* iteration 1"):
         model.fit(max_iter=3)
-    healthy = DPKLRegressor(x, y, _net(3), num_particles=2, num_random_features=6, kernel=kernel)
+    healthy = DPKLRegressor(
+        x, y, _net(3), num_particles=2, num_random_features=6, embedding_kernel=kernel
+    )
     healthy.fit(max_iter=1)
     with torch.no_grad():  # a network that turns NaN after training
         healthy.covar_module.feature_extractor.particle_parameters["2__bias"].fill_(math.nan)
@@ -261,7 +265,7 @@ def test_bad_nu_is_a_value_error():
     x, y = _data_sum(10)
     for kernel in ("rff", "exact"):
         with pytest.raises(ValueError, match="nu must be"):
-            DPKLRegressor(x, y, lambda: _net(3), kernel=kernel, nu=0.7)
+            DPKLRegressor(x, y, lambda: _net(3), embedding_kernel=kernel, nu=0.7)
     # nu = 0 or inf would give NaN frequencies, a negative nu a shape error
     for nu in (0.0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="nu must be"):
@@ -343,7 +347,7 @@ def test_training_mode_dropout_variance_is_one_psd_pass(kernel):
     x, y = _data_sum()
     xq = torch.randn(10, 3)
     model = DPKLRegressor(
-        x, y, _dropout_net, num_particles=3, num_random_features=30, kernel=kernel
+        x, y, _dropout_net, num_particles=3, num_random_features=30, embedding_kernel=kernel
     )
     model.likelihood.noise = 1e-3
     model.train()

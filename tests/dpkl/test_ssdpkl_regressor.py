@@ -42,7 +42,9 @@ def test_ssdpkl_regulariser_equals_dense_posterior_variance():
     dpkl_part = DPKLRegressor.training_loss(model)
     torch.testing.assert_close(model.training_loss(), dpkl_part + 0.5 * ref.mean())
     # the exact-kernel path agrees with its own dense formula too
-    model_exact = SSDPKLRegressor(x, y, _net, unlabelled_x=xu, num_particles=2, kernel="exact")
+    model_exact = SSDPKLRegressor(
+        x, y, _net, unlabelled_x=xu, num_particles=2, embedding_kernel="exact"
+    )
     ke = model_exact.covar_module
     kxx = ke(x).to_dense() + model_exact.likelihood.noise * torch.eye(30)
     ks = ke(xu, x).to_dense()
@@ -106,7 +108,7 @@ def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
         unlabelled_x=xu,
         num_particles=3,
         num_random_features=30,
-        kernel=kernel,
+        embedding_kernel=kernel,
     )
     noise = model.likelihood.noise.detach()
     model.train()
@@ -140,7 +142,7 @@ def test_ssdpkl_training_loss_is_one_joint_pass_per_step(kernel):
         num_particles=3,
         num_random_features=30,
         alpha=0.7,
-        kernel=kernel,
+        embedding_kernel=kernel,
     )
     ensemble = model.covar_module.feature_extractor
     calls = []

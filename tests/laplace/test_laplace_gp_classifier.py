@@ -238,9 +238,9 @@ def test_gpytorch_likelihood_objects_are_accepted(toy):
 def test_warm_start_uses_fewer_iterations(toy):
     x, y, _ = toy
     model = LaplaceGPClassifier(x, y, _kernel()).fit()
-    cold = model.mode.num_iter
+    cold = model.mode.iterations
     model.covar_module.outputscale = 2.05
-    warm = model.fit().mode.num_iter
+    warm = model.fit().mode.iterations
     assert warm < cold
 
 
@@ -320,9 +320,9 @@ def test_bad_input(toy):
     model = LaplaceGPClassifier(x, y, _kernel())
     with pytest.raises(ValueError, match="test_x must have 1 features"):
         model.predict_proba(torch.zeros(3, 2, dtype=torch.float64))[..., 1]
-    for num_iter in (2.7, -1):
+    for iterations in (2.7, -1):
         with pytest.raises(ValueError, match="max_iter must be a non-negative int"):
-            model.optimize_hyperparameters(max_iter=num_iter)
+            model.optimize_hyperparameters(max_iter=iterations)
     with pytest.raises(ValueError, match="lr must be positive"):
         model.optimize_hyperparameters(max_iter=1, lr=float("nan"))
 
@@ -644,12 +644,12 @@ def _classifier(prior):
     return LaplaceGPClassifier(x, y.double(), kernel.double())
 
 
-def _adam_by_hand(model, log_prior, num_iter=10, lr=0.2):
+def _adam_by_hand(model, log_prior, iterations=10, lr=0.2):
     """The hyperparameter posterior's maximisation written out, with the prior given here."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
     history = []
-    for _ in range(num_iter):
+    for _ in range(iterations):
         optimizer.zero_grad()
         loss = -(model.log_marginal_likelihood().sum() + log_prior(model))
         loss.backward()

@@ -110,11 +110,11 @@ def test_data_centric_lanczos_at_fifteen_inputs_equals_the_dense_path():
     x = torch.linspace(0, 10, 15, dtype=DTYPE).unsqueeze(-1)
     y = torch.sin(x).squeeze(-1)
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DTYPE)
-    gamma = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
+    noise = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
     test_x = torch.linspace(-1, 11, 7, dtype=DTYPE).unsqueeze(-1)
     with torch.no_grad():
-        got = DataCentricGPR(x, y, kernel, noise=gamma, backend="lanczos").predict(test_x)
-        ref = DataCentricGPR(x, y, kernel, noise=gamma, backend="dense").predict(test_x)
+        got = DataCentricGPR(x, y, kernel, noise=noise, backend="lanczos").predict(test_x)
+        ref = DataCentricGPR(x, y, kernel, noise=noise, backend="dense").predict(test_x)
     torch.testing.assert_close(got.mean, ref.mean, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got.variance, ref.variance, rtol=1e-9, atol=1e-12)
 
@@ -134,11 +134,11 @@ def _data(n, seed=0):
 def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
     x, y = _data(600)
     test_x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
-    gamma = torch.tensor([1e-4, 1e-3], dtype=DTYPE)
+    noise = torch.tensor([1e-4, 1e-3], dtype=DTYPE)
     with torch.no_grad():
-        model = DataCentricGPR(x, y, _kernel(), noise=gamma, backend="lanczos", rtol=1e-8)
+        model = DataCentricGPR(x, y, _kernel(), noise=noise, backend="lanczos", rtol=1e-8)
         got = model.predict_mean(test_x)
-        dense = DataCentricGPR(x, y, _kernel(), noise=gamma, backend="dense").predict_mean(test_x)
+        dense = DataCentricGPR(x, y, _kernel(), noise=noise, backend="dense").predict_mean(test_x)
     assert model.error_estimate <= 1e-8
     scale = dense.abs().max()
     assert float((got - dense).abs().max() / scale) < 1e-8

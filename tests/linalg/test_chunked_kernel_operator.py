@@ -41,7 +41,7 @@ def test_a_budget_for_all_rows_evaluates_the_kernel_once():
     x = 3 * torch.rand(100, 2, generator=gen, dtype=DTYPE)
     rhs = torch.randn(100, 3, generator=gen, dtype=DTYPE)
     kernel, rows = counted_kernel()
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32, cache_bytes=100 * 100 * 8)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=32, cache_bytes=100 * 100 * 8)
     with torch.no_grad():
         first, second = op @ rhs, op @ rhs
     expected = reference(x, 0.7) @ rhs
@@ -57,7 +57,7 @@ def test_a_partial_budget_keeps_the_leading_chunks_that_fit():
     rhs = torch.randn(100, 2, generator=gen, dtype=DTYPE)
     kernel, rows = counted_kernel()
     # room for one and a half chunks of 32 x 100 float64 entries: one is kept
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32, cache_bytes=48 * 100 * 8)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=32, cache_bytes=48 * 100 * 8)
     with torch.no_grad():
         op @ rhs
         rows.clear()
@@ -70,19 +70,21 @@ def test_a_partial_budget_keeps_the_leading_chunks_that_fit():
 def test_rows_are_kept_from_the_product_after_keep_after():
     x = torch.rand(70, 3, dtype=DTYPE)
     kernel, rows = counted_kernel()
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32, cache_bytes=10**6, keep_after=2)
+    op = ChunkedKernelOperator(
+        x, covar_module=kernel, chunk_size=32, cache_bytes=10**6, keep_after=2
+    )
     with torch.no_grad():
         for _ in range(5):
             op @ torch.ones(70, 1, dtype=DTYPE)
     assert rows == [32, 32, 6] * 3  # products 1 and 2 afresh, 3 kept, 4 and 5 read
     with pytest.raises(ValueError, match="keep_after must be a non-negative integer"):
-        ChunkedKernelOperator(x, kernel=kernel, keep_after=-1)
+        ChunkedKernelOperator(x, covar_module=kernel, keep_after=-1)
 
 
 def test_without_a_budget_every_product_evaluates_every_chunk():
     x = torch.rand(70, 3, dtype=DTYPE)
     kernel, rows = counted_kernel()
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=32)
     with torch.no_grad():
         op @ torch.ones(70, 1, dtype=DTYPE)
         op @ torch.ones(70, 1, dtype=DTYPE)
@@ -95,7 +97,7 @@ def test_kept_rows_are_dropped_when_the_kernel_or_the_inputs_change():
     x = 3 * torch.rand(60, 2, generator=gen, dtype=DTYPE)
     rhs = torch.randn(60, 2, generator=gen, dtype=DTYPE)
     kernel, _ = counted_kernel(lengthscale=0.7)
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=16, cache_bytes=10**6)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=16, cache_bytes=10**6)
     with torch.no_grad():
         op @ rhs
         kernel.lengthscale = torch.tensor(0.3, dtype=DTYPE)  # new hyperparameters
@@ -111,7 +113,7 @@ def test_kept_rows_of_a_batch_of_kernels():
     x = 3 * torch.rand(2, 50, 2, generator=gen, dtype=DTYPE)
     rhs = torch.randn(2, 50, 4, generator=gen, dtype=DTYPE)
     kernel, rows = counted_kernel(lengthscale=0.7, batch_shape=torch.Size([2]))
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=20, cache_bytes=10**6)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=20, cache_bytes=10**6)
     with torch.no_grad():
         op @ rhs
         got = op @ rhs
@@ -122,7 +124,9 @@ def test_kept_rows_of_a_batch_of_kernels():
 
 def test_a_negative_budget_is_refused():
     with pytest.raises(ValueError, match="cache_bytes must be a non-negative integer"):
-        ChunkedKernelOperator(torch.rand(5, 1), kernel=gpytorch.kernels.RBFKernel(), cache_bytes=-1)
+        ChunkedKernelOperator(
+            torch.rand(5, 1), covar_module=gpytorch.kernels.RBFKernel(), cache_bytes=-1
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -215,7 +219,7 @@ def test_a_batch_of_kernels_on_shared_inputs():
     rhs = torch.randn(45, 3, generator=gen, dtype=DTYPE)
     kernel = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])).to(DTYPE)
     kernel.lengthscale = torch.tensor([[[0.4]], [[1.1]]], dtype=DTYPE)
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=20)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=20)
     with torch.no_grad():
         got = op @ rhs
     expected = torch.stack([reference(x, 0.4) @ rhs, reference(x, 1.1) @ rhs])
@@ -246,7 +250,7 @@ def test_chunked_operator_matches_dense_kernel(dtype, name, cache_bytes):
     kernel = _kernels(dtype)[name].to(dtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, 3, generator=gen, dtype=torch.float64).to(dtype)
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=5, cache_bytes=cache_bytes)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=5, cache_bytes=cache_bytes)
     with torch.no_grad():
         dense = kernel(x).to_dense()  # shape: (*b, 37, 37)
         rhs = torch.randn(*dense.shape[:-1], 4, generator=gen, dtype=torch.float64).to(dtype)
@@ -272,7 +276,7 @@ def test_diagonal_of_a_batched_kernel_on_as_many_points_as_batch_entries():
     kernel = kernel.to(torch.float64)
     kernel.outputscale = torch.tensor([0.7, 1.9], dtype=torch.float64)
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    op = ChunkedKernelOperator(x, kernel=kernel)
+    op = ChunkedKernelOperator(x, covar_module=kernel)
     with torch.no_grad():
         diagonal = op.diagonal(dim1=-2, dim2=-1)
     expected = torch.tensor([[0.7, 0.7], [1.9, 1.9]], dtype=torch.float64)  # outputscale * 1
@@ -287,14 +291,14 @@ def test_chunked_kernel_operator_products_and_diagonal():
 
     x = torch.rand(2, 130, 3, dtype=DTYPE)
     kernel = gpytorch.kernels.MaternKernel(batch_shape=torch.Size([2])).to(DTYPE)
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=32)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=32)
     dense = kernel(x).to_dense().detach()
     rhs = torch.randn(2, 130, 4, dtype=DTYPE)
     assert op.shape == (2, 130, 130)
     torch.testing.assert_close(op @ rhs, dense @ rhs, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(op.diagonal(dim1=-2, dim2=-1), dense.diagonal(dim1=-2, dim2=-1))
     with pytest.raises(ValueError, match="chunk_size"):
-        ChunkedKernelOperator(x, kernel=kernel, chunk_size=0)
+        ChunkedKernelOperator(x, covar_module=kernel, chunk_size=0)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -302,21 +306,21 @@ def test_non_finite_inputs_are_refused_at_construction(bad):
     x = torch.rand(10, 2, dtype=DTYPE)
     x[3, 1] = bad
     with pytest.raises(ValueError, match="x must be finite, but it holds 1 NaN or infinite"):
-        ChunkedKernelOperator(x, kernel=gpytorch.kernels.RBFKernel().to(DTYPE))
+        ChunkedKernelOperator(x, covar_module=gpytorch.kernels.RBFKernel().to(DTYPE))
 
 
 def test_inputs_that_are_not_a_floating_point_matrix_are_refused():
     kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
     with pytest.raises(ValueError, match=r"x must be a floating-point tensor of inputs"):
-        ChunkedKernelOperator(torch.ones(10, 2, dtype=torch.int64), kernel=kernel)
+        ChunkedKernelOperator(torch.ones(10, 2, dtype=torch.int64), covar_module=kernel)
     with pytest.raises(ValueError, match=r"x must be a floating-point tensor of inputs"):
-        ChunkedKernelOperator([[0.0, 1.0]], kernel=kernel)
+        ChunkedKernelOperator([[0.0, 1.0]], covar_module=kernel)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
 def test_a_non_finite_right_hand_side_is_refused_rather_than_multiplied_into_nan(bad):
     x = torch.rand(12, 2, dtype=DTYPE)
-    operator = ChunkedKernelOperator(x, kernel=gpytorch.kernels.RBFKernel().to(DTYPE))
+    operator = ChunkedKernelOperator(x, covar_module=gpytorch.kernels.RBFKernel().to(DTYPE))
     rhs = torch.ones(12, 3, dtype=DTYPE)
     rhs[5, 2] = bad
     with pytest.raises(ValueError, match="rhs, the right-hand side of a product .* holds 1 NaN"):

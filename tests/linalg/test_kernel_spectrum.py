@@ -143,7 +143,7 @@ def test_meets_runs_the_power_iterations_only_where_the_bounds_leave_it_open():
     spectrum, counter = lanczos_with_counter(k, 44, residual_tol=1e-9)
     calls = counter.calls
     low, up = spectrum.complement_lower_bound, spectrum.complement_upper_bound
-    rtol = 0.5 * (low + up)  # gamma = 1: the lower bound meets it, the upper one does not
+    rtol = 0.5 * (low + up)  # noise = 1: the lower bound meets it, the upper one does not
     assert spectrum._error_for(low, 1.0) < rtol < spectrum._error_for(up, 1.0, order=0)
     assert not spectrum.meets(1.0, rtol, allow_power=False)
     assert counter.calls == calls
@@ -232,7 +232,7 @@ def _rbf(x, lengthscale=1.0):
 
 def test_float32_dense_spectrum_keeps_filters_in_range():
     """A float32 eigendecomposition of an RBF kernel has eigenvalues down to about -8e-6; with
-    gamma = 1e-5, three data-centric steps took filter values down to -7000 and the targets erred
+    noise = 1e-5, three data-centric steps took filter values down to -7000 and the targets erred
     by 96 times their norm (2e-3 once negative eigenvalues count as 0)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.linspace(0, 10, 200, dtype=DTYPE).unsqueeze(-1)
@@ -284,16 +284,16 @@ def test_error_estimate_bounds_multi_step_filters(kind, num_steps, alpha):
     comp_evals, comp_evecs = torch.linalg.eigh(projector @ kernel @ projector)
     epsilon = float(comp_evals[-1])
     spectrum.complement_norm = epsilon  # exact, so that only the bound itself is tested
-    gamma = epsilon / 0.05
+    noise = epsilon / 0.05
     rhs = comp_evecs[:, -1:]  # shape: (n, 1): the worst direction for the series
-    schedule = torch.full((num_steps,), gamma, dtype=torch.float64)
+    schedule = torch.full((num_steps,), noise, dtype=torch.float64)
     filt = getattr(SpectralFilter, f"data_centric_{kind}")(schedule, alpha=alpha)
 
     approx = spectrum.apply(filt, rhs)  # shape: (T, n, 1)
     exact = evecs @ (filt.values(evals).unsqueeze(-1) * (evecs.T @ rhs))
-    scale = 1.0 if kind == "targets" else 1.0 / gamma
+    scale = 1.0 if kind == "targets" else 1.0 / noise
     error = float(torch.linalg.vector_norm(approx - exact, dim=-2).max()) / scale
-    estimate = spectrum.error_estimate(gamma)
+    estimate = spectrum.error_estimate(noise)
     assert error > 1e-7  # the series term dominates: far above rounding
     assert error <= estimate
 
@@ -301,8 +301,8 @@ def test_error_estimate_bounds_multi_step_filters(kind, num_steps, alpha):
 def test_error_estimate_counts_the_spectral_norm_of_the_ritz_residuals():
     # 16 resolved Ritz pairs of an RBF kernel (lengthscale 1, 300 points on [0, 5]): the largest
     # column residual is 7.33e-10, the spectral norm ||K V - V D||_2 8.71e-10. Along the
-    # residuals' leading left singular vector one step at gamma = 0.01 errs by 8.71e-8, 1.19
-    # times the column residual over gamma (7.33e-8); the estimate must be the 8.71e-8.
+    # residuals' leading left singular vector one step at noise = 0.01 errs by 8.71e-8, 1.19
+    # times the column residual over noise (7.33e-8); the estimate must be the 8.71e-8.
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(300, 1, generator=gen, dtype=torch.float64) * 5
     kernel = torch.exp(-0.5 * (x - x.T) ** 2)  # shape: (300, 300)
@@ -313,13 +313,13 @@ def test_error_estimate_counts_the_spectral_norm_of_the_ritz_residuals():
     vecs = spectrum.eigenvectors[:, spectrum.resolved]
     residuals = kernel @ vecs - vecs * spectrum.eigenvalues[spectrum.resolved]
     rhs = torch.linalg.svd(residuals, full_matrices=False)[0][:, :1]  # shape: (300, 1)
-    gamma = 0.01
-    filt = SpectralFilter.data_centric_targets(torch.full((2,), gamma, dtype=torch.float64))
+    noise = 0.01
+    filt = SpectralFilter.data_centric_targets(torch.full((2,), noise, dtype=torch.float64))
     approx = spectrum.apply(filt, rhs)  # shape: (2, 300, 1)
     exact = evecs @ (filt.values(evals).unsqueeze(-1) * (evecs.T @ rhs))
     error = float(torch.linalg.vector_norm(approx - exact, dim=-2).max())
     assert error > 1e-8  # the residual term dominates
-    assert error <= 1.01 * spectrum.error_estimate(gamma)
+    assert error <= 1.01 * spectrum.error_estimate(noise)
 
 
 def _repeated_inputs(distinct=20, copies=15, seed=0):
@@ -428,11 +428,11 @@ def test_from_dense_warns_on_clearly_negative_eigenvalues_and_filters_them_as_ze
         NumericalWarning, match="not positive semi-definite: its smallest eigenvalue is -0.5"
     ):
         spectrum = KernelSpectrum.from_dense(indefinite)
-    gamma = torch.tensor([0.1], dtype=DTYPE)
+    noise = torch.tensor([0.1], dtype=DTYPE)
     rhs = torch.randn(3, 1, dtype=DTYPE)
     projected = q @ torch.diag(torch.tensor([2.0, 1.0, 0.0], dtype=DTYPE)) @ q.mT
     expected = torch.linalg.solve(projected + 0.1 * torch.eye(3, dtype=DTYPE), rhs)
-    got = spectrum.apply(SpectralFilter.resolvent(gamma), rhs)[0]
+    got = spectrum.apply(SpectralFilter.resolvent(noise), rhs)[0]
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 

@@ -29,12 +29,12 @@ def test_solves_equal_dense_solves_for_a_batch_of_shifts_and_kernels():
     x = 5 * torch.rand(2, 300, 2, generator=gen, dtype=DTYPE)  # a kernel batch of 2
     k = rbf_matrix(x, 0.4)
     rhs = torch.randn(2, 300, 3, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([[1e-3], [1e-2], [0.5]], dtype=DTYPE)  # shape (3, 1): a schedule batch
+    noise = torch.tensor([[1e-3], [1e-2], [0.5]], dtype=DTYPE)  # shape (3, 1): a schedule batch
     spectrum = KernelSpectrum.from_lanczos(k, rank=48, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-12)
-    got = cg.solve(gamma.squeeze(-1)[:, None], rhs)  # shape (3, 2, 300, 3)
+    got = cg.solve(noise.squeeze(-1)[:, None], rhs)  # shape (3, 2, 300, 3)
     eye = torch.eye(300, dtype=DTYPE)
-    expected = torch.linalg.solve(k + gamma[..., None, None] * eye, rhs)
+    expected = torch.linalg.solve(k + noise[..., None, None] * eye, rhs)
     assert got.shape == (3, 2, 300, 3)
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
     assert cg.max_relative_residual <= 10 * 1e-12
@@ -51,7 +51,7 @@ def test_deflation_cuts_iterations_where_the_series_would_diverge():
     gen = torch.Generator().manual_seed(1)
     x = 5 * torch.rand(1500, 1, generator=gen, dtype=DTYPE)
     k = rbf_matrix(x, 0.2)
-    gamma = torch.tensor(1e-4, dtype=DTYPE)
+    noise = torch.tensor(1e-4, dtype=DTYPE)
     rhs = torch.randn(1500, 2, generator=gen, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=32, generator=gen)
     with pytest.raises(ValueError, match="diverges"):  # the Taylor complement cannot serve here
@@ -60,8 +60,8 @@ def test_deflation_cuts_iterations_where_the_series_would_diverge():
         no_deflation(k, tol=1e-10, max_iter=5000),
         ShiftedCG.from_spectrum(k, spectrum, tol=1e-10),
     )
-    a, b = plain.solve(gamma, rhs), deflated.solve(gamma, rhs)
-    expected = torch.linalg.solve(k + gamma * torch.eye(1500, dtype=DTYPE), rhs)
+    a, b = plain.solve(noise, rhs), deflated.solve(noise, rhs)
+    expected = torch.linalg.solve(k + noise * torch.eye(1500, dtype=DTYPE), rhs)
     for got in (a, b):
         assert float((got - expected).abs().max() / expected.abs().max()) < 1e-7
     assert deflated.last_iterations < plain.last_iterations / 3
@@ -72,13 +72,13 @@ def test_filters_equal_the_cholesky_chain():
     x = 5 * torch.rand(250, 3, generator=gen, dtype=DTYPE)
     k = rbf_matrix(x, 0.7)
     rhs = torch.randn(250, 2, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([[0.01, 0.02, 0.05], [0.1, 0.1, 0.1]], dtype=DTYPE)
+    noise = torch.tensor([[0.01, 0.02, 0.05], [0.1, 0.1, 0.1]], dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=16, generator=gen)
     cg, chol = ShiftedCG.from_spectrum(k, spectrum, tol=1e-13), ShiftedCholesky(k)
-    for filt in (SF.data_centric_targets(gamma, 0.3), SF.data_centric_weights(gamma, 0.0)):
+    for filt in (SF.data_centric_targets(noise, 0.3), SF.data_centric_weights(noise, 0.0)):
         expected = chol.apply(filt, rhs)
         assert float((cg.apply(filt, rhs) - expected).abs().max() / expected.abs().max()) < 1e-9
-    resolvent = SF.resolvent(gamma)
+    resolvent = SF.resolvent(noise)
     expected = chol.quad_diag(resolvent, rhs)
     got = cg.quad_diag(resolvent, rhs)
     assert got.shape == (2, 3, 2)
@@ -92,13 +92,13 @@ def test_chunked_operator_gives_the_same_solves():
     x = 5 * torch.rand(200, 2, generator=gen, dtype=DTYPE)
     kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
     kernel.lengthscale = 0.5
-    op = ChunkedKernelOperator(x, kernel=kernel, chunk_size=64)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=64)
     dense = kernel(x).to_dense().detach()
     rhs = torch.randn(200, 1, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor(0.01, dtype=DTYPE)
+    noise = torch.tensor(0.01, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(op, rank=16, generator=gen)
-    got = ShiftedCG.from_spectrum(op, spectrum, tol=1e-12).solve(gamma, rhs)
-    expected = torch.linalg.solve(dense + gamma * torch.eye(200, dtype=DTYPE), rhs)
+    got = ShiftedCG.from_spectrum(op, spectrum, tol=1e-12).solve(noise, rhs)
+    expected = torch.linalg.solve(dense + noise * torch.eye(200, dtype=DTYPE), rhs)
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
 
 
@@ -137,11 +137,11 @@ def test_bad_arguments_and_trace_raise_clear_errors():
         no_deflation(k).trace(SF.resolvent(torch.tensor([0.1], dtype=DTYPE)))
 
 
-def dense_solves(k, gamma, rhs):
-    """``(K + g I)^-1 rhs`` for every entry ``g`` of ``gamma``, by dense solves: ``(*s, T, N, r)``."""
+def dense_solves(k, noise, rhs):
+    """``(K + g I)^-1 rhs`` for every entry ``g`` of ``noise``, by dense solves: ``(*s, T, N, r)``."""
     eye = torch.eye(k.shape[-1], dtype=DTYPE)
-    solves = [torch.linalg.solve(k + g * eye, rhs) for g in gamma.reshape(-1)]
-    return torch.stack(solves).reshape(*gamma.shape, *rhs.shape)
+    solves = [torch.linalg.solve(k + g * eye, rhs) for g in noise.reshape(-1)]
+    return torch.stack(solves).reshape(*noise.shape, *rhs.shape)
 
 
 def multishift_problem(seed, lengthscale, rank, columns, tol):
@@ -151,16 +151,16 @@ def multishift_problem(seed, lengthscale, rank, columns, tol):
     x = 5 * torch.rand(300, 2, generator=gen, dtype=DTYPE)
     k = rbf_matrix(x, lengthscale)
     rhs = torch.randn(300, columns, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([[1e-3, 1e-2, 0.1, 1.0], [0.05, 0.2, 0.3, 0.4]], dtype=DTYPE)
+    noise = torch.tensor([[1e-3, 1e-2, 0.1, 1.0], [0.05, 0.2, 0.3, 0.4]], dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=rank, residual_tol=1e-9, generator=gen)
-    return k, rhs, gamma, spectrum, ShiftedCG.from_spectrum(k, spectrum, tol=tol)
+    return k, rhs, noise, spectrum, ShiftedCG.from_spectrum(k, spectrum, tol=tol)
 
 
 @pytest.mark.parametrize("lengthscale, rank", [(0.5, 32), (1.0, 64)])
 def test_multishift_variances_equal_dense_quadratic_forms(lengthscale, rank):
-    k, left, gamma, spectrum, cg = multishift_problem(5, lengthscale, rank, 6, 1e-10)
-    got = cg.quad_diag(SF.resolvent(gamma), left)
-    expected = (left * dense_solves(k, gamma, left)).sum(-2)
+    k, left, noise, spectrum, cg = multishift_problem(5, lengthscale, rank, 6, 1e-10)
+    got = cg.quad_diag(SF.resolvent(noise), left)
+    expected = (left * dense_solves(k, noise, left)).sum(-2)
     assert got.shape == (2, 4, 6)
     assert float(((got - expected).abs() / expected).max()) < 1e-9
     if lengthscale == 1.0:  # smooth enough that some pairs are split off exactly
@@ -175,17 +175,17 @@ def test_multishift_variances_of_a_batch_of_kernels_with_different_resolved_pair
     lengthscale = torch.tensor([0.3, 1.5], dtype=DTYPE)[:, None, None]
     k = torch.exp(-0.5 * torch.cdist(x, x).square() / lengthscale**2)
     left = torch.randn(2, 300, 5, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([1e-2, 0.1, 1.0], dtype=DTYPE)
+    noise = torch.tensor([1e-2, 0.1, 1.0], dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=48, residual_tol=1e-9, generator=gen)
     counts = spectrum.resolved.sum(-1)
     assert int(counts[1]) > int(counts[0])  # the smoother kernel resolves more pairs
     assert not torch.equal(spectrum.resolved[0], spectrum.resolved[1])
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10)
-    got = cg.quad_diag(SF.resolvent(gamma), left)
+    got = cg.quad_diag(SF.resolvent(noise), left)
     eye = torch.eye(300, dtype=DTYPE)
     expected = torch.stack(  # shape (2, 3, 5), one kernel and shift at a time
         [
-            torch.stack([(c * torch.linalg.solve(kb + g * eye, c)).sum(-2) for g in gamma])
+            torch.stack([(c * torch.linalg.solve(kb + g * eye, c)).sum(-2) for g in noise])
             for kb, c in zip(k, left, strict=True)
         ]
     )
@@ -197,21 +197,21 @@ def test_multishift_warns_when_it_does_not_converge():
     gen = torch.Generator().manual_seed(6)
     k = rbf_matrix(5 * torch.rand(200, 2, generator=gen, dtype=DTYPE), 0.5)
     left = torch.randn(200, 2, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([1e-3, 1e-2], dtype=DTYPE)
+    noise = torch.tensor([1e-3, 1e-2], dtype=DTYPE)
     with pytest.warns(NumericalWarning, match="multi-shift"):
-        no_deflation(k, tol=1e-12, max_iter=3).quad_diag(SF.resolvent(gamma), left)
+        no_deflation(k, tol=1e-12, max_iter=3).quad_diag(SF.resolvent(noise), left)
 
 
 @pytest.mark.parametrize("lengthscale, rank", [(0.5, 32), (1.0, 64)])
 def test_multishift_solves_equal_dense_solves(lengthscale, rank):
-    k, rhs, gamma, spectrum, cg = multishift_problem(7, lengthscale, rank, 2, 1e-11)
-    got = cg.apply(SF.resolvent(gamma), rhs)
-    expected = dense_solves(k, gamma, rhs)
+    k, rhs, noise, spectrum, cg = multishift_problem(7, lengthscale, rank, 2, 1e-11)
+    got = cg.apply(SF.resolvent(noise), rhs)
+    expected = dense_solves(k, noise, rhs)
     assert got.shape == (2, 4, 300, 2)
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-9
     # one Krylov run for all eight shifts: no more iterations than the hardest single solve
     single = ShiftedCG(k, spectrum.ritz_values[:0], spectrum.ritz_vectors[:, :0], tol=1e-11)
-    single.solve(gamma.min(), rhs)
+    single.solve(noise.min(), rhs)
     assert cg.last_iterations <= single.last_iterations + 5
 
 
@@ -226,12 +226,12 @@ def test_multishift_paths_raise_on_nan_instead_of_returning_it():
         no_deflation(k).apply(resolvent, left)
 
 
-def naive_chain(k, gamma, alpha, rhs):
+def naive_chain(k, noise, alpha, rhs):
     """Targets ``y_t`` and weights ``w_t = (K + g_t I)^-1 y_(t-1)`` by refitting, step by step:
-    each ``(*s, T, N, r)`` for ``gamma`` of shape ``(*s, T)``."""
+    each ``(*s, T, N, r)`` for ``noise`` of shape ``(*s, T)``."""
     eye = torch.eye(k.shape[-1], dtype=DTYPE)
     targets, weights = [], []
-    for schedule in gamma.reshape(-1, gamma.shape[-1]):
+    for schedule in noise.reshape(-1, noise.shape[-1]):
         y, ys, ws = rhs, [], []
         for g in schedule:
             w = torch.linalg.solve(k + g * eye, y)
@@ -240,7 +240,7 @@ def naive_chain(k, gamma, alpha, rhs):
             ws.append(w)
         targets.append(torch.stack(ys, dim=-3))
         weights.append(torch.stack(ws, dim=-3))
-    shape = (*gamma.shape[:-1], *targets[0].shape)
+    shape = (*noise.shape[:-1], *targets[0].shape)
     return torch.stack(targets).reshape(shape), torch.stack(weights).reshape(shape)
 
 
@@ -255,13 +255,13 @@ def test_krylov_chain_equals_a_naive_refit_loop(lengthscale, alpha):
     k = rbf_matrix(x, lengthscale)
     rhs = torch.randn(2, 300, 2, generator=gen, dtype=DTYPE)
     steps = torch.arange(6, dtype=DTYPE)
-    gamma = torch.stack([torch.full((6,), 0.01), 0.05 * 1.3**steps, 0.2 / (1 + steps)])
-    gamma = gamma.to(DTYPE)[:, None, :]  # shape (3, 1, 6): a schedule batch against the kernels
+    noise = torch.stack([torch.full((6,), 0.01), 0.05 * 1.3**steps, 0.2 / (1 + steps)])
+    noise = noise.to(DTYPE)[:, None, :]  # shape (3, 1, 6): a schedule batch against the kernels
     spectrum = KernelSpectrum.from_lanczos(k, rank=48, residual_tol=1e-10, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-11)
-    targets, weights = naive_chain(k, gamma.squeeze(1), alpha, rhs)  # (3, 2, 6, 300, 2)
-    got_targets = cg.krylov_apply(SF.data_centric_targets(gamma, alpha), rhs)
-    got_weights = cg.krylov_apply(SF.data_centric_weights(gamma, alpha), rhs)
+    targets, weights = naive_chain(k, noise.squeeze(1), alpha, rhs)  # (3, 2, 6, 300, 2)
+    got_targets = cg.krylov_apply(SF.data_centric_targets(noise, alpha), rhs)
+    got_weights = cg.krylov_apply(SF.data_centric_weights(noise, alpha), rhs)
     assert got_weights.shape == weights.shape == (3, 2, 6, 300, 2)
     assert relative_error(got_targets, targets) < 1e-9
     assert relative_error(got_weights, weights) < 1e-9
@@ -293,12 +293,12 @@ def test_krylov_chain_takes_one_run_whatever_the_number_of_steps():
     k, rhs, spectrum = hard_chain_problem()
     products = {}
     for steps in (3, 30):
-        gamma = torch.full((steps,), 1e-3, dtype=DTYPE)
+        noise = torch.full((steps,), 1e-3, dtype=DTYPE)
         counting = CountingKernel(k)
         got = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10).krylov_apply(
-            SF.data_centric_weights(gamma), rhs
+            SF.data_centric_weights(noise), rhs
         )
-        assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
+        assert relative_error(got, naive_chain(k, noise, 0.0, rhs)[1]) < 1e-8
         products[steps] = counting.products
     # ten times the steps, about the same Krylov run
     assert products[30] <= 1.5 * products[3]
@@ -311,28 +311,28 @@ def test_krylov_chain_takes_one_run_whatever_the_number_of_steps():
 def test_apply_takes_the_cheaper_of_the_krylov_run_and_the_chain():
     # A hard spectrum and a long chain: one Krylov run.
     k, rhs, spectrum = hard_chain_problem()
-    gamma = torch.full((30,), 1e-3, dtype=DTYPE)
+    noise = torch.full((30,), 1e-3, dtype=DTYPE)
     counting, chain = CountingKernel(k), CountingKernel(k)
     got = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10).apply(
-        SF.data_centric_weights(gamma), rhs
+        SF.data_centric_weights(noise), rhs
     )
     cg = ShiftedCG.from_spectrum(chain, spectrum, tol=1e-10)
-    ShiftedSolveEngine.apply(cg, SF.data_centric_weights(gamma), rhs)
-    assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
+    ShiftedSolveEngine.apply(cg, SF.data_centric_weights(noise), rhs)
+    assert relative_error(got, naive_chain(k, noise, 0.0, rhs)[1]) < 1e-8
     assert counting.products < chain.products / 3
     # A well-deflated spectrum and a short chain: the solves are cheap, so step by step.
     gen = torch.Generator().manual_seed(10)
     k = rbf_matrix(5 * torch.rand(300, 2, generator=gen, dtype=DTYPE), 1.0)
     rhs = torch.randn(300, 1, generator=gen, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=128, generator=gen)
-    gamma = torch.tensor([0.01, 0.02, 0.03], dtype=DTYPE)
+    noise = torch.tensor([0.01, 0.02, 0.03], dtype=DTYPE)
     counting, chain = CountingKernel(k), CountingKernel(k)
     got = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10).apply(
-        SF.data_centric_targets(gamma, 0.2), rhs
+        SF.data_centric_targets(noise, 0.2), rhs
     )
     cg = ShiftedCG.from_spectrum(chain, spectrum, tol=1e-10)
-    ShiftedSolveEngine.apply(cg, SF.data_centric_targets(gamma, 0.2), rhs)
-    assert relative_error(got, naive_chain(k, gamma, 0.2, rhs)[0]) < 1e-8
+    ShiftedSolveEngine.apply(cg, SF.data_centric_targets(noise, 0.2), rhs)
+    assert relative_error(got, naive_chain(k, noise, 0.2, rhs)[0]) < 1e-8
     assert counting.products <= 1.5 * chain.products + 2
 
 
@@ -341,24 +341,24 @@ def test_krylov_chain_is_exact_once_its_krylov_space_is_exhausted():
     factor = torch.randn(60, 5, generator=gen, dtype=DTYPE)
     k = factor @ factor.mT  # rank 5: every Krylov space has at most 6 dimensions
     rhs = torch.randn(60, 1, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([0.1, 0.1, 0.1, 0.1], dtype=DTYPE)
+    noise = torch.tensor([0.1, 0.1, 0.1, 0.1], dtype=DTYPE)
     cg = no_deflation(k, tol=1e-14)
-    got = cg.krylov_apply(SF.data_centric_targets(gamma), rhs)
+    got = cg.krylov_apply(SF.data_centric_targets(noise), rhs)
     assert cg.last_iterations <= 8
-    assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[0]) < 1e-12
+    assert relative_error(got, naive_chain(k, noise, 0.0, rhs)[0]) < 1e-12
 
 
 def test_krylov_chain_warns_when_it_does_not_converge_and_raises_on_nan():
     k, rhs, _ = hard_chain_problem(200)
-    gamma = torch.full((5,), 1e-3, dtype=DTYPE)
+    noise = torch.full((5,), 1e-3, dtype=DTYPE)
     cg = no_deflation(k, tol=1e-12, max_iter=10)
     with pytest.warns(NumericalWarning, match="raise max_iter"):
-        cg.krylov_apply(SF.data_centric_weights(gamma), rhs)
+        cg.krylov_apply(SF.data_centric_weights(noise), rhs)
     assert cg.error_estimate(1e-3) > 1e-12
     bad = k.clone()
     bad[5, 5] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
-        no_deflation(bad).krylov_apply(SF.data_centric_weights(gamma), rhs)
+        no_deflation(bad).krylov_apply(SF.data_centric_weights(noise), rhs)
 
 
 def test_a_short_chain_reuses_the_probe_solve_and_a_written_rhs_is_solved_again():
@@ -366,11 +366,11 @@ def test_a_short_chain_reuses_the_probe_solve_and_a_written_rhs_is_solved_again(
     k = rbf_matrix(5 * torch.rand(200, 2, generator=gen, dtype=DTYPE), 1.0)
     rhs = torch.randn(200, 1, generator=gen, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
-    gamma = torch.tensor([0.01, 0.02], dtype=DTYPE)
+    noise = torch.tensor([0.01, 0.02], dtype=DTYPE)
     probed, chain = CountingKernel(k), CountingKernel(k)
-    ShiftedCG.from_spectrum(probed, spectrum, tol=1e-10).apply(SF.data_centric_weights(gamma), rhs)
+    ShiftedCG.from_spectrum(probed, spectrum, tol=1e-10).apply(SF.data_centric_weights(noise), rhs)
     cg = ShiftedCG.from_spectrum(chain, spectrum, tol=1e-10)
-    ShiftedSolveEngine.apply(cg, SF.data_centric_weights(gamma), rhs)
+    ShiftedSolveEngine.apply(cg, SF.data_centric_weights(noise), rhs)
     assert probed.products == chain.products  # the probe is the chain's first solve
     # Writing into the right-hand side invalidates the reuse.
     g = torch.tensor(0.01, dtype=DTYPE)
@@ -382,8 +382,8 @@ def test_a_short_chain_reuses_the_probe_solve_and_a_written_rhs_is_solved_again(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_krylov_chain_on_cuda_matches_the_cpu():
     k, rhs, spectrum = hard_chain_problem(300)
-    gamma = torch.full((2, 20), 1e-3, dtype=DTYPE)
-    filt = SF.data_centric_targets(gamma, 0.1)
+    noise = torch.full((2, 20), 1e-3, dtype=DTYPE)
+    filt = SF.data_centric_targets(noise, 0.1)
     cpu = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10).krylov_apply(filt, rhs)
     cuda = ShiftedCG(
         k.cuda(),
@@ -391,23 +391,23 @@ def test_krylov_chain_on_cuda_matches_the_cpu():
         spectrum.ritz_vectors.cuda(),
         resolved=spectrum.ritz_resolved.cuda(),  # the pairs from_spectrum splits off
         tol=1e-10,
-    ).krylov_apply(SF.data_centric_targets(gamma.cuda(), 0.1), rhs.cuda())
+    ).krylov_apply(SF.data_centric_targets(noise.cuda(), 0.1), rhs.cuda())
     assert cuda.device.type == "cuda"
     assert relative_error(cuda.cpu(), cpu) < 1e-8
 
 
 def test_a_second_filter_on_the_same_rhs_reuses_the_timed_solve():
     k, rhs, spectrum = hard_chain_problem(300)
-    gamma = torch.full((10,), 1e-3, dtype=DTYPE)
+    noise = torch.full((10,), 1e-3, dtype=DTYPE)
     counting = CountingKernel(k)
     cg = ShiftedCG.from_spectrum(counting, spectrum, tol=1e-10)
-    cg.apply(SF.data_centric_targets(gamma), rhs)
+    cg.apply(SF.data_centric_targets(noise), rhs)
     first, timed, krylov = counting.products, cg._solve_iterations, cg.last_iterations
     assert krylov != timed and cg.krylov_error_estimate > 0  # the Krylov run served the chain
-    got = cg.apply(SF.data_centric_weights(gamma), rhs)
+    got = cg.apply(SF.data_centric_weights(noise), rhs)
     # no second timed solve: only the Krylov run
     assert counting.products - first == krylov
-    assert relative_error(got, naive_chain(k, gamma, 0.0, rhs)[1]) < 1e-8
+    assert relative_error(got, naive_chain(k, noise, 0.0, rhs)[1]) < 1e-8
 
 
 def test_an_operator_that_hands_back_its_input_is_not_written_into():
@@ -420,14 +420,14 @@ def test_an_operator_that_hands_back_its_input_is_not_written_into():
     rhs = torch.randn(n, 3, generator=gen, dtype=DTYPE)
     before = rhs.clone()
     eye = IdentityLinearOperator(n, dtype=DTYPE)
-    gamma = torch.tensor([0.1, 0.5, 2.0], dtype=DTYPE)
-    torch.testing.assert_close(no_deflation(eye).solve(gamma[1], rhs), rhs / 1.5)
-    solves = no_deflation(eye).apply(SF.resolvent(gamma), rhs)  # the multi-shift solve
-    torch.testing.assert_close(solves, rhs / (1 + gamma)[:, None, None])
-    variances = no_deflation(eye).quad_diag(SF.resolvent(gamma), rhs)  # multi-shift quadrature
-    torch.testing.assert_close(variances, rhs.square().sum(-2) / (1 + gamma)[:, None])
-    chain = no_deflation(eye).krylov_apply(SF.data_centric_targets(gamma, 0.2), rhs)
-    torch.testing.assert_close(chain, naive_chain(torch.eye(n, dtype=DTYPE), gamma, 0.2, rhs)[0])
+    noise = torch.tensor([0.1, 0.5, 2.0], dtype=DTYPE)
+    torch.testing.assert_close(no_deflation(eye).solve(noise[1], rhs), rhs / 1.5)
+    solves = no_deflation(eye).apply(SF.resolvent(noise), rhs)  # the multi-shift solve
+    torch.testing.assert_close(solves, rhs / (1 + noise)[:, None, None])
+    variances = no_deflation(eye).quad_diag(SF.resolvent(noise), rhs)  # multi-shift quadrature
+    torch.testing.assert_close(variances, rhs.square().sum(-2) / (1 + noise)[:, None])
+    chain = no_deflation(eye).krylov_apply(SF.data_centric_targets(noise, 0.2), rhs)
+    torch.testing.assert_close(chain, naive_chain(torch.eye(n, dtype=DTYPE), noise, 0.2, rhs)[0])
     assert torch.equal(rhs, before)
 
 
@@ -437,11 +437,11 @@ def test_runs_longer_than_the_first_record_block_equal_dense_answers():
     gen = torch.Generator().manual_seed(22)
     k = rbf_matrix(5 * torch.rand(400, 1, generator=gen, dtype=DTYPE), 0.1)
     left = torch.randn(400, 4, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor([1e-4, 1e-3, 1e-2], dtype=DTYPE)
+    noise = torch.tensor([1e-4, 1e-3, 1e-2], dtype=DTYPE)
     cg = no_deflation(k, tol=1e-10)
-    got = cg.quad_diag(SF.resolvent(gamma), left)
+    got = cg.quad_diag(SF.resolvent(noise), left)
     assert cg.last_iterations > 64
-    expected = (left * dense_solves(k, gamma, left)).sum(-2)
+    expected = (left * dense_solves(k, noise, left)).sum(-2)
     assert float(((got - expected).abs() / expected).max()) < 1e-8
     steps = torch.full((5,), 1e-3, dtype=DTYPE)
     chain = cg.krylov_apply(SF.data_centric_weights(steps), left[:, :1])
@@ -468,17 +468,17 @@ def test_repeated_shift_quadratic_forms_err_at_second_order():
     r^T (K + g I)^-1 r is non-negative and at most tol^2 |c|^2 / g; the plain c^T x errs at
     first order. The predictive variance k** - c^T (K + g I)^-1 c inherits it."""
     k, left, gen = matern32_problem(21)
-    gamma, tol = 1e-6, 1e-8
+    noise, tol = 1e-6, 1e-8
     spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)
-    got = cg.quad_diag(SF.resolvent(torch.tensor([gamma, gamma], dtype=DTYPE)), left)
+    got = cg.quad_diag(SF.resolvent(torch.tensor([noise, noise], dtype=DTYPE)), left)
     assert got.shape == (2, 6)
-    expected = (left * dense_solves(k, torch.tensor(gamma, dtype=DTYPE), left)).sum(-2)
+    expected = (left * dense_solves(k, torch.tensor(noise, dtype=DTYPE), left)).sum(-2)
     error = expected - got[0]
-    bound = tol**2 * left.square().sum(-2) / gamma
+    bound = tol**2 * left.square().sum(-2) / noise
     assert bool((error >= -1e-9 * expected).all())  # below the exact form, up to rounding
     assert bool((error <= bound).all())
-    plain = (left * cg.solve(torch.tensor(gamma, dtype=DTYPE), left)).sum(-2)
+    plain = (left * cg.solve(torch.tensor(noise, dtype=DTYPE), left)).sum(-2)
     assert float((expected - plain).abs().max()) > 10 * float(error.abs().max())
 
 
@@ -488,20 +488,20 @@ def test_quad_error_bound_bounds_the_error_of_every_quadratic_form(shifts):
     residual; several: the base shift's, which bounds every larger shift's): the forms lie below
     the dense ones by at most that. A loose tol makes the truncation visible above rounding."""
     k, left, gen = matern32_problem(22)
-    gamma = torch.tensor(shifts, dtype=DTYPE)
+    noise = torch.tensor(shifts, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=32, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-3)
-    got = cg.quad_diag(SF.resolvent(gamma), left)
+    got = cg.quad_diag(SF.resolvent(noise), left)
     bound = cg.quad_error_bound
     assert bound.shape == got.shape == (len(shifts), 6)
-    expected = (left * dense_solves(k, gamma, left)).sum(-2)
+    expected = (left * dense_solves(k, noise, left)).sum(-2)
     error = expected - got
     assert float(error.max()) > 1e-8 * float(expected.max())  # truncation, not rounding
     assert bool((error >= -1e-10 * expected).all())
     assert bool((error <= bound * (1 + 1e-6)).all())
-    assert bool((bound <= (1e-3) ** 2 * left.square().sum(-2) / gamma.min()).all())
+    assert bool((bound <= (1e-3) ** 2 * left.square().sum(-2) / noise.min()).all())
     chol = ShiftedCholesky(k)
-    chol.quad_diag(SF.resolvent(gamma), left)
+    chol.quad_diag(SF.resolvent(noise), left)
     assert chol.quad_error_bound is None  # exact up to rounding
 
 
@@ -512,21 +512,21 @@ def test_resolvent_cross_products_err_by_a_psd_matrix_of_second_order(shifts, to
     second order. The plain C^T X errs at first order (x^T r, large at a small shift) and is
     not symmetric; the setting of test_repeated_shift_quadratic_forms_err_at_second_order."""
     k, left, gen = matern32_problem(21)
-    gamma = torch.tensor(shifts, dtype=DTYPE)
+    noise = torch.tensor(shifts, dtype=DTYPE)
     spectrum = KernelSpectrum.from_lanczos(k, rank=64, generator=gen)
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)  # multi-shift stalls at 1.8e-8
-    got = cg.cross(SF.resolvent(gamma), left, left)
+    got = cg.cross(SF.resolvent(noise), left, left)
     assert got.shape == (len(shifts), 6, 6)
     assert torch.equal(got, got.mT)
-    expected = left.mT @ dense_solves(k, gamma, left)
+    expected = left.mT @ dense_solves(k, noise, left)
     error = expected - got
     scale = float(expected.abs().max())
     assert float(torch.linalg.eigvalsh(error).min()) >= -1e-10 * scale
-    plain = left.mT @ cg.apply(SF.resolvent(gamma), left)
+    plain = left.mT @ cg.apply(SF.resolvent(noise), left)
     assert float((expected - plain).abs().max()) > 10 * float(error.abs().max())
     other = 2 * left[:, :2]  # C is not B: the plain product
-    crossed = cg.cross(SF.resolvent(gamma), left, other)
-    assert torch.allclose(crossed, left.mT @ cg.apply(SF.resolvent(gamma), other))
+    crossed = cg.cross(SF.resolvent(noise), left, other)
+    assert torch.allclose(crossed, left.mT @ cg.apply(SF.resolvent(noise), other))
 
 
 def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
@@ -535,14 +535,14 @@ def test_cg_predictive_variances_at_a_tiny_noise_match_float64_cholesky():
     from gpsd import DataCentricGPR
 
     kernel, x, y, test_x = matern_regression_problem()
-    gamma = torch.tensor([1e-8], dtype=DTYPE)
+    noise = torch.tensor([1e-8], dtype=DTYPE)
     exact = (
-        DataCentricGPR(x, y, kernel, noise=gamma, backend="cholesky")
+        DataCentricGPR(x, y, kernel, noise=noise, backend="cholesky")
         .predict(test_x)
         .variance.detach()
     )
     # rank 64 < N = 150: CG iterates (758 times); rank >= N would make it one step
-    model = DataCentricGPR(x, y, kernel, noise=gamma, backend="cg", rtol=1e-8, rank=64)
+    model = DataCentricGPR(x, y, kernel, noise=noise, backend="cg", rtol=1e-8, rank=64)
     cg = model.predict(test_x).variance
     # the first-order quadratic form c^T x would err by 2.3e-3 relative here
     assert float(((cg - exact).abs() / exact).max()) < 1e-6
@@ -556,16 +556,16 @@ def test_a_solve_written_to_by_the_caller_is_not_reused(engine_kind):
     x = torch.rand(20, 1, generator=gen, dtype=DTYPE)
     k = rbf_matrix(x, 0.3)
     rhs = torch.randn(20, 2, generator=gen, dtype=DTYPE)
-    gamma = torch.tensor(0.1, dtype=DTYPE)
+    noise = torch.tensor(0.1, dtype=DTYPE)
     if engine_kind == "cholesky":
         engine = ShiftedCholesky(k)
     else:
         engine = ShiftedCG.from_spectrum(k, KernelSpectrum.from_lanczos(k, rank=4), tol=1e-12)
-    expected = dense_solves(k, gamma.reshape(1), rhs)[0]
-    first = engine.solve(gamma, rhs)
+    expected = dense_solves(k, noise.reshape(1), rhs)[0]
+    first = engine.solve(noise, rhs)
     torch.testing.assert_close(first, expected, rtol=1e-9, atol=1e-10)
     first.mul_(0.0)
-    torch.testing.assert_close(engine.solve(gamma, rhs), expected, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(engine.solve(noise, rhs), expected, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -592,21 +592,21 @@ def test_the_chain_solves_its_first_step_to_tol():
     kernel = gpytorch.kernels.MaternKernel(nu=0.5).to(DTYPE)
     k = kernel(x).to_dense().detach()
     rhs = torch.sin(x) + 0.1 * torch.randn(800, 1, generator=gen, dtype=DTYPE)
-    gamma = torch.logspace(-4, 1, 10, dtype=DTYPE)
+    noise = torch.logspace(-4, 1, 10, dtype=DTYPE)
     tol = 1e-8
     spectrum = KernelSpectrum.from_lanczos(
         k, rank=256, residual_tol=0.1 * tol * 1e-4, generator=torch.Generator().manual_seed(0)
     )
     cg = ShiftedCG.from_spectrum(k, spectrum, tol=tol)
     assert int(cg.resolved.sum()) > 0  # pairs are split off
-    weights = cg.krylov_apply(SpectralFilter.data_centric_weights(gamma), rhs)
+    weights = cg.krylov_apply(SpectralFilter.data_centric_weights(noise), rhs)
     # step 1 weights solve (K + gamma_1 I) w = y
-    residual = (k + gamma[0] * torch.eye(800, dtype=DTYPE)) @ weights[0] - rhs
+    residual = (k + noise[0] * torch.eye(800, dtype=DTYPE)) @ weights[0] - rhs
     assert float(residual.norm() / rhs.norm()) <= tol
     # every step against dense solves of the chain
     eye = torch.eye(800, dtype=DTYPE)
     targets = rhs
-    for t, g in enumerate(gamma):
+    for t, g in enumerate(noise):
         expected = torch.linalg.solve(k + g * eye, targets)
         error = float((weights[t] - expected).norm() / expected.norm())
         assert error < 1e-6, (t, error)

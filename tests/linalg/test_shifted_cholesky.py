@@ -25,26 +25,26 @@ K = torch.exp(-0.5 * (X[:, None] - X[None, :]).square() / 0.3**2)
 
 
 @pytest.mark.parametrize(
-    "gamma, error, message",
+    "noise, error, message",
     [
         (torch.tensor([0.1, -0.1], dtype=DTYPE), ValueError, "1 of them are not, such as -0.1"),
         (torch.tensor(0.0, dtype=DTYPE), ValueError, "finite positive shifts"),
         (torch.tensor([math.nan], dtype=DTYPE), ValueError, "finite positive shifts"),
         (torch.tensor([math.inf], dtype=DTYPE), ValueError, "finite positive shifts"),
-        ([0.1], TypeError, "gamma must be a floating-point tensor of shifts, got list"),
+        ([0.1], TypeError, "noise must be a floating-point tensor of shifts, got list"),
         (torch.tensor([1]), TypeError, "got dtype torch.int64"),
     ],
 )
-def test_bad_shifts_are_named(gamma, error, message):
+def test_bad_shifts_are_named(noise, error, message):
     with pytest.raises(error, match=message):
-        ShiftedCholesky(K).factor(gamma)
+        ShiftedCholesky(K).factor(noise)
 
 
 def test_good_shifts_give_the_cholesky_factor():
-    gamma = torch.tensor([0.1, 0.5], dtype=DTYPE)
-    factor = ShiftedCholesky(K).factor(gamma)
+    noise = torch.tensor([0.1, 0.5], dtype=DTYPE)
+    factor = ShiftedCholesky(K).factor(noise)
     eye = torch.eye(12, dtype=DTYPE)
-    for i, g in enumerate(gamma):
+    for i, g in enumerate(noise):
         torch.testing.assert_close(factor[i] @ factor[i].T, K + g * eye, rtol=1e-12, atol=1e-12)
 
 
@@ -112,31 +112,31 @@ def test_shift_gradients_reach_each_step_and_every_call():
     values = [0.1, 0.1, 0.3]
     eye = torch.eye(n, dtype=DTYPE)
 
-    def dense(gamma):
-        solves = [torch.linalg.solve(k + g * eye, torch.cat([rhs, left], -1)) for g in gamma]
+    def dense(noise):
+        solves = [torch.linalg.solve(k + g * eye, torch.cat([rhs, left], -1)) for g in noise]
         mean = torch.stack([s[:, :1] for s in solves])
         quad = torch.stack([(left * s[:, 1:]).sum(0) for s in solves])
         return (weights * mean).sum() + quad.sum()
 
-    def chain(engine, gamma):
-        filt = SpectralFilter.resolvent(gamma)
+    def chain(engine, noise):
+        filt = SpectralFilter.resolvent(noise)
         return (weights * engine.apply(filt, rhs)).sum() + engine.quad_diag(filt, left).sum()
 
-    gamma = torch.tensor(values, dtype=DTYPE, requires_grad=True)
-    (expected,) = torch.autograd.grad(dense(gamma), gamma)
+    noise = torch.tensor(values, dtype=DTYPE, requires_grad=True)
+    (expected,) = torch.autograd.grad(dense(noise), noise)
     assert not torch.allclose(expected[0], expected[1])  # the equal shifts have their own
     engine = ShiftedCholesky(k)
     chain(engine, torch.tensor(values, dtype=DTYPE))  # a graph-free call first fills the caches
     for _ in range(2):
-        gamma = torch.tensor(values, dtype=DTYPE, requires_grad=True)
-        (got,) = torch.autograd.grad(chain(engine, gamma), gamma)
+        noise = torch.tensor(values, dtype=DTYPE, requires_grad=True)
+        (got,) = torch.autograd.grad(chain(engine, noise), noise)
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
     # the data-centric weights (a product of ratios) against the eigendecomposition
-    gamma = torch.tensor(values, dtype=DTYPE, requires_grad=True)
-    filt = SpectralFilter.data_centric_weights(gamma, 0.5)
-    (got,) = torch.autograd.grad((weights * engine.apply(filt, rhs)).sum(), gamma)
+    noise = torch.tensor(values, dtype=DTYPE, requires_grad=True)
+    filt = SpectralFilter.data_centric_weights(noise, 0.5)
+    (got,) = torch.autograd.grad((weights * engine.apply(filt, rhs)).sum(), noise)
     spectrum = KernelSpectrum.from_dense(k)
-    (want,) = torch.autograd.grad((weights * spectrum.apply(filt, rhs)).sum(), gamma)
+    (want,) = torch.autograd.grad((weights * spectrum.apply(filt, rhs)).sum(), noise)
     torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
 
 
@@ -160,13 +160,13 @@ def test_shifts_that_require_grad_share_factors_under_no_grad(monkeypatch):
     gen = torch.Generator().manual_seed(10)
     k = _rbf(10 * torch.rand(30, 1, generator=gen, dtype=DTYPE))
     rhs = torch.randn(30, 1, generator=gen, dtype=DTYPE)
-    gamma = torch.nn.Parameter(torch.tensor([0.1, 0.1, 0.2, 0.1], dtype=DTYPE))
+    noise = torch.nn.Parameter(torch.tensor([0.1, 0.1, 0.2, 0.1], dtype=DTYPE))
     factorisations = _counting(monkeypatch, module, "psd_safe_cholesky")
     with torch.no_grad():
-        ShiftedCholesky(k).apply(SpectralFilter.data_centric_weights(gamma), rhs)
+        ShiftedCholesky(k).apply(SpectralFilter.data_centric_weights(noise), rhs)
     assert factorisations[0] == 2
     factorisations[0] = 0
-    ShiftedCholesky(k).apply(SpectralFilter.data_centric_weights(gamma), rhs)
+    ShiftedCholesky(k).apply(SpectralFilter.data_centric_weights(noise), rhs)
     assert factorisations[0] == 4  # with a graph: one per step, so each gets its gradient
 
 

@@ -115,7 +115,7 @@ def _every_engine():
     kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
     kernel.lengthscale = torch.tensor(1.5, dtype=DTYPE)
     k = kernel(x).to_dense().detach()
-    operator = ChunkedKernelOperator(x, kernel=kernel, chunk_size=16)
+    operator = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=16)
     lanczos = KernelSpectrum.from_lanczos(k, rank=60, residual_tol=1e-10)
     chunked = KernelSpectrum.from_lanczos(operator, rank=60, residual_tol=1e-10)
     return k, {

@@ -42,14 +42,14 @@ def test_series_are_the_taylor_coefficients(alpha):
 
 
 def test_negative_rounding_eigenvalues_are_evaluated_as_zero():
-    """d = -1e-17 next to gamma = 1e-17 would give 1/(d + gamma) = inf: a PSD kernel's negative
+    """d = -1e-17 next to noise = 1e-17 would give 1/(d + noise) = inf: a PSD kernel's negative
     eigenvalues are rounding, and the filters there must take their values at 0."""
-    gamma = torch.tensor([1e-17, 1e-17], dtype=DTYPE)
+    noise = torch.tensor([1e-17, 1e-17], dtype=DTYPE)
     d = torch.tensor([-1e-17, -3e-18, 0.0], dtype=DTYPE)
     for filt in (
-        SpectralFilter.resolvent(gamma),
-        SpectralFilter.data_centric_weights(gamma),
-        SpectralFilter.data_centric_targets(gamma, 0.3),
+        SpectralFilter.resolvent(noise),
+        SpectralFilter.data_centric_weights(noise),
+        SpectralFilter.data_centric_targets(noise, 0.3),
     ):
         values = filt.values(d)
         assert torch.isfinite(values).all()
@@ -97,11 +97,11 @@ def test_series_match_mpmath_to_rounding(kind, alpha):
 
 
 def test_float32_series_do_not_overflow_where_the_coefficients_are_finite():
-    """gamma = 1e-8 in float32: the coefficient 1e32 of d^4 in d/(d + gamma), formed as
-    gamma * gamma^-5 = gamma * inf, would be -inf, and the product with the next step NaN."""
-    gamma = torch.full((2,), 1e-8, dtype=torch.float32)
-    got = SpectralFilter.data_centric_targets(gamma).series(4)
-    expected = SpectralFilter.data_centric_targets(gamma.double()).series(4)
+    """noise = 1e-8 in float32: the coefficient 1e32 of d^4 in d/(d + noise), formed as
+    noise * noise^-5 = noise * inf, would be -inf, and the product with the next step NaN."""
+    noise = torch.full((2,), 1e-8, dtype=torch.float32)
+    got = SpectralFilter.data_centric_targets(noise).series(4)
+    expected = SpectralFilter.data_centric_targets(noise.double()).series(4)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=0)
     assert float(expected[1, 4]) == pytest.approx(3e32, rel=1e-6)  # (d / (d + g))^2 at d^4
@@ -146,23 +146,23 @@ def test_alpha_one_keeps_the_targets_and_the_long_schedule_underflows_cleanly():
         (
             lambda: SpectralFilter.resolvent(torch.tensor([0.1, 0.0], dtype=DTYPE)),
             ValueError,
-            "gamma",
+            "noise",
         ),
-        (lambda: SpectralFilter.resolvent(torch.tensor([-0.5], dtype=DTYPE)), ValueError, "gamma"),
+        (lambda: SpectralFilter.resolvent(torch.tensor([-0.5], dtype=DTYPE)), ValueError, "noise"),
         (
             lambda: SpectralFilter.data_centric_weights(torch.tensor([math.nan])),
             ValueError,
-            "gamma",
+            "noise",
         ),
         (
             lambda: SpectralFilter.data_centric_targets(torch.tensor([math.inf])),
             ValueError,
-            "gamma",
+            "noise",
         ),
-        (lambda: SpectralFilter.resolvent(torch.tensor(0.1)), ValueError, "gamma"),
-        (lambda: SpectralFilter.resolvent(torch.zeros(2, 0)), ValueError, "gamma"),
-        (lambda: SpectralFilter.resolvent([0.1, 0.2]), TypeError, "gamma"),
-        (lambda: SpectralFilter.resolvent(torch.tensor([1, 2])), TypeError, "gamma"),
+        (lambda: SpectralFilter.resolvent(torch.tensor(0.1)), ValueError, "noise"),
+        (lambda: SpectralFilter.resolvent(torch.zeros(2, 0)), ValueError, "noise"),
+        (lambda: SpectralFilter.resolvent([0.1, 0.2]), TypeError, "noise"),
+        (lambda: SpectralFilter.resolvent(torch.tensor([1, 2])), TypeError, "noise"),
         (
             lambda: SpectralFilter.data_centric_targets(torch.tensor([0.1]), math.nan),
             ValueError,
@@ -196,7 +196,7 @@ def test_alpha_one_keeps_the_targets_and_the_long_schedule_underflows_cleanly():
     ],
 )
 def test_bad_filter_arguments_are_named(make, error, match):
-    """Unchecked, these give NaN or infinite values (gamma 0, negative, NaN; alpha NaN), integer
+    """Unchecked, these give NaN or infinite values (noise 0, negative, NaN; alpha NaN), integer
     series truncated to 0 (1 / (d + 2) as [0, 0, 0]), or an IndexError from deep inside."""
     with pytest.raises(error, match=match):
         make()
