@@ -27,5 +27,6 @@ class BackendError(GpsdError, RuntimeError):
 
 
 class InsufficientMemoryError(GpsdError, MemoryError):
-    """A computation would not fit in the device's memory; raised before allocating, with the
-    bytes it needs and what would fit instead."""
+    """A computation does not fit in the device's memory. Raised before allocating where the
+    need can be foreseen (a forced dense or Cholesky backend), else when an allocation fails;
+    the message names the bytes and what would fit instead."""

@@ -333,10 +333,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             kernel_cache_bytes=self.kernel_cache_bytes,
         )
         engine.check_accuracy(gamma_min, self.rtol)
-        # a forced matrix-free backend builds no graph: the grad mode need not rebuild it (with
-        # backend="auto" the grad mode chooses the engine, so it always matters)
-        forced_matrix_free = engine.matrix_free and self.backend != "auto"
-        self._factor_cache.grad_matters = engine.supports_autograd or not forced_matrix_free
+        # a matrix-free engine builds no graph, and the grad mode does not change the choice of
+        # one: it need not rebuild when the mode changes
+        self._factor_cache.grad_matters = engine.supports_autograd or not engine.matrix_free
         keep_graph = engine.supports_autograd and needs_graph(self.covar_module, self.train_x)
         # A backward pass through the cached graph frees it: refactor after one.
         self._factor_cache.watch(engine)

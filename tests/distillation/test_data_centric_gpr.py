@@ -632,16 +632,17 @@ def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():
 
 
 def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch, use_setting):
-    one_mib = 2**20
-    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: one_mib)
-    use_setting(gpsd.settings.max_lanczos_rank(32))
     x, y, test_x = wiggly_data()  # one 300 x 300 float64 matrix: 0.7 MiB
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
     gammas = torch.full((3,), 1e-2, dtype=DTYPE)  # few steps: the Cholesky chain if it fitted
+    with torch.no_grad():  # the reference, with the memory there is
+        ref = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense").predict(test_x)
+    one_mib = 2**20
+    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: one_mib)
+    use_setting(gpsd.settings.max_lanczos_rank(32))
     auto = DataCentricGPR(x, y, kernel, noise=gammas, rtol=1e-10)
-    dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
     with torch.no_grad():
-        got, ref = auto.predict(test_x), dense.predict(test_x)
+        got = auto.predict(test_x)
         assert isinstance(auto._state()["engine"], ShiftedCG)
     assert relative_error(got.mean, ref.mean) < 1e-7
     assert relative_error(got.variance, ref.variance) < 1e-7
@@ -1182,3 +1183,180 @@ def test_backend_choice_collects_where_a_candidate_would_not_fit(
     freed = _garbage_holding_memory(monkeypatch, free_while_held, 2**30)
     assert choose_backend(n, 10, "cpu") == expected
     assert freed == ([True] if collected else [])
+
+
+# ------------------------------------------------------------------ the engines make_engine gives it
+def _repeated_inputs(distinct=20, copies=15, seed=0):
+    """``distinct`` points repeated ``copies`` times: an RBF kernel of rank ``distinct``."""
+    gen = torch.Generator().manual_seed(seed)
+    return (10 * torch.rand(distinct, 1, generator=gen, dtype=DTYPE)).repeat(copies, 1)
+
+
+@pytest.mark.parametrize("backend,rank", [("lanczos", 64), ("lanczos", None), ("cg", 64)])
+def test_repeated_inputs_predict_as_the_dense_backend_does(backend, rank):
+    # rank 64 on a kernel of rank 25: the Krylov space becomes invariant; a basis that lost
+    # orthogonality there would make Lanczos' series diverge and stall deflated CG at 0.01
+    x = _repeated_inputs(25, 12)
+    gen = torch.Generator().manual_seed(2)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(x.shape[0], generator=gen, dtype=DTYPE)
+    test_x = torch.linspace(0, 10, 9, dtype=DTYPE).unsqueeze(-1)
+    gammas = [0.1, 0.2]
+    with torch.no_grad():
+        expected = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend="dense").predict(test_x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = DataCentricGPR(x, y, rbf_kernel(), noise=gammas, backend=backend, rank=rank).predict(
+            test_x
+        )
+        mean, variance = got.mean.detach(), got.variance.detach()
+    assert float((mean - expected.mean).norm() / expected.mean.norm()) < 1e-9
+    assert float((variance - expected.variance).abs().max() / expected.variance.max()) < 1e-8
+
+
+def test_data_centric_lanczos_at_fifteen_inputs_equals_the_dense_path():
+    x = torch.linspace(0, 10, 15, dtype=DTYPE).unsqueeze(-1)
+    y = torch.sin(x).squeeze(-1)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DTYPE)
+    noise = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
+    test_x = torch.linspace(-1, 11, 7, dtype=DTYPE).unsqueeze(-1)
+    with torch.no_grad():
+        got = DataCentricGPR(x, y, kernel, noise=noise, backend="lanczos").predict(test_x)
+        ref = DataCentricGPR(x, y, kernel, noise=noise, backend="dense").predict(test_x)
+    torch.testing.assert_close(got.mean, ref.mean, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.variance, ref.variance, rtol=1e-9, atol=1e-12)
+
+
+def _scaled_rbf(lengthscale=1.0):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DTYPE)
+    k.base_kernel.lengthscale = lengthscale
+    return k
+
+
+def _sine_data(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=DTYPE)
+    return x, torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(n, generator=gen, dtype=DTYPE)
+
+
+def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
+    x, y = _sine_data(600)
+    test_x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
+    noise = torch.tensor([1e-4, 1e-3], dtype=DTYPE)
+    with torch.no_grad():
+        model = DataCentricGPR(x, y, _scaled_rbf(), noise=noise, backend="lanczos", rtol=1e-8)
+        got = model.predict_mean(test_x)
+        dense = DataCentricGPR(x, y, _scaled_rbf(), noise=noise, backend="dense").predict_mean(
+            test_x
+        )
+    assert model.error_estimate <= 1e-8
+    scale = dense.abs().max()
+    assert float((got - dense).abs().max() / scale) < 1e-8
+
+
+def test_switching_the_grad_mode_keeps_a_matrix_free_engine():
+    x, y = _sine_data(300)
+    model = DataCentricGPR(x, y, _scaled_rbf(0.3), noise=[0.01, 0.02], backend="cg", rtol=1e-6)
+    with torch.no_grad():
+        first = model.predict_mean(x[:5])
+    engine = model._state()["engine"]
+    second = model.predict_mean(x[:5])  # gradients enabled now
+    assert model._state()["engine"] is engine
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    with pytest.raises(gpsd.BackendError, match="'dense' or 'cholesky'"):
+        second.sum().backward()  # CG builds no graph
+    # a dense engine carries a graph with gradients enabled: rebuilt
+    dense = DataCentricGPR(x, y, _scaled_rbf(0.3), noise=[0.01, 0.02], backend="dense")
+    with torch.no_grad():
+        dense.predict_mean(x[:5])
+        engine = dense._state()["engine"]
+    assert dense.predict_mean(x[:5]).requires_grad and dense._state()["engine"] is not engine
+
+
+def test_the_low_precision_warning_comes_before_the_factorisation(monkeypatch):
+    def failing_engine(*args, **kwargs):
+        raise RuntimeError("the factorisation failed")
+
+    monkeypatch.setattr(gpsd.linalg, "make_engine", failing_engine)
+    x, y = _sine_data(40)
+    kernel = gpytorch.kernels.RBFKernel()
+    model = DataCentricGPR(x.float(), y.float(), kernel, noise=[1e-6], linalg_dtype=None)
+    with (
+        pytest.warns(NumericalWarning, match="factored in torch.float32"),
+        pytest.raises(RuntimeError, match="the factorisation failed"),
+        torch.no_grad(),
+    ):
+        model.predict_mean(x[:3].float())
+
+
+def test_a_float32_lanczos_spectrum_warns_instead_of_refusing():
+    # every pair's residual is at float32 rounding: the rounding floor counts them as resolved
+    x, y = _sine_data(300)
+    test_x = torch.linspace(0, 10, 20, dtype=DTYPE).unsqueeze(-1)
+    model = DataCentricGPR(
+        x.float(),
+        y.float(),
+        _scaled_rbf().float(),
+        noise=[1e-2],
+        backend="lanczos",
+        linalg_dtype=None,
+    )
+    with torch.no_grad(), pytest.warns(NumericalWarning, match="estimated relative error"):
+        got = model.predict_mean(test_x.float())
+    with torch.no_grad():
+        dense = DataCentricGPR(x, y, _scaled_rbf(), noise=[1e-2], backend="dense").predict_mean(
+            test_x
+        )
+    error = float((got.double() - dense).abs().max() / dense.abs().max())
+    assert error < 10 * model.error_estimate and model.error_estimate < 0.05
+
+
+def test_auto_rebuilds_for_gradients_after_a_no_grad_prediction():
+    # under no_grad, auto may take a truncated Lanczos spectrum (no graph); a later prediction
+    # with gradients must not reuse it
+    x, y = _sine_data(300)
+    gammas = torch.full((30,), 0.1, dtype=DTYPE)
+    model = DataCentricGPR(x, y, _scaled_rbf(2.0), noise=gammas)
+    with torch.no_grad():
+        model.predict_mean(x[:5])
+    mean = model.predict_mean(x[:5])
+    assert mean.requires_grad
+    (got,) = torch.autograd.grad(mean.sum(), model.covar_module.base_kernel.raw_lengthscale)
+    fresh = DataCentricGPR(x, y, _scaled_rbf(2.0), noise=gammas)
+    (expected,) = torch.autograd.grad(
+        fresh.predict_mean(x[:5]).sum(), fresh.covar_module.base_kernel.raw_lengthscale
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
+
+
+def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
+    # the rounding floor that lets Lanczos count pairs as resolved is not for CG, whose
+    # estimate ignores the split-off pairs' residuals: float32 chains would come out 1.4 off
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(300, 1, generator=gen, dtype=DTYPE)
+    y = torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(300, generator=gen, dtype=DTYPE)
+    test_x = torch.linspace(0, 10, 40, dtype=DTYPE).unsqueeze(-1)
+    gammas = torch.logspace(0, 1, 20, dtype=DTYPE) * 1e-4
+
+    def kernel(dtype):
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).to(DTYPE)
+        return k.to(dtype)
+
+    with torch.no_grad():
+        dense = DataCentricGPR(x, y, kernel(DTYPE), noise=gammas, backend="dense").predict_mean(
+            test_x
+        )
+        model = DataCentricGPR(
+            x.float(),
+            y.float(),
+            kernel(torch.float32),
+            noise=gammas.float(),
+            backend="cg",
+            linalg_dtype=None,
+            rtol=1e-3,
+        )
+        with pytest.warns(NumericalWarning):  # the float32 warning
+            got = model.predict_mean(test_x.float())
+    engine = model._state()["engine"]
+    error = (got.double() - dense).abs().amax(-1) / dense.abs().amax(-1)
+    assert float(error.max()) < 0.05
+    assert int(engine.resolved.sum()) == 0  # none within residual_tol in float32 here
