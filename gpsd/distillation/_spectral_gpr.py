@@ -318,7 +318,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         return self._factor_cache.get(modules, config, self._factorise)
 
     def _factorise(self) -> dict:
-        self._check_module_devices()
+        self._check_modules()
         gamma_min = self._smallest_shift()
         self._check_dense_memory()
         warn_low_precision_factorisation(  # before a factorisation that it may explain fails
@@ -374,16 +374,23 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         # the value holds the engine, so its id in the config cannot be reused by another
         return {**factor, "prior_mean": prior_mean, "centred": centred, "coords": coords}
 
-    def _check_module_devices(self) -> None:
-        """A ``ValueError`` naming a module whose tensors are on another device than the
-        model's training data."""
+    def _check_modules(self) -> None:
+        """A ``ValueError`` naming a module whose tensors are on another device, or whose
+        floating-point tensors have another dtype, than the model's training data."""
+        x = self.train_x
         for name in ("covar_module", "mean_module"):
             module = getattr(self, name)
             for tensor in itertools.chain(module.parameters(), module.buffers()):
-                if tensor.device != self.train_x.device:
+                if tensor.device != x.device:
                     raise ValueError(
                         f"{name} is on {tensor.device} but the model's training data are on "
-                        f"{self.train_x.device}; move the model with .to(device)"
+                        f"{x.device}; move the model with .to(device)"
+                    )
+                if tensor.is_floating_point() and tensor.dtype != x.dtype:
+                    raise ValueError(
+                        f"{name} has dtype {tensor.dtype} but the model's training data have "
+                        f"{x.dtype}; convert the model with .to({x.dtype}) (linalg_dtype sets "
+                        "the dtype of the factorisation)"
                     )
 
     def _check_dense_memory(self) -> None:
