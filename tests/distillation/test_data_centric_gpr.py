@@ -174,7 +174,7 @@ def test_student_is_a_plain_exact_gp_equal_to_step_t(problem):
     with pytest.raises(ValueError, match="step must lie in 1..3"):
         model.student(4)
     for t in (2.5, 2.0, 0):
-        with pytest.raises(ValueError, match="step must be an integer"):
+        with pytest.raises(ValueError, match="step must be a positive integer"):
             model.student(t)
 
 
