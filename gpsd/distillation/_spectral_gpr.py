@@ -489,8 +489,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         :param test_x: test inputs, ``(*b, M, d)`` or ``(M,)``.
         :param step: a step ``t`` in ``1..T`` (default: every step).
-        :param include_noise: add the noise of each step (:meth:`_step_noise`) to the
-            variances and to the covariances' diagonals.
+        :param include_noise: add the noise of each step to the variances and to the
+            covariances' diagonals: :math:`\gamma_t` for data-centric distillation, the
+            effective noise :math:`\tilde\gamma_t` for distribution-centric.
         :param full_cov: also return the covariances ``(*batch, T, M, M)``.
         """
         step = self._check_step(step)
