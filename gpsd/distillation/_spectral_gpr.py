@@ -314,7 +314,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         return self._factor_cache.get(modules, config, self._factorise)
 
     def _factorise(self) -> dict:
-        self._check_module_devices()
+        self._check_modules()
         gamma_min = self._smallest_shift()
         warn_low_precision_factorisation(  # before a factorisation that it may explain fails
             self.covar_module, self.train_x, self.linalg_dtype or self.train_x.dtype, gamma_min
@@ -368,16 +368,23 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         # the value holds the engine, so its id in the config cannot be reused by another
         return {**factor, "prior_mean": prior_mean, "centred": centred, "coords": coords}
 
-    def _check_module_devices(self) -> None:
-        """A ``ValueError`` naming a module whose tensors are on another device than the
-        model's training data."""
+    def _check_modules(self) -> None:
+        """A ``ValueError`` naming a module whose tensors are on another device, or whose
+        floating-point tensors have another dtype, than the model's training data."""
+        x = self.train_x
         for name in ("covar_module", "mean_module"):
             module = getattr(self, name)
             for tensor in itertools.chain(module.parameters(), module.buffers()):
-                if tensor.device != self.train_x.device:
+                if tensor.device != x.device:
                     raise ValueError(
                         f"{name} is on {tensor.device} but the model's training data are on "
-                        f"{self.train_x.device}; move the model with .to(device)"
+                        f"{x.device}; move the model with .to(device)"
+                    )
+                if tensor.is_floating_point() and tensor.dtype != x.dtype:
+                    raise ValueError(
+                        f"{name} has dtype {tensor.dtype} but the model's training data have "
+                        f"{x.dtype}; convert the model with .to({x.dtype}) (linalg_dtype sets "
+                        "the dtype of the factorisation)"
                     )
 
     def _backend_in_use(self, engine: object) -> str:
@@ -446,8 +453,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         :param test_x: test inputs, ``(*b, M, d)`` or ``(M,)``.
         :param step: a step ``t`` in ``1..T`` (default: every step).
-        :param include_noise: add the noise of each step (:meth:`_step_noise`) to the
-            variances and to the covariances' diagonals.
+        :param include_noise: add the noise of each step to the variances and to the
+            covariances' diagonals: :math:`\gamma_t` for data-centric distillation, the
+            effective noise :math:`\tilde\gamma_t` for distribution-centric.
         :param full_cov: also return the covariances ``(*batch, T, M, M)``.
         """
         step = self._check_step(step)

@@ -599,8 +599,8 @@ def test_float32_factorisation_warns_where_its_rounding_matters(cls):
 
 
 def test_a_submodule_used_twice_keeps_its_parameter_and_its_gradient():
-    # torch.func.functional_call swapped the shared submodule twice and left a float64 non-leaf
-    # tensor in place of the parameter: training silently stopped updating it
+    # a submodule shared by two kernels is cast once (torch.func.functional_call would swap it
+    # twice and leave a float64 non-leaf tensor in place of the parameter, never updated)
     rbf = gpytorch.kernels.RBFKernel()
     kernel = gpytorch.kernels.AdditiveKernel(rbf, gpytorch.kernels.ScaleKernel(rbf))
     model = DataCentricGPR(X32, Y32, kernel, noise=[0.01, 0.02], backend="cholesky")
@@ -611,7 +611,8 @@ def test_a_submodule_used_twice_keeps_its_parameter_and_its_gradient():
     assert param.dtype == torch.float32 and param.grad.dtype == torch.float32
     # the same model in float64 (one shared copy of the submodule there too)
     rbf64 = gpytorch.kernels.RBFKernel().double()
-    kernel64 = gpytorch.kernels.AdditiveKernel(rbf64, gpytorch.kernels.ScaleKernel(rbf64))
+    scale64 = gpytorch.kernels.ScaleKernel(rbf64)
+    kernel64 = gpytorch.kernels.AdditiveKernel(rbf64, scale64).double()
     with torch.no_grad():
         rbf64.raw_lengthscale.copy_(param.double())
     model64 = DataCentricGPR(
@@ -1134,3 +1135,17 @@ def test_from_teacher_refuses_num_steps_that_contradict_the_noise_schedule():
     assert model.num_steps == 2
     with pytest.raises(ValueError, match="num_steps must be a positive integer"):
         DataCentricGPR.from_teacher(teacher, num_steps=0)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_modules_of_another_dtype_than_the_data_are_named(cls):
+    x, y, test_x = _problem()
+    model = cls(x, y, rbf_kernel(dtype=torch.float32), noise=NOISE, backend="lanczos")
+    with pytest.raises(ValueError, match="covar_module has dtype torch.float32 but the model's"):
+        model.predict(test_x)
+    model = cls(x, y, rbf_kernel(), noise=NOISE, mean_module=gpytorch.means.ConstantMean())
+    with pytest.raises(ValueError, match=r"mean_module has dtype torch.float32.*\.to\("):
+        model.fit()
+    model.to(torch.float32)  # the whole model in one dtype: fine
+    with torch.no_grad():
+        assert model.predict(test_x).mean.dtype == torch.float32
