@@ -152,12 +152,13 @@ TRAINS = {
     DPKLClassifier,
 }
 FIT_OPTIONS = {cls: {"max_iter": 2} for cls in TRAINS - {KernelDistillation}}
-# old names that the convention replaced; none may appear in a public signature
+# old names that the convention replaced; none may appear in a public signature. "kernel" is
+# refused for GPyTorch kernel modules, which are ``covar_module``; gpsd.linalg's engines take
+# kernel matrices and operators, and name them ``kernel``.
 FORBIDDEN = {
-    "kernel",
     "gamma",
     "num_epochs",
-    "iterations",
+    "num_iter",
     "n_iter",
     "learning_rate",
     "net",
