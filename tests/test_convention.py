@@ -296,7 +296,11 @@ def test_models_that_train_refuse_to_predict_before_fit(cls):
 @ESTIMATORS
 def test_iterating_fits_take_progress_and_a_callback_that_stops_them(cls):
     kind, model, _ = _build(cls)
-    if cls in (DataCentricGPR, DistributionCentricGPR, LaplaceGPClassifier, SparseLowRankStudent):
+    if cls in (DataCentricGPR, DistributionCentricGPR):
+        # fit reports the growth of a Lanczos basis, where the backend grows one
+        assert {"progress", "callback"} <= set(inspect.signature(model.fit).parameters)
+        return
+    if cls in (LaplaceGPClassifier, SparseLowRankStudent):
         target = getattr(model, "optimize_hyperparameters", None)
         if target is None:
             return  # closed form: no loop of its own

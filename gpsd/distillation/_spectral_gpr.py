@@ -41,6 +41,7 @@ from gpsd.distillation._common import (
 from gpsd.exceptions import BackendError
 from gpsd.linalg import BACKENDS, SpectralFilter
 from gpsd.prediction import Prediction
+from gpsd.progress import Callback
 
 #: The backends that build an autograd graph.
 _GRAPH_BACKENDS = ("dense", "cholesky")
@@ -288,17 +289,25 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         return noise.to(self.linalg_dtype or noise.dtype)
 
     # ------------------------------------------------------------------ cached factorisation
-    def fit(self) -> SpectralGPR:
+    def fit(self, *, progress: object = False, callback: Callback | None = None) -> SpectralGPR:
         """Compute the factorisation and the targets' coordinates now; returns the model.
 
         The model also fits lazily, on first use, and refits when the kernel's or the prior
         mean's parameters, the data, the schedule, the settings of the model or
-        :mod:`gpsd.settings` change; ``fit()`` only chooses when the work is done.
+        :mod:`gpsd.settings` change; ``fit()`` chooses when the work is done, and reports it.
+
+        :param progress: a progress bar for the growth of a Lanczos basis, one iteration per
+            block of Krylov vectors (see :mod:`gpsd.progress`); the direct backends do not
+            iterate.
+        :param callback: called with an :class:`~gpsd.IterationRecord` per block (``info``:
+            the rank and the error estimate); returning ``True`` stops the growth, and the
+            backend goes on from the basis reached as when Lanczos falls short of ``rtol``.
         """
+        self._factorisation(progress=progress, callback=callback)
         self._state()
         return self
 
-    def _factorisation(self) -> dict:
+    def _factorisation(self, progress: object = False, callback: Callback | None = None) -> dict:
         """The backend engine of :math:`\\mathbf K` and the kernel for test covariances."""
         config = (
             self.backend,
@@ -311,9 +320,11 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             self.num_steps,
         )
         modules = (self.covar_module, _Tensors(train_x=self.train_x))
-        return self._factor_cache.get(modules, config, self._factorise)
+        return self._factor_cache.get(
+            modules, config, lambda: self._factorise(progress=progress, callback=callback)
+        )
 
-    def _factorise(self) -> dict:
+    def _factorise(self, progress: object = False, callback: Callback | None = None) -> dict:
         self._check_modules()
         gamma_min = self._smallest_shift()
         warn_low_precision_factorisation(  # before a factorisation that it may explain fails
@@ -331,6 +342,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             gamma_min=gamma_min,
             rtol=self.rtol,
             kernel_cache_bytes=self.kernel_cache_bytes,
+            progress=progress,
+            callback=callback,
         )
         engine.check_accuracy(gamma_min, self.rtol)
         # a matrix-free engine builds no graph, and the grad mode does not change the choice of

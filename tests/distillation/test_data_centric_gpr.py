@@ -1360,3 +1360,25 @@ def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
     error = (got.double() - dense).abs().amax(-1) / dense.abs().amax(-1)
     assert float(error.max()) < 0.05
     assert int(engine.resolved.sum()) == 0  # none within residual_tol in float32 here
+
+
+def test_fit_reports_the_growth_of_a_lanczos_basis_and_a_callback_stops_it(use_setting):
+    x, y, test_x = wiggly_data(n=300)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.3)
+    records = []
+    model = DataCentricGPR(x, y, kernel, noise=[1e-3, 1e-2], backend="lanczos", rtol=1e-10)
+    with torch.no_grad():
+        assert model.fit(callback=records.append) is model
+    assert len(records) >= 2 and [r.iteration for r in records] == list(range(1, len(records) + 1))
+    ranks = [r.info["rank"] for r in records]
+    assert ranks == sorted(ranks) and ranks[-1] == model._state()["engine"].ritz_values.shape[-1]
+    # beyond the dense size, auto goes on by deflated CG from the basis the callback stopped
+    use_setting(gpsd.settings.dense_max_n(100))
+    stopped = []
+    early = DataCentricGPR(x, y, kernel, noise=[1e-3, 1e-2], rtol=1e-10)
+    with torch.no_grad():
+        early.fit(callback=lambda r: stopped.append(r) or True)
+        got = early.predict(test_x)
+        ref = DataCentricGPR(x, y, kernel, noise=[1e-3, 1e-2], backend="dense").predict(test_x)
+    assert len(stopped) == 1 and isinstance(early._state()["engine"], ShiftedCG)
+    assert relative_error(got.mean, ref.mean) < 1e-7

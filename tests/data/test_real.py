@@ -1,14 +1,12 @@
+"""The real data sets: offline loading, splits, standardisation."""
+
 import pytest
 import torch
 
 from gpsd.data import (
     DATASETS,
-    damped_sine_regression,
-    kernel_reconstruction_inputs,
     load_arrays,
     load_dataset,
-    sine_classification,
-    xsinx_regression,
 )
 
 pytest.importorskip("sklearn", reason="the real data sets need scikit-learn (gpsd[data])")
@@ -75,18 +73,6 @@ def test_bad_arguments():
             load_dataset("diabetes", dtype=dtype)
 
 
-def test_toy_settings_are_seeded():
-    x, y = xsinx_regression(seed=1)
-    assert x.shape == (10,) and float(x[0]) == 0.0 and float(x[-1]) == 10.0
-    torch.testing.assert_close(y, xsinx_regression(seed=1)[1])
-    x, y, xt = sine_classification(n=40, seed=2)
-    assert ((x >= 0) & (x <= 5)).all() and set(y.tolist()) <= {0.0, 1.0} and xt.shape == (90,)
-    xr = kernel_reconstruction_inputs()
-    assert xr.shape == (1000, 1) and (xr[1:] >= xr[:-1]).all()
-    xd, yd = damped_sine_regression()
-    assert xd.shape == (1000, 1) and yd.shape == (1000,)
-
-
 def test_constant_training_targets_give_finite_values():
     # one training row: its target's std is 0; the split must stay finite (centred only)
     split = load_dataset("diabetes", n_train=1, n_test=10, seed=0)
@@ -105,20 +91,6 @@ def test_constant_training_targets_give_finite_values():
      ({"n_train": True}, "n_train"), ({"seed": 1.5}, "seed"), ({"seed": -1}, "seed")],
 )  # fmt: skip
 def test_non_integer_sizes_and_seeds_are_rejected(kwargs, name):
-    # a float size used to be truncated silently (100.7 -> 100 rows)
+    # a float size is refused, not truncated (100.7 rows are not 100)
     with pytest.raises(ValueError, match=name):
         load_dataset("diabetes", **kwargs)
-
-
-@pytest.mark.parametrize(
-    "make, kwargs, name",
-    [(xsinx_regression, {"n": -1}, "n"), (xsinx_regression, {"noise_std": -1.0}, "noise_std"),
-     (xsinx_regression, {"noise_std": float("nan")}, "noise_std"),
-     (sine_classification, {"n": 2.5}, "n"), (kernel_reconstruction_inputs, {"seed": -3}, "seed"),
-     (damped_sine_regression, {"dtype": torch.int64}, "dtype")],
-)  # fmt: skip
-def test_toy_settings_reject_bad_arguments(make, kwargs, name):
-    # before: a RuntimeError/TypeError from torch that named no argument, or (noise_std=-1, NaN;
-    # seed=-3) data returned silently
-    with pytest.raises(ValueError, match=name):
-        make(**kwargs)
