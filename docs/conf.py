@@ -28,6 +28,28 @@ autodoc_typehints = "description"
 autodoc_inherit_docstrings = False
 # the documented classes derive from torch.nn.Module: its hundreds of members are torch's docs
 autodoc_default_options["exclude-members"] = "forward, training, dump_patches, call_super_init"
+# members inherited from gpsd's own bases are documented on each class; those of torch, GPyTorch
+# and Python's built-in classes are theirs
+autodoc_default_options["inherited-members"] = ", ".join(
+    [
+        "Module",
+        "GP",
+        "ExactGP",
+        "ApproximateGP",
+        "Kernel",
+        "Mean",
+        "Likelihood",
+        "_OneDimensionalLikelihood",
+        "Distribution",
+        "ExpFamilyDistribution",
+        "Optimizer",
+        "LinearOperator",
+        "BaseException",
+        "object",
+        "tuple",
+        "dict",
+    ]
+)
 nitpicky = False
 exclude_patterns = ["_build"]
 templates_path = ["_templates"]

@@ -17,7 +17,7 @@ from gpsd._internal.validation import check_int
 
 __all__ = ["DATASETS", "DataSplit", "load_arrays", "load_dataset"]
 
-#: name -> (task, source): the data sets of ``shared/datasets.md``.
+#: name -> task (``"regression"``, ``"binary"`` or ``"multiclass"``) of every data set.
 DATASETS: dict[str, str] = {
     "diabetes": "regression",
     "boston": "regression",
@@ -151,16 +151,16 @@ def load_dataset(
 ) -> DataSplit:
     """Load a data set of :data:`DATASETS` as a standardised :class:`DataSplit`.
 
-    Args:
-        name: a key of :data:`DATASETS`.
-        n_train: training rows, drawn at random (default: everything not in the test split;
-            ``boston`` defaults to a random 455/51 split as in the kernel-distillation paper and
-            ``pima`` to its fixed 200/332 tables).
-        n_test: test rows (default ``test_fraction`` of the rows).
-        test_fraction: fraction of rows held out when ``n_test`` is not given.
-        seed: seed of the random permutation.
-        standardize_x: standardise inputs with the training split's mean and std.
-        dtype, device: of the returned tensors.
+    :param name: a key of :data:`DATASETS`.
+    :param n_train: training rows, drawn at random (default: everything not in the test split;
+        ``boston`` defaults to a random 455/51 split as in the kernel-distillation paper and
+        ``pima`` to its fixed 200/332 tables).
+    :param n_test: test rows (default ``test_fraction`` of the rows).
+    :param test_fraction: fraction of rows held out when ``n_test`` is not given.
+    :param seed: seed of the random permutation.
+    :param standardize_x: standardise inputs with the training split's mean and std.
+    :param dtype: dtype of the returned tensors.
+    :param device: device of the returned tensors.
     """
     task = DATASETS.get(name)
     if task is None:
