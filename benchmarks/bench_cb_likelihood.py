@@ -70,7 +70,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="also write the Markdown report here")
+    parser.add_argument("--quick", action="store_true", help="N = 2000, 8 mpmath checks, 5 repeats")
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.check, args.repeats = 2000, 8, 5
     device = torch.device(args.device)
     if cuda_missing(device):
         return
@@ -122,6 +125,7 @@ def main() -> None:
                     f"{errors['gpsd']:.1e} | {1e3 * times['gh']:.1f} | "
                     f"{1e3 * times['gpsd']:.1f} | {times['gpsd'] / times['gh']:.2f} |"
                 )
+    report.close()
 
 
 if __name__ == "__main__":

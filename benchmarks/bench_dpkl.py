@@ -380,6 +380,7 @@ def main():
         report.add("", "## Timing")
         timing_tables(args, dtype, device, report)
     report.add("", f"- total wall time: {time.perf_counter() - t0:.0f} s")
+    report.close()
 
 
 if __name__ == "__main__":

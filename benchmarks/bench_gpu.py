@@ -490,7 +490,29 @@ def main() -> None:
         "--device", default="cuda", help="cuda (the point of this suite) or cpu for a smoke run"
     )
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: N in {1024, 2048}, T in {1, 10}, 500 test points, kernel distillation with m = 100, b = 10 up to N = 2048; on the CPU where no CUDA device is here",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.min_n, args.max_n, args.max_dense_n, args.m, args.steps = (
+            1024,
+            2048,
+            2048,
+            500,
+            [1, 10],
+        )
+        args.kd_m, args.kd_b, args.kd_test, args.kd_max_n, args.max_seconds = (
+            100,
+            10,
+            500,
+            2048,
+            5.0,
+        )
+        if not torch.cuda.is_available():
+            args.device = "cpu"
     global DEVICE, LENGTHSCALE
     DEVICE = torch.device(args.device)
     LENGTHSCALE = args.lengthscale
@@ -526,6 +548,7 @@ def main() -> None:
     if "rate" not in args.skip:
         report.add("## Dense factorisations against the matmul rate", "")
         factorisation_rate_table(args, dtype, rate, report)
+    report.close()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import sys
 import gpytorch
 import numpy as np
 import torch
-from _timing import cpu_name, cuda_missing, median_time, peak_rss_kib
+from _timing import cpu_name, cuda_missing, load_line, median_time, peak_rss_kib
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import load_dataset
@@ -366,6 +366,8 @@ def main() -> None:
         scaling = ["", "## Time and memory against N", "", scaling_table(args, device, dtype)]
         print("\n".join(scaling), flush=True)
         parts += scaling
+    parts.insert(0, load_line() + "\n")
+    print("\n" + parts[0], flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write("\n".join(parts) + "\n")
