@@ -103,8 +103,8 @@ def main() -> None:
                     label=f"test point {i + 1}: its {z.shape[0]} particle embeddings",
                 )  # fmt: skip
                 ax.scatter(
-                    zbar[i, 0], zbar[i, 1], s=70, marker="*", color=colour, edgecolors="white",
-                    linewidths=0.6, label="star: the mean of those particles" if i == 0 else None,
+                    zbar[i, 0], zbar[i, 1], s=200, marker="*", color=colour, zorder=5,
+                    edgecolors="black", linewidths=0.8, label="star: the mean of those particles" if i == 0 else None,
                 )  # fmt: skip
             ax.legend(fontsize=7, loc="best")
             what = f"particle-mean embeddings (1/m) Σ g_w_l(x), m = {z.shape[0]}"
