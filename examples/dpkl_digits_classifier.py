@@ -105,8 +105,9 @@ def main() -> None:
     axes[0].set_ylabel("test accuracy (fraction correct)")
     axes[1].set_ylabel("test NLL (nats per image)")
     for ax in axes:
-        ax.set_xlabel("labelled images n (10 % of them for early stopping)")
+        ax.set_xlabel("labelled images n (10 %, at least 10, held out for early stopping)")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xticks(args.ns, [str(n) for n in args.ns])
     axes[0].legend()
     fig.suptitle(
