@@ -103,11 +103,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None)
     parser.add_argument(
-        "--quick", action="store_true", help="N = 500, T in {3, 10}, at most 5 s a cell"
+        "--quick", action="store_true", help="N = 300, T in {3, 10}, at most 5 s a cell"
     )
     args = parser.parse_args()
     if args.quick:
-        args.n, args.steps, args.max_seconds = 500, [3, 10], 5.0
+        args.n, args.steps, args.max_seconds = 300, [3, 10], 5.0
     device = torch.device(args.device)
     if cuda_missing(device):
         return

@@ -298,9 +298,11 @@ def plot(plot_data, path):
                 mu = [statistics.fmean(p[1]) for p in pts]
                 sd = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0.0 for p in pts]
                 ax.errorbar(xs, mu, yerr=sd, label=m, capsize=3, marker="o", ms=3)
-            ax.set_title(f"{name}: {label}")
-            ax.set_xlabel("labelled n")
-    axes[0, 0].legend(fontsize=8)
+            trials = max((len(res[m][n]) for m in METHODS for n in ns if res[m][n]), default=1)
+            ax.set_title(f"{name} data set: {label}\n(mean ± sd over {trials} trial(s))")
+            ax.set_xlabel("labelled n (rows for training and early stopping)")
+            ax.set_ylabel(label + (" (target units)" if col == 0 else " (nats)"))
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

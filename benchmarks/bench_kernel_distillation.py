@@ -307,17 +307,21 @@ def main() -> None:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
 
-            fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-            for name, curve in curves.items():
-                if curve:
-                    bs, s, v = zip(*curve, strict=True)
-                    axes[0].plot(bs, s, "o-", label=name)
-                    axes[1].semilogy(bs, v, "o-", label=name)
-            axes[0].set_xlabel("sparsity b")
-            axes[0].set_ylabel("test SMSE")
-            axes[1].set_xlabel("sparsity b")
-            axes[1].set_ylabel("RMSE of variance vs exact GP")
-            axes[0].legend()
+            with_curves = {name: curve for name, curve in curves.items() if curve}
+            rows = max(len(with_curves), 1)
+            fig, axes = plt.subplots(rows, 2, figsize=(10, 3.6 * rows), squeeze=False)
+            # one data set per row: their SMSE scales differ
+            for (name, curve), (left, right) in zip(with_curves.items(), axes, strict=False):
+                bs, s, v = zip(*curve, strict=True)
+                left.plot(bs, s, "o-", label="kernel distillation")
+                right.semilogy(bs, v, "o-", label="kernel distillation")
+                left.set_title(f"{name} data set: test SMSE against b")
+                right.set_title(f"{name} data set: variance error against b")
+                left.set_ylabel("test SMSE (no unit)")
+                right.set_ylabel("RMSE of the predictive variance\nagainst the exact GP")
+                for ax in (left, right):
+                    ax.set_xlabel("sparsity b (non-zeros per row of W)")
+                    ax.legend(fontsize=8)
             fig.tight_layout()
             fig.savefig(args.out.rsplit(".", 1)[0] + "_smse_vs_b.png", dpi=110)
         except ImportError:
