@@ -345,7 +345,7 @@ def main():
         args.trials = 1 if args.quick else 5
     if args.quick:
         args.ns, args.datasets = [50, 500], ["deliveries"]
-        args.timing_particles, args.timing_ns, args.repeats = [1, 10], [500, 2000], 3
+        args.timing_particles, args.timing_ns, args.repeats = [1, 10], [500, 1000], 3
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     if cuda_missing(device):

@@ -352,7 +352,7 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     if args.quick:
-        args.n, args.m, args.steps, args.sizes = 400, 200, [1, 10, 100], [250, 500]
+        args.n, args.m, args.steps, args.sizes = 400, 200, [1, 10, 100], [500]
         args.repeats, args.naive_max_steps = 2, 10
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if cuda_missing(device):
