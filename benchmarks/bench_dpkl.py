@@ -12,7 +12,7 @@ and the functional-gradient transform) of the vmap'ed ensemble against a per-par
 and of the Woodbury (low-rank) solve against a dense Cholesky of the n x n kernel matrix.
 
     python benchmarks/bench_dpkl.py              # default: 5 trials (about 9 min on 2 busy cores)
-    python benchmarks/bench_dpkl.py --quick      # 1 trial, deliveries, n in {50, 500}
+    python benchmarks/bench_dpkl.py --quick      # 1 trial, deliveries, n in {50, 200}
     python benchmarks/bench_dpkl.py --trials 10  # the full protocol (10 trials)
 """
 
@@ -316,7 +316,7 @@ def main():
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="1 trial, deliveries only, n in {50, 500}, fewer timings",
+        help="1 trial, deliveries only, n in {50, 200}, fewer timings",
     )
     parser.add_argument("--trials", type=int, default=None)
     parser.add_argument("--ns", type=int, nargs="+", default=[50, 100, 200, 300, 400, 500])
@@ -344,7 +344,7 @@ def main():
     if args.trials is None:
         args.trials = 1 if args.quick else 5
     if args.quick:
-        args.ns, args.datasets = [50, 500], ["deliveries"]
+        args.ns, args.datasets = [50, 200], ["deliveries"]
         args.timing_particles, args.timing_ns, args.repeats = [1, 10], [500, 1000], 3
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
