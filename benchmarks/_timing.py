@@ -1,4 +1,5 @@
-"""Wall-clock timing shared by the benchmark scripts."""
+"""Timing shared by the benchmark scripts: medians after warm-up, wall and process (CPU) time, and
+the machine's load average at the start and end of a run, written into every report's header."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ import time
 from collections.abc import Callable
 
 import torch
+
+#: The 1-, 5- and 15-minute load averages when this module was imported (the run's start).
+START_LOAD: tuple[float, float, float] = os.getloadavg()
+
+
+def load_line() -> str:
+    """One Markdown line with the load averages at the run's start and now, and the core count:
+    a load near or above the core count means the machine was shared and wall times are noisy."""
+    now = os.getloadavg()
+    fmt = ", ".join
+    return (
+        f"_Machine load (1, 5, 15-minute averages) at start: {fmt(f'{v:.2f}' for v in START_LOAD)}; "
+        f"at end: {fmt(f'{v:.2f}' for v in now)}; {os.cpu_count()} cores._"
+    )
 
 
 @functools.cache
@@ -103,21 +118,46 @@ def median_time_and_output(
     fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1
 ) -> tuple[float, object]:
     """:func:`median_time` and the output of the last timed call (``None`` if ``repeats`` is 0)."""
+    wall, _, out = median_wall_cpu_and_output(fn, repeats, device, warmup)
+    return wall, out
+
+
+def median_wall_cpu(
+    fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1
+) -> tuple[float, float]:
+    """Median wall-clock and median process (CPU, all threads) seconds of ``repeats`` calls of
+    ``fn`` after ``warmup`` untimed calls. On a shared machine the wall clock includes the time
+    other processes held the cores; the process time does not."""
+    wall, cpu, _ = median_wall_cpu_and_output(fn, repeats, device, warmup)
+    return wall, cpu
+
+
+def median_wall_cpu_and_output(
+    fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1
+) -> tuple[float, float, object]:
+    """:func:`median_wall_cpu` and the output of the last timed call."""
     for _ in range(warmup):
         fn()
-    times, out = [], None
+    walls, cpus, out = [], [], None
     for _ in range(repeats):
         sync(device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         out = fn()
         sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - start_cpu)
+    if not walls:
+        return float("nan"), float("nan"), None
+    return statistics.median(walls), statistics.median(cpus), out
 
 
 class Report:
     """Markdown lines printed as they come and, given a path ``out``, rewritten there after each
-    addition: a run cut short by a time limit leaves every row it measured."""
+    addition: a run cut short by a time limit leaves every row it measured.
+
+
+    The written file begins with :func:`load_line` (the load at the start and at the last row),
+    so that a results file says whether its machine was busy; :meth:`close` prints it."""
 
     def __init__(self, out: str | None) -> None:
         self.out = out
@@ -129,11 +169,17 @@ class Report:
         self.lines.extend(lines)
         if self.out:
             with open(self.out, "w") as fh:
-                fh.write("\n".join(self.lines) + "\n")
+                fh.write(load_line() + "\n\n" + "\n".join(self.lines) + "\n")
+
+    def close(self) -> None:
+        """Print the closing load line (the file already holds it)."""
+        print("\n" + load_line(), flush=True)
 
 
 def write_report(text: str, out: str | None) -> None:
-    """Print a Markdown report and, given a path ``out``, also write it there."""
+    """Print a Markdown report under a header of :func:`load_line` and, given a path ``out``, also
+    write it there."""
+    text = load_line() + "\n\n" + text
     print(text)
     if out:
         with open(out, "w") as fh:

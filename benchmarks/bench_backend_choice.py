@@ -232,7 +232,14 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=60.0)
     parser.add_argument("--skip-factorisations", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="N in {512, 1024}, T in {1, 10}, 200 test points (under a minute on 2 cores)",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.steps, args.m, args.max_seconds = [512, 1024], [1, 10], 200, 10.0
     device = torch.device(args.device)
     if cuda_missing(device):
         return
@@ -262,6 +269,7 @@ def main() -> None:
         ratios = factorisation_table(args, device, report)
         report.add("")
     report.add("## What the measurements suggest", "", summary(records, ratios, args.linalg_dtype))
+    report.close()
 
 
 if __name__ == "__main__":

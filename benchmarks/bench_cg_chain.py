@@ -77,8 +77,8 @@ def fresh_run(method, operator, spectrum, filt, y) -> None:
     method(ShiftedCG.from_spectrum(operator, spectrum, tol=RTOL), filt, y)
 
 
-def problems(n: int):
-    """``(name, x, lengthscale)`` of every problem."""
+def problems(n: int, quick: bool = False):
+    """``(name, x, lengthscale)`` of every problem (with ``quick``, concrete's first ``n`` rows)."""
     gen = torch.Generator().manual_seed(0)
     for lengthscale in (0.1, 1.0):
         x = 10 * torch.rand(n, 2, generator=gen, dtype=DTYPE)
@@ -89,6 +89,8 @@ def problems(n: int):
         print(f"concrete skipped: {err}", flush=True)
         return
     x = split.train_x.to(DTYPE)
+    if quick:
+        x = x[:n]
     yield f"concrete (8 inputs), lengthscale 1, N = {x.shape[0]}", x, 1.0
 
 
@@ -96,11 +98,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=2000, help="points of the synthetic problems")
     parser.add_argument("--steps", type=int, nargs="+", default=[3, 10, 30, 100])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-seconds", type=float, default=300.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--quick", action="store_true", help="N = 300, T in {3, 10}, at most 5 s a cell"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.steps, args.max_seconds = 300, [3, 10], 5.0
     device = torch.device(args.device)
     if cuda_missing(device):
         return
@@ -121,7 +128,7 @@ def main() -> None:
             4, f"- device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
         )
     report.add(*header)
-    for name, x, lengthscale in problems(args.n):
+    for name, x, lengthscale in problems(args.n, args.quick):
         kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
         kernel.lengthscale = lengthscale
         kernel.requires_grad_(False)
@@ -178,6 +185,7 @@ def main() -> None:
                 )
             previous = {**times, "steps": steps}
         report.add("")
+    report.close()
 
 
 if __name__ == "__main__":

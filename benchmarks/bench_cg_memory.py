@@ -90,19 +90,24 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=1000, help="test points")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", help="also write the Markdown report here")
+    parser.add_argument("--quick", action="store_true", help="N = 1024, 200 test points")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.m = [1024], 200
     if args.case is not None:
         print(json.dumps(run_case(args.case, args.n[0], args.m, args.device)))
         return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("CUDA is not available: nothing to measure on the GPU.")
         return
-    from _timing import cpu_name
+    from _timing import cpu_name, load_line
 
     import gpsd
 
     lines = [
+        load_line().replace("at end", "at the last row"),
+        "",
         f"# Memory and time of backend='cg' ({args.device}, float64)",
         "",
         f"- command (in `benchmarks/`): `python {' '.join(sys.argv)}`",
@@ -132,6 +137,8 @@ def main() -> None:
             ]
             lines.append(f"| {n} | {case} | {' | '.join(cells)} |")
             print(lines[-1], flush=True)
+    lines[0] = load_line()
+    print("\n" + lines[0])
     if args.out:
         with open(args.out, "w") as fh:
             fh.write("\n".join(lines) + "\n")

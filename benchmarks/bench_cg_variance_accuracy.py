@@ -51,7 +51,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64, help="CG's deflation rank")
     parser.add_argument("--digits", type=int, default=40, help="mpmath precision")
     parser.add_argument("--out", help="also write the Markdown report here")
+    parser.add_argument("--quick", action="store_true", help="N = 60, rank 32, 30 digits")
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.rank, args.digits = 60, 32, 30
     mpmath.mp.dps = args.digits
     gen = torch.Generator().manual_seed(0)
     dtype = torch.float64

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import gpytorch
 import numpy as np
 import torch
-from _timing import cpu_name, cuda_missing, median_time
+from _timing import cpu_name, cuda_missing, load_line, median_time
 
 from gpsd import DataCentricGPC, DistributionCentricGPC, LaplaceGPClassifier
 from gpsd.data.toy import sine_classification
@@ -198,6 +198,8 @@ def main() -> None:
     if not args.skip_protocol:
         lines += protocol_table(args.n, steps, repeats, device, dtype) + [""]
     lines += scaling_table(sizes, 10, repeats, device, dtype) + [""]
+    lines.insert(0, load_line() + "\n")
+    print(lines[0], flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write("\n".join(lines) + "\n")

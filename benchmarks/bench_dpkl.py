@@ -12,7 +12,7 @@ and the functional-gradient transform) of the vmap'ed ensemble against a per-par
 and of the Woodbury (low-rank) solve against a dense Cholesky of the n x n kernel matrix.
 
     python benchmarks/bench_dpkl.py              # default: 5 trials (about 9 min on 2 busy cores)
-    python benchmarks/bench_dpkl.py --quick      # 1 trial, deliveries, n in {50, 500}
+    python benchmarks/bench_dpkl.py --quick      # 1 trial, deliveries, n in {50, 200}
     python benchmarks/bench_dpkl.py --trials 10  # the full protocol (10 trials)
 """
 
@@ -298,9 +298,11 @@ def plot(plot_data, path):
                 mu = [statistics.fmean(p[1]) for p in pts]
                 sd = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0.0 for p in pts]
                 ax.errorbar(xs, mu, yerr=sd, label=m, capsize=3, marker="o", ms=3)
-            ax.set_title(f"{name}: {label}")
-            ax.set_xlabel("labelled n")
-    axes[0, 0].legend(fontsize=8)
+            trials = max((len(res[m][n]) for m in METHODS for n in ns if res[m][n]), default=1)
+            ax.set_title(f"{name} data set: {label}\n(mean ± sd over {trials} trial(s))")
+            ax.set_xlabel("labelled n (rows for training and early stopping)")
+            ax.set_ylabel(label + (" (target units)" if col == 0 else " (nats)"))
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -314,7 +316,7 @@ def main():
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="1 trial, deliveries only, n in {50, 500}, fewer timings",
+        help="1 trial, deliveries only, n in {50, 200}, fewer timings",
     )
     parser.add_argument("--trials", type=int, default=None)
     parser.add_argument("--ns", type=int, nargs="+", default=[50, 100, 200, 300, 400, 500])
@@ -342,8 +344,8 @@ def main():
     if args.trials is None:
         args.trials = 1 if args.quick else 5
     if args.quick:
-        args.ns, args.datasets = [50, 500], ["deliveries"]
-        args.timing_particles, args.timing_ns, args.repeats = [1, 10], [500, 2000], 3
+        args.ns, args.datasets = [50, 200], ["deliveries"]
+        args.timing_particles, args.timing_ns, args.repeats = [1, 10], [500, 1000], 3
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     if cuda_missing(device):
@@ -380,6 +382,7 @@ def main():
         report.add("", "## Timing")
         timing_tables(args, dtype, device, report)
     report.add("", f"- total wall time: {time.perf_counter() - t0:.0f} s")
+    report.close()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=500, help="test points")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="also write the Markdown report here")
+    parser.add_argument("--quick", action="store_true", help="N = 512, 200 test points")
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.m = 512, 200
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available: nothing to measure on the GPU.")

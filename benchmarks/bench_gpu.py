@@ -490,7 +490,19 @@ def main() -> None:
         "--device", default="cuda", help="cuda (the point of this suite) or cpu for a smoke run"
     )
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: N = 512, T in {1, 10}, 200 test points, kernel distillation with "
+        "m = 100, b = 10 at N in {512, 1024}; on the CPU where no CUDA device is here",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.min_n, args.max_n, args.max_dense_n, args.m, args.steps = 512, 512, 512, 200, [1, 10]
+        args.kd_m, args.kd_b, args.kd_test, args.kd_max_n = 100, 10, 200, 1024
+        args.max_seconds = 5.0
+        if not torch.cuda.is_available():
+            args.device = "cpu"
     global DEVICE, LENGTHSCALE
     DEVICE = torch.device(args.device)
     LENGTHSCALE = args.lengthscale
@@ -526,6 +538,7 @@ def main() -> None:
     if "rate" not in args.skip:
         report.add("## Dense factorisations against the matmul rate", "")
         factorisation_rate_table(args, dtype, rate, report)
+    report.close()
 
 
 if __name__ == "__main__":

@@ -153,7 +153,10 @@ def main() -> None:
     parser.add_argument("--pass-repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="N = 2048, 5 repeats, 3 pass repeats")
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.repeats, args.pass_repeats = 2048, 5, 3
     device = torch.device(args.device)
     if cuda_missing(device):
         return

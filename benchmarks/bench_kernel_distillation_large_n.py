@@ -45,7 +45,12 @@ def main() -> None:
     parser.add_argument("--lengthscale", type=float, default=1.0, help="RBF lengthscale")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--quick", action="store_true", help="N = 4096, m = 200, b = 10, 1000 test points"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.m, args.b, args.test = 4096, 200, 10, 1000
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if cuda_missing(device):
         return

@@ -30,7 +30,7 @@ import sys
 import gpytorch
 import numpy as np
 import torch
-from _timing import cpu_name, cuda_missing, median_time, peak_rss_kib
+from _timing import cpu_name, cuda_missing, load_line, median_time, peak_rss_kib
 
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import load_dataset
@@ -352,7 +352,7 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     if args.quick:
-        args.n, args.m, args.steps, args.sizes = 400, 200, [1, 10, 100], [250, 500]
+        args.n, args.m, args.steps, args.sizes = 400, 200, [1, 10, 100], [500]
         args.repeats, args.naive_max_steps = 2, 10
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if cuda_missing(device):
@@ -366,6 +366,8 @@ def main() -> None:
         scaling = ["", "## Time and memory against N", "", scaling_table(args, device, dtype)]
         print("\n".join(scaling), flush=True)
         parts += scaling
+    parts.insert(0, load_line() + "\n")
+    print("\n" + parts[0], flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write("\n".join(parts) + "\n")

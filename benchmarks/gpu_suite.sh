@@ -71,7 +71,7 @@ case "$stage" in
         --sizes 4096 8192 16384 32768 --steps 1 3 10 30 100 --m 10000 --max-seconds 20 \
         --out "$out/backend_choice_cuda.md"
     run 120 python3 bench_dpkl.py --skip-accuracy --device cuda --out "$out/dpkl_timing_gpu.md"
-    run 120 python3 bench_cg_chain.py --device cuda --n 10000 --steps 10 100 --max-seconds 60 \
+    run 120 python3 bench_cg_chain.py --device cuda --n 10000 --steps 10 100 --max-seconds 60 --repeats 1 \
         --out "$out/cg_chain_gpu.md"
     ;;
 4)

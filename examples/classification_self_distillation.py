@@ -54,17 +54,20 @@ def toy_figures(n: int, seed: int) -> list[str]:
     os_ = kernel.outputscale.item()
     print(f"toy: n={n}, Laplace-ML kernel: outputscale={os_:.3f}, lengthscale={ls:.3f}\n")
 
+    data_name = f"toy data: y ~ Bernoulli(sigma(2 sin(pi x / 2))), n = {n}"
+
     def plot_base(ax, title):
-        ax.plot(test_x, truth, "k:", label="true sigma(g(x))")
-        ax.scatter(x, y, s=12, c="k", alpha=0.5, marker="|")
-        ax.set_title(title)
-        ax.set_xlabel("x")
+        ax.plot(test_x, truth, "k:", label="truth: sigma(2 sin(pi x / 2))")
+        ax.scatter(x, y, s=12, c="k", alpha=0.5, marker="|", label="training labels (0 or 1)")
+        ax.set_title(f"{title}\n{data_name}", fontsize=10)
+        ax.set_xlabel("input x")
+        ax.set_ylabel("predicted P(y = 1 | x)")
         ax.set_ylim(-0.05, 1.05)
 
     # Fig. 4: ordinary GPC and one distillation step with CB and (misspecified) Bernoulli
     cb = DataCentricGPC(x, y, kernel, num_steps=2).fit()
     bern = DataCentricGPC(x, y, kernel, num_steps=2, soft_target_likelihood="bernoulli").fit()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     plot_base(ax, "Fig. 4: data-centric GPC, one distillation step")
     ax.plot(test_x, cb.predict_proba(test_x, step=1)[:, 1], label="step 1: GPC (Bernoulli)")
     ax.plot(
@@ -73,27 +76,42 @@ def toy_figures(n: int, seed: int) -> list[str]:
     ax.plot(
         test_x, bern.predict_proba(test_x, step=2)[:, 1], label="step 2: Bernoulli on soft targets"
     )
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     files = [str(OUTPUT / "classification_fig4.png")]
     fig.savefig(files[-1], dpi=120)
     plt.close(fig)
 
-    # Fig. 5: the noise gamma on the kernel diagonal regularises the C-GPC
-    fig, ax = plt.subplots(figsize=(7, 4))
+    # Fig. 5: the noise gamma on the kernel diagonal regularises the C-GPC. The curves of small
+    # gamma lie within a line width of each other; the lower panel shows their differences.
+    fig, (ax, diff) = plt.subplots(
+        2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     plot_base(ax, "Fig. 5: C-GPC step 2 with noise gamma on the kernel diagonal")
+    ax.set_xlabel("")
     ax.plot(test_x, cb.predict_proba(test_x, step=1)[:, 1], "k", lw=1, label="step 1: GPC")
+    reference = None
     for gamma in (0.0, 0.1, 0.5, 2.0):
         model = DataCentricGPC(x, y, kernel, num_steps=2, noise=[0.0, gamma]).fit()
-        ax.plot(test_x, model.predict_proba(test_x, step=2)[:, 1], label=f"C-GPC, gamma={gamma}")
-    ax.legend(fontsize=8)
+        p = model.predict_proba(test_x, step=2)[:, 1]
+        ax.plot(test_x, p, label=f"step 2: C-GPC, gamma = {gamma}")
+        if reference is None:
+            reference = p
+            diff.plot([], [])  # keep the colours of the upper panel
+        else:
+            diff.plot(test_x, p - reference, label=f"gamma = {gamma}")
+    diff.axhline(0.0, color="0.6", lw=0.8)
+    diff.set_xlabel("input x")
+    diff.set_ylabel("P(y = 1 | x) minus\nthat of gamma = 0")
+    diff.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     files.append(str(OUTPUT / "classification_fig5.png"))
     fig.savefig(files[-1], dpi=120)
     plt.close(fig)
 
     # Fig. 10: thresholded targets (dashed) against soft targets
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     plot_base(ax, "Fig. 10: soft (solid) vs thresholded (dashed) targets")
     for likelihood, colour in (("continuous_bernoulli", "C1"), ("bernoulli", "C2")):
         for threshold, style in ((False, "-"), (True, "--")):
@@ -110,9 +128,10 @@ def toy_figures(n: int, seed: int) -> list[str]:
                 model.predict_proba(test_x, step=2)[:, 1],
                 style,
                 color=colour,
-                label=f"{likelihood}, thr={threshold}",
+                label=f"step 2: {likelihood.replace('_', ' ')}, "
+                + ("thresholded targets" if threshold else "soft targets"),
             )
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     files.append(str(OUTPUT / "classification_fig10.png"))
     fig.savefig(files[-1], dpi=120)
@@ -124,13 +143,21 @@ def toy_figures(n: int, seed: int) -> list[str]:
         m: DistributionCentricGPC(x, y, kernel, num_steps=T, method=m).fit()
         for m in ("iterated", "tempered", "scaled_kernel")
     }
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     plot_base(axes[0], "Fig. 6a: distribution-centric GPC, iterated, t = 1..10")
     cmap = plt.get_cmap("viridis")
     for t in range(1, T + 1):
         axes[0].plot(
-            test_x, models["iterated"].predict_proba(test_x, step=t)[:, 1], color=cmap(t / T), lw=1
+            test_x,
+            models["iterated"].predict_proba(test_x, step=t)[:, 1],
+            color=cmap((t - 1) / (T - 1)),
+            lw=1,
         )
+    axes[0].legend(fontsize=8, loc="lower left")
+    bar = fig.colorbar(
+        plt.cm.ScalarMappable(cmap=cmap, norm=matplotlib.colors.Normalize(1, T)), ax=axes[0]
+    )
+    bar.set_label("distillation step t (line colour)")
     rows = []
     errors = {key: [] for key in ("tempered", "scaled_kernel")}
     for t in range(1, T + 1):
@@ -152,13 +179,22 @@ def toy_figures(n: int, seed: int) -> list[str]:
         rows.append(row)
     steps = list(range(2, T + 1))  # at t = 1 all three are the ordinary GPC (differences ~1e-30)
     quantities = (("latent mean", "C0"), ("latent var", "C1"), ("probability", "C2"))
-    for key, style in (("tempered", "-"), ("scaled_kernel", "--")):
+    # The two approximations share the latent mean: markers keep both curves visible.
+    for key, style, marker in (("tempered", "-", "o"), ("scaled_kernel", "--", "x")):
         for j, (what, colour) in enumerate(quantities):
             values = [e[j] for e in errors[key][1:]]
-            axes[1].semilogy(steps, values, style, color=colour, label=f"{key}: {what}")
-    axes[1].set_title("Fig. 6b: MSE to the iterated solution over 90 test points")
-    axes[1].set_xlabel("t")
-    axes[1].legend(fontsize=7)
+            axes[1].semilogy(
+                steps, values, style, color=colour, marker=marker, ms=5, label=f"{key}: {what}"
+            )
+    axes[1].set_title(
+        f"Fig. 6b: mean squared difference to the iterated solution\n{data_name}, "
+        f"{len(test_x)} test points",
+        fontsize=10,
+    )
+    axes[1].set_xlabel("distillation step t")
+    axes[1].set_ylabel("mean squared difference (latent or probability units²)")
+    axes[1].set_ylim(top=1e5)  # room for the key above the curves
+    axes[1].legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
     files.append(str(OUTPUT / "classification_fig6.png"))
     fig.savefig(files[-1], dpi=120)

@@ -102,12 +102,18 @@ def main() -> None:
     for name, vals in results.items():
         axes[0].plot(args.ns, [v[0] for v in vals], marker="o", label=name)
         axes[1].plot(args.ns, [v[1] for v in vals], marker="o", label=name)
-    axes[0].set_ylabel("test accuracy")
-    axes[1].set_ylabel("test NLL")
+    axes[0].set_ylabel("test accuracy (fraction correct)")
+    axes[1].set_ylabel("test NLL (nats per image)")
     for ax in axes:
-        ax.set_xlabel("labelled n")
+        ax.set_xlabel("labelled images n (10 %, at least 10, held out for early stopping)")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xticks(args.ns, [str(n) for n in args.ns])
     axes[0].legend()
+    fig.suptitle(
+        f"scikit-learn load_digits (8 x 8 pixels, 10 classes): {len(test)} test images, "
+        "balanced labelled sets"
+    )
     fig.tight_layout()
     os.makedirs(OUTPUT, exist_ok=True)
     path = os.path.join(OUTPUT, "dpkl_digits_classifier.png")

@@ -5,7 +5,8 @@
 random Fourier features, the paper's functional gradient) and prints test RMSE (minutes) and
 per-point NLL. Writes ``examples/output/dpkl_regression_embeddings.png``: the particle-mean
 embeddings (1/m) sum_l g_{w_l}(x) of the test points for DPKL, and g_w(x) for DKL, coloured by the
-delivery time; plus the particles of a few test points, to show the latent distributions.
+delivery time; plus the particles of five test points (crosses, one colour per point) and their
+mean (stars), to show the latent distributions.
 
 Run: ``python examples/dpkl_regression_embeddings.py [--n 100] [--steps 100] [--dataset meats]``
 """
@@ -88,18 +89,34 @@ def main() -> None:
         nll = float((0.5 * (yte - mean) ** 2 / var + 0.5 * torch.log(2 * math.pi * var)).mean())
         print(f"| {name} | {rmse:.3f} | {nll:.3f} | {fit_s:.1f} |")
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    target = "delivery time (minutes)" if args.dataset == "deliveries" else "target"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    marked = ("red", "magenta", "black", "darkorange", "cyan")
     for ax, (name, model) in zip(axes, models.items(), strict=True):
         z = model.embed(tx(test))  # shape: (m, n_test, 2)
         zbar = z.mean(0)
         sc = ax.scatter(zbar[:, 0], zbar[:, 1], c=y[test], s=8, cmap="viridis")
         if z.shape[0] > 1:  # the particles of five test points: the latent distributions
-            for i in range(5):
-                ax.scatter(z[:, i, 0], z[:, i, 1], s=14, marker="x", color="red", alpha=0.7)
-        ax.set_title(f"{name}: {'particle-mean ' if z.shape[0] > 1 else ''}test embeddings")
-        ax.set_xlabel("latent 1")
-        ax.set_ylabel("latent 2")
-        fig.colorbar(sc, ax=ax, label="target")
+            for i, colour in enumerate(marked):
+                ax.scatter(
+                    z[:, i, 0], z[:, i, 1], s=22, marker="x", color=colour,
+                    label=f"test point {i + 1}: its {z.shape[0]} particle embeddings",
+                )  # fmt: skip
+                ax.scatter(
+                    zbar[i, 0], zbar[i, 1], s=200, marker="*", color=colour, zorder=5,
+                    edgecolors="black", linewidths=0.8, label="star: the mean of those particles" if i == 0 else None,
+                )  # fmt: skip
+            ax.legend(fontsize=7, loc="best")
+            what = f"particle-mean embeddings (1/m) Σ g_w_l(x), m = {z.shape[0]}"
+        else:
+            what = "embeddings g_w(x)"
+        ax.set_title(
+            f"{name}: {what}\nof {n_test} test points (dots, coloured by target)", fontsize=10
+        )
+        ax.set_xlabel("embedding dimension 1 (network output, no unit)")
+        ax.set_ylabel("embedding dimension 2 (network output, no unit)")
+        fig.colorbar(sc, ax=ax, label=target)
+    fig.suptitle(f"{args.dataset} data set: n = {args.n} labelled rows, D = {d} inputs")
     fig.tight_layout()
     os.makedirs(OUTPUT, exist_ok=True)
     path = os.path.join(OUTPUT, "dpkl_regression_embeddings.png")

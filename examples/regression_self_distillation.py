@@ -7,12 +7,12 @@ Run with no arguments:
 1. The toy setting of §3.3: g(z) = z sin z, 10 equally spaced inputs on [0, 10], N(0, 1) noise, a
    scaled RBF kernel with fixed hyperparameters and noise = (0.1, 0.2, ..., 1.0). Ten steps of
    data-centric and distribution-centric distillation, each step's mean and 2.5/97.5 percentiles
-   (Fig. 3), written to examples/output/fig3_regression_self_distillation.png.
-2. The generalised cross-validation path of the data-centric steps, read off the same
-   eigendecomposition (examples/output/gcv_path.png).
-3. The diabetes data set (442 x 10): a teacher ExactGP with an ARD RBF kernel trained by maximum
+   (Fig. 3), written to examples/output/fig3_regression_self_distillation.png, with the change of
+   each step's mean from step 1 and the width of each step's 95 % interval.
+2. The diabetes data set (442 x 10): a teacher ExactGP with an ARD RBF kernel trained by maximum
    marginal likelihood, then 30 data-centric and distribution-centric steps with the teacher's
-   noise, a table of test RMSE per step, and the step GCV picks.
+   noise, a table of test RMSE per step, and the step GCV picks; the GCV path beside the test
+   RMSE of both chains (examples/output/gcv_path.png, the same data as the table).
 """
 
 from __future__ import annotations
@@ -60,40 +60,73 @@ def toy_figure() -> None:
         "data-centric": DataCentricGPR(x, y, kernel, noise=noise),
         "distribution-centric": DistributionCentricGPR(x, y, kernel, noise=noise),
     }
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    colours = plt.cm.viridis(torch.linspace(0, 1, 10).numpy())
-    for ax, (name, model) in zip(axes, models.items(), strict=True):
+    # Rows: each step's mean with the 95 % bands of steps 1 and 10; the mean's change from step 1
+    # (the distribution-centric means move little, so the top row alone cannot show them); the
+    # width of each step's 95 % interval (what distribution-centric distillation shrinks).
+    fig, axes = plt.subplots(3, 2, figsize=(12, 10), sharex=True)
+    cmap = plt.get_cmap("viridis")
+    colours = cmap(torch.linspace(0, 1, 10).numpy())
+    z = grid.squeeze(-1)
+    for col, (name, model) in enumerate(models.items()):
         with torch.no_grad():
             prediction = model.fit().predict(grid)  # row t - 1 holds step t
+        top, mid, bottom = axes[:, col]
         for t in range(10):
             mean, std = prediction.mean[t], prediction.stddev[t]
-            ax.plot(grid, mean, color=colours[t], lw=1.2, label=f"t={t + 1}")
-            ax.fill_between(
-                grid.squeeze(-1), mean - Z975 * std, mean + Z975 * std, color=colours[t], alpha=0.06
-            )
-        ax.plot(grid, grid * torch.sin(grid), "k--", lw=1, label="g(z) = z sin z")
-        ax.scatter(x, y, color="crimson", zorder=5, s=18, label="data")
-        ax.set_title(f"{name}, noise = 0.1 .. 1.0")
-        ax.set_xlabel("z")
-    axes[0].legend(ncol=2, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(OUT / "fig3_regression_self_distillation.png", dpi=120)
+            top.plot(z, mean, color=colours[t], lw=1.2)
+            if t in (0, 9):
+                top.fill_between(
+                    z, mean - Z975 * std, mean + Z975 * std, color=colours[t], alpha=0.15,
+                    label=f"95 % interval, t = {t + 1}",
+                )  # fmt: skip
+            mid.plot(z, mean - prediction.mean[0], color=colours[t], lw=1.2)
+            bottom.plot(z, 2 * Z975 * std, color=colours[t], lw=1.2)
+        top.plot(z, z * torch.sin(z), "k--", lw=1, label="truth g(z) = z sin z")
+        top.scatter(x, y, color="crimson", zorder=5, s=18, label="10 noisy observations")
+        top.set_title(f"{name} distillation, steps t = 1..10\n(noise 0.1, 0.2, ..., 1.0)")
+        top.set_ylabel("predictive mean of g(z)")
+        mid.set_ylabel("mean at step t minus mean at t = 1")
+        mid.axhline(0.0, color="0.6", lw=0.8)
+        bottom.set_ylabel("width of the 95 % interval of g(z)")
+        bottom.set_xlabel("input z")
+        top.legend(fontsize=7, loc="lower left")
+    fig.suptitle(
+        "Toy data (Borup & Andersen §3.3): g(z) = z sin z, 10 inputs on [0, 10], N(0, 1) noise"
+    )
+    fig.tight_layout(rect=(0, 0, 0.92, 1))
+    bar = fig.colorbar(
+        plt.cm.ScalarMappable(cmap=cmap, norm=matplotlib.colors.Normalize(1, 10)),
+        ax=axes, fraction=0.03, pad=0.02, shrink=0.6,
+    )  # fmt: skip
+    bar.set_label("distillation step t (line colour)")
+    fig.savefig(OUT / "fig3_regression_self_distillation.png", dpi=110)
     plt.close(fig)
+    print(f"toy: wrote {OUT / 'fig3_regression_self_distillation.png'}")
 
-    # GCV path of 50 data-centric steps with the same kernel and a constant noise.
-    model = DataCentricGPR(x, y, kernel, noise=0.5, num_steps=50)
-    with torch.no_grad():
-        gcv = model.gcv()
-        best_step = model.best_step("gcv")
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(range(1, 51), gcv, marker=".")
-    ax.set_xlabel("distillation step t")
-    ax.set_ylabel("GCV(t)")
-    ax.set_title(f"GCV picks t = {best_step}")
+
+def gcv_figure(name: str, gcv: torch.Tensor, dc_rmse: list[float], dist_rmse: list[float]) -> None:
+    """The GCV path of the data-centric steps beside the test RMSE of both chains on ``name``."""
+    steps = range(1, len(gcv) + 1)
+    best = int(torch.argmin(gcv)) + 1
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(steps, gcv, marker=".", label="GCV(t), training data only")
+    left.axvline(best, color="C3", ls=":", label=f"GCV's choice, t = {best}")
+    left.set_xlabel("distillation step t")
+    left.set_ylabel("GCV(t) (standardised target units²)")
+    left.set_title("generalised cross-validation, data-centric")
+    left.legend()
+    right.plot(steps, dc_rmse, marker=".", label="data-centric")
+    right.plot(steps, dist_rmse, marker=".", label="distribution-centric")
+    right.axvline(best, color="C3", ls=":", label=f"GCV's choice, t = {best}")
+    right.set_xlabel("distillation step t")
+    right.set_ylabel("test RMSE (target's original units)")
+    right.set_title("held-out test error")
+    right.legend()
+    fig.suptitle(f"{name} data set: teacher ExactGP (ARD RBF), then distillation steps")
     fig.tight_layout()
-    fig.savefig(OUT / "gcv_path.png", dpi=120)
+    fig.savefig(OUT / "gcv_path.png", dpi=110)
     plt.close(fig)
-    print(f"toy: wrote {OUT / 'fig3_regression_self_distillation.png'} and {OUT / 'gcv_path.png'}")
+    print(f"{name}: wrote {OUT / 'gcv_path.png'}")
 
 
 def train_teacher(x: torch.Tensor, y: torch.Tensor, iterations: int) -> TeacherGP:
@@ -145,6 +178,12 @@ def real_data(name: str, steps: int, iterations: int) -> None:
     print(
         f"\nGCV picks data-centric step t = {best} (test RMSE {split.rmse(dc.mean[best - 1]):.3f}; "
         f"the teacher, t = 1: {split.rmse(dc.mean[0]):.3f}); RMSE in the target's original units."
+    )
+    gcv_figure(
+        name,
+        gcv,
+        [split.rmse(dc.mean[t]) for t in range(steps)],
+        [split.rmse(dist.mean[t]) for t in range(steps)],
     )
 
 
