@@ -41,7 +41,7 @@ from gpsd.means import PosteriorMean
 from gpsd.prediction import Prediction
 from gpsd.progress import IterationRecord
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "ARDGPRegressor",
