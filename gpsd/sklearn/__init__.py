@@ -16,7 +16,7 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess by th
         "gpsd.sklearn needs scikit-learn; install the extra with: pip install 'gpsd[sklearn]'"
     ) from err
 
-#from gpsd.sklearn.deep_probabilistic_kernel_regressor import DeepProbabilisticKernelRegressor
+from gpsd.sklearn.deep_probabilistic_kernel_regressor import DeepProbabilisticKernelRegressor
 from gpsd.sklearn.kernel_distilled_regressor import KernelDistilledRegressor
 from gpsd.sklearn.self_distilled_gp_classifier import SelfDistilledGPClassifier
 from gpsd.sklearn.self_distilled_gp_regressor import SelfDistilledGPRegressor
