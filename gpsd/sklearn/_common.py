@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import gpytorch
 import numpy as np
 import torch
+from linear_operator.utils.cholesky import psd_safe_cholesky
 from sklearn.utils import check_random_state
 from torch import Tensor
 
@@ -106,14 +107,17 @@ def fit_exact_gp(
         for _ in range(max_iter):
             optimizer.zero_grad()
             gram = covar_module(train_x).to_dense() + likelihood.noise * eye
-            chol = torch.linalg.cholesky(gram)
+            chol = psd_safe_cholesky(gram)
             weights = torch.cholesky_solve(train_y.unsqueeze(-1), chol).squeeze(-1)
             loss = 0.5 * train_y @ weights + chol.diagonal().log().sum()
             (loss / train_y.shape[-1]).backward()
             optimizer.step()
+        teacher.eval()
+        likelihood.eval()
+        return teacher, float(likelihood.noise.detach().reshape(-1)[0])
     teacher.eval()
     likelihood.eval()
-    return teacher, float(likelihood.noise.detach().reshape(-1)[0])
+    return teacher, TEACHER_NOISE_INIT  # exact: not rounded through the noise constraint
 
 
 def seed_from(random_state: object) -> int:
