@@ -96,9 +96,7 @@ class KernelDistilledRegressor(RegressorMixin, BaseEstimator):
         num_inducing = check_count(self.num_inducing, "num_inducing")
         sparsity = check_count(self.sparsity, "sparsity")
         if sparsity > num_inducing:
-            raise ValueError(
-                f"sparsity ({sparsity}) must not exceed num_inducing ({num_inducing})"
-            )
+            raise ValueError(f"sparsity ({sparsity}) must not exceed num_inducing ({num_inducing})")
         max_iter = check_count(self.max_iter, "max_iter", minimum=0)
         distillation_max_iter = check_count(
             self.distillation_max_iter, "distillation_max_iter", minimum=0

@@ -119,8 +119,7 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
             )
         if target_type != "binary":
             raise ValueError(
-                "Only binary classification is supported. The type of the target is "
-                f"{target_type}."
+                f"Only binary classification is supported. The type of the target is {target_type}."
             )
         train_x, train_y = to_tensor(X, self.dtype), to_tensor(labels, self.dtype)
         covar_module = make_kernel(self.kernel, self.lengthscale, self.outputscale, dtype)

@@ -45,9 +45,7 @@ def kernel(lengthscale, outputscale):
     return covar_module
 
 
-FIXED = dict(
-    lengthscale=0.7, outputscale=1.3, optimize_hyperparameters=False, normalize_y=False
-)
+FIXED = dict(lengthscale=0.7, outputscale=1.3, optimize_hyperparameters=False, normalize_y=False)
 
 
 @pytest.mark.parametrize("method", ["data_centric", "distribution_centric"])
@@ -188,9 +186,9 @@ def test_classifier_refuses_multiclass_targets():
 
 def test_kernel_distilled_regressor_predicts_as_its_student():
     x, y, test_x = regression_data(n=60)
-    estimator = KernelDistilledRegressor(
-        num_inducing=12, sparsity=4, random_state=3, **FIXED
-    ).fit(x, y)
+    estimator = KernelDistilledRegressor(num_inducing=12, sparsity=4, random_state=3, **FIXED).fit(
+        x, y
+    )
     seed = int(np.random.RandomState(3).randint(np.iinfo(np.int32).max))
     distiller = KernelDistillation.from_data(
         torch.from_numpy(x),
