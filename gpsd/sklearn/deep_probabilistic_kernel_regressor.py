@@ -6,7 +6,6 @@ from __future__ import annotations
 import numbers
 import warnings
 
-import numpy as np
 import torch
 from gpytorch.utils.warnings import GPInputWarning
 from sklearn.base import BaseEstimator, RegressorMixin
