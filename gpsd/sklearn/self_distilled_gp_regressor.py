@@ -131,8 +131,9 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {sorted(METHODS)}, got {self.method!r}")
         num_steps = check_count(self.num_steps, "num_steps")
-        if not (self.step == "gcv" or isinstance(self.step, numbers.Integral)) or (
-            isinstance(self.step, numbers.Integral) and not 1 <= self.step <= num_steps
+        step_given = isinstance(self.step, numbers.Integral) and not isinstance(self.step, bool)
+        if not (isinstance(self.step, str) and self.step == "gcv") and not (
+            step_given and 1 <= self.step <= num_steps
         ):
             raise ValueError(f"step must be 'gcv' or an int in 1..{num_steps}, got {self.step!r}")
         dtype = torch_dtype(self.dtype)
@@ -169,7 +170,7 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         self.model_ = model
         self.n_iter_ = self.max_iter if self.optimize_hyperparameters else 0
         self.noise_ = np.asarray(schedule)
-        self.step_ = model.best_step("gcv") if self.step == "gcv" else int(self.step)
+        self.step_ = int(self.step) if step_given else model.best_step("gcv")
         return self
 
     def predict(self, X, return_std: bool = False):

@@ -15,7 +15,6 @@ from gpsd.sklearn import (  # noqa: E402
 
 ESTIMATORS = [
     SelfDistilledGPRegressor(),
-    SelfDistilledGPRegressor(method="distribution_centric", step=2, kernel="matern52"),
     SelfDistilledGPClassifier(),
     KernelDistilledRegressor(random_state=0),
     DeepProbabilisticKernelRegressor(random_state=0),
