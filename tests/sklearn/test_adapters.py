@@ -1,0 +1,243 @@
+"""The scikit-learn adapters against the native classes and independent computations."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+
+import gpytorch  # noqa: E402
+from sklearn.base import clone  # noqa: E402
+from sklearn.gaussian_process import GaussianProcessRegressor  # noqa: E402
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel  # noqa: E402
+from sklearn.model_selection import GridSearchCV  # noqa: E402
+
+from gpsd import DataCentricGPC, DataCentricGPR, DistributionCentricGPR, KernelDistillation  # noqa: E402
+from gpsd.sklearn import (  # noqa: E402
+    DeepProbabilisticKernelRegressor,
+    KernelDistilledRegressor,
+    SelfDistilledGPClassifier,
+    SelfDistilledGPRegressor,
+)
+
+
+def regression_data(n=40, m=15, d=2, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.uniform(-2, 2, size=(n + m, d))
+    y = np.sin(2 * x[:, 0]) + 0.5 * x[:, 1] ** 2 + 0.1 * rng.randn(n + m)
+    return x[:n], y[:n], x[n:]
+
+
+def classification_data(n=40, m=15, seed=1):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n + m, 2)
+    y = (x[:, 0] + 0.5 * x[:, 1] + 0.3 * rng.randn(n + m) > 0).astype(int)
+    return x[:n], y[:n], x[n:]
+
+
+def kernel(lengthscale, outputscale):
+    covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    covar_module.base_kernel.lengthscale = lengthscale
+    covar_module.outputscale = outputscale
+    return covar_module
+
+
+FIXED = dict(lengthscale=0.7, outputscale=1.3, optimize_hyperparameters=False, normalize_y=False)
+
+
+@pytest.mark.parametrize("method", ["data_centric", "distribution_centric"])
+def test_regressor_predicts_as_the_native_distiller(method):
+    x, y, test_x = regression_data()
+    schedule = [0.2, 0.1, 0.05]
+    estimator = SelfDistilledGPRegressor(
+        noise=schedule, num_steps=3, step=2, method=method, **FIXED
+    ).fit(x, y)
+    native_class = DataCentricGPR if method == "data_centric" else DistributionCentricGPR
+    native = native_class(
+        torch.from_numpy(x), torch.from_numpy(y), kernel(0.7, 1.3), noise=schedule
+    )
+    with torch.no_grad():
+        expected = native.predict(torch.from_numpy(test_x), step=2)
+    mean, std = estimator.predict(test_x, return_std=True)
+    np.testing.assert_allclose(mean, expected.mean.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(std, expected.stddev.numpy(), rtol=1e-10, atol=1e-12)
+    assert estimator.step_ == 2
+    np.testing.assert_array_equal(estimator.noise_, schedule)
+
+
+def test_regressor_step_one_is_scikit_learns_gp_regression():
+    """Step 1 is GP regression with noise gamma: scikit-learn's GaussianProcessRegressor with
+    the same kernel and alpha = gamma, an independent implementation. GPyTorch's squared
+    distances (expanded as |x|^2 + |x'|^2 - 2 x.x') agree with scipy's to about 1e-8."""
+    x, y, test_x = regression_data()
+    estimator = SelfDistilledGPRegressor(noise=0.1, num_steps=4, step=1, **FIXED).fit(x, y)
+    reference = GaussianProcessRegressor(
+        ConstantKernel(1.3, "fixed") * RBF(0.7, "fixed"), alpha=0.1, optimizer=None
+    ).fit(x, y)
+    expected_mean, expected_std = reference.predict(test_x, return_std=True)
+    mean, std = estimator.predict(test_x, return_std=True)
+    np.testing.assert_allclose(mean, expected_mean, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(std, expected_std, rtol=1e-6, atol=1e-8)
+
+
+def test_regressor_gcv_step_is_the_native_best_step():
+    x, y, _ = regression_data(n=60)
+    estimator = SelfDistilledGPRegressor(noise=0.02, num_steps=8, **FIXED).fit(x, y)
+    native = DataCentricGPR(
+        torch.from_numpy(x), torch.from_numpy(y), kernel(0.7, 1.3), noise=0.02, num_steps=8
+    )
+    assert estimator.step_ == native.best_step("gcv")
+    assert estimator.step_ == int(np.argmin(estimator.gcv_)) + 1
+    np.testing.assert_allclose(estimator.gcv_, native.gcv().detach().numpy(), rtol=1e-10)
+
+
+def test_regressor_learns_hyperparameters_and_scales_back():
+    """With standardised targets and learnt hyperparameters, a shifted and scaled copy of y
+    gives the shifted and scaled predictions."""
+    x, y, test_x = regression_data(n=50)
+    first = SelfDistilledGPRegressor(max_iter=30).fit(x, y)
+    second = SelfDistilledGPRegressor(max_iter=30).fit(x, 3.0 * y + 5.0)
+    np.testing.assert_allclose(second.predict(test_x), 3.0 * first.predict(test_x) + 5.0, rtol=1e-6)
+    assert first.model_.covar_module.base_kernel.lengthscale.item() != pytest.approx(1.0)
+    assert first.n_iter_ == 30
+    assert first.score(x, y) > 0.9
+
+
+def test_teacher_hyperparameters_maximise_the_marginal_likelihood():
+    """The learnt lengthscale, outputscale and noise reach the log marginal likelihood of
+    scikit-learn's own optimum (L-BFGS-B on ConstantKernel * RBF + WhiteKernel)."""
+    x, y, _ = regression_data(n=50)
+    y = y - y.mean()
+    estimator = SelfDistilledGPRegressor(
+        normalize_y=False, max_iter=300, lr=0.05, num_steps=1, step=1
+    ).fit(x, y)
+    covar_module = estimator.model_.covar_module
+    theta = np.log(
+        [
+            covar_module.outputscale.item(),
+            covar_module.base_kernel.lengthscale.item(),
+            estimator.noise_[0],
+        ]
+    )
+    reference = GaussianProcessRegressor(
+        ConstantKernel() * RBF() + WhiteKernel(), n_restarts_optimizer=2, random_state=0
+    ).fit(x, y)
+    assert reference.log_marginal_likelihood(theta) == pytest.approx(
+        reference.log_marginal_likelihood_value_, abs=1e-3
+    )
+
+
+def test_regressor_refuses_a_schedule_of_the_wrong_length():
+    x, y, _ = regression_data()
+    with pytest.raises(ValueError, match="num_steps"):
+        SelfDistilledGPRegressor(noise=[0.1, 0.2], num_steps=3).fit(x, y)
+    with pytest.raises(ValueError, match="step"):
+        SelfDistilledGPRegressor(step=9, num_steps=3).fit(x, y)
+
+
+def test_classifier_maps_any_two_labels():
+    x, y, test_x = classification_data()
+    names = np.array(["no", "yes"])[y]
+    numeric = SelfDistilledGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    named = SelfDistilledGPClassifier(optimize_hyperparameters=False).fit(x, names)
+    np.testing.assert_array_equal(named.classes_, ["no", "yes"])
+    np.testing.assert_allclose(named.predict_proba(test_x), numeric.predict_proba(test_x))
+    np.testing.assert_array_equal(named.predict(test_x), names_of(numeric.predict(test_x)))
+    signs = SelfDistilledGPClassifier(optimize_hyperparameters=False).fit(x, 2 * y - 1)
+    np.testing.assert_array_equal(signs.classes_, [-1, 1])
+    np.testing.assert_allclose(signs.predict_proba(test_x), numeric.predict_proba(test_x))
+
+
+def names_of(labels):
+    return np.array(["no", "yes"])[labels]
+
+
+def test_classifier_predicts_as_the_native_distiller():
+    x, y, test_x = classification_data()
+    estimator = SelfDistilledGPClassifier(
+        num_steps=3, step=2, noise=[0.0, 0.1, 0.1], lengthscale=0.8, optimize_hyperparameters=False
+    ).fit(x, y)
+    native = DataCentricGPC(
+        torch.from_numpy(x),
+        torch.from_numpy(y).double(),
+        kernel(0.8, 1.0),
+        num_steps=3,
+        noise=torch.tensor([0.0, 0.1, 0.1], dtype=torch.float64),
+    )
+    with torch.no_grad():
+        expected = native.predict_proba(torch.from_numpy(test_x), step=2).numpy()
+    proba = estimator.predict_proba(test_x)
+    assert proba.shape == (len(test_x), 2)
+    np.testing.assert_allclose(proba, expected, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-12)
+    np.testing.assert_array_equal(estimator.predict(test_x), expected.argmax(axis=1))
+
+
+def test_classifier_refuses_multiclass_targets():
+    x, y, _ = classification_data()
+    y = y.copy()
+    y[:5] = 2
+    with pytest.raises(ValueError, match="Only binary classification"):
+        SelfDistilledGPClassifier().fit(x, y)
+
+
+def test_kernel_distilled_regressor_predicts_as_its_student():
+    x, y, test_x = regression_data(n=60)
+    estimator = KernelDistilledRegressor(num_inducing=12, sparsity=4, random_state=3, **FIXED).fit(
+        x, y
+    )
+    seed = int(np.random.RandomState(3).randint(np.iinfo(np.int32).max))
+    distiller = KernelDistillation.from_data(
+        torch.from_numpy(x),
+        torch.from_numpy(y),
+        kernel(0.7, 1.3),
+        noise=0.1,
+        num_inducing=12,
+        sparsity=4,
+        seed=seed,
+    ).fit()
+    expected = distiller.student.predict(torch.from_numpy(test_x))
+    mean, std = estimator.predict(test_x, return_std=True)
+    np.testing.assert_allclose(mean, expected.mean.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(std, expected.stddev.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_dpkl_is_deterministic_given_random_state_and_leaves_torch_seeded():
+    x, y, test_x = regression_data(n=40)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = DeepProbabilisticKernelRegressor(max_iter=10, random_state=7).fit(x, y)
+    assert torch.equal(torch.get_rng_state(), state)
+    second = clone(first).fit(x, y)
+    np.testing.assert_array_equal(first.predict(test_x), second.predict(test_x))
+    other = DeepProbabilisticKernelRegressor(max_iter=10, random_state=8).fit(x, y)
+    assert not np.allclose(first.predict(test_x), other.predict(test_x))
+    assert first.model_.num_particles == 4
+
+
+def test_grid_search_over_steps():
+    x, y, _ = regression_data(n=45)
+    search = GridSearchCV(
+        SelfDistilledGPRegressor(max_iter=10, noise=0.05), {"num_steps": [1, 3]}, cv=3
+    ).fit(x, y)
+    assert search.best_params_["num_steps"] in (1, 3)
+    assert np.all(np.isfinite(search.cv_results_["mean_test_score"]))
+
+
+def test_import_gpsd_does_not_import_sklearn():
+    code = "import sys, gpsd; assert 'sklearn' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gpsd_sklearn_without_sklearn_names_the_extra():
+    code = (
+        "import sys; sys.modules['sklearn'] = None\n"
+        "try:\n    import gpsd.sklearn\nexcept ImportError as err:\n    print(err)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    )
+    assert "gpsd[sklearn]" in result.stdout
