@@ -48,7 +48,16 @@ autodoc_default_options["inherited-members"] = ", ".join(
         "object",
         "tuple",
         "dict",
+        "BaseEstimator",
+        "RegressorMixin",
+        "ClassifierMixin",
+        "_MetadataRequester",
+        "_HTMLDocumentationLinkMixin",
     ]
+)
+# scikit-learn writes metadata-routing setters onto every estimator class: its API, not gpsd's
+autodoc_default_options["exclude-members"] += (
+    ", set_score_request, set_fit_request, set_predict_request, get_metadata_routing"
 )
 nitpicky = False
 exclude_patterns = ["_build"]

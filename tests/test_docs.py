@@ -52,6 +52,7 @@ API_MODULES = [
     "gpsd.dpkl",
     "gpsd.linalg",
     "gpsd.data",
+    "gpsd.sklearn",
     "gpsd.settings",
     "gpsd.progress",
     "gpsd.prediction",
