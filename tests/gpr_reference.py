@@ -49,6 +49,18 @@ def matern_teacher(dtype=torch.float64):
     return PlainGP(x, y, likelihood, mean, kernel).eval()
 
 
+def rbf_gram(x, lengthscale=1.0):
+    """The unit-outputscale RBF Gram matrix of the points in the column ``x`` (shape (..., n, 1))."""
+    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
+
+
+def random_rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
+    """:func:`rbf_gram` of n float64 points drawn uniformly from [0, 10] (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=torch.float64)
+    return rbf_gram(x, lengthscale)
+
+
 def naive_data_centric(kernel, mean, x, y, gammas, test_x, alpha=0.0):
     """Refit a fresh exact GP on the previous step's mean predictions, step by step.
 

@@ -162,24 +162,17 @@ def test_new_labels_refit(cls, assign, toy):
 @pytest.mark.parametrize("store_all_steps", [True, False])
 def test_distribution_centric_new_method_refits(store_all_steps, toy):
     x, y, test_x = toy
-    model = DistributionCentricGPC(
-        x,
-        y,
-        _kernel_gpc_settings_after_fit(),
-        num_steps=4,
-        method="tempered",
-        store_all_steps=store_all_steps,
-    ).fit()
+
+    def fitted(method):
+        kernel = _kernel_gpc_settings_after_fit()
+        return DistributionCentricGPC(
+            x, y, kernel, num_steps=4, method=method, store_all_steps=store_all_steps
+        ).fit()
+
+    model = fitted("tempered")
     model.predict_latent(test_x)
     model.method = "scaled_kernel"
-    fresh = DistributionCentricGPC(
-        x,
-        y,
-        _kernel_gpc_settings_after_fit(),
-        num_steps=4,
-        method="scaled_kernel",
-        store_all_steps=store_all_steps,
-    ).fit()
+    fresh = fitted("scaled_kernel")
     _close_gpc_settings_after_fit(model, fresh, test_x)
     with pytest.raises(ValueError, match="method must be one of"):
         model.method = "scaled"

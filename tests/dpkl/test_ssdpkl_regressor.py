@@ -86,10 +86,8 @@ def _batchnorm_net():
     return nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
 
 
-@pytest.mark.parametrize("kernel", ["exact", "rff"])
-def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
-    # the unlabelled rows are normalised in one batch with the labelled ones, so shifting them
-    # changes the regulariser (normalised on their own, the shift would vanish)
+def _batchnorm_model(kernel, **kwargs):
+    """SSDPKL with the BatchNorm network on 24 labelled and 15 unlabelled rows in 3-D."""
     x, y = sum_sine_data()
     xu = torch.randn(15, 3)
     model = SSDPKLRegressor(
@@ -100,7 +98,16 @@ def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
         num_particles=3,
         num_random_features=30,
         embedding_kernel=kernel,
+        **kwargs,
     )
+    return model, x, y, xu
+
+
+@pytest.mark.parametrize("kernel", ["exact", "rff"])
+def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
+    # the unlabelled rows are normalised in one batch with the labelled ones, so shifting them
+    # changes the regulariser (normalised on their own, the shift would vanish)
+    model, x, y, xu = _batchnorm_model(kernel)
     noise = model.likelihood.noise.detach()
     model.train()
     values = []
@@ -123,18 +130,7 @@ def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
 def test_ssdpkl_training_loss_is_one_joint_pass_per_step(kernel):
     # one extractor pass over the labelled and unlabelled rows per step: BatchNorm's running
     # statistics are updated once per step
-    x, y = sum_sine_data()
-    xu = torch.randn(15, 3)
-    model = SSDPKLRegressor(
-        x,
-        y,
-        _batchnorm_net,
-        unlabelled_x=xu,
-        num_particles=3,
-        num_random_features=30,
-        alpha=0.7,
-        embedding_kernel=kernel,
-    )
+    model, x, y, xu = _batchnorm_model(kernel, alpha=0.7)
     ensemble = model.covar_module.feature_extractor
     calls = []
     ensemble.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
