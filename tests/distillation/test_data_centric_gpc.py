@@ -259,26 +259,6 @@ def test_fit_reports_each_step_and_a_callback_stops_it(toy):
     assert model.predict_proba(test_x).shape[0] == 4
 
 
-def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
-    import gpsd.distillation.data_centric_gpc as module
-
-    x, y, test_x = toy
-    model = DataCentricGPC(x, y, _kernel(), num_steps=2).fit()
-    calls = []
-    original = module.find_laplace_mode
-    monkeypatch.setattr(
-        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
-    )
-    model.predict_proba(test_x)
-    assert calls == []
-    with gpsd.settings.test_chunk_size(7):
-        model.predict_proba(test_x)
-    assert len(calls) == 2  # both steps refitted
-    model.covar_module.outputscale = 2.0
-    model.predict_proba(test_x)
-    assert len(calls) == 4
-
-
 @pytest.fixture
 def toy_for_refits():
     return sine_classification(25, seed=4)

@@ -3,12 +3,15 @@ training data, settings, likelihood parameters and loaded states; predictions di
 the test inputs; kernels in another dtype than the data; empty training sets refused. Each case
 is compared with a model built afresh, or with dense formulas."""
 
+import importlib
+
 import gpytorch
 import pytest
 import torch
 from gpr_reference import rbf_kernel
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 
+import gpsd
 from gpsd import (
     DataCentricGPC,
     DistributionCentricGPC,
@@ -493,3 +496,25 @@ EMPTY_Y = torch.empty(0, dtype=torch.float64)
 def test_classifiers_refuse_an_empty_training_set(build):
     with pytest.raises(ValueError, match="train_x must hold at least one input"):
         build()
+
+
+@pytest.mark.parametrize(
+    "cls, n, seed", [(DataCentricGPC, 30, 1), (DistributionCentricGPC, 25, 2)], ids=["data", "dist"]
+)
+def test_a_prediction_under_another_gpsd_setting_refits_every_step(cls, n, seed, monkeypatch):
+    module = importlib.import_module(cls.__module__)
+    x, y, test_x = sine_classification(n, seed=seed)
+    model = cls(x, y, rbf_kernel(3.0, 1.0), num_steps=2).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert len(calls) == 2  # both steps refitted
+    model.covar_module.outputscale = 2.0
+    model.predict_proba(test_x)
+    assert len(calls) == 4
