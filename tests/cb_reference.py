@@ -6,14 +6,17 @@ its limit at 0, evaluated at the caller's mpmath precision; and the Gaussian exp
 ``ContinuousBernoulliLikelihood.expected_log_prob`` and ``log_marginal`` compute, by adaptive
 tanh-sinh quadrature at 25 digits, with break points on the scale of each integrand (the
 latent's standard deviation, the width 1 of the kink of :math:`A` at 0, and for the log marginal
-the width of :math:`p(y \\mid f) \\mathcal{N}(f)` around its mode).
+the width of :math:`p(y \\mid f) \\mathcal{N}(f)` around its mode). And a small Laplace problem
+with continuous-Bernoulli targets.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import gpytorch
 import mpmath
+import torch
 
 
 class CBExpectations(NamedTuple):
@@ -136,3 +139,17 @@ def cb_gaussian_expectations(y: float, mean: float, variance: float) -> CBExpect
             float(moments[1] / moments[0] / var),
             float((moments[2] / moments[0] - var) / (2 * var**2)),
         )
+
+
+def cb_laplace_problem(n=10, dtype=torch.float64, outputscale=1.0, batch=()):
+    """A scaled RBF kernel matrix (jitter 1e-6 times the outputscale) on n points in [0, 3],
+    uniform targets in (0, 1) of batch shape ``batch`` and a constant prior mean 1.5; built in
+    float64, returned in ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(n, 1, generator=g, dtype=torch.float64) * 3
+    y = torch.rand(*batch, n, generator=g, dtype=torch.float64)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    kernel.outputscale = outputscale
+    K = kernel(x).to_dense().detach() + 1e-6 * outputscale * torch.eye(n, dtype=torch.float64)
+    m = torch.full((n,), 1.5, dtype=torch.float64)
+    return K.to(dtype), y.to(dtype), m.to(dtype)

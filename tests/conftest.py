@@ -28,3 +28,22 @@ def use_setting():
     ``use_setting(gpsd.settings.test_chunk_size(30))``; each is left when the test ends."""
     with contextlib.ExitStack() as stack:
         yield stack.enter_context
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, name)`` replaces ``module.name`` by a wrapper that counts its calls
+    in the one-element list it returns, for the rest of the test."""
+
+    def install(module, name):
+        calls = [0]
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+        return calls
+
+    return install

@@ -3,7 +3,30 @@ evaluated one at a time as stand-alone networks, the kernel matrices and posteri
 formed and solved densely."""
 
 import torch
+from torch import nn
 from torch.func import functional_call
+
+
+def tanh_net(d_in=4, d_out=2):
+    """A particle network: d_in -> 8 -> d_out with a tanh between."""
+    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
+
+
+def noisy_sine_data(n=30, d=4):
+    """n standard normal inputs in d dimensions and sin(x_0) plus noise of sd 0.1, in float64
+    (set as the default dtype, which the autouse fixture of conftest.py restores)."""
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(n, d)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
+    return x, y
+
+
+def sum_sine_data(n=24, d=3):
+    """n standard normal inputs in d dimensions and the noiseless sin(x_1 + ... + x_d), in
+    float64 (set as the default dtype)."""
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(n, d)
+    return x, torch.sin(x.sum(-1))
 
 
 def loop_mean_features(model, x):

@@ -33,6 +33,34 @@ def exact_settings():
     return gpytorch.settings.fast_computations(False, False, False)
 
 
+def matern_teacher(dtype=torch.float64):
+    """An exact GP in eval mode on 30 noisy sines in [0, 4]^2: a linear mean and a scaled ARD
+    Matern kernel (lengthscales 0.7 and 1.3, outputscale 1.5), noise 0.05."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(30, 2, generator=gen, dtype=dtype) * 4
+    y = torch.sin(x).sum(-1) + 0.1 * torch.randn(30, generator=gen, dtype=dtype)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
+    likelihood.noise = 0.05
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(ard_num_dims=2)).to(dtype)
+    kernel.base_kernel.lengthscale = torch.tensor([[0.7, 1.3]], dtype=dtype)
+    kernel.outputscale = 1.5
+    mean = gpytorch.means.LinearMean(2).to(dtype)
+    mean.weights.data = torch.tensor([[0.3], [-0.2]], dtype=dtype)
+    return PlainGP(x, y, likelihood, mean, kernel).eval()
+
+
+def rbf_gram(x, lengthscale=1.0):
+    """The unit-outputscale RBF Gram matrix of the points in the column ``x`` (shape (..., n, 1))."""
+    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
+
+
+def random_rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
+    """:func:`rbf_gram` of n float64 points drawn uniformly from [0, 10] (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=torch.float64)
+    return rbf_gram(x, lengthscale)
+
+
 def naive_data_centric(kernel, mean, x, y, gammas, test_x, alpha=0.0):
     """Refit a fresh exact GP on the previous step's mean predictions, step by step.
 

@@ -29,6 +29,13 @@ from gpsd.linalg import KernelSpectrum, ShiftedCG, choose_backend, free_memory_b
 DTYPE = torch.float64
 
 
+def _sine_data(n, seed=0, noise_sd=0.1):
+    """n points uniform in [0, 10] (a column) and sin(x) plus Gaussian noise of sd noise_sd."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=DTYPE)
+    return x, torch.sin(x.squeeze(-1)) + noise_sd * torch.randn(n, generator=gen, dtype=DTYPE)
+
+
 @pytest.fixture
 def problem():
     x, y = xsinx_regression(n=40, seed=1)
@@ -203,9 +210,7 @@ def test_gradients_match_finite_differences(problem):
 
 
 def test_lanczos_agrees_with_dense_at_n_2000_within_its_estimate():
-    gen = torch.Generator().manual_seed(0)
-    x = 10 * torch.rand(2000, 1, generator=gen, dtype=DTYPE)
-    y = torch.sin(x.squeeze(-1)) + 0.3 * torch.randn(2000, generator=gen, dtype=DTYPE)
+    x, y = _sine_data(2000, seed=0, noise_sd=0.3)
     test_x = torch.linspace(0, 10, 100, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
     gammas = torch.linspace(0.1, 1.0, 5, dtype=DTYPE)
@@ -221,9 +226,7 @@ def test_lanczos_agrees_with_dense_at_n_2000_within_its_estimate():
 
 def test_lanczos_error_estimate_bounds_the_error_with_an_active_complement():
     """A rank too small to resolve the spectrum: the Taylor complement does the rest."""
-    gen = torch.Generator().manual_seed(1)
-    x = 10 * torch.rand(300, 1, generator=gen, dtype=DTYPE)
-    y = torch.sin(x.squeeze(-1)) + 0.3 * torch.randn(300, generator=gen, dtype=DTYPE)
+    x, y = _sine_data(300, seed=1, noise_sd=0.3)
     test_x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.7)
     gammas = torch.linspace(0.5, 1.0, 5, dtype=DTYPE)
@@ -571,9 +574,7 @@ def test_grown_lanczos_stops_once_accurate_and_agrees_with_dense(monkeypatch):
         return matmul(self, rhs)
 
     monkeypatch.setattr(ChunkedKernelOperator, "_matmul", counting)
-    gen = torch.Generator().manual_seed(3)
-    x = 10 * torch.rand(1500, 1, generator=gen, dtype=DTYPE)
-    y = torch.sin(x.squeeze(-1)) + 0.3 * torch.randn(1500, generator=gen, dtype=DTYPE)
+    x, y = _sine_data(1500, seed=3, noise_sd=0.3)
     test_x = torch.linspace(0, 10, 60, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
     gammas = torch.linspace(0.05, 0.5, 6, dtype=DTYPE)
@@ -1232,12 +1233,6 @@ def _scaled_rbf(lengthscale=1.0):
     return k
 
 
-def _sine_data(n, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = 10 * torch.rand(n, 1, generator=gen, dtype=DTYPE)
-    return x, torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(n, generator=gen, dtype=DTYPE)
-
-
 def test_a_tight_rtol_on_a_smooth_kernel_is_met_not_refused():
     x, y = _sine_data(600)
     test_x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
@@ -1331,9 +1326,7 @@ def test_auto_rebuilds_for_gradients_after_a_no_grad_prediction():
 def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
     # the rounding floor that lets Lanczos count pairs as resolved is not for CG, whose
     # estimate ignores the split-off pairs' residuals: float32 chains would come out 1.4 off
-    gen = torch.Generator().manual_seed(0)
-    x = 10 * torch.rand(300, 1, generator=gen, dtype=DTYPE)
-    y = torch.sin(x.squeeze(-1)) + 0.1 * torch.randn(300, generator=gen, dtype=DTYPE)
+    x, y = _sine_data(300)
     test_x = torch.linspace(0, 10, 40, dtype=DTYPE).unsqueeze(-1)
     gammas = torch.logspace(0, 1, 20, dtype=DTYPE) * 1e-4
 

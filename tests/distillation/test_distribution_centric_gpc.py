@@ -72,8 +72,6 @@ def test_iterated_matches_dense_recursion(toy):
 
 @pytest.mark.parametrize("method", ["iterated", "tempered", "scaled_kernel"])
 def test_step_one_is_the_ordinary_gpc(toy, method):
-    from sklearn.gaussian_process import GaussianProcessClassifier
-    from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 
     x, y, test_x = toy
     model = DistributionCentricGPC(x, y, _kernel(), num_steps=1, method=method).fit()
@@ -253,71 +251,6 @@ def test_fit_reports_each_iterated_step_and_a_callback_stops_it(toy):
     records = []
     tempered.fit(callback=records.append)
     assert [(r.iteration, r.total) for r in records] == [(1, 1)]  # one Laplace fit
-
-
-def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
-    import gpsd.distillation.distribution_centric_gpc as module
-
-    x, y, test_x = toy
-    model = DistributionCentricGPC(x, y, _kernel(), num_steps=2).fit()
-    calls = []
-    original = module.find_laplace_mode
-    monkeypatch.setattr(
-        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
-    )
-    model.predict_proba(test_x)
-    assert calls == []
-    with gpsd.settings.test_chunk_size(7):
-        model.predict_proba(test_x)
-    assert len(calls) == 2
-    model.covar_module.outputscale = 2.0
-    model.predict_proba(test_x)
-    assert len(calls) == 4
-
-
-# a short lengthscale, where most kernel entries are far below rounding: on a CPU they are set
-# to zero below eps^2 * max before the matrix products; sklearn, in numpy float64 with every
-# entry kept, is the reference
-SHORT_LENGTHSCALE, SHORT_OUTPUTSCALE = 0.08, 3.0
-
-
-@pytest.fixture(scope="module")
-def short_lengthscale_problem():
-    gen = np.random.default_rng(4)
-    x = np.sort(gen.uniform(0, 12, 150))
-    y = (np.sin(2 * x) + 0.3 * gen.standard_normal(150) > 0).astype(float)
-    test_x = np.linspace(0, 12, 61)
-    gpc = GaussianProcessClassifier(
-        ConstantKernel(SHORT_OUTPUTSCALE) * RBF(SHORT_LENGTHSCALE),
-        optimizer=None,
-        max_iter_predict=500,
-    ).fit(x[:, None], y)
-    base = gpc.base_estimator_
-    K = base.kernel_(x[:, None])
-    # the case at hand: entries that are positive yet negligible, many of them subnormal
-    assert ((K > 0) & (K < np.finfo(float).eps ** 2 * K.max())).mean() > 0.1
-    assert ((K > 0) & (K < np.finfo(float).tiny)).any()
-    mean, var = base.latent_mean_and_variance(test_x[:, None])
-    return x, y, test_x, base, mean, var
-
-
-def _short_lengthscale_kernel(dtype):
-    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(dtype)
-    k.outputscale = torch.tensor(SHORT_OUTPUTSCALE, dtype=dtype)
-    k.base_kernel.lengthscale = torch.tensor(SHORT_LENGTHSCALE, dtype=dtype)
-    return k
-
-
-def test_distribution_centric_first_step_matches_sklearn(short_lengthscale_problem):
-    x, y, test_x, base, mean, var = short_lengthscale_problem
-    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
-    model = DistributionCentricGPC(
-        t(x), t(y), _short_lengthscale_kernel(torch.float64), num_steps=2
-    ).fit()
-    latent = model.predict_latent(t(test_x), step=1)
-    m, v = latent.mean, latent.variance
-    np.testing.assert_allclose(m.numpy(), mean, atol=1e-7)
-    np.testing.assert_allclose(v.numpy(), var, atol=1e-7)
 
 
 @pytest.fixture

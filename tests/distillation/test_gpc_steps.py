@@ -3,12 +3,15 @@ training data, settings, likelihood parameters and loaded states; predictions di
 the test inputs; kernels in another dtype than the data; empty training sets refused. Each case
 is compared with a model built afresh, or with dense formulas."""
 
+import importlib
+
 import gpytorch
 import pytest
 import torch
 from gpr_reference import rbf_kernel
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 
+import gpsd
 from gpsd import (
     DataCentricGPC,
     DistributionCentricGPC,
@@ -162,24 +165,17 @@ def test_new_labels_refit(cls, assign, toy):
 @pytest.mark.parametrize("store_all_steps", [True, False])
 def test_distribution_centric_new_method_refits(store_all_steps, toy):
     x, y, test_x = toy
-    model = DistributionCentricGPC(
-        x,
-        y,
-        _kernel_gpc_settings_after_fit(),
-        num_steps=4,
-        method="tempered",
-        store_all_steps=store_all_steps,
-    ).fit()
+
+    def fitted(method):
+        kernel = _kernel_gpc_settings_after_fit()
+        return DistributionCentricGPC(
+            x, y, kernel, num_steps=4, method=method, store_all_steps=store_all_steps
+        ).fit()
+
+    model = fitted("tempered")
     model.predict_latent(test_x)
     model.method = "scaled_kernel"
-    fresh = DistributionCentricGPC(
-        x,
-        y,
-        _kernel_gpc_settings_after_fit(),
-        num_steps=4,
-        method="scaled_kernel",
-        store_all_steps=store_all_steps,
-    ).fit()
+    fresh = fitted("scaled_kernel")
     _close_gpc_settings_after_fit(model, fresh, test_x)
     with pytest.raises(ValueError, match="method must be one of"):
         model.method = "scaled"
@@ -500,3 +496,25 @@ EMPTY_Y = torch.empty(0, dtype=torch.float64)
 def test_classifiers_refuse_an_empty_training_set(build):
     with pytest.raises(ValueError, match="train_x must hold at least one input"):
         build()
+
+
+@pytest.mark.parametrize(
+    "cls, n, seed", [(DataCentricGPC, 30, 1), (DistributionCentricGPC, 25, 2)], ids=["data", "dist"]
+)
+def test_a_prediction_under_another_gpsd_setting_refits_every_step(cls, n, seed, monkeypatch):
+    module = importlib.import_module(cls.__module__)
+    x, y, test_x = sine_classification(n, seed=seed)
+    model = cls(x, y, rbf_kernel(3.0, 1.0), num_steps=2).fit()
+    calls = []
+    original = module.find_laplace_mode
+    monkeypatch.setattr(
+        module, "find_laplace_mode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.test_chunk_size(7):
+        model.predict_proba(test_x)
+    assert len(calls) == 2  # both steps refitted
+    model.covar_module.outputscale = 2.0
+    model.predict_proba(test_x)
+    assert len(calls) == 4

@@ -5,6 +5,7 @@ import math
 import gpytorch
 import pytest
 import torch
+from dpkl_reference import noisy_sine_data
 
 from gpsd.dpkl import (
     ARDGPRegressor,
@@ -34,17 +35,10 @@ def test_numpy_and_tensor_scalars_are_still_accepted():
     )
 
 
-def _data_m(n=30, d=4):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
-    return x, y
-
-
 def test_ard_gp_matches_sklearn():
     sklearn_gp = pytest.importorskip("sklearn.gaussian_process")
     kernels = pytest.importorskip("sklearn.gaussian_process.kernels")
-    x, y = _data_m(n=25, d=3)
+    x, y = noisy_sine_data(n=25, d=3)
     model = ARDGPRegressor(x, y)
     ls = torch.tensor([0.8, 1.5, 2.2])
     model.covar_module.base_kernel.lengthscale = ls

@@ -5,23 +5,12 @@ import copy
 import gpytorch
 import pytest
 import torch
-from torch import nn
+from dpkl_reference import noisy_sine_data, tanh_net
 
 from gpsd.dpkl import (
     DKLRegressor,
     DPKLRegressor,
 )
-
-
-def _net(d_in=4, d_out=2):
-    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
-
-
-def _data(n=30, d=4):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
-    return x, y
 
 
 class _HandDKL(gpytorch.models.ExactGP):
@@ -39,8 +28,8 @@ class _HandDKL(gpytorch.models.ExactGP):
 @pytest.mark.parametrize("update", ["paper", "svgd"])
 def test_single_particle_dpkl_is_dkl(update):
     """m = 1: same loss and same Adam trajectory as a hand-written GPyTorch deep-kernel GP."""
-    x, y = _data(n=20)
-    net = _net()
+    x, y = noisy_sine_data(n=20)
+    net = tanh_net()
     model = DPKLRegressor(
         x, y, copy.deepcopy(net), num_particles=1, embedding_kernel="exact", update=update
     )
@@ -69,8 +58,8 @@ def test_single_particle_dpkl_is_dkl(update):
 
 
 def test_dkl_regressor_fits_and_predicts_the_latent_function():
-    x, y = _data(n=20)
-    model = DKLRegressor(x[:, 0], y, lambda: _net(1), mean_module=gpytorch.means.ZeroMean())
+    x, y = noisy_sine_data(n=20)
+    model = DKLRegressor(x[:, 0], y, lambda: tanh_net(1), mean_module=gpytorch.means.ZeroMean())
     assert isinstance(model.mean_module, gpytorch.means.ZeroMean)
     assert model.fit(max_iter=3) is model and len(model.history["loss"]) == 3
     latent, observed = model.predict(x[:4, 0]), model.predict(x[:4, 0], include_noise=True)

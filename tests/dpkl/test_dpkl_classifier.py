@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import requires_cuda
+from dpkl_reference import tanh_net
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -17,10 +18,6 @@ from gpsd.dpkl import DPKLClassifier, DPKLRegressor, ParticleEnsemble
 from gpsd.dpkl.dpkl_classifier import _minibatches
 
 DT = torch.float64
-
-
-def _net(d_in=4, d_out=2):
-    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
 
 
 def _net_factory(d_in=4):
@@ -82,7 +79,7 @@ def _loop_kernel_means(clf, x, lengthscale):
 # ---------------------------------------------------------------------- against loops
 def test_probabilities_and_class_scores_equal_loops():
     x, y = _blobs(10)
-    clf = DPKLClassifier(x, y, _net, num_particles=3, num_weight_particles=2).fit(max_iter=0)
+    clf = DPKLClassifier(x, y, tanh_net, num_particles=3, num_weight_particles=2).fit(max_iter=0)
     clf.lengthscale = 0.7
     k = _loop_kernel_means(clf, x, 0.7)  # shape: (q, n, C)
     ref = k / k.sum(-1, keepdim=True)
@@ -101,7 +98,7 @@ def test_probabilities_and_class_scores_equal_loops():
 
 def test_far_points_do_not_give_nan():
     x, y = _blobs(6)
-    clf = DPKLClassifier(x, y, _net, num_particles=2).fit(max_iter=0)
+    clf = DPKLClassifier(x, y, tanh_net, num_particles=2).fit(max_iter=0)
     clf.lengthscale = 1e-3  # every kernel value underflows in linear space
     p = clf.predict_proba(torch.randn(5, 4) * 10)
     assert torch.isfinite(p).all()
@@ -142,7 +139,7 @@ def test_the_class_weights_use_a_fixed_bandwidth():
 # ---------------------------------------------------------------------- the convention
 def test_predicting_before_fit_raises_not_fitted_error():
     x, y = _blobs(9)
-    clf = DPKLClassifier(x, y, _net, num_particles=2, num_weight_particles=2)
+    clf = DPKLClassifier(x, y, tanh_net, num_particles=2, num_weight_particles=2)
     for call in (
         lambda: clf.predict_proba(x),
         lambda: clf.predict(x),
@@ -159,7 +156,7 @@ def test_predicting_before_fit_raises_not_fitted_error():
 
 def test_prediction_shapes_and_types():
     x, y = _binary(20)
-    clf = DPKLClassifier(x, y, _net(3), num_particles=2, num_weight_particles=3).fit(max_iter=2)
+    clf = DPKLClassifier(x, y, tanh_net(3), num_particles=2, num_weight_particles=3).fit(max_iter=2)
     assert clf.num_classes == 2  # inferred from train_y
     xs = torch.randn(7, 3)
     proba = clf.predict_proba(xs)
@@ -177,24 +174,24 @@ def test_prediction_shapes_and_types():
 
 def test_num_classes_is_inferred_or_given():
     x, y = _binary(12)
-    assert DPKLClassifier(x, y, _net(3), num_classes=4).class_weights.shape[1] == 4
+    assert DPKLClassifier(x, y, tanh_net(3), num_classes=4).class_weights.shape[1] == 4
     with pytest.raises(ValueError, match="num_classes"):
-        DPKLClassifier(x, torch.zeros(12, dtype=torch.long), _net(3))
+        DPKLClassifier(x, torch.zeros(12, dtype=torch.long), tanh_net(3))
     with pytest.raises(ValueError, match=r"train_y must hold labels in 0..1"):
-        DPKLClassifier(x, y + 1, _net(3), num_classes=2)
+        DPKLClassifier(x, y + 1, tanh_net(3), num_classes=2)
 
 
 def test_one_dimensional_train_x_is_one_feature():
     torch.set_default_dtype(torch.float64)
     x = torch.linspace(-2, 2, 16)
-    clf = DPKLClassifier(x, (x > 0).long(), _net(1), num_particles=2).fit(max_iter=1)
+    clf = DPKLClassifier(x, (x > 0).long(), tanh_net(1), num_particles=2).fit(max_iter=1)
     assert clf.train_x.shape == (16, 1)
     assert clf.predict_proba(torch.linspace(-1, 1, 5)).shape == (5, 2)
 
 
 def test_a_callback_returning_true_stops_fit_after_that_epoch():
     x, y = _binary(20)
-    clf = DPKLClassifier(x, y, _net(3), num_particles=2, num_weight_particles=2)
+    clf = DPKLClassifier(x, y, tanh_net(3), num_particles=2, num_weight_particles=2)
     records = []
     clf.fit(max_iter=10, batch_size=10, callback=lambda r: records.append(r) or r.iteration == 2)
     assert [r.iteration for r in records] == [1, 2]
@@ -204,7 +201,7 @@ def test_a_callback_returning_true_stops_fit_after_that_epoch():
 
 def test_progress_true_shows_a_bar(capsys):
     x, y = _binary(12)
-    clf = DPKLClassifier(x, y, _net(3), num_particles=2, num_weight_particles=2)
+    clf = DPKLClassifier(x, y, tanh_net(3), num_particles=2, num_weight_particles=2)
     clf.fit(max_iter=2, progress=True)
     assert "DPKLClassifier.fit" in capsys.readouterr().err
     tqdm = pytest.importorskip("tqdm")
@@ -217,7 +214,7 @@ def test_progress_true_shows_a_bar(capsys):
 def test_fit_learns_blobs_with_early_stopping():
     x, y = _blobs(90)
     xv, yv = _blobs(30)
-    clf = DPKLClassifier(x, y, _net, num_particles=3, num_weight_particles=3, update="svgd")
+    clf = DPKLClassifier(x, y, tanh_net, num_particles=3, num_weight_particles=3, update="svgd")
     clf.fit(max_iter=20, batch_size=16, lr=0.03, val_x=xv, val_y=yv, check_every=5)
     hist = clf.history
     assert len(hist["loss"]) == 20 and len(hist["val_accuracy"]) == 5
@@ -229,8 +226,8 @@ def test_fit_learns_blobs_with_early_stopping():
 
 def test_a_trained_state_roundtrips():
     x, y = _blobs(8)
-    a = DPKLClassifier(x, y, _net, num_particles=2).fit(max_iter=1)
-    b = DPKLClassifier(x, y, _net, num_particles=2)
+    a = DPKLClassifier(x, y, tanh_net, num_particles=2).fit(max_iter=1)
+    b = DPKLClassifier(x, y, tanh_net, num_particles=2)
     b.load_state_dict(a.state_dict())  # a trained state: b is fitted
     torch.testing.assert_close(a.predict_proba(x), b.predict_proba(x))
     assert "train_x" not in a.state_dict()
@@ -240,22 +237,22 @@ def test_a_trained_state_roundtrips():
 def test_constructor_and_queries_name_the_bad_argument():
     x, y = _blobs(12)
     with pytest.raises(ValueError, match="num_particles"):
-        DPKLClassifier(x, y, _net, num_particles=0)
+        DPKLClassifier(x, y, tanh_net, num_particles=0)
     with pytest.raises(ValueError, match="num_classes"):
-        DPKLClassifier(x, y, _net, num_classes=1)
+        DPKLClassifier(x, y, tanh_net, num_classes=1)
     with pytest.raises(ValueError, match="latent_dim"):
-        DPKLClassifier(x, y, lambda: _net(4, 3), latent_dim=2)
+        DPKLClassifier(x, y, lambda: tanh_net(4, 3), latent_dim=2)
     with pytest.raises(ValueError, match="labels in 0..2"):
-        DPKLClassifier(x, y + 1, _net, num_classes=3)
+        DPKLClassifier(x, y + 1, tanh_net, num_classes=3)
     with pytest.raises(ValueError, match="train_y must hold integer class labels"):
-        DPKLClassifier(x, y + 0.5, _net)
+        DPKLClassifier(x, y + 0.5, tanh_net)
     bad = x.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="train_x must be finite"):
-        DPKLClassifier(bad, y, _net)
+        DPKLClassifier(bad, y, tanh_net)
     with pytest.raises(ValueError, match="train_x with 5 features"):
-        DPKLClassifier(torch.randn(12, 5), y, _net)
-    clf = DPKLClassifier(x, y, _net).fit(max_iter=0)
+        DPKLClassifier(torch.randn(12, 5), y, tanh_net)
+    clf = DPKLClassifier(x, y, tanh_net).fit(max_iter=0)
     for call in (clf.predict_proba, lambda x: clf.nll(x, y), lambda x: clf.accuracy(x, y)):
         with pytest.raises(ValueError, match="x with 5 features"):
             call(torch.randn(12, 5))
@@ -266,10 +263,10 @@ def test_constructor_and_queries_name_the_bad_argument():
     assert clf.predict_proba(x[:0]).shape == (0, 3)
     for bandwidth in (-2.0, 0.0, float("nan"), "mean", True):
         with pytest.raises(ValueError, match="bandwidth"):
-            DPKLClassifier(x, y, _net, bandwidth=bandwidth)
+            DPKLClassifier(x, y, tanh_net, bandwidth=bandwidth)
     for prior_std in (True, 0.0, "1"):  # a bool is not a standard deviation of 1
         with pytest.raises(ValueError, match="prior_std must be a positive float"):
-            DPKLClassifier(x, y, _net, prior_std=prior_std)
+            DPKLClassifier(x, y, tanh_net, prior_std=prior_std)
 
 
 @pytest.mark.parametrize(
@@ -288,7 +285,7 @@ def test_constructor_and_queries_name_the_bad_argument():
 )
 def test_fit_names_the_bad_argument(kwargs, match):
     x, y = _blobs(12)
-    clf = DPKLClassifier(x, y, _net, num_particles=2, num_weight_particles=2)
+    clf = DPKLClassifier(x, y, tanh_net, num_particles=2, num_weight_particles=2)
     with pytest.raises(ValueError, match=match):
         clf.fit(**kwargs)
 
@@ -296,8 +293,8 @@ def test_fit_names_the_bad_argument(kwargs, match):
 def test_fit_rejects_empty_data_and_names_val_x():
     x, y = _binary(12)
     with pytest.raises(ValueError, match="train_x must hold at least 1 row"):
-        DPKLClassifier(x[:0], y[:0], _net(3), num_classes=2)
-    clf = DPKLClassifier(x, y, _net(3), num_particles=2, num_weight_particles=2)
+        DPKLClassifier(x[:0], y[:0], tanh_net(3), num_classes=2)
+    clf = DPKLClassifier(x, y, tanh_net(3), num_particles=2, num_weight_particles=2)
     with pytest.raises(ValueError, match="val_x must hold at least 1 row"):
         clf.fit(max_iter=1, val_x=x[:0], val_y=y[:0])
     with pytest.raises(ValueError, match="val_x with 5 features"):
@@ -311,7 +308,7 @@ def test_integer_types_are_accepted():
     clf = DPKLClassifier(
         x,
         y,
-        _net(3),
+        tanh_net(3),
         num_classes=np.int64(3),
         num_particles=np.int64(2),
         num_weight_particles=torch.tensor(2),
@@ -319,12 +316,14 @@ def test_integer_types_are_accepted():
     )
     assert (clf.num_classes, clf.feature_extractor.num_particles) == (3, 2)
     assert clf.class_weights.shape == (2, 3, 2)
-    model = DPKLRegressor(x, y.double(), _net(3), num_particles=np.int64(2), num_random_features=3)
+    model = DPKLRegressor(
+        x, y.double(), tanh_net(3), num_particles=np.int64(2), num_random_features=3
+    )
     assert model.num_particles == 2
     with pytest.raises(TypeError, match="num_particles"):
-        ParticleEnsemble(_net(3), torch.tensor(2.0))
+        ParticleEnsemble(tanh_net(3), torch.tensor(2.0))
     with pytest.raises(ValueError, match="num_classes"):
-        DPKLClassifier(x, y, _net(3), num_classes=np.int64(1))
+        DPKLClassifier(x, y, tanh_net(3), num_classes=np.int64(1))
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])

@@ -7,7 +7,15 @@ import gpytorch
 import pytest
 import torch
 from conftest import requires_cuda
-from dpkl_reference import dense_kernel, dense_variance, loop_embeddings, loop_mean_features
+from dpkl_reference import (
+    dense_kernel,
+    dense_variance,
+    loop_embeddings,
+    loop_mean_features,
+    noisy_sine_data,
+    sum_sine_data,
+    tanh_net,
+)
 from torch import nn
 
 import gpsd
@@ -21,23 +29,6 @@ from gpsd.dpkl import (
 )
 
 DT = torch.float64
-
-
-def _net(d_in=4, d_out=2):
-    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
-
-
-def _data(n=30, d=4):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
-    return x, y
-
-
-def _data_sum(n=24, d=3):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    return x, torch.sin(x.sum(-1))
 
 
 def _dropout_net():
@@ -62,8 +53,8 @@ def _dense_loss(model, x, y):
 
 
 def test_loss_and_particle_gradients_equal_dense():
-    x, y = _data(n=40)
-    model = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=5)
+    x, y = noisy_sine_data(n=40)
+    model = DPKLRegressor(x, y, tanh_net, num_particles=3, num_random_features=5)
     model.likelihood.noise = 0.2
     loss = model.training_loss() * x.shape[0]
     params = model.particle_parameters()
@@ -76,8 +67,8 @@ def test_loss_and_particle_gradients_equal_dense():
 
 
 def test_predictions_equal_dense_gp_formula():
-    x, y = _data(n=25)
-    model = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=20).fit(max_iter=0)
+    x, y = noisy_sine_data(n=25)
+    model = DPKLRegressor(x, y, tanh_net, num_particles=3, num_random_features=20).fit(max_iter=0)
     xs = torch.randn(7, 4)
     latent = model.predict(xs)
     observed = model.predict(xs, include_noise=True)
@@ -100,8 +91,8 @@ def test_predictions_equal_dense_gp_formula():
 
 
 def test_single_particle_functional_gradient_is_plain_gradient():
-    x, y = _data(n=20)
-    model = DPKLRegressor(x, y, _net, num_particles=1, num_random_features=10, update="svgd")
+    x, y = noisy_sine_data(n=20)
+    model = DPKLRegressor(x, y, tanh_net, num_particles=1, num_random_features=10, update="svgd")
     model.training_loss().backward()
     params = model.particle_parameters()
     before = [p.grad.clone() for p in params]
@@ -111,9 +102,9 @@ def test_single_particle_functional_gradient_is_plain_gradient():
 
 
 def test_fit_early_stopping_restores_the_best_checked_state_and_it_roundtrips():
-    x, y = _data(n=40)
-    xv, yv = _data(n=15)
-    model = DPKLRegressor(x, y, _net, num_particles=4, num_random_features=20, update="svgd")
+    x, y = noisy_sine_data(n=40)
+    xv, yv = noisy_sine_data(n=15)
+    model = DPKLRegressor(x, y, tanh_net, num_particles=4, num_random_features=20, update="svgd")
     first = model.training_loss().item()
     assert model.fit(max_iter=40, lr=0.02, val_x=xv, val_y=yv, check_every=10) is model
     hist = model.history
@@ -124,7 +115,7 @@ def test_fit_early_stopping_restores_the_best_checked_state_and_it_roundtrips():
     assert math.isclose(model.nll(xv, yv), min(hist["val_nll"]), rel_tol=1e-9)
     pred = model.predict(xv)
     assert pred.mean.shape == (15,) and (pred.variance > 0).all()
-    other = DPKLRegressor(x, y, _net, num_particles=4, num_random_features=20)
+    other = DPKLRegressor(x, y, tanh_net, num_particles=4, num_random_features=20)
     other.load_state_dict(model.state_dict())  # a trained state: the model is fitted
     torch.testing.assert_close(other.predict(xv).mean, pred.mean)
     assert model.embed(xv).shape == (4, 15, 2)
@@ -135,7 +126,7 @@ def test_float32_and_orthogonal_matern_variant():
     x = torch.randn(30, 4)
     y = torch.randn(30)
     model = DPKLRegressor(
-        x, y, _net, num_particles=3, num_random_features=8, orthogonal=True, nu=1.5
+        x, y, tanh_net, num_particles=3, num_random_features=8, orthogonal=True, nu=1.5
     )
     model.fit(max_iter=3)
     pred = model.predict(x[:5])
@@ -143,32 +134,32 @@ def test_float32_and_orthogonal_matern_variant():
 
 
 def test_constructor_names_the_bad_argument():
-    x, y = _data(n=20)
+    x, y = noisy_sine_data(n=20)
     with pytest.raises(ValueError, match="num_particles"):
-        DPKLRegressor(x, y, _net, num_particles=0)
+        DPKLRegressor(x, y, tanh_net, num_particles=0)
     with pytest.raises(ValueError, match="R"):
-        DPKLRegressor(x, y, _net, num_random_features=0)
+        DPKLRegressor(x, y, tanh_net, num_random_features=0)
     with pytest.raises(ValueError, match="latent_dim"):
-        DPKLRegressor(x, y, lambda: _net(4, 3), latent_dim=2)
+        DPKLRegressor(x, y, lambda: tanh_net(4, 3), latent_dim=2)
     with pytest.raises(ValueError, match="bandwidth"):
-        DPKLRegressor(x, y, _net, bandwidth=-2.0)
+        DPKLRegressor(x, y, tanh_net, bandwidth=-2.0)
     with pytest.raises(ValueError, match="repulsion"):
-        DPKLRegressor(x, y, _net, update="svgd", repulsion=-1.0)
+        DPKLRegressor(x, y, tanh_net, update="svgd", repulsion=-1.0)
     bad = x.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="train_x"):
-        DPKLRegressor(bad, y, _net)
+        DPKLRegressor(bad, y, tanh_net)
     bad_y = y.clone()
     bad_y[3] = float("inf")
     with pytest.raises(ValueError, match="train_y"):
-        DPKLRegressor(x, bad_y, _net)
+        DPKLRegressor(x, bad_y, tanh_net)
     with pytest.raises(ValueError, match="train_y"):
-        DPKLRegressor(x, y[:-1], _net)
+        DPKLRegressor(x, y[:-1], tanh_net)
     with pytest.raises(ValueError, match="update"):
-        DPKLRegressor(x, y, _net, update="adam")
+        DPKLRegressor(x, y, tanh_net, update="adam")
     with pytest.raises(TypeError, match="mean_module"):
-        DPKLRegressor(x, y, _net, mean_module=gpytorch.kernels.RBFKernel())
-    model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=5).fit(max_iter=1)
+        DPKLRegressor(x, y, tanh_net, mean_module=gpytorch.kernels.RBFKernel())
+    model = DPKLRegressor(x, y, tanh_net, num_particles=2, num_random_features=5).fit(max_iter=1)
     with pytest.raises(ValueError, match="test_x must have 4 features"):
         model.predict(torch.randn(3, 5))
 
@@ -178,9 +169,11 @@ def test_one_dimensional_train_x_is_one_feature():
     x = torch.linspace(-2, 2, 20)
     y = torch.sin(x)
     torch.manual_seed(1)
-    flat = DPKLRegressor(x, y, lambda: _net(1), num_particles=2, num_random_features=6)
+    flat = DPKLRegressor(x, y, lambda: tanh_net(1), num_particles=2, num_random_features=6)
     torch.manual_seed(1)
-    column = DPKLRegressor(x[:, None], y, lambda: _net(1), num_particles=2, num_random_features=6)
+    column = DPKLRegressor(
+        x[:, None], y, lambda: tanh_net(1), num_particles=2, num_random_features=6
+    )
     assert flat.train_inputs[0].shape == (20, 1)
     flat.fit(max_iter=2)
     column.fit(max_iter=2)
@@ -202,14 +195,14 @@ class _SqrtNet(nn.Module):
 
 @pytest.mark.parametrize("kernel", ["rff", "exact"])
 def test_a_network_that_gives_nan_is_named_in_fit_and_predict(kernel):
-    x, y = _data_sum(n=20)
+    x, y = sum_sine_data(n=20)
     model = DPKLRegressor(
         x, y, _SqrtNet, num_particles=2, num_random_features=6, embedding_kernel=kernel
     )
     with pytest.raises(ValueError, match=r"feature_extractor produced NaN or inf .* iteration 1"):
         model.fit(max_iter=3)
     healthy = DPKLRegressor(
-        x, y, _net(3), num_particles=2, num_random_features=6, embedding_kernel=kernel
+        x, y, tanh_net(3), num_particles=2, num_random_features=6, embedding_kernel=kernel
     )
     healthy.fit(max_iter=1)
     with torch.no_grad():  # a network that turns NaN after training
@@ -222,8 +215,8 @@ def test_a_network_that_gives_nan_is_named_in_fit_and_predict(kernel):
 
 
 def test_a_network_that_turns_nan_during_fit_names_the_iteration():
-    x, y = _data_sum(n=20)
-    model = DPKLRegressor(x, y, _net(3), num_particles=2, num_random_features=6)
+    x, y = sum_sine_data(n=20)
+    model = DPKLRegressor(x, y, tanh_net(3), num_particles=2, num_random_features=6)
 
     def poison(record):
         if record.iteration == 2:
@@ -238,20 +231,20 @@ def test_a_network_that_turns_nan_during_fit_names_the_iteration():
 
 @requires_cuda
 def test_cuda():
-    x, y = _data(n=30)
-    model = DPKLRegressor(x.cuda(), y.cuda(), _net, num_particles=3, num_random_features=8)
+    x, y = noisy_sine_data(n=30)
+    model = DPKLRegressor(x.cuda(), y.cuda(), tanh_net, num_particles=3, num_random_features=8)
     model.fit(max_iter=3)
     mean = model.predict(x[:4].cuda()).mean
     assert mean.device.type == "cuda"
-    cpu = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=8)
+    cpu = DPKLRegressor(x, y, tanh_net, num_particles=3, num_random_features=8)
     cpu.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     torch.testing.assert_close(cpu.predict(x[:4]).mean, mean.cpu(), rtol=1e-6, atol=1e-6)
 
 
 def test_regressors_name_a_feature_extractor_of_the_wrong_input_width():
-    x, y = _data_sum(10)
+    x, y = sum_sine_data(10)
     wide = torch.randn(10, 4)
-    net = lambda: _net(3)  # noqa: E731
+    net = lambda: tanh_net(3)  # noqa: E731
     for make in (
         lambda: DPKLRegressor(wide, y, net),
         lambda: DKLRegressor(wide, y, net),
@@ -262,10 +255,10 @@ def test_regressors_name_a_feature_extractor_of_the_wrong_input_width():
 
 
 def test_bad_nu_is_a_value_error():
-    x, y = _data_sum(10)
+    x, y = sum_sine_data(10)
     for kernel in ("rff", "exact"):
         with pytest.raises(ValueError, match="nu must be"):
-            DPKLRegressor(x, y, lambda: _net(3), embedding_kernel=kernel, nu=0.7)
+            DPKLRegressor(x, y, lambda: tanh_net(3), embedding_kernel=kernel, nu=0.7)
     # nu = 0 or inf would give NaN frequencies, a negative nu a shape error
     for nu in (0.0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="nu must be"):
@@ -278,7 +271,7 @@ def test_bad_nu_is_a_value_error():
 
 
 def test_fits_leave_frozen_parameters_alone():
-    x, y = _data_sum(24)
+    x, y = sum_sine_data(24)
     net = _pretrained_frozen_body()
     model = DPKLRegressor(x, y, net, num_particles=3, num_random_features=5)
     params = model.covar_module.feature_extractor.stacked_parameters()
@@ -344,7 +337,7 @@ def test_batchnorm_network_constructs_fits_and_predicts():
 def test_training_mode_dropout_variance_is_one_psd_pass(kernel):
     # k_xx, k_xt and k_tt are blocks of one kernel matrix from one extractor pass (one dropout
     # mask per row): with three passes sigma^2 reached -128 with the exact kernel (noise 1e-3)
-    x, y = _data_sum()
+    x, y = sum_sine_data()
     xq = torch.randn(10, 3)
     model = DPKLRegressor(
         x, y, _dropout_net, num_particles=3, num_random_features=30, embedding_kernel=kernel
@@ -364,7 +357,7 @@ def test_training_mode_dropout_variance_is_one_psd_pass(kernel):
 
 def test_training_loss_in_eval_mode_is_the_marginal_likelihood():
     # in evaluation mode GPyTorch's model(train_x) is the posterior; the loss stays the prior's
-    x, y = _data_sum()
+    x, y = sum_sine_data()
     model = DPKLRegressor(x, y, _dropout_net, num_particles=3, num_random_features=30)
     model.eval()
     z = loop_embeddings(model, x, training=False)
@@ -375,8 +368,8 @@ def test_training_loss_in_eval_mode_is_the_marginal_likelihood():
 
 
 def test_not_fitted_error_is_a_gpsd_error_and_a_runtime_error():
-    x, y = _data(n=10)
-    model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=4)
+    x, y = noisy_sine_data(n=10)
+    model = DPKLRegressor(x, y, tanh_net, num_particles=2, num_random_features=4)
     with pytest.raises(gpsd.NotFittedError, match=r"call fit\(\)") as info:
         model.predict(x)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, gpsd.GpsdError)

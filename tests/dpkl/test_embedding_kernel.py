@@ -2,7 +2,7 @@
 
 import gpytorch
 import torch
-from dpkl_reference import loop_mean_features
+from dpkl_reference import loop_mean_features, noisy_sine_data, tanh_net
 from torch import nn
 
 from gpsd.dpkl import (
@@ -36,18 +36,7 @@ def test_rff_mll_is_exact_when_2r_reaches_n_above_the_cholesky_size():
         torch.testing.assert_close(loss.detach(), ref, rtol=1e-8, atol=1e-10)
 
 
-def _net_m(d_in=4, d_out=2):
-    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
-
-
-def _data(n=30, d=4):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
-    return x, y
-
-
 def test_mean_features_equal_particle_loop():
-    x, y = _data()
-    model = DPKLRegressor(x, y, _net_m, num_particles=4, num_random_features=6)
+    x, y = noisy_sine_data()
+    model = DPKLRegressor(x, y, tanh_net, num_particles=4, num_random_features=6)
     torch.testing.assert_close(model.covar_module.mean_features(x), loop_mean_features(model, x))

@@ -2,7 +2,7 @@
 
 import gpytorch
 import torch
-from torch import nn
+from dpkl_reference import tanh_net
 
 from gpsd.dpkl import (
     ExpectedEmbeddingKernel,
@@ -12,13 +12,9 @@ from gpsd.dpkl import (
 )
 
 
-def _net(d_in=4, d_out=2):
-    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
-
-
 def test_expected_kernel_equals_quadruple_loop_and_rff_converges_to_it():
     torch.set_default_dtype(torch.float64)
-    ens = ParticleEnsemble(lambda: _net(3, 2), 3)
+    ens = ParticleEnsemble(lambda: tanh_net(3, 2), 3)
     base = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
     base.base_kernel.lengthscale = 0.9
     base.outputscale = 1.3

@@ -10,6 +10,7 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
+from dpkl_reference import sum_sine_data
 from torch import nn
 
 import gpsd
@@ -31,12 +32,6 @@ def _dropout_net(d_in=3, d_out=2):
     return nn.Sequential(nn.Linear(d_in, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, d_out))
 
 
-def _data(n=24, d=3):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    return x, torch.sin(x.sum(-1))
-
-
 def _small_regressor(x, y):
     return DPKLRegressor(x, y, _net, num_particles=3, num_random_features=10)
 
@@ -55,7 +50,7 @@ _REGRESSORS = pytest.mark.parametrize("name", list(_MAKERS))
 # ---------------------------------------------------------------------- the convention
 @_REGRESSORS
 def test_fit_returns_the_model_and_keeps_a_history(name):
-    x, y = _data(n=16)
+    x, y = sum_sine_data(n=16)
     model = _MAKERS[name](x, y)
     assert model.history["loss"] == []
     assert model.fit(max_iter=3, lr=0.01) is model
@@ -65,7 +60,7 @@ def test_fit_returns_the_model_and_keeps_a_history(name):
 
 @_REGRESSORS
 def test_predicting_before_fit_raises_not_fitted_error(name):
-    x, y = _data(n=12)
+    x, y = sum_sine_data(n=12)
     model = _MAKERS[name](x, y)
     xs = x + 0.1
     for call in (
@@ -83,7 +78,7 @@ def test_predicting_before_fit_raises_not_fitted_error(name):
 
 @_REGRESSORS
 def test_predict_is_latent_by_default_and_include_noise_adds_the_noise(name):
-    x, y = _data(n=16)
+    x, y = sum_sine_data(n=16)
     model = _MAKERS[name](x, y).fit(max_iter=2)
     xs = torch.randn(5, 3)
     latent = model.predict(xs)
@@ -102,7 +97,7 @@ def test_predict_is_latent_by_default_and_include_noise_adds_the_noise(name):
 
 @_REGRESSORS
 def test_a_callback_returning_true_stops_fit_after_that_iteration(name):
-    x, y = _data(n=16)
+    x, y = sum_sine_data(n=16)
     model = _MAKERS[name](x, y)
     records = []
 
@@ -118,8 +113,8 @@ def test_a_callback_returning_true_stops_fit_after_that_iteration(name):
 
 
 def test_a_callback_stop_with_validation_keeps_the_best_checked_state():
-    x, y = _data(n=20)
-    xv, yv = _data(n=10)
+    x, y = sum_sine_data(n=20)
+    xv, yv = sum_sine_data(n=10)
     model = _small_regressor(x, y)
     records = []
     model.fit(
@@ -139,7 +134,7 @@ def test_a_callback_stop_with_validation_keeps_the_best_checked_state():
 
 def test_progress_true_shows_a_bar_and_a_bar_of_ones_own_is_advanced(capsys):
     tqdm = pytest.importorskip("tqdm")
-    x, y = _data(n=12)
+    x, y = sum_sine_data(n=12)
     model = _small_regressor(x, y)
     model.fit(max_iter=3, progress=True)
     assert "DPKLRegressor.fit" in capsys.readouterr().err
@@ -154,7 +149,7 @@ def test_progress_true_shows_a_bar_and_a_bar_of_ones_own_is_advanced(capsys):
 
 
 def test_a_model_given_a_trained_state_is_fitted():
-    x, y = _data(n=16)
+    x, y = sum_sine_data(n=16)
     trained = _small_regressor(x, y).fit(max_iter=2)
     fresh = _small_regressor(x, y)
     with pytest.raises(gpsd.NotFittedError):
@@ -164,7 +159,7 @@ def test_a_model_given_a_trained_state_is_fitted():
 
 
 def test_a_copy_predicts_as_the_original():
-    x, y = _data(n=16)
+    x, y = sum_sine_data(n=16)
     model = _small_regressor(x, y).fit(max_iter=2)
     first = model.predict(x[:4])
     twin = copy.deepcopy(model)
@@ -175,7 +170,7 @@ def test_a_copy_predicts_as_the_original():
 @pytest.mark.parametrize("lr", ["0.01", True, torch.tensor([0.1, 0.2])])
 def test_fit_names_a_bad_lr(lr):
     # a string, a bool (not a learning rate of 1.0) and a tensor of two elements
-    x, y = _data(n=12)
+    x, y = sum_sine_data(n=12)
     model = DPKLRegressor(x, y, lambda: nn.Linear(3, 2), num_particles=2, num_random_features=3)
     with pytest.raises(ValueError, match="lr"):
         model.fit(max_iter=1, lr=lr)
@@ -203,7 +198,7 @@ def test_fit_names_a_bad_lr(lr):
     ],
 )
 def test_fit_names_the_bad_argument(kwargs, match):
-    x, y = _data(n=20)
+    x, y = sum_sine_data(n=20)
     model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=5)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=match):
@@ -215,7 +210,7 @@ def test_fit_names_the_bad_argument(kwargs, match):
 
 
 def test_rmse_and_nll_equal_their_formulas():
-    x, y = _data(n=25)
+    x, y = sum_sine_data(n=25)
     model = _small_regressor(x, y).fit(max_iter=3)
     test_x, test_y = x[:7] + 0.1, y[:7]
     pred = model.predict(test_x, include_noise=True)
@@ -233,7 +228,7 @@ def test_rmse_and_nll_equal_their_formulas():
 
 
 def test_predictions_with_dropout_are_deterministic():
-    x, y = _data()
+    x, y = sum_sine_data()
     model = DPKLRegressor(x, y, _dropout_net, num_particles=3, num_random_features=5)
     model.fit(max_iter=2)
     first, second = model.predict(x[:7]), model.predict(x[:7])
@@ -253,7 +248,7 @@ def test_predictions_with_dropout_are_deterministic():
     ],
 )
 def test_set_train_data_checks_as_at_construction(change, message):
-    x, y = _data()
+    x, y = sum_sine_data()
     model = _small_regressor(x, y)
     new_x, new_y = change(x, y)
     with pytest.raises(ValueError, match=message):
@@ -263,7 +258,7 @@ def test_set_train_data_checks_as_at_construction(change, message):
 
 
 def test_set_train_data_then_predict_equals_a_model_built_on_the_new_data():
-    x, y = _data()
+    x, y = sum_sine_data()
     model = _small_regressor(x, y).fit(max_iter=0)
     xs = torch.randn(5, 3)
     model.predict(xs)  # builds GPyTorch's prediction cache
@@ -346,7 +341,7 @@ def test_model_call_with_grad_differentiates_through_the_training_data():
 # ---------------------------------------------------------------------- settings fit reads
 def test_update_set_after_construction_sets_the_default_repulsion():
     # fit reads update and repulsion when it is called: "svgd" set later repels the particles
-    x, y = _data(n=20)
+    x, y = sum_sine_data(n=20)
     paper = _small_regressor(x, y)
     svgd, explicit = copy.deepcopy(paper), copy.deepcopy(paper)
     svgd.update = "svgd"
@@ -364,7 +359,7 @@ def test_update_set_after_construction_sets_the_default_repulsion():
 
 
 def test_attributes_that_fit_reads_are_checked_when_set():
-    x, y = _data(n=20)
+    x, y = sum_sine_data(n=20)
     regressor = SSDPKLRegressor(
         x, y, _dropout_net, unlabelled_x=x, num_particles=2, num_random_features=5
     )
@@ -397,7 +392,7 @@ def test_bandwidth_and_repulsion_accept_real_scalars():
     torch.testing.assert_close(
         scalars.direction(flat, params[0].grad), plain.direction(flat, params[0].grad)
     )
-    x, y = _data(n=12)
+    x, y = sum_sine_data(n=12)
     model = DPKLRegressor(
         x, y, _dropout_net, num_particles=2, bandwidth=torch.tensor(2.0), repulsion=np.int64(1)
     )

@@ -3,7 +3,15 @@ what the regulariser reaches, and its unlabelled data."""
 
 import pytest
 import torch
-from dpkl_reference import dense_kernel, dense_variance, loop_embeddings, loop_mean_features
+from dpkl_reference import (
+    dense_kernel,
+    dense_variance,
+    loop_embeddings,
+    loop_mean_features,
+    noisy_sine_data,
+    sum_sine_data,
+    tanh_net,
+)
 from torch import nn
 
 from gpsd.dpkl import (
@@ -12,22 +20,11 @@ from gpsd.dpkl import (
 )
 
 
-def _net(d_in=4, d_out=2):
-    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
-
-
-def _data(n=30, d=4):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(n)
-    return x, y
-
-
 def test_ssdpkl_regulariser_equals_dense_posterior_variance():
-    x, y = _data(n=30)
+    x, y = noisy_sine_data(n=30)
     xu = torch.randn(12, 4)
     model = SSDPKLRegressor(
-        x, y, _net, unlabelled_x=xu, num_particles=3, num_random_features=10, alpha=0.5
+        x, y, tanh_net, unlabelled_x=xu, num_particles=3, num_random_features=10, alpha=0.5
     )
     model.likelihood.noise = 0.15
     got = model.latent_posterior_variance(xu)
@@ -43,7 +40,7 @@ def test_ssdpkl_regulariser_equals_dense_posterior_variance():
     torch.testing.assert_close(model.training_loss(), dpkl_part + 0.5 * ref.mean())
     # the exact-kernel path agrees with its own dense formula too
     model_exact = SSDPKLRegressor(
-        x, y, _net, unlabelled_x=xu, num_particles=2, embedding_kernel="exact"
+        x, y, tanh_net, unlabelled_x=xu, num_particles=2, embedding_kernel="exact"
     )
     ke = model_exact.covar_module
     kxx = ke(x).to_dense() + model_exact.likelihood.noise * torch.eye(30)
@@ -85,21 +82,13 @@ def test_ssdpkl_state_dict_holds_no_data():
     assert fresh.unlabelled_x.shape == (4, 3)
 
 
-def _data_s(n=24, d=3):
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(n, d)
-    return x, torch.sin(x.sum(-1))
-
-
 def _batchnorm_net():
     return nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
 
 
-@pytest.mark.parametrize("kernel", ["exact", "rff"])
-def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
-    # the unlabelled rows are normalised in one batch with the labelled ones, so shifting them
-    # changes the regulariser (normalised on their own, the shift would vanish)
-    x, y = _data_s()
+def _batchnorm_model(kernel, **kwargs):
+    """SSDPKL with the BatchNorm network on 24 labelled and 15 unlabelled rows in 3-D."""
+    x, y = sum_sine_data()
     xu = torch.randn(15, 3)
     model = SSDPKLRegressor(
         x,
@@ -109,7 +98,16 @@ def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
         num_particles=3,
         num_random_features=30,
         embedding_kernel=kernel,
+        **kwargs,
     )
+    return model, x, y, xu
+
+
+@pytest.mark.parametrize("kernel", ["exact", "rff"])
+def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
+    # the unlabelled rows are normalised in one batch with the labelled ones, so shifting them
+    # changes the regulariser (normalised on their own, the shift would vanish)
+    model, x, y, xu = _batchnorm_model(kernel)
     noise = model.likelihood.noise.detach()
     model.train()
     values = []
@@ -132,18 +130,7 @@ def test_batchnorm_regulariser_sees_the_unlabelled_rows_in_one_batch(kernel):
 def test_ssdpkl_training_loss_is_one_joint_pass_per_step(kernel):
     # one extractor pass over the labelled and unlabelled rows per step: BatchNorm's running
     # statistics are updated once per step
-    x, y = _data_s()
-    xu = torch.randn(15, 3)
-    model = SSDPKLRegressor(
-        x,
-        y,
-        _batchnorm_net,
-        unlabelled_x=xu,
-        num_particles=3,
-        num_random_features=30,
-        alpha=0.7,
-        embedding_kernel=kernel,
-    )
+    model, x, y, xu = _batchnorm_model(kernel, alpha=0.7)
     ensemble = model.covar_module.feature_extractor
     calls = []
     ensemble.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
@@ -199,20 +186,25 @@ def test_frozen_noise_and_outputscale_stay_put_in_fit():
 
 
 def test_constructor_names_the_bad_unlabelled_data_and_alpha():
-    x, y = _data(n=20)
+    x, y = noisy_sine_data(n=20)
     with pytest.raises(ValueError, match="unlabelled_x"):
-        SSDPKLRegressor(x, y, _net, unlabelled_x=torch.randn(5, 3))
+        SSDPKLRegressor(x, y, tanh_net, unlabelled_x=torch.randn(5, 3))
     with pytest.raises(ValueError, match="alpha"):
-        SSDPKLRegressor(x, y, _net, unlabelled_x=torch.randn(5, 4), alpha=-1.0)
+        SSDPKLRegressor(x, y, tanh_net, unlabelled_x=torch.randn(5, 4), alpha=-1.0)
     with pytest.raises(TypeError, match="positional"):
-        SSDPKLRegressor(x, y, _net, torch.randn(5, 4))  # keyword-only
+        SSDPKLRegressor(x, y, tanh_net, torch.randn(5, 4))  # keyword-only
 
 
 def test_one_dimensional_inputs_are_one_feature():
     torch.set_default_dtype(torch.float64)
     x, xu = torch.linspace(-2, 2, 15), torch.linspace(-3, 3, 8)
     model = SSDPKLRegressor(
-        x, torch.sin(x), lambda: _net(1), unlabelled_x=xu, num_particles=2, num_random_features=6
+        x,
+        torch.sin(x),
+        lambda: tanh_net(1),
+        unlabelled_x=xu,
+        num_particles=2,
+        num_random_features=6,
     )
     assert model.unlabelled_x.shape == (8, 1)
     assert model.fit(max_iter=2) is model

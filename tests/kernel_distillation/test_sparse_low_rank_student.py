@@ -281,10 +281,11 @@ def test_generic_kernel_of_another_dtype_than_the_inputs():
     torch.testing.assert_close(v32.double(), v64, rtol=1e-3, atol=1e-3)
 
 
-def _blank(kernel, m, d=2, **kwargs):
+def _blank(kernel, m, d=2, sparsity=4, **kwargs):
+    """A student with m zero inducing points and zero weights, to load a state into."""
     return SparseLowRankStudent(
         kernel, torch.zeros(m, d, dtype=DT), torch.eye(m, dtype=DT), torch.zeros(m, dtype=DT),
-        torch.zeros(m, m, dtype=DT), sparsity=4, noise=1.0, **kwargs,
+        torch.zeros(m, m, dtype=DT), sparsity=sparsity, noise=1.0, **kwargs,
     )  # fmt: skip
 
 
@@ -294,10 +295,7 @@ def test_state_dict_round_trip_and_dtype_move():
     prediction = student.predict(test_x)
     m0, v0 = prediction.mean, prediction.variance
     m = student.num_inducing
-    blank = SparseLowRankStudent(
-        ard_kernel(), torch.zeros(m, 2, dtype=DT), torch.eye(m, dtype=DT), torch.zeros(m, dtype=DT),
-        torch.zeros(m, m, dtype=DT), sparsity=5, noise=1.0,
-    )  # fmt: skip
+    blank = _blank(ard_kernel(), m, sparsity=5)
     blank.load_state_dict(student.state_dict())
     prediction = blank.predict(test_x)
     m1, v1 = prediction.mean, prediction.variance
@@ -318,10 +316,7 @@ def test_state_dict_carries_sparsity_and_jitter():
     prediction = student.predict(test_x)
     m0, v0 = prediction.mean, prediction.variance
     m = student.num_inducing
-    blank = SparseLowRankStudent(
-        ard_kernel(), torch.zeros(m, 2, dtype=DT), torch.eye(m, dtype=DT), torch.zeros(m, dtype=DT),
-        torch.zeros(m, m, dtype=DT), sparsity=2, noise=1.0, jitter=1e-3,
-    )  # fmt: skip
+    blank = _blank(ard_kernel(), m, sparsity=2, jitter=1e-3)
     blank.load_state_dict(student.state_dict())  # built with sparsity 2, jitter 1e-3
     assert (blank.sparsity, blank.jitter) == (student.sparsity, student.jitter)
     prediction = blank.predict(test_x)

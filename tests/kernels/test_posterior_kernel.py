@@ -3,7 +3,7 @@
 import gpytorch
 import pytest
 import torch
-from gpr_reference import PlainGP
+from gpr_reference import PlainGP, exact_settings, matern_teacher
 
 from gpsd import DistributionCentricGPR, PosteriorKernel, PosteriorMean
 from gpsd.data import xsinx_regression
@@ -11,23 +11,9 @@ from gpsd.data import xsinx_regression
 DTYPE = torch.float64
 
 
-def exact():
-    return gpytorch.settings.fast_computations(False, False, False)
-
-
 @pytest.fixture
 def teacher():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.rand(30, 2, generator=gen, dtype=DTYPE) * 4
-    y = torch.sin(x).sum(-1) + 0.1 * torch.randn(30, generator=gen, dtype=DTYPE)
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
-    likelihood.noise = 0.05
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(ard_num_dims=2)).to(DTYPE)
-    kernel.base_kernel.lengthscale = torch.tensor([[0.7, 1.3]], dtype=DTYPE)
-    kernel.outputscale = 1.5
-    mean = gpytorch.means.LinearMean(2).to(DTYPE)
-    mean.weights.data = torch.tensor([[0.3], [-0.2]], dtype=DTYPE)
-    return PlainGP(x, y, likelihood, mean, kernel).eval()
+    return matern_teacher()
 
 
 def test_student_on_new_data_equals_fantasy_model(teacher):
@@ -40,7 +26,7 @@ def test_student_on_new_data_equals_fantasy_model(teacher):
     student = PlainGP(
         new_x, new_y, likelihood, PosteriorMean(teacher), PosteriorKernel(teacher)
     ).eval()
-    with torch.no_grad(), exact(), gpytorch.settings.fast_pred_var(False):
+    with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
         teacher(test_x)  # populate the prediction cache that get_fantasy_model needs
         fantasy = teacher.get_fantasy_model(new_x, new_y)
         expected = fantasy(test_x)

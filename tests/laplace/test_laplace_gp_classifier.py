@@ -772,6 +772,19 @@ def test_laplace_classifier_matches_sklearn(problem, dtype):
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
 
 
+@pytest.mark.parametrize("cls", [DataCentricGPC, DistributionCentricGPC])
+def test_distiller_first_step_matches_sklearn(problem, cls):
+    # step 1 of either distiller is the Laplace classifier of the original targets
+    x, y, test_x, base, mean, var = problem
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    model = cls(t(x), t(y), _kernel_short_lengthscale(torch.float64), num_steps=2).fit()
+    np.testing.assert_allclose(model.latent_modes[0].numpy(), base.f_cached, atol=1e-7)
+    latent = model.predict_latent(t(test_x), step=1)
+    m, v = latent.mean, latent.variance
+    np.testing.assert_allclose(m.numpy(), mean, atol=1e-7)
+    np.testing.assert_allclose(v.numpy(), var, atol=1e-7)
+
+
 @pytest.mark.parametrize("noise", [torch.full((12,), 0.1), "0.1x", -1.0, float("nan")])
 def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
     x = torch.linspace(0, 1, 12, dtype=torch.float64).unsqueeze(-1)

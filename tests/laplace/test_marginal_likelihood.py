@@ -5,6 +5,7 @@ the mode, temperature and dtypes they are given."""
 import gpytorch
 import pytest
 import torch
+from cb_reference import cb_laplace_problem
 
 from gpsd.data.toy import sine_classification
 from gpsd.laplace import (
@@ -59,17 +60,6 @@ def test_temperature_must_be_the_modes_and_positive():
             laplace_log_marginal_likelihood(K, y, terms, mode, temperature=bad)
 
 
-def _small_problem(n=10, dtype=torch.float64, outputscale=1.0, batch=()):
-    g = torch.Generator().manual_seed(0)
-    x = torch.rand(n, 1, generator=g, dtype=torch.float64) * 3
-    y = torch.rand(*batch, n, generator=g, dtype=torch.float64)
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
-    kernel.outputscale = outputscale
-    K = kernel(x).to_dense().detach() + 1e-6 * outputscale * torch.eye(n, dtype=torch.float64)
-    m = torch.full((n,), 1.5, dtype=torch.float64)
-    return K.to(dtype), y.to(dtype), m.to(dtype)
-
-
 def _dense_log_marginal_likelihood(K, y, m, mode):
     r"""R&W eq. 3.32 with :math:`\mathbf K^{-1}` and :math:`\log|\mathbf I + \mathbf K\mathbf W|`
     formed densely in float64."""
@@ -94,7 +84,7 @@ def _dense_log_marginal_likelihood(K, y, m, mode):
 def test_log_marginal_likelihood_accepts_the_mode_of_its_own_problem(
     dtype, outputscale, batch, rtol
 ):
-    K, y, m = _small_problem(dtype=dtype, outputscale=outputscale, batch=batch)
+    K, y, m = cb_laplace_problem(dtype=dtype, outputscale=outputscale, batch=batch)
     terms = ContinuousBernoulliTerms()
     mode = find_laplace_mode(K, y, terms, prior_mean=m)
     value = laplace_log_marginal_likelihood(K, y, terms, mode, prior_mean=m)
@@ -105,7 +95,7 @@ def test_log_marginal_likelihood_accepts_the_mode_of_its_own_problem(
 
 def test_log_marginal_likelihood_refuses_a_mode_of_another_prior_mean_or_kernel_matrix():
     # a mode of another prior mean or kernel matrix would give 0.493 or -1.292 instead of -1.387
-    K, y, m = _small_problem()
+    K, y, m = cb_laplace_problem()
     terms = ContinuousBernoulliTerms()
     mode = find_laplace_mode(K, y, terms, prior_mean=m)
     with pytest.raises(ValueError, match="not the mode for this K and prior_mean"):

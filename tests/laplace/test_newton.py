@@ -9,6 +9,7 @@ import math
 import gpytorch
 import pytest
 import torch
+from cb_reference import cb_laplace_problem
 from gpr_reference import rbf_kernel
 from linear_operator.operators import DenseLinearOperator
 
@@ -148,19 +149,8 @@ def test_float32_targets_a_terms_name_and_a_scalar_prior_mean_are_taken():
         torch.testing.assert_close(mode.f, reference.f, rtol=1e-12, atol=1e-12)
 
 
-def _small_problem(n=10, dtype=torch.float64, outputscale=1.0, batch=()):
-    g = torch.Generator().manual_seed(0)
-    x = torch.rand(n, 1, generator=g, dtype=torch.float64) * 3
-    y = torch.rand(*batch, n, generator=g, dtype=torch.float64)
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
-    kernel.outputscale = outputscale
-    K = kernel(x).to_dense().detach() + 1e-6 * outputscale * torch.eye(n, dtype=torch.float64)
-    m = torch.full((n,), 1.5, dtype=torch.float64)
-    return K.to(dtype), y.to(dtype), m.to(dtype)
-
-
 def test_tensors_in_another_dtype_than_the_mode_are_refused_naming_them():
-    K, y, m = _small_problem(dtype=torch.float32)
+    K, y, m = cb_laplace_problem(dtype=torch.float32)
     terms = ContinuousBernoulliTerms()
     mode = find_laplace_mode(K, y, terms, prior_mean=m)
     with pytest.raises(ValueError, match="K has dtype torch.float64"):
@@ -177,14 +167,14 @@ def test_tensors_in_another_dtype_than_the_mode_are_refused_naming_them():
     + [("objective_tol", -1.0), ("f_tol", -1.0), ("f_tol", float("inf"))],
 )
 def test_newton_settings_are_checked_naming_them(argument, value):
-    K, y, _ = _small_problem()
+    K, y, _ = cb_laplace_problem()
     with pytest.raises(ValueError, match=argument):
         find_laplace_mode(K, y.round(), "logit", **{argument: value})
 
 
 def test_newton_with_full_steps_only_finds_the_mode():
     # max_halvings=0 tries the full Newton step only (it raised UnboundLocalError)
-    K, y, _ = _small_problem()
+    K, y, _ = cb_laplace_problem()
     y = y.round()
     mode = find_laplace_mode(K, y, "logit", max_halvings=0)
     # stationarity, independently of the engine: a = K^{-1} f = grad log p = y - sigmoid(f)

@@ -8,7 +8,7 @@ import warnings
 import gpytorch
 import pytest
 import torch
-from gpr_reference import explicit_targets
+from gpr_reference import explicit_targets, random_rbf_matrix, rbf_gram
 from gpytorch.utils.warnings import NumericalWarning
 
 from gpsd.linalg import (
@@ -19,14 +19,8 @@ from gpsd.linalg import (
 DTYPE = torch.float64
 
 
-def rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
-    gen = torch.Generator().manual_seed(seed)
-    x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=DTYPE)
-    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
-
-
 def test_lanczos_on_a_batch_and_on_a_callable():
-    k = rbf_matrix(200, batch=(2,))
+    k = random_rbf_matrix(200, batch=(2,))
     gammas = torch.tensor([0.3, 0.6], dtype=DTYPE)
     rhs = torch.randn(2, 200, 1, dtype=DTYPE)
     filt = SpectralFilter.data_centric_weights(gammas)
@@ -81,7 +75,7 @@ def lanczos_with_counter(k, rank, **kwargs):
 def test_complement_norm_bounds_bracket_the_dense_norm(rank):
     """Lower (largest unresolved Ritz value) <= ||P K P||_2 <= upper (trace bound), and the
     power-iteration estimate lies between, against the dense complement's eigenvalues."""
-    k = rbf_matrix(300, lengthscale=0.5)
+    k = random_rbf_matrix(300, lengthscale=0.5)
     spectrum, _ = lanczos_with_counter(k, rank, residual_tol=1e-9)
     v = spectrum.eigenvectors
     assert 0 < int(spectrum.num_resolved) < rank  # part of the Krylov space is unresolved
@@ -95,7 +89,7 @@ def test_complement_norm_bounds_bracket_the_dense_norm(rank):
 
 
 def test_a_spectrum_built_by_hand_estimates_its_complement_norm_on_first_read():
-    k = rbf_matrix(300, lengthscale=0.5)
+    k = random_rbf_matrix(300, lengthscale=0.5)
     ref, _ = lanczos_with_counter(k, 40, residual_tol=1e-9)
     spectrum = KernelSpectrum(
         ref.eigenvalues, ref.eigenvectors, matmul=lambda v: k @ v, complement_norm=None
@@ -108,7 +102,7 @@ def test_a_spectrum_built_by_hand_estimates_its_complement_norm_on_first_read():
 
 def test_small_trace_bound_skips_the_power_iterations():
     """A resolved spectrum: the trace bound serves as the complement norm, with no products."""
-    k = rbf_matrix(200)
+    k = random_rbf_matrix(200)
     spectrum, counter = lanczos_with_counter(k, 64, residual_tol=1e-9, complement_tol=1e-7)
     calls = counter.calls
     dense = torch.linalg.eigvalsh(k).flip(-1)
@@ -126,7 +120,7 @@ def test_small_trace_bound_skips_the_power_iterations():
 
 
 def test_meets_decides_from_the_bounds_before_any_power_iteration():
-    k = rbf_matrix(300, lengthscale=0.3)
+    k = random_rbf_matrix(300, lengthscale=0.3)
     spectrum, counter = lanczos_with_counter(k, 16, residual_tol=1e-10)
     calls = counter.calls
     assert spectrum.complement_lower_bound > 1e-2  # far from resolved
@@ -139,7 +133,7 @@ def test_meets_decides_from_the_bounds_before_any_power_iteration():
 
 
 def test_meets_runs_the_power_iterations_only_where_the_bounds_leave_it_open():
-    k = rbf_matrix(300, lengthscale=0.5)
+    k = random_rbf_matrix(300, lengthscale=0.5)
     spectrum, counter = lanczos_with_counter(k, 44, residual_tol=1e-9)
     calls = counter.calls
     low, up = spectrum.complement_lower_bound, spectrum.complement_upper_bound
@@ -152,7 +146,7 @@ def test_meets_runs_the_power_iterations_only_where_the_bounds_leave_it_open():
 
 
 def test_stop_when_ends_the_krylov_run_at_a_checkpoint_with_fewer_products():
-    k = rbf_matrix(400)  # smooth: a few blocks resolve it
+    k = random_rbf_matrix(400)  # smooth: a few blocks resolve it
     gammas = torch.tensor([0.05, 0.1], dtype=DTYPE)
     rhs = torch.randn(400, 2, dtype=DTYPE)
     filt = SpectralFilter.data_centric_weights(gammas)
@@ -178,7 +172,7 @@ def test_stop_when_ends_the_krylov_run_at_a_checkpoint_with_fewer_products():
 
 
 def test_lanczos_divergent_complement_raises():
-    k = rbf_matrix(300, lengthscale=0.3)
+    k = random_rbf_matrix(300, lengthscale=0.3)
     spectrum = KernelSpectrum.from_lanczos(k, rank=8, residual_tol=1e-10)
     assert math.isinf(spectrum.error_estimate(1e-3))
     with pytest.raises(ValueError, match="rank"):
@@ -188,13 +182,13 @@ def test_lanczos_divergent_complement_raises():
 
 
 def test_dense_eigendecomposition_runs_in_float64_by_default():
-    k = rbf_matrix(30).float()
+    k = random_rbf_matrix(30).float()
     assert KernelSpectrum.from_dense(k).eigenvalues.dtype == torch.float64
     assert KernelSpectrum.from_dense(k, dtype=None).eigenvalues.dtype == torch.float32
 
 
 def test_to_linear_operator_equals_explicit_filter_matrices():
-    k = rbf_matrix(40)
+    k = random_rbf_matrix(40)
     gammas = torch.tensor([0.2, 0.7], dtype=DTYPE)
     op = KernelSpectrum.from_dense(k).to_linear_operator(
         SpectralFilter.data_centric_targets(gammas)
@@ -226,17 +220,13 @@ def test_lanczos_sizes_are_checked(kwargs, match):
         KernelSpectrum.from_lanczos(k, **kwargs)
 
 
-def _rbf(x, lengthscale=1.0):
-    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
-
-
 def test_float32_dense_spectrum_keeps_filters_in_range():
     """A float32 eigendecomposition of an RBF kernel has eigenvalues down to about -8e-6; with
     noise = 1e-5, three data-centric steps took filter values down to -7000 and the targets erred
     by 96 times their norm (2e-3 once negative eigenvalues count as 0)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.linspace(0, 10, 200, dtype=DTYPE).unsqueeze(-1)
-    k = _rbf(x, lengthscale=2.0)
+    k = rbf_gram(x, lengthscale=2.0)
     y = torch.sin(x) + 0.1 * torch.randn(200, 1, generator=gen, dtype=DTYPE)
     gammas = torch.full((3,), 1e-5, dtype=DTYPE)
     spectrum = KernelSpectrum.from_dense(k, dtype=torch.float32)
@@ -332,7 +322,7 @@ def test_lanczos_basis_stays_orthonormal_where_the_krylov_space_is_invariant():
     # rank 20, a basis of 64: once the Krylov space is exhausted the new block is rounding noise,
     # whose QR factor is not orthogonal to the basis (Ritz vectors 1.7 from orthonormal, solves
     # off by a factor of 1e12)
-    k = _rbf(_repeated_inputs())
+    k = rbf_gram(_repeated_inputs())
     gen = torch.Generator().manual_seed(1)
     spectrum = KernelSpectrum.from_lanczos(k, rank=64, block_size=8, generator=gen)
     v = spectrum.ritz_vectors
@@ -439,7 +429,7 @@ def test_from_dense_warns_on_clearly_negative_eigenvalues_and_filters_them_as_ze
 def test_from_dense_takes_rounding_level_negative_eigenvalues_silently():
     # a float32 RBF matrix of numerical rank far below N: eigenvalues down to about -1e-6 ||K||
     x = torch.linspace(0, 10, 200, dtype=DTYPE).unsqueeze(-1)
-    k = _rbf(x, lengthscale=2.0)
+    k = rbf_gram(x, lengthscale=2.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         spectrum = KernelSpectrum.from_dense(k.float(), dtype=torch.float32)
@@ -450,7 +440,7 @@ def test_from_dense_takes_rounding_level_negative_eigenvalues_silently():
 # ------------------------------------------------------------------ growth: progress and callback
 def _smooth_matrix(n=120):
     x = torch.linspace(0, 10, n, dtype=DTYPE).unsqueeze(-1)
-    return _rbf(x, lengthscale=1.5)
+    return rbf_gram(x, lengthscale=1.5)
 
 
 def test_lanczos_callback_gets_one_record_per_block_and_changes_nothing():

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from gpr_reference import explicit_targets
+from gpr_reference import explicit_targets, random_rbf_matrix, rbf_gram
 from linear_operator.utils.warnings import PerformanceWarning
 
 from gpsd.linalg import (
@@ -48,10 +48,6 @@ def test_good_shifts_give_the_cholesky_factor():
         torch.testing.assert_close(factor[i] @ factor[i].T, K + g * eye, rtol=1e-12, atol=1e-12)
 
 
-def _rbf(x, lengthscale=1.0):
-    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
-
-
 def _cached_bytes(engine):
     return sum(f.numel() * f.element_size() for f in engine._factors.values())
 
@@ -62,7 +58,7 @@ def test_cholesky_cache_counts_the_bytes_of_factors_of_different_sizes():
     budget holding one small factor dropped it for a 3-matrix one although both fit."""
     gen = torch.Generator().manual_seed(3)
     n = 30
-    k = _rbf(10 * torch.rand(n, 1, generator=gen, dtype=DTYPE))
+    k = rbf_gram(10 * torch.rand(n, 1, generator=gen, dtype=DTYPE))
     rhs = torch.randn(n, 1, generator=gen, dtype=DTYPE)
     matrix = n * n * 8
     three = torch.tensor([[0.1], [0.2], [0.3]], dtype=DTYPE)  # (3, 1): one factor of 3 matrices
@@ -86,7 +82,7 @@ def test_a_refactored_shift_gives_identical_results():
     """Dropped factors are recomputed bit for bit (the cache changes costs, not numbers)."""
     gen = torch.Generator().manual_seed(5)
     n = 30
-    k = _rbf(10 * torch.rand(n, 1, generator=gen, dtype=DTYPE), lengthscale=0.5)
+    k = rbf_gram(10 * torch.rand(n, 1, generator=gen, dtype=DTYPE), lengthscale=0.5)
     rhs = torch.randn(n, 2, generator=gen, dtype=DTYPE)
     gammas = torch.tensor([[0.1, 0.2, 0.3, 0.1], [0.4, 0.4, 0.2, 0.3]], dtype=DTYPE)
     filt = SpectralFilter.data_centric_weights(gammas, 0.25)
@@ -105,7 +101,7 @@ def test_shift_gradients_reach_each_step_and_every_call():
     Checked against dense solves, one per step."""
     gen = torch.Generator().manual_seed(7)
     n = 25
-    k = _rbf(10 * torch.rand(n, 1, generator=gen, dtype=DTYPE), lengthscale=0.7)
+    k = rbf_gram(10 * torch.rand(n, 1, generator=gen, dtype=DTYPE), lengthscale=0.7)
     rhs = torch.randn(n, 1, generator=gen, dtype=DTYPE)
     left = torch.randn(n, 3, generator=gen, dtype=DTYPE)
     weights = torch.randn(3, n, 1, generator=gen, dtype=DTYPE)
@@ -140,28 +136,16 @@ def test_shift_gradients_reach_each_step_and_every_call():
     torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
 
 
-def _counting(monkeypatch, module, name):
-    calls = [0]
-    original = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
-def test_shifts_that_require_grad_share_factors_under_no_grad(monkeypatch):
+def test_shifts_that_require_grad_share_factors_under_no_grad(count_calls):
     """A Parameter schedule keeps requires_grad inside no_grad, where no graph is built: equal
     shifts share one factor there, and get one each (for their gradients) outside."""
     import gpsd.linalg.shifted_cholesky as module
 
     gen = torch.Generator().manual_seed(10)
-    k = _rbf(10 * torch.rand(30, 1, generator=gen, dtype=DTYPE))
+    k = rbf_gram(10 * torch.rand(30, 1, generator=gen, dtype=DTYPE))
     rhs = torch.randn(30, 1, generator=gen, dtype=DTYPE)
     noise = torch.nn.Parameter(torch.tensor([0.1, 0.1, 0.2, 0.1], dtype=DTYPE))
-    factorisations = _counting(monkeypatch, module, "psd_safe_cholesky")
+    factorisations = count_calls(module, "psd_safe_cholesky")
     with torch.no_grad():
         ShiftedCholesky(k).apply(SpectralFilter.data_centric_weights(noise), rhs)
     assert factorisations[0] == 2
@@ -185,14 +169,8 @@ def test_a_factor_made_without_a_graph_does_not_serve_a_call_that_needs_one():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
-def rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
-    gen = torch.Generator().manual_seed(seed)
-    x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=DTYPE)
-    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
-
-
 def test_cholesky_keeps_its_factors_within_the_memory_it_is_given():
-    k = rbf_matrix(60, lengthscale=0.5)
+    k = random_rbf_matrix(60, lengthscale=0.5)
     gammas = torch.linspace(0.1, 1.0, 6, dtype=DTYPE)
     rhs = torch.randn(60, 2, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
     left = torch.randn(60, 4, generator=torch.Generator().manual_seed(2), dtype=DTYPE)

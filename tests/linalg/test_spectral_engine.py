@@ -4,7 +4,7 @@ agree with explicit matrices and with each other."""
 import gpytorch
 import pytest
 import torch
-from gpr_reference import explicit_targets
+from gpr_reference import explicit_targets, random_rbf_matrix, rbf_gram
 
 from gpsd.linalg import (
     ChunkedKernelOperator,
@@ -18,14 +18,8 @@ from gpsd.linalg import (
 DTYPE = torch.float64
 
 
-def rbf_matrix(n, lengthscale=1.0, seed=0, batch=()):
-    gen = torch.Generator().manual_seed(seed)
-    x = 10 * torch.rand(*batch, n, 1, generator=gen, dtype=DTYPE)
-    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
-
-
 def test_dense_and_cholesky_apply_equal_explicit_matrices():
-    k = rbf_matrix(50)
+    k = random_rbf_matrix(50)
     gammas = torch.tensor([[0.2, 0.5, 0.5], [1.0, 0.1, 0.3]], dtype=DTYPE)
     rhs = torch.randn(50, 3, dtype=DTYPE)
     left = torch.randn(50, 4, dtype=DTYPE)
@@ -47,10 +41,6 @@ def test_dense_and_cholesky_apply_equal_explicit_matrices():
             torch.testing.assert_close(
                 engine.trace(filt), quad.diagonal(dim1=-2, dim2=-1).sum(-1), rtol=1e-9, atol=1e-9
             )
-
-
-def _rbf(x, lengthscale=1.0):
-    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
 
 
 def _explicit_targets(k, gammas, rhs):
@@ -89,7 +79,7 @@ def test_a_schedule_in_another_dtype_is_evaluated_in_the_backends(
     # spectrum, are evaluated in the backend's dtype
     gen = torch.Generator().manual_seed(4)
     x = 10 * torch.rand(150, 1, generator=gen, dtype=DTYPE)
-    k = _rbf(x)
+    k = rbf_gram(x)
     rhs = torch.randn(150, 1, generator=gen, dtype=DTYPE)
     gammas = torch.tensor([0.3, 0.5], dtype=schedule_dtype)
     engine = _engines(k, engine_dtype)[engine_name]

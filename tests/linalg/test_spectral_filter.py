@@ -6,6 +6,7 @@ import math
 import mpmath
 import pytest
 import torch
+from gpr_reference import rbf_gram
 
 from gpsd.linalg import (
     KernelSpectrum,
@@ -107,15 +108,11 @@ def test_float32_series_do_not_overflow_where_the_coefficients_are_finite():
     assert float(expected[1, 4]) == pytest.approx(3e32, rel=1e-6)  # (d / (d + g))^2 at d^4
 
 
-def _rbf(x, lengthscale=1.0):
-    return torch.exp(-0.5 * (x - x.mT).square() / lengthscale**2)
-
-
 def test_alpha_one_keeps_the_targets_and_the_long_schedule_underflows_cleanly():
     """alpha = 1: F_t = 1 and G_t = R_t. T = 1000 steps: F_t = (d / (d + g))^t, no NaN."""
     gen = torch.Generator().manual_seed(6)
     n = 20
-    k = _rbf(5 * torch.rand(n, 1, generator=gen, dtype=DTYPE))
+    k = rbf_gram(5 * torch.rand(n, 1, generator=gen, dtype=DTYPE))
     rhs = torch.randn(n, 1, generator=gen, dtype=DTYPE)
     gammas = torch.tensor([0.2, 0.05], dtype=DTYPE)
     for engine in (KernelSpectrum.from_dense(k), ShiftedCholesky(k)):

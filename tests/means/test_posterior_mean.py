@@ -3,30 +3,16 @@
 import gpytorch
 import pytest
 import torch
-from gpr_reference import PlainGP
+from gpr_reference import PlainGP, exact_settings, matern_teacher
 
 from gpsd import DataCentricGPR, PosteriorKernel, PosteriorMean
 
 DTYPE = torch.float64
 
 
-def exact():
-    return gpytorch.settings.fast_computations(False, False, False)
-
-
 @pytest.fixture
 def teacher():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.rand(30, 2, generator=gen, dtype=DTYPE) * 4
-    y = torch.sin(x).sum(-1) + 0.1 * torch.randn(30, generator=gen, dtype=DTYPE)
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
-    likelihood.noise = 0.05
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(ard_num_dims=2)).to(DTYPE)
-    kernel.base_kernel.lengthscale = torch.tensor([[0.7, 1.3]], dtype=DTYPE)
-    kernel.outputscale = 1.5
-    mean = gpytorch.means.LinearMean(2).to(DTYPE)
-    mean.weights.data = torch.tensor([[0.3], [-0.2]], dtype=DTYPE)
-    return PlainGP(x, y, likelihood, mean, kernel).eval()
+    return matern_teacher()
 
 
 def test_equal_the_teachers_posterior(teacher):
@@ -34,7 +20,7 @@ def test_equal_the_teachers_posterior(teacher):
     x1 = torch.rand(11, 2, generator=gen, dtype=DTYPE) * 4
     x2 = torch.rand(7, 2, generator=gen, dtype=DTYPE) * 4
     pm, pk = PosteriorMean(teacher), PosteriorKernel(teacher)
-    with torch.no_grad(), exact(), gpytorch.settings.fast_pred_var(False):
+    with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
         joint = teacher(torch.cat([x1, x2]))
         post = teacher(x1)
         mean = pm(x1)
@@ -147,7 +133,7 @@ def test_a_student_with_posterior_prior_modules_has_only_its_own_parameters(teac
     assert "mean_module.prior_mean.weights" in state
     assert "covar_module.prior_covar.base_kernel.raw_lengthscale" in state
     # the copies are constants: a prediction carries no graph to them, and equals the teacher's
-    with torch.no_grad(), exact(), gpytorch.settings.fast_pred_var(False):
+    with torch.no_grad(), exact_settings(), gpytorch.settings.fast_pred_var(False):
         x_new = x[:5] + 0.1
         torch.testing.assert_close(student.mean_module(x_new), teacher(x_new).mean)
 
