@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import numbers
 from collections.abc import Iterable
 
@@ -49,7 +50,7 @@ def noise_schedule(value: object, num_steps: int, name: str = "noise") -> tuple[
     return tuple(values)
 
 
-class StepwiseClassifier:
+class StepwiseClassifier(abc.ABC):
     """Predictions of a binary GP classifier distilled over steps ``1..T``.
 
     The owner implements :meth:`_fitted_steps` (how many steps, from step 1, the fit holds),
@@ -59,16 +60,17 @@ class StepwiseClassifier:
     num_steps: int
     train_inputs: Tensor
 
+    @abc.abstractmethod
     def _fitted_steps(self) -> int:
-        raise NotImplementedError
+        """How many steps, from step 1, the fit holds."""
 
+    @abc.abstractmethod
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
         """Latent mean and variance of step ``step`` at checked test inputs, ``(*batch, M)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _positive_probability(self, mean: Tensor, variance: Tensor, method: str) -> Tensor:
         r""":math:`\mathbb{E}[r(f)]`, :math:`f \sim \mathcal N(\mu, s^2)`, by ``method``."""
-        raise NotImplementedError
 
     def _steps(self, step: int | None) -> list[int]:
         """The steps a prediction covers: ``[step]``, or every fitted step for ``None``."""
