@@ -5,14 +5,17 @@ from __future__ import annotations
 import copy
 import itertools
 
-import gpytorch
 import torch
 from gpytorch.kernels import Kernel
 from gpytorch.means import Mean
 from gpytorch.models import ExactGP
+from linear_operator import to_dense
+from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
+from gpsd._internal.kernel_dtype import kernel_in_dtype
 from gpsd._internal.module_state import choice_setting
+from gpsd._internal.variance import nonnegative_variance
 from gpsd.distillation._common import (
     ExactGPFromModules,
     batched_gp_data,
@@ -54,9 +57,11 @@ class DistributionCentricGPR(SpectralGPR):
     which for a constant :math:`\gamma` is :math:`\gamma / t`: fitting :math:`t` copies of the data
     (Corollary 3.4). ``method="collapsed"`` (default) uses this closed form for every
     :math:`t = 1..T` from one factorisation (see :class:`~gpsd.DataCentricGPR` for the backends,
-    the caching and the gradients); ``method="iterated"`` runs the recursion literally through
-    :class:`~gpsd.means.PosteriorMean` and :class:`~gpsd.kernels.PosteriorKernel`, one exact GP
-    per step (:math:`\mathcal O(t N^3)`; a reference implementation, without gradients).
+    the caching and the gradients); ``method="iterated"`` runs the recursion of eqs. 6–7 literally, one
+    conditioning per step on the joint test and training inputs (:math:`\mathcal O(T(N^3 + (M +
+    N)^2 N))`, linear in :math:`T`; a reference implementation, without gradients), and
+    :meth:`iterated_models` gives the same chain as GPyTorch models through
+    :class:`~gpsd.means.PosteriorMean` and :class:`~gpsd.kernels.PosteriorKernel`.
     Changing :attr:`method` of a fitted model reuses its factorisation.
 
     :param train_x: training inputs, shape ``(*b, N, d)`` (or ``(N,)``).
@@ -200,27 +205,64 @@ class DistributionCentricGPR(SpectralGPR):
         return models
 
     def _predict_iterated(self, test_x: Tensor, full_cov: bool) -> Prediction:
-        batch = self.noise.shape[:-1]
-        means, variances, covs = [], [], []
-        for index in itertools.product(*(range(n) for n in batch)):
-            step_means, step_vars, step_covs = [], [], []
-            for model in self.iterated_models(index):
-                with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
-                    post = model(test_x)
-                step_means.append(post.mean)
-                step_vars.append(post.variance)
+        r"""The recursion of eqs. 6–7, step by step, on the joint inputs
+        :math:`\mathbf Z = [\mathbf x_*; \mathbf X]`.
+
+        Every step conditions on the same training inputs :math:`\mathbf X \subset \mathbf Z`,
+        so :math:`m_t(\mathbf Z)` and :math:`k_t(\mathbf Z, \mathbf Z)` follow from step
+        :math:`t - 1`'s alone:
+
+        .. math::
+            k_t(\mathbf Z, \mathbf Z) = k_{t-1}(\mathbf Z, \mathbf Z)
+            - k_{t-1}(\mathbf Z, \mathbf X)[\mathbf K_{t-1} + \gamma_t\mathbf I]^{-1}
+            k_{t-1}(\mathbf X, \mathbf Z),
+
+        one Cholesky factorisation of :math:`\mathbf K_{t-1} + \gamma_t\mathbf I` per step:
+        :math:`\mathcal O(T (N^3 + (M + N)^2 N))`, linear in :math:`T`. Computed in
+        ``linalg_dtype`` without an autograd graph.
+        """
+        schedules = self.noise.shape[:-1]
+        dtype = self.linalg_dtype or self.train_x.dtype
+        x, y = batched_gp_data(self.train_x, self.train_y, self.mean_module)  # (*b, N, d), (*b, N)
+        batch = torch.broadcast_shapes(test_x.shape[:-2], x.shape[:-2])
+        m = test_x.shape[-2]
+        z = torch.cat(
+            [test_x.expand(*batch, *test_x.shape[-2:]), x.expand(*batch, *x.shape[-2:])], dim=-2
+        )  # shape: (*batch, M + N, d)
+        with torch.no_grad():
+            kernel, z_in = kernel_in_dtype(self.covar_module, z, self.linalg_dtype)
+            prior_cov = to_dense(kernel(z_in)).to(dtype)  # shape: (*, M + N, M + N)
+            prior_mean = self.mean_module(z).to(dtype)  # shape: (*, M + N)
+            y = y.to(dtype)
+            prior_var = prior_cov[..., :m, :m].diagonal(dim1=-2, dim2=-1)
+            eye = torch.eye(x.shape[-2], dtype=dtype, device=x.device)
+            means, variances, covs = [], [], []
+            for index in itertools.product(*(range(n) for n in schedules)):
+                cov, mean = prior_cov, prior_mean
+                step_means, step_vars, step_covs = [], [], []
+                for g in self.noise[index].to(dtype):
+                    cov_zx = cov[..., :, m:]  # shape: (*, M + N, N)
+                    chol = psd_safe_cholesky(cov[..., m:, m:] + g * eye)
+                    a = torch.linalg.solve_triangular(chol, cov_zx.mT, upper=False)
+                    weights = torch.cholesky_solve((y - mean[..., m:]).unsqueeze(-1), chol)
+                    mean = mean + (cov_zx @ weights).squeeze(-1)
+                    cov = cov - a.mT @ a
+                    cov = 0.5 * (cov + cov.mT)  # keep K_t symmetric for the next factor
+                    variance = cov[..., :m, :m].diagonal(dim1=-2, dim2=-1)
+                    step_means.append(mean[..., :m])
+                    step_vars.append(nonnegative_variance(variance, prior_var))
+                    if full_cov:
+                        step_covs.append(cov[..., :m, :m])
+                means.append(torch.stack(step_means, dim=-2).to(test_x.dtype))
+                variances.append(torch.stack(step_vars, dim=-2).to(test_x.dtype))
                 if full_cov:
-                    step_covs.append(post.covariance_matrix)
-            means.append(torch.stack(step_means, dim=-2))
-            variances.append(torch.stack(step_vars, dim=-2))
-            if full_cov:
-                covs.append(torch.stack(step_covs, dim=-3))
+                    covs.append(torch.stack(step_covs, dim=-3).to(test_x.dtype))
 
         def gather(items):
             # shape: (*schedules, *data batch, T, M[, M]) -> broadcast as the closed form does
             out = torch.stack(items)
-            out = out.reshape(*batch, *out.shape[1:])
-            return pair_batches(out, batch, means[0].shape[:-2])
+            out = out.reshape(*schedules, *out.shape[1:])
+            return pair_batches(out, schedules, means[0].shape[:-2])
 
         return Prediction(gather(means), gather(variances), gather(covs) if full_cov else None)
 

@@ -146,3 +146,19 @@ def test_gcv_of_each_step_is_that_of_one_gp_with_the_effective_noise(backend):
             want.append(200 * residual.square().sum() / (200 - smoother.trace()) ** 2)
     assert relative_error(got, torch.stack(want)) < 1e-9
     assert model.best_step() == int(torch.stack(want).argmin()) + 1
+
+
+def test_iterated_models_chain_equals_the_iterated_recursion(problem):
+    """The GPyTorch chain of PosteriorMean/PosteriorKernel priors (iterated_models) and the
+    recursion on the joint inputs that method="iterated" predicts with are two computations of
+    eqs. 6-7: every step agrees."""
+    x, y, test_x = problem
+    gammas = [0.3, 0.1, 0.2]
+    model = DistributionCentricGPR(x, y, rbf_kernel(), noise=gammas, method="iterated")
+    with torch.no_grad():
+        path = model.predict(test_x)
+        for t, student in enumerate(model.iterated_models(), start=1):
+            with gpytorch.settings.fast_pred_var(False):
+                post = student(test_x)
+            torch.testing.assert_close(post.mean, path.mean[t - 1], rtol=1e-9, atol=1e-11)
+            torch.testing.assert_close(post.variance, path.variance[t - 1], rtol=1e-8, atol=1e-11)
