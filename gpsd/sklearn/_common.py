@@ -142,3 +142,38 @@ def standardise(y: np.ndarray, normalize_y: bool) -> tuple[np.ndarray, float, fl
     if not std > 0 or not np.isfinite(std):
         std = 1.0
     return (y - mean) / std, mean, std
+
+
+def regression_data(estimator: object, X: object, y: object) -> tuple[Tensor, Tensor]:
+    """``X, y`` validated for ``estimator`` (setting ``n_features_in_``), the targets standardised
+    where ``estimator.normalize_y`` (their mean and scale kept as ``_y_mean``, ``_y_std``), as
+    tensors in ``estimator.dtype``: ``(N, d)`` and ``(N,)``."""
+    from sklearn.utils.validation import validate_data
+
+    X, y = validate_data(
+        estimator, X, y, y_numeric=True, ensure_min_samples=2, dtype=numpy_dtype(estimator.dtype)
+    )
+    y, estimator._y_mean, estimator._y_std = standardise(y, estimator.normalize_y)
+    return to_tensor(X, estimator.dtype), to_tensor(y, estimator.dtype)
+
+
+def teacher_kernel(
+    estimator: object, train_x: Tensor, train_y: Tensor, max_iter: int
+) -> tuple[gpytorch.kernels.Kernel, float]:
+    """The kernel of ``estimator``'s hyperparameters, fitted with the exact-GP teacher
+    (:func:`fit_exact_gp`, where ``estimator.optimize_hyperparameters``), and the teacher's noise.
+    The kernel's parameters are frozen: constants to the distiller, which then builds no graph."""
+    covar_module = make_kernel(
+        estimator.kernel, estimator.lengthscale, estimator.outputscale, train_x.dtype
+    )
+    _, noise = fit_exact_gp(
+        train_x,
+        train_y,
+        covar_module,
+        optimize=bool(estimator.optimize_hyperparameters),
+        max_iter=max_iter,
+        lr=check_positive(estimator.lr, "lr"),
+    )
+    for parameter in covar_module.parameters():
+        parameter.requires_grad_(False)
+    return covar_module, noise

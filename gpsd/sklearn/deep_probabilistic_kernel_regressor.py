@@ -17,8 +17,8 @@ from gpsd.sklearn._common import (
     check_count,
     check_positive,
     numpy_dtype,
+    regression_data,
     seed_from,
-    standardise,
     to_numpy,
     to_tensor,
     torch_dtype,
@@ -107,13 +107,9 @@ class DeepProbabilisticKernelRegressor(RegressorMixin, BaseEstimator):
         max_iter = check_count(self.max_iter, "max_iter", minimum=0)
         lr = check_positive(self.lr, "lr")
         dtype = torch_dtype(self.dtype)
-        X, y = validate_data(
-            self, X, y, y_numeric=True, ensure_min_samples=2, dtype=numpy_dtype(self.dtype)
-        )
         seed = seed_from(self.random_state)
-        y, self._y_mean, self._y_std = standardise(y, self.normalize_y)
-        train_x, train_y = to_tensor(X, self.dtype), to_tensor(y, self.dtype)
-        in_features = X.shape[1]
+        train_x, train_y = regression_data(self, X, y)
+        in_features = train_x.shape[1]
         with torch_seed(seed):
             model = DPKLRegressor(
                 train_x,

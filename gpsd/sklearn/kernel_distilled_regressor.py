@@ -11,15 +11,12 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from gpsd.kernel_distillation import KernelDistillation
 from gpsd.sklearn._common import (
     check_count,
-    check_positive,
-    fit_exact_gp,
-    make_kernel,
     numpy_dtype,
+    regression_data,
     seed_from,
-    standardise,
+    teacher_kernel,
     to_numpy,
     to_tensor,
-    torch_dtype,
 )
 
 __all__ = ["KernelDistilledRegressor"]
@@ -101,24 +98,9 @@ class KernelDistilledRegressor(RegressorMixin, BaseEstimator):
         distillation_max_iter = check_count(
             self.distillation_max_iter, "distillation_max_iter", minimum=0
         )
-        dtype = torch_dtype(self.dtype)
-        X, y = validate_data(
-            self, X, y, y_numeric=True, ensure_min_samples=2, dtype=numpy_dtype(self.dtype)
-        )
         seed = seed_from(self.random_state)
-        y, self._y_mean, self._y_std = standardise(y, self.normalize_y)
-        train_x, train_y = to_tensor(X, self.dtype), to_tensor(y, self.dtype)
-        covar_module = make_kernel(self.kernel, self.lengthscale, self.outputscale, dtype)
-        _, noise = fit_exact_gp(
-            train_x,
-            train_y,
-            covar_module,
-            optimize=bool(self.optimize_hyperparameters),
-            max_iter=max_iter,
-            lr=check_positive(self.lr, "lr"),
-        )
-        for parameter in covar_module.parameters():
-            parameter.requires_grad_(False)
+        train_x, train_y = regression_data(self, X, y)
+        covar_module, noise = teacher_kernel(self, train_x, train_y, max_iter)
         n = train_x.shape[0]
         num_inducing = min(num_inducing, n)
         with torch.no_grad():

@@ -14,10 +14,9 @@ from gpsd.distillation import DataCentricGPR, DistributionCentricGPR
 from gpsd.sklearn._common import (
     check_count,
     check_positive,
-    fit_exact_gp,
-    make_kernel,
     numpy_dtype,
-    standardise,
+    regression_data,
+    teacher_kernel,
     to_numpy,
     to_tensor,
     torch_dtype,
@@ -137,22 +136,9 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         ):
             raise ValueError(f"step must be 'gcv' or an int in 1..{num_steps}, got {self.step!r}")
         dtype = torch_dtype(self.dtype)
-        X, y = validate_data(
-            self, X, y, y_numeric=True, ensure_min_samples=2, dtype=numpy_dtype(self.dtype)
-        )
-        y, self._y_mean, self._y_std = standardise(y, self.normalize_y)
-        train_x, train_y = to_tensor(X, self.dtype), to_tensor(y, self.dtype)
-        covar_module = make_kernel(self.kernel, self.lengthscale, self.outputscale, dtype)
-        _, teacher_noise = fit_exact_gp(
-            train_x,
-            train_y,
-            covar_module,
-            optimize=bool(self.optimize_hyperparameters),
-            max_iter=check_count(self.max_iter, "max_iter", minimum=0),
-            lr=check_positive(self.lr, "lr"),
-        )
-        for parameter in covar_module.parameters():
-            parameter.requires_grad_(False)  # constants to the distiller: no autograd graph
+        train_x, train_y = regression_data(self, X, y)
+        max_iter = check_count(self.max_iter, "max_iter", minimum=0)
+        covar_module, teacher_noise = teacher_kernel(self, train_x, train_y, max_iter)
         schedule = self._noise_schedule(teacher_noise, num_steps)
         options = {"alpha": self.alpha} if self.method == "data_centric" else {}
         model = METHODS[self.method](
