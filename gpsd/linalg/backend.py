@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
+import warnings
 
+import numpy as np
 import torch
 from gpytorch.kernels import Kernel
+from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
@@ -156,13 +160,20 @@ def make_engine(
     ``backend="auto"`` takes :func:`~gpsd.linalg.choose_backend`'s choice; where that is the dense
     eigendecomposition and no gradient is needed, it first grows Lanczos on the formed matrix up
     to rank ``N / 4`` (a smooth kernel's fast-decaying spectrum makes that far cheaper than
-    ``eigh``; a failed attempt costs products with an N x N matrix and Rayleigh-Ritz steps of
-    about N³ / 2 flops of matrix products, a few per cent of an ``eigh``) and falls back to
-    the dense decomposition if that rank does not reach ``rtol``, or as soon as half of it shows
-    that it cannot (:func:`_out_of_reach`). Beyond the size
+    ``eigh``) and falls back to the dense decomposition if that rank does not reach ``rtol``, or
+    as soon as half of it shows that it cannot (:func:`_out_of_reach`). The attempt is skipped
+    before any product where the trace and the Frobenius norm of the matrix already show more
+    eigenvalues above the level the filters need than the rank could resolve
+    (:func:`_eigenvalue_count_bound`; a slowly decaying spectrum). The dense decomposition goes
+    through the tridiagonal reduction where no autograd graph is kept on the CPU
+    (:meth:`KernelSpectrum.from_tridiagonal`, see :func:`_full_spectrum`). Beyond the size
     of a dense decomposition, or where it would not fit in the device's free memory, it grows
     Lanczos up to :class:`gpsd.settings.max_lanczos_rank` and, if that does not reach ``rtol``, solves by CG
     deflated with the Ritz pairs it found.
+
+    A forced ``"lanczos"`` or ``"cg"`` on a slowly decaying spectrum, where the matrix would fit
+    in memory, warns before it starts, with its estimated cost
+    (:func:`_warn_if_hard_for_matrix_free`).
 
     ``backend="dense"`` and ``"cholesky"`` form the ``N x N`` kernel matrices: where they cannot
     fit in the device's free memory (:func:`~gpsd.linalg.free_memory_bytes`), an
@@ -204,6 +215,19 @@ def make_engine(
 
     if backend in ("lanczos", "cg"):
         operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
+        _warn_if_hard_for_matrix_free(
+            operator,
+            backend,
+            n,
+            x,
+            eig_dtype or x.dtype,
+            num_steps,
+            schedule_shape,
+            kernel,
+            rank,
+            gamma_min,
+            rtol,
+        )
         try:
             if backend == "lanczos":
                 if rank is not None:
@@ -255,12 +279,13 @@ def make_engine(
         # The matrix fits: evaluate it once, for the Lanczos attempt and the fallback alike.
         dense = dense_kernel(dense_x).to_dense()
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
-        if try_lanczos_first:
+        budget = rank or max(1, n // 4)
+        if try_lanczos_first and not _hard_spectrum(dense, budget, gamma_min, rtol):
             dense = drop_negligible(dense, inplace=not dense.requires_grad)  # Krylov products
-            spectrum = grow_lanczos(dense, rank or max(1, n // 4), give_up_early=True)
+            spectrum = grow_lanczos(dense, budget, give_up_early=True)
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
-        return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
+        return _full_spectrum(dense, eig_dtype, keep_graph=needs_grad)
     except torch.OutOfMemoryError as err:
         raise InsufficientMemoryError(
             f"backend={backend!r} ran out of memory factoring the {n} x {n} kernel matrix on "
@@ -294,6 +319,153 @@ def _check_dense_memory(
             f"N = {n} in {dtype}) on {device}, but {free} bytes ({free / 2**30:.3g} GiB) are "
             "free; use backend='lanczos' or backend='cg', which never form the N x N matrix"
         )
+
+
+#: Krylov columns block Lanczos took per eigenpair it resolved, at least, in our measurements
+#: (2.2 to 3.8; see :func:`_out_of_reach`).
+_COLUMNS_PER_PAIR = 2.2
+
+
+def _full_spectrum(
+    dense: Tensor, eig_dtype: torch.dtype | None, keep_graph: bool
+) -> KernelSpectrum:
+    """The full eigendecomposition of the formed ``dense`` matrix: through its tridiagonal
+    reduction (:meth:`KernelSpectrum.from_tridiagonal`) on the CPU where no autograd graph is
+    kept, which measured 0.3 to 0.6 times the time of ``torch.linalg.eigh`` there
+    (``benchmarks/results/hard_spectrum_vs_sklearn_cpu.md``); ``torch.linalg.eigh`` otherwise
+    (on CUDA the reduction would run on the host, which has not been measured to pay), and where
+    the eigenvectors of the tridiagonal matrix fail (multiple relatively robust
+    representations can fail on large clusters of equal eigenvalues, such as the eigenvalue 1 of
+    many isolated points under a short lengthscale)."""
+    dtype = eig_dtype or dense.dtype
+    tridiagonal = (
+        not keep_graph
+        and dense.device.type == "cpu"
+        and dtype in (torch.float32, torch.float64)
+        and dense.shape[-1] > 1
+    )
+    if tridiagonal:
+        try:
+            return KernelSpectrum.from_tridiagonal(dense, dtype=eig_dtype)
+        except np.linalg.LinAlgError:  # MRRR can fail on large clusters of equal eigenvalues
+            pass
+    return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
+
+
+def _eigenvalue_count_bound(trace: Tensor, frobenius_sq: Tensor, n: int, tau: float) -> Tensor:
+    r"""A lower bound on the number of eigenvalues above ``tau`` of positive semi-definite
+    matrices with traces ``trace`` and squared Frobenius norms ``frobenius_sq`` (``(*b,)``).
+
+    The eigenvalues at most :math:`\tau` sum to at most :math:`N\tau`, so those above it sum to
+    :math:`s \ge \operatorname{tr}\mathbf K - N\tau`; by Cauchy–Schwarz,
+    :math:`s^2 \le n_\tau \sum_{d_i > \tau} d_i^2 \le n_\tau \lVert\mathbf K\rVert_F^2`:
+
+    .. math::
+        n_\tau \ge \frac{(\operatorname{tr}\mathbf K - N\tau)_+^2}{\lVert\mathbf K\rVert_F^2}.
+    """
+    excess = (trace - n * tau).clamp_min(0)
+    return excess.square() / frobenius_sq.clamp_min(torch.finfo(frobenius_sq.dtype).tiny)
+
+
+def _lanczos_threshold(gamma_min: float, rtol: float) -> float:
+    r"""The eigenvalue level :math:`\tau` Lanczos must resolve down to (see :func:`_out_of_reach`),
+    for the default Taylor order 4 of :meth:`KernelSpectrum.from_lanczos`."""
+    return gamma_min * rtol ** (1.0 / 5)
+
+
+def _hard_spectrum(dense: Tensor, budget: int, gamma_min: float, rtol: float) -> bool:
+    """Whether, before any product, ``dense`` (``(*b, N, N)``) is seen to have so many
+    eigenvalues above the level Lanczos must resolve that a basis of ``budget`` columns cannot
+    reach ``rtol`` (:func:`_eigenvalue_count_bound`, about 2.2 columns per eigenpair): the
+    automatic choice then skips its Lanczos attempt, whose products and Rayleigh–Ritz steps
+    would be thrown away. Two passes over the matrix."""
+    with torch.no_grad():
+        d = dense.detach()
+        trace = d.diagonal(dim1=-2, dim2=-1).sum(-1)
+        frobenius_sq = d.square().sum((-2, -1))
+        tau = _lanczos_threshold(gamma_min, rtol)
+        bound = _eigenvalue_count_bound(trace, frobenius_sq, d.shape[-1], tau)
+    return bool((_COLUMNS_PER_PAIR * bound > budget).any())
+
+
+def _warn_if_hard_for_matrix_free(
+    operator: Tensor | LinearOperator,
+    backend: str,
+    n: int,
+    x: Tensor,
+    dtype: torch.dtype,
+    num_steps: int,
+    schedule_shape: torch.Size,
+    kernel: Kernel,
+    rank: int | None,
+    gamma_min: float,
+    rtol: float,
+) -> None:
+    r"""Warn, before a forced ``"lanczos"`` or ``"cg"`` run starts, where the kernel's spectrum is
+    too flat for it and the ``N x N`` matrix would fit in memory (so that ``backend="auto"``
+    would form it): with the estimated number of products and their measured time.
+
+    One product with 4 random columns estimates :math:`\lVert\mathbf K\rVert_F^2`
+    (:math:`\mathbb E\lVert\mathbf K\boldsymbol\omega\rVert^2` for a standard normal
+    :math:`\boldsymbol\omega`) and its time; :func:`_eigenvalue_count_bound` turns it into the
+    eigenvalues above the level Lanczos must resolve; deflated CG's iterations per solve follow
+    from the condition number bound :math:`1 + \sqrt{\lVert\mathbf K\rVert_F^2/(k+1)} /
+    \gamma_{\min}` after deflating :math:`k` pairs.
+    """
+    matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
+    num_schedules = schedule_shape.numel()
+    better = choose_backend(
+        n,
+        num_schedules * num_steps,
+        x.device,
+        dtype=dtype,
+        batch_size=matrix_shape.numel(),
+        num_schedules=num_schedules,
+        factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
+    )
+    if better == "lanczos":  # the matrix does not fit: no better choice to point to
+        return
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        probe = torch.randn((*matrix_shape, n, 4), generator=generator, dtype=dtype)
+        probe = probe.to(x.device)
+        start = time.perf_counter()
+        product = operator @ probe
+        seconds = time.perf_counter() - start
+        frobenius_sq = product.square().sum(-2).mean(-1)  # shape: (*b,)
+        trace = operator.diagonal(dim1=-2, dim2=-1).sum(-1).to(frobenius_sq)
+    tau = _lanczos_threshold(gamma_min, rtol)
+    count = float(_eigenvalue_count_bound(trace, frobenius_sq, n, tau).max())
+    if backend == "lanczos":
+        budget = rank or min(n, settings.max_lanczos_rank.value())
+        if _COLUMNS_PER_PAIR * count <= max(budget, n // 4):
+            return
+        columns = min(n, math.ceil(_COLUMNS_PER_PAIR * count))
+        products = math.ceil(columns / min(64, max(4, budget // 8)))  # blocks of from_lanczos
+        cost = (
+            f"resolving them takes block Lanczos about {columns} Krylov columns (its budget "
+            f"here is {budget}) in {products} products with K, about {products * seconds:.2g} s "
+            f"at the {seconds:.2g} s one took"
+        )
+    else:
+        if _COLUMNS_PER_PAIR * count <= n // 4:
+            return
+        deflated = rank or min(n, settings.cg_deflation_rank.value())
+        kappa = 1.0 + math.sqrt(float(frobenius_sq.max()) / (deflated + 1)) / gamma_min
+        iterations = math.ceil(0.5 * math.sqrt(kappa) * math.log(2.0 / rtol))
+        cost = (
+            f"deflated CG solves with up to {iterations} iterations each (condition number up "
+            f"to {kappa:.3g} after deflating {deflated} pairs), each iteration a product with K "
+            f"({seconds:.2g} s for one here)"
+        )
+    warnings.warn(
+        f"backend={backend!r} on a slowly decaying spectrum: the kernel matrix has at least "
+        f"{count:.0f} eigenvalues above {tau:.3g}, the level the filters need resolved; {cost}. "
+        f"The {n} x {n} matrix fits in memory: backend='auto' (here {better!r}) factors it "
+        "once and is faster on such spectra",
+        NumericalWarning,
+        stacklevel=4,
+    )
 
 
 def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rtol: float) -> bool:

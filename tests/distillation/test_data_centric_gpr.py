@@ -591,7 +591,9 @@ def test_grown_lanczos_stops_once_accurate_and_agrees_with_dense(monkeypatch):
 
 def test_auto_gives_up_a_hopeless_lanczos_attempt_at_half_its_budget(monkeypatch):
     """A slowly decaying spectrum: every Ritz value stays above the series' threshold, so the
-    attempt before the dense eigendecomposition stops at half its rank budget of N / 4."""
+    attempt before the dense eigendecomposition stops at half its rank budget of N / 4 (with
+    the bound that skips the attempt before any product switched off)."""
+    monkeypatch.setattr(backend_module, "_hard_spectrum", lambda *args: False)
     runs = []
     from_lanczos = KernelSpectrum.from_lanczos.__func__
 
@@ -619,6 +621,59 @@ def test_auto_gives_up_a_hopeless_lanczos_attempt_at_half_its_budget(monkeypatch
     assert budget / 2 <= columns < budget  # stopped at the first checkpoint past half
     assert relative_error(got.mean, ref.mean) < 1e-12
     assert relative_error(got.variance, ref.variance) < 1e-12
+
+
+def _lanczos_runs(monkeypatch) -> list:
+    """Record the rank of every KernelSpectrum.from_lanczos call."""
+    runs = []
+    from_lanczos = KernelSpectrum.from_lanczos.__func__
+
+    def recording(cls, *args, **kwargs):
+        runs.append(kwargs["rank"])
+        return from_lanczos(cls, *args, **kwargs)
+
+    monkeypatch.setattr(KernelSpectrum, "from_lanczos", classmethod(recording))
+    return runs
+
+
+@pytest.mark.parametrize(("dim", "lengthscale", "tries_lanczos"), [(1, 1.0, True), (3, 1.0, False)])
+def test_auto_tries_lanczos_only_where_the_spectrum_may_allow_it(
+    monkeypatch, dim, lengthscale, tries_lanczos
+):
+    """Smooth 1-D inputs: Lanczos is tried (and succeeds); 3-D inputs at lengthscale 1 have
+    hundreds of eigenvalues above the level the filters need, which the trace and Frobenius
+    norm show before any product: no attempt, the full decomposition straight away."""
+    runs = _lanczos_runs(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    x = 10 * torch.rand(600, dim, generator=gen, dtype=DTYPE)
+    y = torch.sin(x).sum(-1) + 0.1 * torch.randn(600, generator=gen, dtype=DTYPE)
+    test_x = 10 * torch.rand(30, dim, generator=gen, dtype=DTYPE)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=lengthscale)
+    gammas = torch.linspace(0.1, 1.0, 10, dtype=DTYPE)
+    with torch.no_grad():
+        auto = DataCentricGPR(x, y, kernel, noise=gammas)
+        got = auto.predict(test_x)
+        engine = auto._state()["engine"]
+    assert bool(runs) is tries_lanczos
+    assert engine.is_truncated is tries_lanczos
+    ref = DataCentricGPR(x, y, kernel, noise=gammas, backend="cholesky")  # shifted solves
+    with torch.no_grad():
+        ref = ref.predict(test_x)
+    assert relative_error(got.mean, ref.mean) < 1e-7
+    assert relative_error(got.variance, ref.variance) < 1e-7
+
+
+def test_eigenvalue_count_bound_never_exceeds_the_count():
+    """(tr K - N tau)^2 / ||K||_F^2 is a lower bound on #{eigenvalues > tau}: checked against
+    the eigenvalues of kernel matrices from flat to steep spectra."""
+    gen = torch.Generator().manual_seed(7)
+    for dim, lengthscale in ((1, 2.0), (2, 0.5), (3, 1.0), (5, 0.3)):
+        x = 10 * torch.rand(300, dim, generator=gen, dtype=DTYPE)
+        k = rbf_kernel(outputscale=1.0, lengthscale=lengthscale)(x).to_dense().detach()
+        evals = torch.linalg.eigvalsh(k)
+        for tau in (1e-3, 1e-1, 1.0):
+            bound = backend_module._eigenvalue_count_bound(k.trace(), k.square().sum(), 300, tau)
+            assert float(bound) <= int((evals > tau).sum())
 
 
 def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():

@@ -1,10 +1,14 @@
 """Tests of the backend policy: choose_backend, make_engine (its fallbacks, the memory check
 before dense requests, progress), and the engines it gives the regression distillers."""
 
+import warnings
+
 import gpytorch
+import numpy as np
 import pytest
 import torch
 from gpr_reference import rbf_kernel
+from gpytorch.utils.warnings import NumericalWarning
 
 import gpsd
 import gpsd.linalg
@@ -205,3 +209,71 @@ def test_the_engines_of_make_engine_say_whether_they_are_matrix_free():
         "cg": True,
     }
     assert isinstance(auto, KernelSpectrum) and auto.is_truncated and not auto.matrix_free
+
+
+def test_the_dense_backend_without_a_graph_keeps_its_eigenvectors_factored():
+    """On the CPU, without an autograd graph to keep, the dense backend diagonalises through the
+    tridiagonal reduction; with one, through torch.linalg.eigh, whose graph reaches the kernel."""
+    x = torch.linspace(0, 10, 80, dtype=DTYPE).unsqueeze(-1)
+    kernel = rbf_kernel()
+    with torch.no_grad():
+        plain = _make(kernel, x, "dense")
+    graph = _make(kernel, x, "dense")
+    assert not plain.supports_autograd and graph.supports_autograd
+    torch.testing.assert_close(plain.eigenvalues, graph.eigenvalues.detach(), rtol=0, atol=1e-12)
+
+
+def test_a_failed_tridiagonal_eigensolver_falls_back_to_eigh(monkeypatch):
+    def failing(*args, **kwargs):
+        raise np.linalg.LinAlgError("stemr did not converge")
+
+    monkeypatch.setattr(KernelSpectrum, "from_tridiagonal", failing)
+    x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
+    with torch.no_grad():
+        engine = _make(rbf_kernel(), x, "dense")
+    assert isinstance(engine, KernelSpectrum) and engine.supports_autograd  # eigh's spectrum
+
+
+def _flat_problem(n=400):
+    """3-D inputs at lengthscale 1: hundreds of eigenvalues above the filters' level."""
+    gen = torch.Generator().manual_seed(11)
+    return 10 * torch.rand(n, 3, generator=gen, dtype=DTYPE)
+
+
+@pytest.mark.parametrize("backend", ["lanczos", "cg"])
+def test_a_forced_matrix_free_backend_on_a_flat_spectrum_warns_before_it_runs(backend, monkeypatch):
+    """The warning comes before the first Lanczos product, names the eigenvalue count, the
+    estimated cost and backend='auto'; a smooth 1-D kernel gets none."""
+    events = []
+    from_lanczos = KernelSpectrum.from_lanczos.__func__
+
+    def recording(cls, *args, **kwargs):
+        events.append("lanczos")
+        return from_lanczos(cls, *args, **kwargs)
+
+    monkeypatch.setattr(KernelSpectrum, "from_lanczos", classmethod(recording))
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _make(kernel, _flat_problem(), backend, rank=16, gamma_min=0.1, rtol=1e-6)
+    hard = [w for w in caught if "slowly decaying spectrum" in str(w.message)]
+    assert len(hard) == 1 and issubclass(hard[0].category, NumericalWarning)
+    message = str(hard[0].message)
+    assert "eigenvalues above" in message and "backend='auto'" in message
+    assert ("Krylov columns" if backend == "lanczos" else "CG solves") in message
+    assert events == ["lanczos"]
+    smooth = torch.linspace(0, 10, 400, dtype=DTYPE).unsqueeze(-1)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _make(kernel, smooth, backend, rank=16, gamma_min=0.1, rtol=1e-6)
+    assert not [w for w in caught if "slowly decaying spectrum" in str(w.message)]
+
+
+def test_no_flat_spectrum_warning_where_the_dense_matrix_would_not_fit(monkeypatch):
+    """Beyond the memory of a dense factorisation the matrix-free backends are the only way:
+    nothing better to point to, no warning (and no probe product)."""
+    monkeypatch.setattr(backend_module, "choose_backend", lambda *args, **kwargs: "lanczos")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _make(rbf_kernel(lengthscale=1.0), _flat_problem(), "lanczos", rank=16, gamma_min=0.1)
+    assert not [w for w in caught if "slowly decaying spectrum" in str(w.message)]

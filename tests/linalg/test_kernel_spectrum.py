@@ -518,3 +518,56 @@ def test_engines_of_a_tensor_hold_the_matrix_and_a_callable_is_matrix_free():
         lambda v: k @ v, size=40, dtype=DTYPE, rank=16, kernel_trace=k.trace()
     )
     assert spectrum.matrix_free
+
+
+@pytest.mark.parametrize("batch", [(), (2,)])
+def test_tridiagonal_spectrum_filters_equal_explicit_filter_matrices(batch):
+    """Every filter operation of a from_tridiagonal spectrum (factored eigenvectors) against the
+    explicit filter matrices of dense solves: apply, cross, quad_diag, trace."""
+    k = random_rbf_matrix(60, lengthscale=0.5, seed=8, batch=batch)
+    gammas = torch.tensor([0.05, 0.3, 1.0], dtype=DTYPE)
+    filt = SpectralFilter.data_centric_targets(gammas)
+    flat = k.reshape(-1, 60, 60)
+    explicit = torch.stack([explicit_targets(m, gammas, 0.0) for m in flat])
+    explicit = explicit.reshape(*batch, 3, 60, 60)
+    spectrum = KernelSpectrum.from_tridiagonal(k)
+    assert not spectrum.supports_autograd and not spectrum.is_truncated
+    rhs = torch.randn(*batch, 60, 2, dtype=DTYPE)
+    left = torch.randn(*batch, 60, 5, dtype=DTYPE)
+    opts = dict(rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(spectrum.apply(filt, rhs), explicit @ rhs.unsqueeze(-3), **opts)
+    torch.testing.assert_close(
+        spectrum.cross(filt, left, rhs),
+        left.mT.unsqueeze(-3) @ explicit @ rhs.unsqueeze(-3),
+        **opts,
+    )
+    quad = (left.unsqueeze(-3) * (explicit @ left.unsqueeze(-3))).sum(-2)
+    torch.testing.assert_close(spectrum.quad_diag(filt, left), quad, **opts)
+    torch.testing.assert_close(spectrum.trace(filt), explicit.diagonal(dim1=-2, dim2=-1).sum(-1))
+
+
+def test_tridiagonal_spectrum_forms_its_eigenvectors_once_n_columns_were_projected():
+    """Blocks of right-hand sides go through the reflectors until they add up to N columns;
+    then V is formed, and the results stay those of the explicit filter matrices."""
+    k = random_rbf_matrix(40, lengthscale=0.8, seed=9)
+    gammas = torch.tensor([0.1, 0.4], dtype=DTYPE)
+    filt = SpectralFilter.resolvent(gammas)
+    explicit = torch.linalg.inv(k + gammas.view(2, 1, 1) * torch.eye(40, dtype=DTYPE))
+    spectrum = KernelSpectrum.from_tridiagonal(k)
+    for _ in range(3):
+        left = torch.randn(40, 15, dtype=DTYPE)
+        quad = (left * (explicit @ left)).sum(-2)
+        torch.testing.assert_close(spectrum.quad_diag(filt, left), quad, rtol=1e-9, atol=1e-10)
+    assert isinstance(spectrum._vectors, torch.Tensor)  # 45 columns >= N = 40: formed
+    v = spectrum.eigenvectors
+    torch.testing.assert_close(v @ torch.diag(spectrum.eigenvalues) @ v.T, k, rtol=0, atol=1e-12)
+
+
+def test_tridiagonal_spectrum_checks_its_input_as_the_dense_one_does():
+    with pytest.raises(ValueError, match="symmetric"):
+        KernelSpectrum.from_tridiagonal(torch.triu(random_rbf_matrix(10)))
+    with pytest.raises(ValueError, match="NaN|finite"):
+        KernelSpectrum.from_tridiagonal(torch.full((3, 3), float("nan"), dtype=DTYPE))
+    indefinite = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=DTYPE)
+    with pytest.warns(NumericalWarning, match="not positive semi-definite"):
+        KernelSpectrum.from_tridiagonal(indefinite)
