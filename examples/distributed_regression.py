@@ -83,7 +83,9 @@ def main() -> None:
     best = model.best_step("gcv") if args.backend == "lanczos" else None
 
     if rank == 0:
-        print(f"{world} process(es), N = {args.train_size}, T = {args.steps}, backend={args.backend}")
+        print(
+            f"{world} process(es), N = {args.train_size}, T = {args.steps}, backend={args.backend}"
+        )
         print(f"fit {fitted - start:.2f} s, predictions {predicted - fitted:.2f} s")
         for t in sorted({1, 2, args.steps // 2, args.steps}):
             print(f"step {t:3d}: test RMSE {float(rmse[t - 1]):.4f}")

@@ -141,9 +141,7 @@ def scenario_main(rank: int, world: int) -> dict:
 def scenario_fail(rank: int, world: int, how: str, out_file: str) -> dict:
     """Rank 1 fails in the middle of the Lanczos iterations (raises, then stays until rank 0
     has saved what it saw; or exits)."""
-    group = dist.new_group(
-        list(range(world)), timeout=datetime.timedelta(seconds=SHORT_TIMEOUT)
-    )
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=SHORT_TIMEOUT))
     x, y, _, kernel = problem(300)
 
     def callback(record):

@@ -1,6 +1,13 @@
 import pytest
 
-from gpsd import BackendError, DistributedError, GpsdError, InsufficientMemoryError, NotFittedError, exceptions
+from gpsd import (
+    BackendError,
+    DistributedError,
+    GpsdError,
+    InsufficientMemoryError,
+    NotFittedError,
+    exceptions,
+)
 
 
 @pytest.mark.parametrize(

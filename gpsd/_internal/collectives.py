@@ -157,6 +157,7 @@ def check_same(fields: dict[str, Tensor], group: object, what: str, advice: str)
             differing.append(f"{name} (rank(s) {ranks} differ from rank 0)")
     if differing:
         raise ValueError(
-            f"rank {rank} of {size}: {what}: the ranks hold different " + ", ".join(differing)
+            f"rank {rank} of {size}: {what}: the ranks hold different "
+            + ", ".join(differing)
             + f"; {advice}"
         )

@@ -90,7 +90,7 @@ class _NoBackwardThroughMatrixFree(torch.autograd.Function):
 
 
 def _columns_are_local(engine: object) -> bool:
-    """Whether the engine's quadratic forms with test columns need no product with
+    r"""Whether the engine's quadratic forms with test columns need no product with
     :math:`\mathbf K`: a spectrum with no complement series, whose forms are projections on
     its (replicated) eigenvectors. Deflated CG and a series of order 1 or more multiply."""
     if not isinstance(engine, linalg.KernelSpectrum):
@@ -561,7 +561,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         )
 
     def _on_my_test_points(self, test_x: Tensor, compute) -> Tensor:
-        """``compute`` (test points ``(*b, m, d)`` to a tensor ``(..., m)``) on this rank's
+        r"""``compute`` (test points ``(*b, m, d)`` to a tensor ``(..., m)``) on this rank's
         contiguous share of the test points, gathered from every rank: ``(..., M)``.
 
         Each rank evaluates the cross-covariances of its :math:`\lceil M/P \rceil` test

@@ -10,11 +10,11 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd import settings
+from gpsd._internal.collectives import all_gather, check_group
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
 from gpsd._internal.validation import check_int
 from gpsd.exceptions import InsufficientMemoryError
-from gpsd._internal.collectives import all_gather, check_group
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.distributed_kernel_operator import DistributedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
