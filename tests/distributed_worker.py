@@ -130,6 +130,17 @@ def scenario_main(rank: int, world: int) -> dict:
             x, y, other_kernel, noise=NOISE, backend="lanczos", process_group=dist.group.WORLD
         ).fit()
     )
+    # a right-hand side that differs on one rank: the replicated iterations have diverged
+    other_rhs = rhs + (1e-3 if rank == world - 1 else 0.0)
+    out["different_rhs"] = _caught(lambda: operator @ other_rhs)
+    # ranks whose automatic choices differ (as their free memory may) agree on the most
+    # matrix-free one: here the last rank alone would choose a dense backend
+    with gpsd.settings.dense_max_n(n if rank == world - 1 else n // 4), torch.no_grad():
+        model = gpsd.DataCentricGPR(x, y, kernel, noise=NOISE, process_group=dist.group.WORLD)
+        out["disagreeing_auto"] = {
+            "mean": model.predict(test_x).mean,
+            "engine": type(model._state()["engine"]).__name__,
+        }
     model = gpsd.DataCentricGPR(
         x, y, kernel, noise=NOISE, backend="lanczos", process_group=dist.group.WORLD
     )

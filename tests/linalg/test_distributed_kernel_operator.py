@@ -145,6 +145,16 @@ def test_gcv_and_covariances_through_the_group_equal_one_process(main_run):
         torch.testing.assert_close(got["covariance"], plain["covariance"], rtol=0, atol=1e-10)
 
 
+def test_ranks_whose_automatic_choices_differ_agree_on_the_matrix_free_one(main_run):
+    _, results = main_run
+    plain = results[0]["plain"]["data_auto"]
+    assert plain["engine"] == "KernelSpectrum"
+    for result in results:
+        got = result["disagreeing_auto"]
+        assert got["engine"] == plain["engine"]
+        torch.testing.assert_close(got["mean"], plain["mean"], rtol=0, atol=1e-10)
+
+
 def test_a_group_of_one_rank_is_the_plain_path(main_run):
     world, results = main_run
     if world != 2:
@@ -162,6 +172,7 @@ def test_a_group_of_one_rank_is_the_plain_path(main_run):
         ("different_x", "values of x"),
         ("different_kernel", "kernel hyperparameter values"),
         ("different_test_x", "values of test_x"),
+        ("different_rhs", "multiplied the distributed kernel operator by another"),
     ],
 )
 def test_ranks_that_hold_different_data_raise_a_value_error_on_every_rank(main_run, case, names):
