@@ -32,7 +32,13 @@ from gpsd.dpkl import (
     DPKLRegressor,
     SSDPKLRegressor,
 )
-from gpsd.exceptions import BackendError, GpsdError, InsufficientMemoryError, NotFittedError
+from gpsd.exceptions import (
+    BackendError,
+    DistributedError,
+    GpsdError,
+    InsufficientMemoryError,
+    NotFittedError,
+)
 from gpsd.kernel_distillation import KernelDistillation, SparseLowRankStudent
 from gpsd.kernels import PosteriorKernel
 from gpsd.laplace import LaplaceGPClassifier
@@ -46,6 +52,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ARDGPRegressor",
     "BackendError",
+    "DistributedError",
     "ContinuousBernoulliLikelihood",
     "DKLRegressor",
     "DPKLClassifier",

@@ -6,7 +6,13 @@ Each also derives from the built-in exception a caller would catch without knowi
 
 from __future__ import annotations
 
-__all__ = ["BackendError", "GpsdError", "InsufficientMemoryError", "NotFittedError"]
+__all__ = [
+    "BackendError",
+    "DistributedError",
+    "GpsdError",
+    "InsufficientMemoryError",
+    "NotFittedError",
+]
 
 
 class GpsdError(Exception):
@@ -30,3 +36,9 @@ class InsufficientMemoryError(GpsdError, MemoryError):
     """A computation does not fit in the device's memory. Raised before allocating where the
     need can be foreseen (a forced dense or Cholesky backend), else when an allocation fails;
     the message names the bytes and what would fit instead."""
+
+
+class DistributedError(GpsdError, RuntimeError):
+    """A collective over a ``torch.distributed`` process group failed: another rank failed or
+    left, called other methods, or did not join within the group's ``timeout``. Raised on each
+    rank that was waiting in the collective, with the rank and the operation in the message."""

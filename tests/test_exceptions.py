@@ -1,6 +1,13 @@
 import pytest
 
-from gpsd import BackendError, GpsdError, InsufficientMemoryError, NotFittedError, exceptions
+from gpsd import (
+    BackendError,
+    DistributedError,
+    GpsdError,
+    InsufficientMemoryError,
+    NotFittedError,
+    exceptions,
+)
 
 
 @pytest.mark.parametrize(
@@ -8,6 +15,7 @@ from gpsd import BackendError, GpsdError, InsufficientMemoryError, NotFittedErro
     [
         (NotFittedError, RuntimeError),
         (BackendError, RuntimeError),
+        (DistributedError, RuntimeError),
         (InsufficientMemoryError, MemoryError),
     ],
 )
@@ -20,6 +28,7 @@ def test_each_gpsd_error_is_also_the_builtin_a_caller_would_catch(error, builtin
 def test_the_exceptions_module_exports_every_error():
     assert set(exceptions.__all__) == {
         "BackendError",
+        "DistributedError",
         "GpsdError",
         "InsufficientMemoryError",
         "NotFittedError",

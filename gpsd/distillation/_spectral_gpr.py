@@ -17,6 +17,15 @@ from torch import Tensor, nn
 
 import gpsd.linalg as linalg
 from gpsd import settings
+from gpsd._internal.collectives import (
+    all_gather_cat,
+    check_group,
+    check_same,
+    dtype_code,
+    exact_checksum,
+    split_sizes,
+    text_checksum,
+)
 from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
@@ -80,6 +89,15 @@ class _NoBackwardThroughMatrixFree(torch.autograd.Function):
         )
 
 
+def _columns_are_local(engine: object) -> bool:
+    r"""Whether the engine's quadratic forms with test columns need no product with
+    :math:`\mathbf K`: a spectrum with no complement series, whose forms are projections on
+    its (replicated) eigenvectors. Deflated CG and a series of order 1 or more multiply."""
+    if not isinstance(engine, linalg.KernelSpectrum):
+        return False
+    return not engine.is_truncated or (engine.series_order + 1) // 2 == 0
+
+
 def _check_linalg_dtype(value: object) -> torch.dtype | None:
     """``None`` or a floating-point ``torch.dtype``, or a ``TypeError`` naming ``linalg_dtype``."""
     if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
@@ -129,9 +147,12 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         rank: int | None,
         rtol: float,
         kernel_cache_bytes: int | None = None,
+        process_group: object = None,
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module, "covar_module")
+        if process_group is not None:
+            check_group(process_group)
         kernel_cache_bytes = check_int(
             kernel_cache_bytes, "kernel_cache_bytes", minimum=0, optional=True
         )
@@ -150,6 +171,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.rank = rank
         self.rtol = rtol
         self.kernel_cache_bytes = kernel_cache_bytes
+        #: The ``torch.distributed.ProcessGroup`` whose ranks share the kernel rows of the
+        #: matrix-free backends (``None``: this process alone).
+        self.process_group = process_group
         self._factor_cache = FitCache()
         self._targets_cache = FitCache()
 
@@ -315,6 +339,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             self.rank,
             self.rtol,
             self.kernel_cache_bytes,
+            self.process_group,
             self._smallest_shift(),
             tuple(self.noise.shape[:-1]),  # the automatic choice counts the factorisations
             self.num_steps,
@@ -344,6 +369,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             kernel_cache_bytes=self.kernel_cache_bytes,
             progress=progress,
             callback=callback,
+            process_group=self.process_group,
         )
         engine.check_accuracy(gamma_min, self.rtol)
         # a matrix-free engine builds no graph, and the grad mode does not change the choice of
@@ -473,7 +499,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         """
         step = self._check_step(step)
         test_x = validate_test_x(test_x, self.train_x)
-        prediction = self._predict_all(test_x, full_cov)
+        if self._splits_test_points(test_x, full_cov):
+            prediction = self._predict_split(test_x)
+        else:  # called from here: warnings point past predict (stacklevel)
+            prediction = self._predict_all(test_x, full_cov)
         if include_noise:
             noise = self._step_noise().to(prediction.mean).unsqueeze(-1)  # shape: (*s, T, 1)
             covariance = prediction.covariance
@@ -486,6 +515,67 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         if step is not None:
             prediction = prediction.select(step - 1, dim=-2)
         return prediction
+
+    def _splits_test_points(self, test_x: Tensor, full_cov: bool) -> bool:
+        """Whether the ranks of :attr:`process_group` share the test points out (and check
+        that all hold the same ones). Not where the engine needs products with K for the test
+        columns (deflated CG, a complement series, covariances): every rank then takes part in
+        those, for all the test points."""
+        if self.process_group is None or not self._distributed(self._state()):
+            return False
+        self._check_same_test_x(test_x)
+        return not full_cov and _columns_are_local(self._state()["engine"])
+
+    def _predict_split(self, test_x: Tensor) -> Prediction:
+        """:meth:`_predict_all` on this rank's share of the test points, gathered."""
+        state = self._state()
+        self._mean_weights(state)  # on every rank, before the ranks part ways
+        parts = self._on_my_test_points(
+            test_x, lambda part: self._stacked(self._predict_all(part, False))
+        )
+        mean = self._guard(state, parts[0], test_x)
+        return Prediction(mean, self._guard(state, parts[1], test_x))
+
+    @staticmethod
+    def _stacked(prediction: Prediction) -> Tensor:
+        """The means and variances of ``prediction`` stacked, ``(2, *batch, T, M)``."""
+        mean = prediction.mean
+        return torch.stack([mean, prediction.variance.expand(mean.shape)])
+
+    # ------------------------------------------------------------------ distributed
+    def _distributed(self, state: dict) -> bool:
+        """Whether the engine multiplies through the ranks of :attr:`process_group`."""
+        return self.process_group is not None and state["engine"].matrix_free
+
+    def _check_same_test_x(self, test_x: Tensor) -> None:
+        """The same ``ValueError`` on every rank unless all hold the same ``test_x``."""
+        check_same(
+            {
+                "shape of test_x": torch.tensor([text_checksum(str(tuple(test_x.shape)))]),
+                "dtype of test_x": torch.tensor([dtype_code(test_x.dtype)]),
+                "values of test_x": exact_checksum(test_x),
+            },
+            self.process_group,
+            "the check of the test points",
+            "every rank must predict at the same test points",
+        )
+
+    def _on_my_test_points(self, test_x: Tensor, compute) -> Tensor:
+        r"""``compute`` (test points ``(*b, m, d)`` to a tensor ``(..., m)``) on this rank's
+        contiguous share of the test points, gathered from every rank: ``(..., M)``.
+
+        Each rank evaluates the cross-covariances of its :math:`\lceil M/P \rceil` test
+        points only; the gather moves the results, :math:`M` values per row of the output.
+        """
+        group = self.process_group
+        rank, size = check_group(group)
+        sizes = split_sizes(test_x.shape[-2], size)
+        start = sum(sizes[:rank])
+        if sizes[rank] > 0:
+            mine = compute(test_x[..., start : start + sizes[rank], :])
+        else:  # shapes from one test point, none of whose values are sent
+            mine = compute(test_x[..., :1, :])[..., :0]
+        return all_gather_cat(mine, -1, sizes, group, "all_gather of the predictions")
 
     def _predict_all(self, test_x: Tensor, full_cov: bool) -> Prediction:
         chunk = settings.test_chunk_size.value()
@@ -518,13 +608,22 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         step = self._check_step(step)
         test_x = validate_test_x(test_x, self.train_x)
         state = self._state()
+        if self.process_group is not None and self._distributed(state):
+            self._check_same_test_x(test_x)
+            self._mean_weights(state)  # on every rank, before the ranks part ways
+            mean = self._on_my_test_points(test_x, lambda part: self._means(state, part))
+        else:
+            mean = self._means(state, test_x)
+        mean = self._guard(state, mean, test_x)
+        return mean if step is None else mean[..., step - 1, :]
+
+    def _means(self, state: dict, test_x: Tensor) -> Tensor:
+        """Means ``(*, T, M)`` at ``test_x``, chunk by chunk, computed by this process."""
         chunk = settings.test_chunk_size.value()
         starts = range(0, max(test_x.shape[-2], 1), chunk)
         with autograd_context(state):
             chunks = [test_x[..., i : i + chunk, :] for i in starts]
-            mean = torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
-        mean = self._guard(state, mean, test_x)
-        return mean if step is None else mean[..., step - 1, :]
+            return torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
 
     def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""

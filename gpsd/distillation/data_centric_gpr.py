@@ -92,6 +92,20 @@ class DataCentricGPR(SpectralGPR):
         when the factorisation is computed, less where the other half would not hold the working
         set of a prediction (about ``8 * 4096 + 4 * 2048`` vectors of length N); ``0``
         evaluates the kernel afresh at every product.
+    :param process_group: a ``torch.distributed.ProcessGroup`` whose ranks share the work of
+        the matrix-free backends (``torch.distributed.group.WORLD`` for the default group);
+        ``None`` (the default) computes everything in this process, even where a default
+        group is initialised. With a group, every rank builds the model from the same data and
+        kernel and calls the same methods with the same arguments (as under ``torchrun``):
+        each rank evaluates its block of kernel rows (a
+        :class:`~gpsd.linalg.DistributedKernelOperator`), the Krylov iterations run on every
+        rank, and every rank returns the same results as one process. Predictions split the
+        test points across the ranks where the engine needs no product with K for them (a
+        Lanczos spectrum without complement series) and gather them; the CG backend's solves
+        for the test columns run on every rank, through the group. The dense and Cholesky
+        backends compute whole on every rank. Ranks whose data or kernels differ raise a
+        ``ValueError`` on every rank; a failing rank makes the others raise a
+        :class:`~gpsd.DistributedError` within the group's ``timeout``.
 
     Example:
         >>> covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
@@ -116,6 +130,7 @@ class DataCentricGPR(SpectralGPR):
         rank: int | None = None,
         rtol: float = 1e-6,
         kernel_cache_bytes: int | None = None,
+        process_group: object = None,
     ) -> None:
         super().__init__(
             train_x,
@@ -129,6 +144,7 @@ class DataCentricGPR(SpectralGPR):
             rank=rank,
             rtol=rtol,
             kernel_cache_bytes=kernel_cache_bytes,
+            process_group=process_group,
         )
         self.alpha = alpha
 

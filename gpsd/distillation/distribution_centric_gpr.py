@@ -72,7 +72,7 @@ class DistributionCentricGPR(SpectralGPR):
     :param num_steps: the number of steps :math:`T` (default: the length of ``noise``).
     :param mean_module: the prior mean :math:`m` (default zero).
     :param method: ``"collapsed"`` or ``"iterated"``.
-    :param backend, linalg_dtype, rank, rtol, kernel_cache_bytes: as in
+    :param backend, linalg_dtype, rank, rtol, kernel_cache_bytes, process_group: as in
         :class:`~gpsd.DataCentricGPR`.
 
     Example:
@@ -95,6 +95,7 @@ class DistributionCentricGPR(SpectralGPR):
         rank: int | None = None,
         rtol: float = 1e-6,
         kernel_cache_bytes: int | None = None,
+        process_group: object = None,
     ) -> None:
         self.method = method  # checked before the base class does any work
         super().__init__(
@@ -109,6 +110,7 @@ class DistributionCentricGPR(SpectralGPR):
             rank=rank,
             rtol=rtol,
             kernel_cache_bytes=kernel_cache_bytes,
+            process_group=process_group,
         )
 
     method = choice_setting(

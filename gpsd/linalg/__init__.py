@@ -2,6 +2,7 @@
 
 from gpsd.linalg.backend import BACKENDS, choose_backend, make_engine
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
+from gpsd.linalg.distributed_kernel_operator import DistributedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum, SpectralCoordinates
 from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.shifted_cg import ShiftedCG
@@ -12,6 +13,7 @@ from gpsd.linalg.spectral_filter import SpectralFilter
 __all__ = [
     "BACKENDS",
     "ChunkedKernelOperator",
+    "DistributedKernelOperator",
     "KernelSpectrum",
     "ShiftedCG",
     "ShiftedCholesky",

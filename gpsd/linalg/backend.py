@@ -14,11 +14,13 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd import settings
+from gpsd._internal.collectives import all_gather, check_group
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
 from gpsd._internal.validation import check_int
 from gpsd.exceptions import InsufficientMemoryError
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
+from gpsd.linalg.distributed_kernel_operator import DistributedKernelOperator
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
 from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.shifted_cg import ShiftedCG
@@ -134,6 +136,7 @@ def make_engine(
     *,
     progress: object = False,
     callback: Callback | None = None,
+    process_group: object = None,
 ) -> SpectralEngine:
     """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
     :class:`ShiftedCG`, all of them :class:`~gpsd.linalg.SpectralEngine` s.
@@ -188,8 +191,18 @@ def make_engine(
     that returns ``True`` stops the growth there: ``backend="lanczos"`` returns that spectrum,
     and ``"auto"`` goes on as when Lanczos does not reach ``rtol`` (deflated CG, or the dense
     eigendecomposition where that was the alternative).
+
+    With a ``process_group`` (a ``torch.distributed.ProcessGroup``; ``None``: one process), the
+    matrix-free backends multiply through a :class:`~gpsd.linalg.DistributedKernelOperator`,
+    each rank evaluating its block of kernel rows, and every rank of the group must call this
+    function with the same arguments: the Krylov iterations then run the same on every rank
+    and return the same engine. ``backend="auto"`` takes the most matrix-free choice of any
+    rank (the ranks' free memory may differ); the dense and Cholesky backends run whole on
+    every rank, without collectives.
     """
     n = x.shape[-2]
+    if process_group is not None:
+        check_group(process_group)
 
     def lanczos(operator, r: int, stop_when=None) -> KernelSpectrum:
         return KernelSpectrum.from_lanczos(
@@ -214,20 +227,21 @@ def make_engine(
         return lanczos(operator, max_rank, stop)
 
     if backend in ("lanczos", "cg"):
-        operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
-        _warn_if_hard_for_matrix_free(
-            operator,
-            backend,
-            n,
-            x,
-            eig_dtype or x.dtype,
-            num_steps,
-            schedule_shape,
-            kernel,
-            rank,
-            gamma_min,
-            rtol,
-        )
+        operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes, process_group)
+        if process_group is None:  # a probe product on some ranks only would hang the others
+            _warn_if_hard_for_matrix_free(
+                operator,
+                backend,
+                n,
+                x,
+                eig_dtype or x.dtype,
+                num_steps,
+                schedule_shape,
+                kernel,
+                rank,
+                gamma_min,
+                rtol,
+            )
         try:
             if backend == "lanczos":
                 if rank is not None:
@@ -263,6 +277,8 @@ def make_engine(
             # a factor's batch: the schedules' broadcast against the matrices', as the shift is
             factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
         )
+        if process_group is not None:
+            backend = _agree(backend, process_group)
         try_lanczos_first = backend == "dense" and not needs_grad
     # K is evaluated in the factorisation's dtype, as the matrix-free backends do; with a graph
     # to keep, through differentiable casts of the parameters (a copy would cut the graph).
@@ -271,7 +287,7 @@ def make_engine(
         if backend == "cholesky":
             return ShiftedCholesky(dense_kernel(dense_x), dtype=eig_dtype)
         if backend == "lanczos":  # chosen by choose_backend: no dense matrix (N or memory)
-            operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes)
+            operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes, process_group)
             spectrum = grow_lanczos(operator, min(n, settings.max_lanczos_rank.value()))
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
@@ -486,13 +502,29 @@ def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rto
     return bool((theta >= tau).all(-1).any())
 
 
+def _agree(backend: str, process_group: object) -> str:
+    """The most matrix-free of the ranks' automatic choices (``"cholesky"``, ``"dense"``,
+    ``"lanczos"``, in that order), the same on every rank."""
+    order = ("cholesky", "dense", "lanczos")
+    codes = all_gather(
+        torch.tensor([order.index(backend)]), process_group, "agreement on the backend"
+    )
+    return order[max(int(c) for c in codes)]
+
+
 def _matrix_free(
-    kernel: Kernel, x: Tensor, dtype: torch.dtype | None, cache_bytes: int | None
+    kernel: Kernel,
+    x: Tensor,
+    dtype: torch.dtype | None,
+    cache_bytes: int | None,
+    process_group: object = None,
 ) -> Tensor | LinearOperator:
     """The kernel matrix as an operator that is never formed whole (KeOps, or row chunks of which
     those that fit in ``cache_bytes`` are kept between products; ``None``:
     :class:`gpsd.settings.kernel_cache_fraction` of the device's free memory, less where the rest would not
     hold a prediction's working set of :data:`_ROW_CHUNK_VECTORS` plus 8 test chunks of N-vectors).
+    With a ``process_group``, a :class:`~gpsd.linalg.DistributedKernelOperator`: each rank
+    evaluates and keeps its own block of rows (a KeOps kernel too, in dense row chunks).
 
     The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
     residuals and the CG residuals reach that precision even for float32 data; the kernel is
@@ -502,10 +534,18 @@ def _matrix_free(
     is_keops = any(
         type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
     )
-    if is_keops:
+    if is_keops and process_group is None:
         return kernel(x)
     if cache_bytes is None:
         cache_bytes = _default_cache_bytes(x)
+    if process_group is not None:
+        return DistributedKernelOperator(
+            x,
+            covar_module=kernel,
+            process_group=process_group,
+            cache_bytes=cache_bytes,
+            keep_after=settings.keep_kernel_rows_after.value(),
+        )
     return ChunkedKernelOperator(
         x,
         covar_module=kernel,

@@ -44,6 +44,11 @@ class ChunkedKernelOperator(LinearOperator):
     kernel stops after three) is better off without the memory. ``keep_after`` products are
     therefore evaluated without keeping anything, and rows are kept from the next one on.
 
+    **A block of rows.** With ``rows=slice(start, stop)`` the operator is the
+    ``(stop - start) x N`` block :math:`k(\mathbf X_{\text{start:stop}}, \mathbf X)` of rows of
+    :math:`\mathbf K`, chunked and kept as above (the local part of a
+    :class:`~gpsd.linalg.DistributedKernelOperator`); it has no transpose nor diagonal.
+
     Inputs ``x`` and right-hand sides holding NaN or infinite values are refused with a
     ``ValueError`` naming them (every entry of the product would be NaN).
 
@@ -52,6 +57,8 @@ class ChunkedKernelOperator(LinearOperator):
     :param chunk_size: rows evaluated at once.
     :param cache_bytes: memory the kept rows may fill, in bytes (default 0: keep none).
     :param keep_after: products evaluated afresh before rows are kept (default 0).
+    :param rows: the rows of :math:`\mathbf K` the operator holds, a ``slice`` with
+        ``0 <= start <= stop <= N`` and step 1 (default: all of them).
     """
 
     def __init__(
@@ -62,6 +69,7 @@ class ChunkedKernelOperator(LinearOperator):
         chunk_size: int = 2048,
         cache_bytes: int = 0,
         keep_after: int = 0,
+        rows: slice | None = None,
         _rows: _KeptRows | None = None,
     ) -> None:
         chunk_size = check_int(chunk_size, "chunk_size")
@@ -78,31 +86,42 @@ class ChunkedKernelOperator(LinearOperator):
                     )
                 )
             check_finite(x.detach(), "x")
+            rows = _check_rows(rows, x.shape[-2])
         # The rows live in an object passed along as a keyword: linear_operator rebuilds the
         # operator from its arguments for every product, and the rows must outlive that.
-        rows = _rows if _rows is not None else _KeptRows()
+        kept = _rows if _rows is not None else _KeptRows()
         super().__init__(
             x,
             covar_module=covar_module,
             chunk_size=chunk_size,
             cache_bytes=cache_bytes,
             keep_after=keep_after,
-            _rows=rows,
+            rows=rows,
+            _rows=kept,
         )
         self.x = x
         self.covar_module = covar_module
         self.chunk_size = chunk_size
         self.cache_bytes = cache_bytes
         self.keep_after = keep_after
-        self._rows = rows
+        #: The rows of K held, ``slice(start, stop)``; ``None`` for all of them.
+        self.rows = rows
+        self._rows = kept
 
     @property
     def kept_bytes(self) -> int:
         """Memory the kept kernel rows fill now, in bytes."""
         return self._rows.nbytes if self._rows.belongs_to(self.x, self.covar_module) else 0
 
+    def _row_range(self) -> tuple[int, int]:
+        """The first and one past the last row of K the operator holds."""
+        if self.rows is None:
+            return 0, self.x.shape[-2]
+        return self.rows.start, self.rows.stop
+
     def _matmul(self, rhs: Tensor) -> Tensor:
-        n = self.x.shape[-2]
+        first, stop = self._row_range()
+        n = stop - first
         if not bool(torch.isfinite(rhs).all()):
             bad = int((~torch.isfinite(rhs)).sum())
             raise ValueError(
@@ -116,23 +135,23 @@ class ChunkedKernelOperator(LinearOperator):
                 self.cache_bytes > 0
                 and self._rows.claim(self.x, self.covar_module) > self.keep_after
             )
-            for start in range(0, n, self.chunk_size):
+            for start in range(first, stop, self.chunk_size):
                 block = self._rows.blocks.get(start) if keep else None
                 if block is None:
-                    block = self._row_block(start)
+                    block = self._row_block(start, min(start + self.chunk_size, stop))
                     if keep or rhs.shape[-1] >= DROP_MIN_COLUMNS:
                         block = drop_negligible(block, inplace=True)
                     keep = keep and self._rows.add(start, block, self.cache_bytes)
                 product = block @ rhs  # shape: (*b, chunk, r), *b with the kernel's batch
                 if out is None:
                     out = product.new_empty(*product.shape[:-2], n, product.shape[-1])
-                out[..., start : start + product.shape[-2], :] = product
+                out[..., start - first : start - first + product.shape[-2], :] = product
         if out is None:  # no rows
             return rhs.new_empty(*self.batch_shape, 0, rhs.shape[-1])
         return out
 
-    def _row_block(self, start: int) -> Tensor:
-        r"""Rows ``start : start + chunk_size`` of :math:`\mathbf K`, shape ``(*b, c, N)``.
+    def _row_block(self, start: int, stop: int) -> Tensor:
+        r"""Rows ``start : stop`` of :math:`\mathbf K`, shape ``(*b, c, N)``.
 
         GPyTorch zeroes the distances of a point to itself only where ``x1`` equals ``x2``,
         which a row chunk does not: the entries :math:`k(\mathbf x_i, \mathbf x_i)` of the
@@ -142,7 +161,7 @@ class ChunkedKernelOperator(LinearOperator):
         in float32 instead of 1). They are replaced by ``covar_module(x_I, diag=True)``, as the dense
         ``covar_module(x)`` has them.
         """
-        rows = self.x[..., start : start + self.chunk_size, :]  # shape: (*bx, c, d)
+        rows = self.x[..., start:stop, :]  # shape: (*bx, c, d)
         block = to_dense(self.covar_module(rows, self.x))  # shape: (*b, c, N)
         diag = self._kernel_diagonal(rows, block.shape[:-1]).to(block)  # shape: (*b, c)
         if block.is_contiguous():  # a fresh tensor: written in place
@@ -165,14 +184,25 @@ class ChunkedKernelOperator(LinearOperator):
 
     def _size(self) -> torch.Size:
         n = self.x.shape[-2]
+        first, stop = self._row_range()
         # a kernel with a batch shape on shared inputs is a batch of matrices too
         batch = torch.broadcast_shapes(self.x.shape[:-2], self.covar_module.batch_shape)
-        return torch.Size((*batch, n, n))
+        return torch.Size((*batch, stop - first, n))
 
     def _transpose_nonbatch(self) -> ChunkedKernelOperator:
+        self._require_square("transpose")
         return self
 
+    def _require_square(self, what: str) -> None:
+        """A ``ValueError`` where the operator holds a block of rows, which has no ``what``."""
+        if self.rows is not None and self._row_range() != (0, self.x.shape[-2]):
+            raise ValueError(
+                f"a ChunkedKernelOperator of rows {self.rows.start}:{self.rows.stop} of "
+                f"{self.x.shape[-2]} has no {what}; leave rows=None for the whole kernel matrix"
+            )
+
     def _diagonal(self) -> Tensor:
+        self._require_square("diagonal")
         with torch.no_grad():
             return self._kernel_diagonal(self.x, self.shape[:-1])  # shape: (*b, N)
 
@@ -184,7 +214,26 @@ class ChunkedKernelOperator(LinearOperator):
             chunk_size=self.chunk_size,
             cache_bytes=self.cache_bytes,
             keep_after=self.keep_after,
+            rows=self.rows,
         )
+
+
+def _check_rows(rows: object, n: int) -> slice | None:
+    """``rows`` as a ``slice`` of ``0..n`` with step 1 and bounds set, or a ``TypeError`` or
+    ``ValueError`` naming it."""
+    if rows is None:
+        return None
+    if not isinstance(rows, slice):
+        raise TypeError(f"rows must be a slice(start, stop) or None, got {type(rows).__name__}")
+    start = 0 if rows.start is None else rows.start
+    stop = n if rows.stop is None else rows.stop
+    valid = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop))
+    if not valid or rows.step not in (None, 1) or not 0 <= start <= stop <= n:
+        raise ValueError(
+            f"rows must be a slice(start, stop) with 0 <= start <= stop <= N = {n} and step 1, "
+            f"got {rows}"
+        )
+    return slice(start, stop)
 
 
 class _KeptRows:

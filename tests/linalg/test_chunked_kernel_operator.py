@@ -329,3 +329,53 @@ def test_a_non_finite_right_hand_side_is_refused_rather_than_multiplied_into_nan
     rhs[5, 2] = 0.0
     dense = gpytorch.kernels.RBFKernel().to(DTYPE)(x).to_dense()
     torch.testing.assert_close(operator @ rhs, dense @ rhs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 10**7])
+def test_a_block_of_rows_multiplies_as_those_rows_of_the_dense_kernel(cache_bytes):
+    x = torch.rand(2, 70, 3, dtype=DTYPE)
+    kernel, rows = counted_kernel(lengthscale=0.4, batch_shape=(2,))
+    op = ChunkedKernelOperator(
+        x, covar_module=kernel, chunk_size=16, cache_bytes=cache_bytes, rows=slice(23, 61)
+    )
+    dense = torch.stack([reference(x[i], 0.4) for i in range(2)])  # shape: (2, 70, 70)
+    rhs = torch.randn(2, 70, 4, dtype=DTYPE)
+    assert op.shape == (2, 38, 70)
+    for _ in range(2):
+        torch.testing.assert_close(op @ rhs, dense[:, 23:61] @ rhs, rtol=1e-12, atol=1e-12)
+    # chunks of 16 rows from row 23 on, the last one cut at row 61; kept rows are not evaluated
+    assert rows[:3] == [16, 16, 6]
+    assert len(rows) == (3 if cache_bytes else 6)
+
+
+def test_an_empty_block_of_rows_gives_an_empty_product():
+    x = torch.rand(9, 2, dtype=DTYPE)
+    op = ChunkedKernelOperator(x, covar_module=RBFKernel().to(DTYPE), rows=slice(9, 9))
+    assert (op @ torch.ones(9, 2, dtype=DTYPE)).shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("rows", "error"),
+    [
+        (slice(3, 2), ValueError),
+        (slice(-1, 4), ValueError),
+        (slice(0, 11), ValueError),
+        (slice(0, 6, 2), ValueError),
+        ((0, 4), TypeError),
+    ],
+)
+def test_rows_outside_the_matrix_or_with_a_step_are_refused(rows, error):
+    x = torch.rand(10, 2, dtype=DTYPE)
+    with pytest.raises(error, match="rows must be a slice"):
+        ChunkedKernelOperator(x, covar_module=RBFKernel().to(DTYPE), rows=rows)
+
+
+def test_a_block_of_rows_has_no_transpose_nor_diagonal():
+    x = torch.rand(10, 2, dtype=DTYPE)
+    op = ChunkedKernelOperator(x, covar_module=RBFKernel().to(DTYPE), rows=slice(0, 4))
+    with pytest.raises(ValueError, match="has no diagonal"):
+        op._diagonal()
+    with pytest.raises(ValueError, match="has no transpose"):
+        op._transpose_nonbatch()
+    whole = ChunkedKernelOperator(x, covar_module=RBFKernel().to(DTYPE), rows=slice(0, 10))
+    assert whole._diagonal().shape == (10,)

@@ -1,0 +1,201 @@
+"""One rank of the multi-process runs of tests/linalg/test_distributed_kernel_operator.py.
+
+Run as ``python tests/distributed_worker.py SCENARIO RANK WORLD_SIZE INIT_FILE OUT_FILE``: it
+joins a gloo group through the file store ``INIT_FILE``, runs ``SCENARIO`` and saves what it
+found to ``OUT_FILE`` (``torch.save``). :func:`problem` and :func:`reference` are shared with the
+test, which computes the single-process answers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import gpytorch
+import torch
+import torch.distributed as dist
+
+import gpsd
+from gpsd.distillation._spectral_gpr import _columns_are_local
+
+DT = torch.float64
+T = 3
+NOISE = [0.1, 0.05, 0.02]
+M = 50  # test points: 25 / 25 on two ranks, 17 / 17 / 16 on three
+#: the timeout of the group the failure scenarios use, in seconds
+SHORT_TIMEOUT = 3.0
+
+
+def problem(n: int):
+    """Training inputs ``(n, 2)``, targets ``(n,)``, test inputs ``(M, 2)`` and a kernel."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(n, 2, generator=gen, dtype=DT) * 4
+    y = torch.sin(x).sum(-1) + 0.1 * torch.randn(n, generator=gen, dtype=DT)
+    test_x = torch.rand(M, 2, generator=gen, dtype=DT) * 4
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    kernel.base_kernel.lengthscale = 0.7
+    kernel.outputscale = 1.3
+    return x, y, test_x, kernel
+
+
+#: (name, class, backend) of the models every scenario compares
+MODELS = [
+    ("data_lanczos", gpsd.DataCentricGPR, "lanczos"),
+    ("data_cg", gpsd.DataCentricGPR, "cg"),
+    ("data_auto", gpsd.DataCentricGPR, "auto"),
+    ("distribution_lanczos", gpsd.DistributionCentricGPR, "lanczos"),
+    ("distribution_cg", gpsd.DistributionCentricGPR, "cg"),
+]
+
+
+def reference(n: int, process_group=None) -> dict:
+    """Means, variances (and, where the backend has it, GCV) of every model of :data:`MODELS`,
+    with the given process group (``None``: this process alone)."""
+    x, y, test_x, kernel = problem(n)
+    out = {}
+    # auto goes matrix-free only beyond the dense size: lower it below N
+    with gpsd.settings.dense_max_n(n // 4), torch.no_grad():
+        for name, cls, backend in MODELS:
+            model = cls(
+                x, y, kernel, noise=NOISE, backend=backend, process_group=process_group
+            ).fit()
+            prediction = model.predict(test_x)
+            out[name] = {
+                "mean": prediction.mean,
+                "variance": prediction.variance,
+                "predict_mean": model.predict_mean(test_x),
+                "engine": type(model._state()["engine"]).__name__,
+                "split": _columns_are_local(model._state()["engine"]),
+            }
+            if name == "data_lanczos":
+                out[name]["gcv"] = model.gcv()
+                out[name]["step_targets"] = model.step_targets()
+                covariance = model.predict(test_x[:7], full_cov=True).covariance
+                out[name]["covariance"] = covariance
+    return out
+
+
+def _group_of_one(rank: int, world: int):
+    """A group holding this rank alone (every rank creates every such group, in order)."""
+    groups = [dist.new_group([r]) for r in range(world)]
+    return groups[rank]
+
+
+def _caught(run) -> dict:
+    """What ``run()`` raised: its type and message, with the time it took."""
+    start = time.perf_counter()
+    try:
+        run()
+    except Exception as err:  # the scenarios record what every rank sees
+        return {"type": type(err).__name__, "message": str(err), "seconds": _since(start)}
+    return {"type": None, "message": "", "seconds": _since(start)}
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
+
+
+def scenario_main(rank: int, world: int) -> dict:
+    n = 300 if world == 2 else 301
+    out = {"models": reference(n, dist.group.WORLD)}
+    x, _, test_x, kernel = problem(n)
+    operator = gpsd.linalg.DistributedKernelOperator(
+        x, covar_module=kernel, process_group=dist.group.WORLD, chunk_size=64
+    )
+    rhs = torch.randn(n, 5, generator=torch.Generator().manual_seed(1), dtype=DT)
+    out["product"] = operator @ rhs
+    out["diagonal"] = operator.diagonal(dim1=-2, dim2=-1)
+    out["rows"] = (operator.rows.start, operator.rows.stop)
+    if world == 2:  # a group of one: the plain path, within this process
+        out["alone"] = reference(n, _group_of_one(rank, world))
+    out["plain"] = reference(n)
+    # different inputs, kernels or test points on one rank: a ValueError on every rank
+    other_x = x.clone()
+    if rank == world - 1:
+        other_x[0, 0] += 1e-12
+    out["different_x"] = _caught(
+        lambda: gpsd.linalg.DistributedKernelOperator(
+            other_x, covar_module=kernel, process_group=dist.group.WORLD
+        )
+    )
+    other_kernel = problem(n)[3]
+    if rank == world - 1:
+        other_kernel.base_kernel.lengthscale = 0.71
+    y = problem(n)[1]
+    out["different_kernel"] = _caught(
+        lambda: gpsd.DataCentricGPR(
+            x, y, other_kernel, noise=NOISE, backend="lanczos", process_group=dist.group.WORLD
+        ).fit()
+    )
+    # a right-hand side that differs on one rank: the replicated iterations have diverged
+    other_rhs = rhs + (1e-3 if rank == world - 1 else 0.0)
+    out["different_rhs"] = _caught(lambda: operator @ other_rhs)
+    # ranks whose automatic choices differ (as their free memory may) agree on the most
+    # matrix-free one: here the last rank alone would choose a dense backend
+    with gpsd.settings.dense_max_n(n if rank == world - 1 else n // 4), torch.no_grad():
+        model = gpsd.DataCentricGPR(x, y, kernel, noise=NOISE, process_group=dist.group.WORLD)
+        out["disagreeing_auto"] = {
+            "mean": model.predict(test_x).mean,
+            "engine": type(model._state()["engine"]).__name__,
+        }
+    model = gpsd.DataCentricGPR(
+        x, y, kernel, noise=NOISE, backend="lanczos", process_group=dist.group.WORLD
+    )
+    other_test = test_x + (1e-3 if rank == 0 else 0.0)
+    out["different_test_x"] = _caught(lambda: model.predict(other_test))
+    return out
+
+
+def scenario_fail(rank: int, world: int, how: str, out_file: str) -> dict:
+    """Rank 1 fails in the middle of the Lanczos iterations (raises, then stays until rank 0
+    has saved what it saw; or exits)."""
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=SHORT_TIMEOUT))
+    x, y, _, kernel = problem(300)
+
+    def callback(record):
+        if rank == 1:
+            if how == "exit":
+                os._exit(3)
+            raise RuntimeError("rank 1 fails on purpose")
+
+    model = gpsd.DataCentricGPR(
+        x, y, kernel, noise=NOISE, backend="lanczos", rank=64, process_group=group
+    )
+    out = {"fit": _caught(lambda: model.fit(callback=callback))}
+    first = os.path.join(os.path.dirname(out_file), "rank0.pt")
+    start = time.perf_counter()
+    while rank == 1 and not os.path.exists(first) and _since(start) < SHORT_TIMEOUT + 30:
+        time.sleep(0.1)  # stay until rank 0 has given up waiting
+    return out
+
+
+def main() -> None:
+    scenario, rank, world, init_file, out_file = sys.argv[1:]
+    rank, world = int(rank), int(world)
+    torch.set_num_threads(1)
+    torch.exp(torch.zeros(1, dtype=DT))  # see tests/conftest.py
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        if scenario == "main":
+            result = scenario_main(rank, world)
+        else:
+            result = scenario_fail(rank, world, scenario.removeprefix("fail_"), out_file)
+    except Exception:
+        result = {"crashed": traceback.format_exc()}
+    torch.save(result, out_file + ".part")
+    os.replace(out_file + ".part", out_file)  # whole, for a rank that waits for it
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of a group that a failed rank has left
+
+
+if __name__ == "__main__":
+    main()

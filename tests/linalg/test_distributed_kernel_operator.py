@@ -1,0 +1,204 @@
+"""DistributedKernelOperator and the regressors' process_group, on 2 and 3 gloo processes.
+
+Each multi-process run starts ``tests/distributed_worker.py`` once per rank (subprocesses on
+the loopback interface, joined through a file store in a temporary folder); the workers compute
+the plain single-process answers too, and return everything for the checks here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pathlib
+import subprocess
+import sys
+
+import gpytorch
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_worker import problem
+
+import gpsd
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed with the gloo backend",
+)
+
+WORKER = pathlib.Path(__file__).parents[1] / "distributed_worker.py"
+ROOT = pathlib.Path(__file__).parents[2]
+DT = torch.float64
+SHORT_TIMEOUT = 3.0  # distributed_worker.SHORT_TIMEOUT
+MODELS = ["data_lanczos", "data_cg", "data_auto", "distribution_lanczos", "distribution_cg"]
+
+
+def _launch(
+    scenario: str, world: int, folder: pathlib.Path, limit: float = 120.0, exits: tuple = ()
+) -> list:
+    """Run ``scenario`` on ``world`` gloo processes; what each rank saved, in rank order
+    (``None`` for the ranks in ``exits``, which leave without saving)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    if sys.platform.startswith("linux") and pathlib.Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the loopback interface
+    init, outs = folder / "store", [folder / f"rank{r}.pt" for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(r), str(world), str(init), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r, out in enumerate(outs)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=limit)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for rank, out in enumerate(outs):
+        if rank in exits:
+            assert not out.exists() and procs[rank].returncode == 3
+            results.append(None)
+            continue
+        if not out.exists():
+            pytest.fail(f"rank {rank} saved nothing; its output:\n{logs[rank][-3000:]}")
+        result = torch.load(out, weights_only=False)
+        assert "crashed" not in result, result.get("crashed")
+        results.append(result)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks (uneven)"])
+def main_run(request, tmp_path_factory):
+    world = request.param
+    return world, _launch("main", world, tmp_path_factory.mktemp(f"main{world}"))
+
+
+def test_each_rank_holds_a_contiguous_block_of_rows(main_run):
+    world, results = main_run
+    n = 300 if world == 2 else 301
+    blocks = [r["rows"] for r in results]
+    assert blocks[0][0] == 0 and blocks[-1][1] == n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+    sizes = [stop - start for start, stop in blocks]
+    assert max(sizes) - min(sizes) == (0 if n % world == 0 else 1)
+
+
+def test_products_and_diagonal_equal_the_dense_kernel_on_every_rank(main_run):
+    world, results = main_run
+    n = 300 if world == 2 else 301
+    x, _, _, kernel = problem(n)
+    scale, lengthscale = (
+        float(kernel.outputscale.detach()),
+        float(kernel.base_kernel.lengthscale.detach()),
+    )
+    # the dense kernel written out: s exp(-|x - x'|^2 / (2 l^2))
+    dense = scale * torch.exp(-torch.cdist(x, x).square() / (2 * lengthscale**2))
+    rhs = torch.randn(n, 5, generator=torch.Generator().manual_seed(1), dtype=DT)
+    for result in results:
+        torch.testing.assert_close(result["product"], dense @ rhs, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["diagonal"], dense.diagonal(), rtol=1e-14, atol=0)
+        assert torch.equal(result["product"], results[0]["product"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_regressors_on_every_rank_equal_one_process(main_run, model):
+    _, results = main_run
+    plain = results[0]["plain"][model]
+    keys = [k for k in plain if isinstance(plain[k], torch.Tensor)]
+    assert {"mean", "variance", "predict_mean"} <= set(keys)
+    for result in results:
+        got = result["models"][model]
+        assert got["engine"] == plain["engine"]
+        for key in keys:
+            torch.testing.assert_close(got[key], plain[key], rtol=0, atol=1e-10, msg=key)
+            # the ranks return one answer, not several close ones
+            assert torch.equal(got[key], results[0]["models"][model][key]), key
+
+
+def test_lanczos_predictions_split_the_test_points_and_cg_runs_them_on_every_rank(main_run):
+    _, results = main_run
+    models = results[0]["models"]
+    assert models["data_lanczos"]["engine"] == "KernelSpectrum"
+    assert models["data_lanczos"]["split"]
+    assert models["data_auto"]["engine"] == "KernelSpectrum"  # matrix-free, through the group
+    assert models["data_cg"]["engine"] == "ShiftedCG" and not models["data_cg"]["split"]
+
+
+def test_gcv_and_covariances_through_the_group_equal_one_process(main_run):
+    _, results = main_run
+    plain = results[0]["plain"]["data_lanczos"]
+    for result in results:
+        got = result["models"]["data_lanczos"]
+        torch.testing.assert_close(got["gcv"], plain["gcv"], rtol=1e-10, atol=0)
+        torch.testing.assert_close(got["covariance"], plain["covariance"], rtol=0, atol=1e-10)
+
+
+def test_ranks_whose_automatic_choices_differ_agree_on_the_matrix_free_one(main_run):
+    _, results = main_run
+    plain = results[0]["plain"]["data_auto"]
+    assert plain["engine"] == "KernelSpectrum"
+    for result in results:
+        got = result["disagreeing_auto"]
+        assert got["engine"] == plain["engine"]
+        torch.testing.assert_close(got["mean"], plain["mean"], rtol=0, atol=1e-10)
+
+
+def test_a_group_of_one_rank_is_the_plain_path(main_run):
+    world, results = main_run
+    if world != 2:
+        pytest.skip("the 2-rank run checks groups of one")
+    for result, model in itertools.product(results, MODELS):
+        plain, alone = result["plain"][model], result["alone"][model]
+        for key, value in plain.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(alone[key], value, rtol=0, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [
+        ("different_x", "values of x"),
+        ("different_kernel", "kernel hyperparameter values"),
+        ("different_test_x", "values of test_x"),
+        ("different_rhs", "multiplied the distributed kernel operator by another"),
+    ],
+)
+def test_ranks_that_hold_different_data_raise_a_value_error_on_every_rank(main_run, case, names):
+    world, results = main_run
+    for rank, result in enumerate(results):
+        caught = result[case]
+        assert caught["type"] == "ValueError", caught
+        assert names in caught["message"] and f"rank {rank} of {world}" in caught["message"]
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_rank_that_fails_mid_run_ends_the_run_on_every_rank_within_the_timeout(how, tmp_path):
+    results = _launch(f"fail_{how}", 2, tmp_path, limit=60.0, exits=(1,) if how == "exit" else ())
+    caught = results[0]["fit"]
+    assert caught["type"] == "DistributedError", caught
+    assert "rank 0 of 2" in caught["message"] and "all_gather" in caught["message"]
+    assert caught["seconds"] < SHORT_TIMEOUT + 10.0
+    if how == "raise":  # the failing rank keeps its own error
+        assert results[1]["fit"]["type"] == "RuntimeError"
+        assert "on purpose" in results[1]["fit"]["message"]
+
+
+def test_a_process_group_that_is_not_one_is_refused():
+    x = torch.rand(10, 2, dtype=DT)
+    kernel = gpytorch.kernels.RBFKernel().to(DT)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+        gpsd.DataCentricGPR(x, x.sum(-1), kernel, noise=0.1, process_group="world")
+    with pytest.raises(TypeError, match="process_group"):
+        gpsd.linalg.DistributedKernelOperator(x, covar_module=kernel, process_group=0)
