@@ -116,8 +116,7 @@ class KernelSpectrum(SpectralEngine):
     ) -> None:
         self.eigenvalues = eigenvalues
         self._vectors = eigenvectors
-        # columns projected on factored eigenvectors so far (see _coordinates)
-        self._factored_columns = 0
+        self._formed: Tensor | None = None  # factored eigenvectors, once formed
         self.is_truncated = matmul is not None
         #: Whether ``matmul`` multiplies through a matrix-free operator (set by
         #: :meth:`from_lanczos`; see :attr:`SpectralEngine.matrix_free`).
@@ -163,9 +162,12 @@ class KernelSpectrum(SpectralEngine):
     @property
     def eigenvectors(self) -> Tensor:
         """Shape ``(*b, N, k)``; a :meth:`from_tridiagonal` spectrum forms them on first
-        access (:math:`2N^2k` flops) and keeps them."""
+        access (:math:`2N^2k` flops) and keeps them apart: its filters still go through the
+        factors, so that a result does not depend on what was asked before."""
         if isinstance(self._vectors, FactoredEigenvectors):
-            self._vectors = self._vectors.to_dense()
+            if self._formed is None:
+                self._formed = self._vectors.to_dense()
+            return self._formed
         return self._vectors
 
     @property
@@ -228,11 +230,10 @@ class KernelSpectrum(SpectralEngine):
         :math:`\mathbf Q` applied through its reflectors. ``torch.linalg.eigh`` spends about
         as much again on the eigenvectors of :math:`\mathbf T` by divide and conquer and on
         forming :math:`\mathbf V` (:math:`2N^3` flops); here a block of :math:`r` right-hand
-        sides costs :math:`4N^2 r` flops instead of :math:`2N^2 r`, so :math:`\mathbf V` is
-        formed once the columns projected reach :math:`N`, where forming it becomes the cheaper
-        way. The results are those of :meth:`from_dense` up to rounding, without an autograd
-        graph (the reduction runs in SciPy's LAPACK on the CPU; the factors live on the
-        kernel's device).
+        sides costs :math:`4N^2 r` flops instead of :math:`2N^2 r`, which pays while fewer than
+        about :math:`N` columns are projected (the test points of a prediction, say). The
+        results are those of :meth:`from_dense` up to rounding, without an autograd graph (the
+        reduction runs in SciPy's LAPACK on the CPU; the factors live on the kernel's device).
 
         :raises ValueError: as :meth:`from_dense`.
         :raises TypeError: as :meth:`from_dense`.
@@ -563,17 +564,12 @@ class KernelSpectrum(SpectralEngine):
         return filt.to(self._vectors.dtype, self._vectors.device)
 
     def _coordinates(self, rhs: Tensor) -> Tensor:
-        """:math:`\\mathbf V^\\top \\mathbf B` for ``rhs`` of shape ``(*, N, r)``: ``(*, k, r)``.
-
-        Factored eigenvectors are formed first once the columns projected would reach
-        :math:`N` (see :meth:`from_tridiagonal`)."""
+        """:math:`\\mathbf V^\\top \\mathbf B` for ``rhs`` of shape ``(*, N, r)``: ``(*, k, r)``
+        (through the reflectors where the eigenvectors are factored)."""
         rhs = rhs.to(dtype=self._vectors.dtype, device=self._vectors.device)
         if isinstance(self._vectors, FactoredEigenvectors):
-            matrices = self._vectors.shape[:-2].numel()
-            self._factored_columns += rhs.shape[-1] * rhs.shape[:-2].numel() // matrices
-            if self._factored_columns < self.size:
-                return self._vectors.t_matmul(rhs)
-        return self.eigenvectors.mT @ rhs
+            return self._vectors.t_matmul(rhs)
+        return self._vectors.mT @ rhs
 
     def _expand(self, coefficients: Tensor) -> Tensor:
         """:math:`\\mathbf V \\mathbf C` for coefficients of shape ``(*, F, k, r)``:
