@@ -75,7 +75,7 @@ def one_round(backend: str) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", nargs="+", default=["dense", "cholesky", "lanczos"])
+    parser.add_argument("--backends", nargs="+", default=["auto", "dense", "cholesky"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import check_finite, check_int
-from gpsd.linalg._tridiagonal import FactoredEigenvectors, tridiagonal_eigh
+from gpsd.linalg._tridiagonal import tridiagonal_eigh
 from gpsd.linalg.spectral_engine import SpectralEngine, is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
 from gpsd.progress import Callback
@@ -100,12 +100,14 @@ class KernelSpectrum(SpectralEngine):
     :param kernel_trace: :math:`\operatorname{tr}\mathbf K`, shape ``(*b,)`` (truncated spectra).
     :param resolved: shape ``(*b, k)``, which columns hold a resolved eigenpair (default: the
         non-zero columns of ``eigenvectors``, found by one pass over them).
+    :param differentiable: whether ``eigenvalues`` and ``eigenvectors`` may carry an autograd
+        graph (``False`` for :meth:`from_tridiagonal`).
     """
 
     def __init__(
         self,
         eigenvalues: Tensor,
-        eigenvectors: Tensor | FactoredEigenvectors,
+        eigenvectors: Tensor,
         *,
         matmul: Callable[[Tensor], Tensor] | None = None,
         series_order: int = 0,
@@ -113,11 +115,12 @@ class KernelSpectrum(SpectralEngine):
         residual_norm: float = 0.0,
         kernel_trace: Tensor | None = None,
         resolved: Tensor | None = None,
+        differentiable: bool = True,
     ) -> None:
         self.eigenvalues = eigenvalues
-        self._vectors = eigenvectors
-        self._formed: Tensor | None = None  # factored eigenvectors, once formed
+        self.eigenvectors = eigenvectors
         self.is_truncated = matmul is not None
+        self._differentiable = differentiable
         #: Whether ``matmul`` multiplies through a matrix-free operator (set by
         #: :meth:`from_lanczos`; see :attr:`SpectralEngine.matrix_free`).
         self.matrix_free = False
@@ -160,20 +163,9 @@ class KernelSpectrum(SpectralEngine):
         self._complement_norm = value
 
     @property
-    def eigenvectors(self) -> Tensor:
-        """Shape ``(*b, N, k)``; a :meth:`from_tridiagonal` spectrum forms them on first
-        access (:math:`2N^2k` flops) and keeps them apart: its filters still go through the
-        factors, so that a result does not depend on what was asked before."""
-        if isinstance(self._vectors, FactoredEigenvectors):
-            if self._formed is None:
-                self._formed = self._vectors.to_dense()
-            return self._formed
-        return self._vectors
-
-    @property
     def supports_autograd(self) -> bool:
         """Whether results carry an autograd graph (only a full :meth:`from_dense` spectrum)."""
-        return not self.is_truncated and not isinstance(self._vectors, FactoredEigenvectors)
+        return not self.is_truncated and self._differentiable
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -213,30 +205,22 @@ class KernelSpectrum(SpectralEngine):
     def from_tridiagonal(
         cls, kernel: Tensor | LinearOperator, dtype: torch.dtype | None = torch.float64
     ) -> KernelSpectrum:
-        r"""Full eigendecomposition of ``kernel`` (shape ``(*b, N, N)``) in ``dtype`` through
-        its tridiagonal reduction, without forming the eigenvectors.
+        r"""Full eigendecomposition of ``kernel`` (shape ``(*b, N, N)``) in ``dtype`` through its
+        tridiagonal reduction, without an autograd graph.
 
-        With the reduction :math:`\mathbf K = \mathbf Q \mathbf T \mathbf Q^\top` (Householder
-        reflectors, :math:`\tfrac43 N^3` flops) and the eigenpairs
+        The reduction :math:`\mathbf K = \mathbf Q \mathbf T \mathbf Q^\top` (Householder
+        reflectors, :math:`\tfrac43 N^3` flops), the eigenpairs
         :math:`\mathbf T = \mathbf Z \operatorname{diag}(\mathbf d) \mathbf Z^\top` of the
-        tridiagonal matrix (multiple relatively robust representations,
-        :math:`\mathcal O(N^2)`), the eigenvectors are :math:`\mathbf V = \mathbf Q \mathbf Z`
-        and every filter acts as
-
-        .. math::
-            f(\mathbf K)\,\mathbf B = \mathbf Q \mathbf Z \operatorname{diag}\big(f(\mathbf d)
-            \big) \mathbf Z^\top \mathbf Q^\top \mathbf B ,
-
-        :math:`\mathbf Q` applied through its reflectors. ``torch.linalg.eigh`` spends about
-        as much again on the eigenvectors of :math:`\mathbf T` by divide and conquer and on
-        forming :math:`\mathbf V` (:math:`2N^3` flops); here a block of :math:`r` right-hand
-        sides costs :math:`4N^2 r` flops instead of :math:`2N^2 r`, which pays while fewer than
-        about :math:`N` columns are projected (the test points of a prediction, say). The
-        results are those of :meth:`from_dense` up to rounding, without an autograd graph (the
-        reduction runs in SciPy's LAPACK on the CPU; the factors live on the kernel's device).
+        tridiagonal matrix by multiple relatively robust representations
+        (:math:`\mathcal O(N^2)` flops, where ``torch.linalg.eigh`` on the CPU takes divide and
+        conquer), and :math:`\mathbf V = \mathbf Q \mathbf Z` by applying the reflectors.
+        The results are those of :meth:`from_dense` up to rounding; the reduction runs in
+        SciPy's LAPACK on the CPU, and the eigenpairs return to the kernel's device.
 
         :raises ValueError: as :meth:`from_dense`.
         :raises TypeError: as :meth:`from_dense`.
+        :raises numpy.linalg.LinAlgError: where LAPACK fails (multiple relatively robust
+            representations can, on large clusters of equal eigenvalues).
         """
         dense = to_dense(kernel).detach()
         _check_symmetric_matrix(dense, "kernel")
@@ -244,11 +228,10 @@ class KernelSpectrum(SpectralEngine):
         if dtype is not None:
             dense = dense.to(dtype)
         eps = max(eps, torch.finfo(dense.dtype).eps)
-        evals, vectors = tridiagonal_eigh(0.5 * (dense + dense.mT))  # ascending
+        evals, evecs = tridiagonal_eigh(0.5 * (dense + dense.mT))  # ascending
         _warn_if_indefinite(evals, eps)
         resolved = torch.ones_like(evals, dtype=torch.bool)
-        vectors.z = vectors.z.flip(-1)
-        return cls(evals.flip(-1), vectors, resolved=resolved)
+        return cls(evals.flip(-1), evecs.flip(-1), resolved=resolved, differentiable=False)
 
     @classmethod
     def from_lanczos(
@@ -459,7 +442,7 @@ class KernelSpectrum(SpectralEngine):
         For a truncated spectrum this runs ``num_powers`` (default :math:`J`) products with
         :math:`\\mathbf K` to build the complement's Krylov vectors.
         """
-        coefficients = self._coordinates(rhs)
+        coefficients = self.eigenvectors.mT @ rhs.to(self.eigenvectors)
         if not self.is_truncated:
             return SpectralCoordinates(coefficients, None)
         num_powers = self.series_order if num_powers is None else num_powers
@@ -475,7 +458,9 @@ class KernelSpectrum(SpectralEngine):
         coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
         filt = self._in_dtype(filt)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
-        out = self._expand(values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3))
+        out = self.eigenvectors.unsqueeze(-3) @ (
+            values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3)
+        )
         if coords.krylov is not None:
             out = out + self._combine(filt, coords.krylov)
         return out
@@ -487,8 +472,8 @@ class KernelSpectrum(SpectralEngine):
         ``(*b, N, M)``; returns ``(*, F, M, r)``."""
         coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
         filt = self._in_dtype(filt)
-        left = left.to(dtype=self._vectors.dtype, device=self._vectors.device)
-        z = self._coordinates(left)  # shape: (*b, k, M)
+        left = left.to(self.eigenvectors)
+        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         out = z.mT.unsqueeze(-3) @ (values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3))
         if coords.krylov is not None:
@@ -507,8 +492,8 @@ class KernelSpectrum(SpectralEngine):
         if num_powers is None:
             num_powers = (self.series_order + 1) // 2
         filt = self._in_dtype(filt)
-        left = left.to(dtype=self._vectors.dtype, device=self._vectors.device)
-        z = self._coordinates(left)  # shape: (*b, k, M)
+        left = left.to(self.eigenvectors)
+        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         out = values @ z.square()
         if self.is_truncated:
@@ -561,25 +546,7 @@ class KernelSpectrum(SpectralEngine):
 
     def _in_dtype(self, filt: SpectralFilter) -> SpectralFilter:
         """``filt`` evaluated in the dtype and on the device of the eigenvectors."""
-        return filt.to(self._vectors.dtype, self._vectors.device)
-
-    def _coordinates(self, rhs: Tensor) -> Tensor:
-        """:math:`\\mathbf V^\\top \\mathbf B` for ``rhs`` of shape ``(*, N, r)``: ``(*, k, r)``
-        (through the reflectors where the eigenvectors are factored)."""
-        rhs = rhs.to(dtype=self._vectors.dtype, device=self._vectors.device)
-        if isinstance(self._vectors, FactoredEigenvectors):
-            return self._vectors.t_matmul(rhs)
-        return self._vectors.mT @ rhs
-
-    def _expand(self, coefficients: Tensor) -> Tensor:
-        """:math:`\\mathbf V \\mathbf C` for coefficients of shape ``(*, F, k, r)``:
-        ``(*, F, N, r)``."""
-        if not isinstance(self._vectors, FactoredEigenvectors):
-            return self._vectors.unsqueeze(-3) @ coefficients
-        *lead, f, k, r = coefficients.shape
-        folded = coefficients.movedim(-3, -2).reshape(*lead, k, f * r)  # F into the columns
-        out = self._vectors.matmul(folded)  # shape: (*, N, F r)
-        return out.reshape(*out.shape[:-1], f, r).movedim(-2, -3)
+        return filt.to(self.eigenvectors.dtype, self.eigenvectors.device)
 
     def _combine(self, filt: SpectralFilter, krylov: Tensor) -> Tensor:
         """:math:`\\sum_j c_{t,j} \\mathbf W_j` for ``krylov`` of shape ``(*b, J+1, ·, r)``."""
@@ -680,7 +647,7 @@ class KernelSpectrum(SpectralEngine):
         others = "use backend='cg' (matrix-free) or backend='dense'"
         computed = self.resolved.shape[-1]  # Ritz pairs computed
         resolved = int(self.num_resolved.min())
-        low_precision = self._vectors.dtype != torch.float64
+        low_precision = self.eigenvectors.dtype != torch.float64
         if computed >= self.size:
             advice = (
                 f"the Krylov space already spans all N = {self.size} dimensions "
