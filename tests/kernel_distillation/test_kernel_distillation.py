@@ -318,6 +318,16 @@ def test_block_descent_is_monotone_and_lowers_the_error_more_than_the_gradient()
     assert errs[-1] < gradient.frobenius_errors[-1]
 
 
+def test_by_default_fit_keeps_the_least_squares_start_and_reports_its_error():
+    kd = reference_distiller().fit()
+    assert kd.max_iter == 0
+    torch.testing.assert_close(kd.weight_values, kd.initial_weight_values, rtol=0, atol=0)
+    assert len(kd.frobenius_errors) == 1
+    assert kd.frobenius_errors[0] ** 2 == pytest.approx(
+        float(_dense_objective(kd, kd.initial_weight_values)), rel=1e-9
+    )
+
+
 def test_fixed_steps_and_optimizers_descend_along_the_gradient():
     assert reference_distiller(lr=1e-4).descent == "gradient"
     assert reference_distiller(optimizer=lambda p: torch.optim.SGD(p, lr=1e-4)).descent == (
