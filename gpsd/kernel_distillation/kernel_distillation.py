@@ -653,7 +653,15 @@ class KernelDistillation:
             shape ``(n, b)``.
         :return: :math:`D`, shape ``(n, b)``.
         """
+        if self.neighbour_indices is None:
+            self.prepare()
         idx, m = self.neighbour_indices, self.num_inducing
+        for name, tensor in (("values", values), ("gradient", gradient)):
+            if not isinstance(tensor, Tensor) or tensor.shape != idx.shape:
+                shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+                raise ValueError(
+                    f"{name} must be a tensor of shape {tuple(idx.shape)}, got {shape}"
+                )
         dtype = values.dtype
         work = dtype if values.device.type == "mps" else torch.float64
         vals = values.to(work)

@@ -303,6 +303,16 @@ def test_block_direction_is_the_per_row_least_squares_step_with_the_right_factor
         np.testing.assert_allclose((values - direction)[i].numpy(), ref, rtol=1e-6, atol=1e-9)
 
 
+def test_block_direction_names_a_badly_shaped_argument():
+    kd = reference_distiller()
+    kd.prepare()
+    good = kd.initial_weight_values
+    with pytest.raises(ValueError, match=r"gradient must be a tensor of shape \(120, 5\)"):
+        kd.block_direction(good, good[:3])
+    with pytest.raises(ValueError, match="values must be a tensor"):
+        kd.block_direction(good.tolist(), good)
+
+
 def test_block_descent_is_monotone_and_lowers_the_error_more_than_the_gradient():
     block = reference_distiller(max_iter=5).fit()
     gradient = reference_distiller(max_iter=5, descent="gradient").fit()
