@@ -154,7 +154,7 @@ def main() -> None:
         ax.set_xlabel("column j (inputs in increasing order)")
         ax.set_ylabel("row i (inputs in increasing order)")
         fig.colorbar(im, ax=ax, fraction=0.046, label="absolute error of the entry (log scale)")
-    # the descent changes the error little here: open and filled markers keep both visible
+    # open and filled markers keep the start and the descended error visible where they are close
     axes[3].semilogy(
         sparsities, err_b_init, "o--", ms=10, mfc="none", label="least-squares initialisation"
     )

@@ -44,7 +44,8 @@ class KernelDistilledRegressor(RegressorMixin, BaseEstimator):
         0.1).
     :param max_iter: Adam iterations of the teacher's fit.
     :param lr: Adam's learning rate.
-    :param distillation_max_iter: projected-descent iterations of the distillation.
+    :param distillation_max_iter: descent iterations of the distillation (default 0: the
+        least-squares :math:`W`; see :class:`~gpsd.KernelDistillation`'s ``max_iter``).
     :param random_state: seeds the k-means++ initialisation (``None``, an ``int`` or a
         ``RandomState``).
     :param dtype: ``"float64"`` or ``"float32"``.
@@ -66,7 +67,7 @@ class KernelDistilledRegressor(RegressorMixin, BaseEstimator):
         optimize_hyperparameters: bool = True,
         max_iter: int = 50,
         lr: float = 0.1,
-        distillation_max_iter: int = 20,
+        distillation_max_iter: int = 0,
         random_state: object = None,
         dtype: str = "float64",
     ) -> None:

@@ -285,6 +285,68 @@ def test_line_search_minimises_the_quartic():
     assert f(t) <= min(f(0.5 * t), f(1.5 * t), f(0.0))
 
 
+def test_block_direction_is_the_per_row_least_squares_step_with_the_right_factor_fixed():
+    # independent: for each row i, numpy's lstsq of min_beta ||K(i,:) - beta A(J_i,:)|| with
+    # A = K_UU W^T formed densely; one alternating step is W - D
+    kd = reference_distiller(max_iter=0)
+    kd.prepare()
+    values = kd.initial_weight_values + 0.01 * torch.randn(
+        kd.initial_weight_values.shape, generator=torch.Generator().manual_seed(1), dtype=DT
+    )
+    _, grad = kd.objective_and_gradient(values)
+    direction = kd.block_direction(values, grad)
+    k_xx = kd.covar_module(kd.train_x).to_dense().detach().numpy()
+    right = (kd.inducing_covariance @ kd.dense_weights(values).T).numpy()  # shape: (m, n)
+    for i in range(kd.train_x.shape[0]):
+        j = kd.neighbour_indices[i].numpy()
+        ref = np.linalg.lstsq(right[j].T, k_xx[i], rcond=None)[0]
+        np.testing.assert_allclose((values - direction)[i].numpy(), ref, rtol=1e-6, atol=1e-9)
+
+
+def test_block_direction_names_a_badly_shaped_argument():
+    kd = reference_distiller()
+    kd.prepare()
+    good = kd.initial_weight_values
+    with pytest.raises(ValueError, match=r"gradient must be a tensor of shape \(120, 5\)"):
+        kd.block_direction(good, good[:3])
+    with pytest.raises(ValueError, match="values must be a tensor"):
+        kd.block_direction(good.tolist(), good)
+
+
+def test_block_descent_is_monotone_and_lowers_the_error_more_than_the_gradient():
+    block = reference_distiller(max_iter=5).fit()
+    gradient = reference_distiller(max_iter=5, descent="gradient").fit()
+    assert block.descent == "block" and gradient.descent == "gradient"
+    errs = block.frobenius_errors
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(errs, errs[1:], strict=False))
+    assert errs[0] == pytest.approx(gradient.frobenius_errors[0], rel=1e-12)
+    # the same start; independently, the final errors from dense residuals
+    for kd in (block, gradient):
+        assert kd.frobenius_errors[-1] ** 2 == pytest.approx(
+            float(_dense_objective(kd, kd.weight_values)), rel=1e-9
+        )
+    assert errs[-1] < gradient.frobenius_errors[-1]
+
+
+def test_by_default_fit_keeps_the_least_squares_start_and_reports_its_error():
+    kd = reference_distiller().fit()
+    assert kd.max_iter == 0
+    torch.testing.assert_close(kd.weight_values, kd.initial_weight_values, rtol=0, atol=0)
+    assert len(kd.frobenius_errors) == 1
+    assert kd.frobenius_errors[0] ** 2 == pytest.approx(
+        float(_dense_objective(kd, kd.initial_weight_values)), rel=1e-9
+    )
+
+
+def test_fixed_steps_and_optimizers_descend_along_the_gradient():
+    assert reference_distiller(lr=1e-4).descent == "gradient"
+    assert reference_distiller(optimizer=lambda p: torch.optim.SGD(p, lr=1e-4)).descent == (
+        "gradient"
+    )
+    with pytest.raises(ValueError, match="descent='block' takes the exact line search"):
+        reference_distiller(lr=1e-4, descent="block")
+
+
 def test_line_search_does_not_jump_to_the_mirror_image_of_w():
     # ten copies of one input: K_XX = W K_UU W^T holds exactly and the exact line search went on
     # to the global minimum of the quartic at -W (the objective is even in W, the student is
@@ -859,6 +921,7 @@ def test_clear_errors():
         (dict(jitter=float("nan")), ValueError, "jitter"),
         (dict(inducing_points=torch.zeros(5, 3, dtype=DT)), ValueError, "inducing_points"),
         (dict(neighbour_metric="cosine"), ValueError, "neighbour_metric"),
+        (dict(descent="newton"), ValueError, "descent must be None, 'block' or 'gradient'"),
         (dict(learning_rate=0.1), TypeError, "learning_rate"),
         (dict(covar_module="rbf"), TypeError, "covar_module must be a gpytorch.kernels.Kernel"),
         (
