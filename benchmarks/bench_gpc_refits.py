@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import shlex
 import sys
 import time
 
@@ -233,7 +234,7 @@ def main() -> None:
         "- device: cpu, dtype: float64",
         f"- torch {torch.__version__}, gpytorch {gpytorch.__version__}, "
         f"python {platform.python_version()}",
-        f"- command: `python {' '.join(sys.argv)}`",
+        f"- command: `python {shlex.join(sys.argv)}`",
         f"- starting kernel: ScaleKernel(RBF), outputscale 1, lengthscale 1; Adam, "
         f"{args.refit_iter} iterations, learning rate {args.lr} for every hyperparameter fit",
         "- fixed: the step-1 GPC's fitted kernel shared by every step; refit: "
