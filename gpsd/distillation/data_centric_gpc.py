@@ -368,7 +368,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         returns ``True`` after step ``k`` leaves steps ``1..k`` fitted, and predictions then hold
         those steps alone until the next fit.
 
-        :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``).
+        :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``;
+            with ``refit_hyperparameters`` each refit starts its Newton runs afresh).
         :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
         :param callback: Called after each step with an :class:`~gpsd.IterationRecord`.
         """
