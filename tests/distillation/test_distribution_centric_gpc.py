@@ -433,3 +433,19 @@ def test_refit_options_refuse_bad_values(toy):
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="refit_hyperparameters=True needs"):
         DistributionCentricGPC(x, y, frozen, refit_hyperparameters=True)
+
+
+@pytest.mark.parametrize("method", ["iterated", "tempered"])
+def test_refits_of_a_batch_with_a_batched_kernel_fit_each_member_alone(toy, method):
+    x, y, test_x = toy
+    batch = torch.Size([2])
+    kernel = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch
+    ).double()
+    kernel.outputscale, kernel.base_kernel.lengthscale = 1.0, 1.0
+    options = {"num_steps": 2, "method": method, "refit_hyperparameters": True, **REFIT}
+    model = DistributionCentricGPC(x, torch.stack([y, 1 - y]), kernel, **options)
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (2, 2, test_x.shape[0], 2)
+    single = DistributionCentricGPC(x, 1 - y, _start_kernel(), **options)
+    torch.testing.assert_close(proba[1], single.predict_proba(test_x), rtol=1e-6, atol=1e-7)
