@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import abc
+import copy
 import numbers
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,14 +15,130 @@ from torch import Tensor
 from gpsd._internal.validation import (
     as_float_tensor,
     check_int,
+    check_positive_float,
     check_same_device,
     check_test_inputs,
     check_vector,
 )
+from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
+from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
+from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
+from gpsd.laplace.newton import LaplaceMode
 from gpsd.laplace.predictive import binary_class_probabilities
 from gpsd.prediction import Prediction
 
-__all__ = ["StepwiseClassifier", "noise_schedule"]
+__all__ = [
+    "FittedModules",
+    "SoftBernoulliLogitTerms",
+    "StepwiseClassifier",
+    "check_refit_flag",
+    "check_refit_options",
+    "check_trainable",
+    "noise_schedule",
+    "refit_step_modules",
+]
+
+
+class SoftBernoulliLogitTerms(BernoulliLogitTerms):
+    """The Bernoulli-logistic terms on soft targets in [0, 1] (the misspecified model of the
+    data-centric steps :math:`t \\ge 2`, Fig. 4), whose targets are checked as such."""
+
+    def check_targets(self, y: Tensor, name: str = "train_y") -> None:
+        LaplaceLikelihoodTerms.check_targets(self, y, name)
+        if bool(((y < 0) | (y > 1)).any()):
+            raise ValueError(f"{name} must hold soft targets in [0, 1]")
+
+
+@dataclass
+class FittedModules:
+    """The kernel and prior mean of one fitted step, and the losses of its refit (empty where
+    the hyperparameters were not refitted)."""
+
+    covar_module: torch.nn.Module
+    mean_module: torch.nn.Module
+    history: list[float] = field(default_factory=list)
+
+
+def check_refit_flag(value: object) -> bool:
+    """``refit_hyperparameters`` checked: ``True`` or ``False`` (a ``TypeError`` otherwise)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"refit_hyperparameters must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_refit_options(
+    refit_hyperparameters: object, refit_max_iter: object, refit_lr: object
+) -> tuple[bool, int, float]:
+    """The three refit keywords checked: a ``bool``, an ``int >= 1`` and a positive float."""
+    return (
+        check_refit_flag(refit_hyperparameters),
+        check_int(refit_max_iter, "refit_max_iter"),
+        check_positive_float(refit_lr, "refit_lr"),
+    )
+
+
+def check_trainable(covar_module: torch.nn.Module, mean_module: torch.nn.Module) -> None:
+    """Raise a ``ValueError`` naming ``refit_hyperparameters`` where neither module has a
+    parameter that requires a gradient (nothing to refit)."""
+    params = [*covar_module.parameters(), *mean_module.parameters()]
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            "refit_hyperparameters=True needs a kernel or prior mean with parameters that "
+            "require gradients (the refit optimises those and keeps the others fixed); none of "
+            "covar_module's and mean_module's parameters do"
+        )
+
+
+def refit_step_modules(
+    train_x: Tensor,
+    targets: Tensor,
+    covar_module: torch.nn.Module,
+    mean_module: torch.nn.Module,
+    terms: LaplaceLikelihoodTerms,
+    *,
+    noise: float = 0.0,
+    temperature: float = 1.0,
+    max_iter: int = 100,
+    refit_max_iter: int = 50,
+    refit_lr: float = 0.05,
+) -> tuple[FittedModules, LaplaceMode]:
+    r"""Copies of ``covar_module`` and ``mean_module`` whose hyperparameters maximise the Laplace
+    marginal likelihood of one step's model on its targets, and that model's mode there.
+
+    The step's model is the :class:`~gpsd.LaplaceGPClassifier` of ``targets`` with the likelihood
+    ``terms`` raised to ``temperature`` and the noise ``noise`` on the kernel diagonal; its
+    :meth:`~gpsd.LaplaceGPClassifier.optimize_hyperparameters` runs ``refit_max_iter`` Adam
+    iterations at learning rate ``refit_lr`` from the modules' current values (a parameter that
+    does not require a gradient stays fixed). The copies' parameters are constants afterwards
+    (``requires_grad`` off): the step is fitted. A likelihood's own parameters stay fixed.
+
+    :param train_x: Training inputs ``(*b, n, d)``.
+    :param targets: The step's targets ``(*batch, n)``.
+    :return: The fitted modules (with the loss of every Adam iteration) and the mode of the
+        step's model at them.
+    """
+    kernel = copy.deepcopy(covar_module)
+    mean = copy.deepcopy(mean_module)
+    terms = copy.deepcopy(terms)
+    frozen = getattr(terms, "likelihood", None)
+    if isinstance(frozen, torch.nn.Module):
+        for p in frozen.parameters():
+            p.requires_grad_(False)
+    with torch.enable_grad():
+        model = LaplaceGPClassifier(
+            train_x,
+            targets,
+            kernel,
+            mean_module=mean,
+            likelihood=terms,
+            noise=noise,
+            temperature=temperature,
+            max_iter=max_iter,
+        )
+        model.optimize_hyperparameters(max_iter=refit_max_iter, lr=refit_lr)
+    for p in [*kernel.parameters(), *mean.parameters()]:
+        p.requires_grad_(False)
+    return FittedModules(kernel, mean, list(model.history)), model.mode
 
 
 def noise_schedule(value: object, num_steps: int, name: str = "noise") -> tuple[float, ...]:

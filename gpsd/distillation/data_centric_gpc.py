@@ -14,13 +14,23 @@ from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import (
     adopt_buffer_shapes,
     check_saved_num_steps,
+    checked_setting,
     choice_setting,
     fixed_setting,
 )
 from gpsd._internal.progress_reporter import ProgressReporter
-from gpsd._internal.validation import check_gp_modules, check_int
+from gpsd._internal.validation import check_gp_modules, check_int, check_positive_float
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.distillation._gpc_steps import StepwiseClassifier, noise_schedule
+from gpsd.distillation._gpc_steps import (
+    FittedModules,
+    SoftBernoulliLogitTerms,
+    StepwiseClassifier,
+    check_refit_flag,
+    check_refit_options,
+    check_trainable,
+    noise_schedule,
+    refit_step_modules,
+)
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -62,6 +72,23 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     warm-starts Newton from the previous mode. Cost grows linearly in the number of steps (no
     closed form exists).
 
+    By default every step shares the kernel and prior mean as given. With
+    ``refit_hyperparameters=True`` (the paper's Fig. 4, where every model's hyperparameters
+    minimise its negative log marginal likelihood), step :math:`t` gets its own copies of them,
+    fitted to its own targets: starting from ``covar_module``'s and ``mean_module``'s values,
+    ``refit_max_iter`` Adam iterations at learning rate ``refit_lr`` maximise the Laplace
+    marginal likelihood (plus any hyperpriors) of step :math:`t`'s model, the
+    :class:`~gpsd.LaplaceGPClassifier` of :math:`\mathbf y_t` with step :math:`t`'s likelihood and
+    noise :math:`\gamma_t`, exactly as
+    :meth:`~gpsd.LaplaceGPClassifier.optimize_hyperparameters` does. Parameters that do not
+    require a gradient stay fixed; a batch of targets shares one set of hyperparameters unless
+    the kernel has that batch shape (the losses of the batch are summed). The soft targets of
+    step :math:`t + 1` are step :math:`t`'s predictions with its fitted hyperparameters.
+    :attr:`step_covar_modules` and :attr:`step_mean_modules` hold each step's modules and
+    :attr:`refit_history` the losses of each step's refit. The cost is ``refit_max_iter``
+    Laplace fits and marginal-likelihood gradients per step; ``covar_module`` and
+    ``mean_module`` are left as they are (they are the starting point).
+
     The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
     predictions refit every step (warm-started from the stored modes) when any parameter or
     buffer (``noise`` among them), a setting (``soft_target_likelihood``, ``threshold_targets``,
@@ -76,7 +103,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``, float32 or float64.
     :param train_y: Binary labels ``(*batch, n)`` in {0, 1}.
-    :param covar_module: The (fixed) kernel :math:`k`, any GPyTorch kernel.
+    :param covar_module: The kernel :math:`k`, any GPyTorch kernel: every step's, or the starting
+        point of every step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
     :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC).
     :param noise: :math:`\gamma_1, \dots, \gamma_T`: one number for every step, or a schedule of
@@ -89,6 +117,10 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     :param target_method: ``"quadrature"`` (:func:`~gpsd.laplace.symmetric_response_expectation`)
         or ``"probit"`` (MacKay's approximation) for :math:`\mathbb{E}_q[\sigma(f)]`.
     :param max_iter: Newton iterations allowed per Laplace fit.
+    :param refit_hyperparameters: Refit the kernel's and the prior mean's hyperparameters at
+        every step (see above); ``False`` keeps them as given for every step.
+    :param refit_max_iter: Adam iterations of each step's refit.
+    :param refit_lr: Adam's learning rate of each step's refit.
 
     :ivar step_targets: The targets of every step, ``(T, *batch, n)``: row ``t - 1`` holds
         :math:`\mathbf y_t`, the targets step ``t`` is fitted to (row 0 the labels).
@@ -117,16 +149,23 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         warm_start: bool = True,
         target_method: str = "quadrature",
         max_iter: int = 100,
+        refit_hyperparameters: bool = False,
+        refit_max_iter: int = 50,
+        refit_lr: float = 0.05,
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
         num_steps = check_int(num_steps, "num_steps")
+        refit = check_refit_options(refit_hyperparameters, refit_max_iter, refit_lr)
+        self.refit_hyperparameters, self.refit_max_iter, self.refit_lr = refit
         self.soft_target_likelihood = soft_target_likelihood
         self.threshold_targets = threshold_targets
         self.target_method = target_method
         train_x, train_y = checked_classification_data(train_x, train_y, self._target_terms)
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
+        if self.refit_hyperparameters:
+            check_trainable(self.covar_module, self.mean_module)
         self._num_steps = num_steps
         self.warm_start = bool(warm_start)
         self.max_iter = check_int(max_iter, "max_iter")
@@ -144,6 +183,10 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self._fit_cache = FitCache()
         #: Newton iterations of each step of the last fit, entry ``t - 1`` for step ``t``
         self.newton_iterations: list[int] = []
+        #: the loss (negative Laplace log marginal likelihood, summed over the batch, minus the
+        #: log hyperprior) of every Adam iteration of each step's refit in the last fit, entry
+        #: ``t - 1`` for step ``t`` (empty lists without ``refit_hyperparameters``)
+        self.refit_history: list[list[float]] = []
 
     @property
     def _target_terms(self) -> BernoulliLogitTerms:
@@ -168,6 +211,23 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         "target_method",
         ("quadrature", "probit"),
         "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
+    )
+
+    refit_hyperparameters = checked_setting(
+        "refit_hyperparameters",
+        check_refit_flag,
+        "Whether every step refits the kernel's and prior mean's hyperparameters; a new value "
+        "refits on use.",
+    )
+    refit_max_iter = checked_setting(
+        "refit_max_iter",
+        lambda v: check_int(v, "refit_max_iter"),
+        "Adam iterations of each step's refit; a new value refits on use.",
+    )
+    refit_lr = checked_setting(
+        "refit_lr",
+        lambda v: check_positive_float(v, "refit_lr"),
+        "Adam's learning rate of each step's refit; a new value refits on use.",
     )
 
     #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(T,)`` (entry ``t - 1`` for step
@@ -197,11 +257,16 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             self.threshold_targets,
             self.target_method,
             self.max_iter,
+            self.refit_hyperparameters,
+            self.refit_max_iter,
+            self.refit_lr,
         )
 
     def _terms(self, step: int):
-        if step == 1 or self.soft_target_likelihood == "bernoulli":
+        if step == 1:
             return BernoulliLogitTerms()
+        if self.soft_target_likelihood == "bernoulli":
+            return SoftBernoulliLogitTerms()
         return ContinuousBernoulliTerms()
 
     def _soft_predictions(self, mode: LaplaceMode, K: Tensor, m: Tensor) -> Tensor:
@@ -214,10 +279,14 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
     def _run(
         self, use_stored_modes: bool, progress: object = False, callback: Callback | None = None
-    ) -> list[LaplaceMode]:
-        """Fit steps 1..T (fewer where ``callback`` stops); returns their modes."""
+    ) -> list[tuple[LaplaceMode, FittedModules]]:
+        """Fit steps 1..T (fewer where ``callback`` stops); returns their modes and modules."""
         use_stored_modes = use_stored_modes and bool(self.is_fitted)
+        refit = self.refit_hyperparameters
+        if refit:
+            check_trainable(self.covar_module, self.mean_module)
         with torch.no_grad():
+            shared = FittedModules(self.covar_module, self.mean_module)
             # shapes: (*batch, n), (*batch, n, n)
             m, K = prior_at_training(
                 self.covar_module, self.mean_module, self.train_inputs, self.train_targets
@@ -225,28 +294,48 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             n = K.shape[-1]
             eye = torch.eye(n, dtype=K.dtype, device=K.device)
             targets = self.train_targets.expand(m.shape)
-            modes: list[LaplaceMode] = []
+            steps: list[tuple[LaplaceMode, FittedModules]] = []
             self.newton_iterations = []
+            self.refit_history = []
             init = None
             task = f"{type(self).__name__}.fit"
             with ProgressReporter(task, self.num_steps, progress, callback) as report:
                 for step in range(1, self.num_steps + 1):
-                    stored = self.latent_modes[step - 1]
-                    if use_stored_modes and stored.shape == targets.shape:
-                        init = stored
-                    elif not self.warm_start:
-                        init = None
-                    mode = find_laplace_mode(
-                        K + float(self.noise[step - 1]) * eye,
-                        targets,
-                        self._terms(step),
-                        prior_mean=m,
-                        init_f=init,
-                        max_iter=self.max_iter,
-                        check_targets=step == 1,  # later steps: the last step's probabilities
-                    )
-                    modes.append(mode)
+                    noise = float(self.noise[step - 1])
+                    if refit:
+                        modules, mode = refit_step_modules(
+                            self.train_inputs,
+                            targets,
+                            self.covar_module,
+                            self.mean_module,
+                            self._terms(step),
+                            noise=noise,
+                            max_iter=self.max_iter,
+                            refit_max_iter=self.refit_max_iter,
+                            refit_lr=self.refit_lr,
+                        )
+                        m, K = prior_at_training(
+                            modules.covar_module, modules.mean_module, self.train_inputs, targets
+                        )
+                    else:
+                        modules = shared
+                        stored = self.latent_modes[step - 1]
+                        if use_stored_modes and stored.shape == targets.shape:
+                            init = stored
+                        elif not self.warm_start:
+                            init = None
+                        mode = find_laplace_mode(
+                            K + noise * eye,
+                            targets,
+                            self._terms(step),
+                            prior_mean=m,
+                            init_f=init,
+                            max_iter=self.max_iter,
+                            check_targets=step == 1,  # later: the last step's probabilities
+                        )
+                    steps.append((mode, modules))
                     self.newton_iterations.append(mode.iterations)
+                    self.refit_history.append(modules.history)
                     if self.step_targets[step - 1].shape != targets.shape:
                         self.step_targets = targets.new_zeros(self.num_steps, *targets.shape)
                         self.latent_modes = torch.zeros_like(self.step_targets)
@@ -256,10 +345,13 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     soft = self._soft_predictions(mode, K, m)
                     targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
                     loss = -float(mode.log_marginal_likelihood.sum())
-                    if report.update(step, loss=loss, newton_iterations=mode.iterations):
+                    info = {"newton_iterations": mode.iterations}
+                    if refit:
+                        info["refit_iterations"] = len(modules.history)
+                    if report.update(step, loss=loss, **info):
                         break
             self.is_fitted.fill_(True)
-        return modes
+        return steps
 
     def fit(
         self,
@@ -276,32 +368,48 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         returns ``True`` after step ``k`` leaves steps ``1..k`` fitted, and predictions then hold
         those steps alone until the next fit.
 
-        :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``).
+        :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``;
+            with ``refit_hyperparameters`` each refit starts its Newton runs afresh).
         :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
         :param callback: Called after each step with an :class:`~gpsd.IterationRecord`.
         """
         self._fit_cache.clear()
-        modes = self._run(use_stored_modes, progress, callback)
-        self._fit_cache.store(self, self._settings(), modes)
+        steps = self._run(use_stored_modes, progress, callback)
+        self._fit_cache.store(self, self._settings(), steps)
         self._fit_cache.grad_matters = False
         return self
 
-    def _modes(self) -> list[LaplaceMode]:
-        """The modes of the fitted steps at the current state (fitted here where needed)."""
-        modes = self._fit_cache.get(
+    def _fitted(self) -> list[tuple[LaplaceMode, FittedModules]]:
+        """The modes and modules of the fitted steps at the current state (fitted here where
+        needed)."""
+        steps = self._fit_cache.get(
             self, self._settings(), lambda: self._run(use_stored_modes=True)
         )
         self._fit_cache.grad_matters = False
-        return modes
+        return steps
+
+    @property
+    def step_covar_modules(self) -> tuple[Kernel, ...]:
+        """The kernel of each fitted step, entry ``t - 1`` for step ``t`` (fitted first where
+        needed): with ``refit_hyperparameters``, each step's own copy with its fitted
+        hyperparameters (constants: their ``requires_grad`` is off); otherwise
+        :attr:`covar_module` for every step."""
+        return tuple(modules.covar_module for _, modules in self._fitted())
+
+    @property
+    def step_mean_modules(self) -> tuple[Mean, ...]:
+        """The prior mean of each fitted step, entry ``t - 1`` for step ``t``, as
+        :attr:`step_covar_modules`."""
+        return tuple(modules.mean_module for _, modules in self._fitted())
 
     def _fitted_steps(self) -> int:
-        return len(self._modes())
+        return len(self._fitted())
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
-        mode = self._modes()[step - 1]
+        mode, modules = self._fitted()[step - 1]
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
-                self.covar_module, self.mean_module, x, self.train_inputs, diag=True
+                modules.covar_module, modules.mean_module, x, self.train_inputs, diag=True
             )
         mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
         return mean, nonnegative_variance(var, K_diag)

@@ -2,6 +2,8 @@ r"""Distribution-centric self-distillation for GP classification (Borup & Anders
 
 from __future__ import annotations
 
+import copy
+
 import gpytorch
 import torch
 from gpytorch.kernels import Kernel
@@ -12,14 +14,22 @@ from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import (
     adopt_buffer_shapes,
     check_saved_num_steps,
+    checked_setting,
     choice_setting,
     fixed_setting,
 )
 from gpsd._internal.progress_reporter import ProgressReporter
-from gpsd._internal.validation import check_gp_modules, check_int
+from gpsd._internal.validation import check_gp_modules, check_int, check_positive_float
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.distillation._gpc_steps import StepwiseClassifier
-from gpsd.laplace.newton import find_laplace_mode
+from gpsd.distillation._gpc_steps import (
+    FittedModules,
+    StepwiseClassifier,
+    check_refit_flag,
+    check_refit_options,
+    check_trainable,
+    refit_step_modules,
+)
+from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import closed_form_probability, expected_response
 from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
@@ -62,6 +72,26 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     Step 1 of every method is the ordinary Laplace GPC.
 
+    By default every step shares the kernel and prior mean as given. With
+    ``refit_hyperparameters=True``, step :math:`t` gets its own copies of them, whose
+    hyperparameters maximise the Laplace marginal likelihood (plus any hyperpriors) of step
+    :math:`t`'s model on the labels: ``refit_max_iter`` Adam iterations at learning rate
+    ``refit_lr`` from ``covar_module``'s and ``mean_module``'s values, exactly as
+    :meth:`~gpsd.LaplaceGPClassifier.optimize_hyperparameters` does. Step :math:`t`'s model is,
+    for ``"tempered"``, the likelihood raised to the power :math:`t` under
+    :math:`\mathcal{GP}(m, k)`; for ``"scaled_kernel"``, the likelihood once under
+    :math:`\mathcal{GP}(m, t k)` (a free output scale absorbs the factor :math:`t`, so that
+    every step then equals step 1); for ``"iterated"``, the :math:`t`-fold duplicated data that
+    :math:`t` iterations approximate, i.e. the tempered model's evidence
+    :math:`\int p(\mathbf y \mid \mathbf f)^t\,p(\mathbf f)\,d\mathbf f` (for a Gaussian
+    likelihood, exactly the product of the :math:`t` steps' marginal likelihoods), after which
+    the recursion runs its :math:`t` steps with those hyperparameters (:math:`T(T+1)/2` Newton
+    solves for :math:`T` steps). Parameters that do not require a gradient stay fixed, as do
+    the likelihood's own; a batch of labels shares one set of hyperparameters unless the kernel
+    has that batch shape. :attr:`step_covar_modules` and :attr:`step_mean_modules` hold each
+    step's modules, :attr:`refit_history` the losses of each refit. The refitted modules are
+    not part of ``state_dict``: a loaded state refits on first use.
+
     The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
     predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
     the likelihood, the training inputs or labels, ``method``, ``max_iter`` or a
@@ -83,7 +113,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``, float32 or float64.
     :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones).
-    :param covar_module: The kernel :math:`k` (fixed).
+    :param covar_module: The kernel :math:`k`: every step's, or the starting point of every
+        step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
     :param num_steps: :math:`T \ge 1`.
     :param method: ``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``.
@@ -92,6 +123,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     :param store_all_steps: Keep every step's posterior (``T`` matrices of size ``n x n``) so that
         any step can be predicted; with ``False`` only the last step is kept (``"iterated"`` then
         predicts only step ``T``; the approximations recompute other steps on request).
+    :param refit_hyperparameters: Refit the kernel's and the prior mean's hyperparameters at
+        every step (see above); ``False`` keeps them as given for every step.
+    :param refit_max_iter: Adam iterations of each step's refit.
+    :param refit_lr: Adam's learning rate of each step's refit.
 
     Example:
 
@@ -112,10 +147,15 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         likelihood: object = "bernoulli_logit",
         max_iter: int = 100,
         store_all_steps: bool = True,
+        refit_hyperparameters: bool = False,
+        refit_max_iter: int = 50,
+        refit_lr: float = 0.05,
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
         num_steps = check_int(num_steps, "num_steps")
+        refit = check_refit_options(refit_hyperparameters, refit_max_iter, refit_lr)
+        self.refit_hyperparameters, self.refit_max_iter, self.refit_lr = refit
         self.terms = resolve_likelihood_terms(likelihood)
         train_x, train_y = checked_classification_data(train_x, train_y, self.terms)
         module = likelihood_module(likelihood, self.terms)
@@ -123,6 +163,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             self.likelihood = module  # its parameters train with the kernel's; a change refits
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
+        if self.refit_hyperparameters:
+            check_trainable(self.covar_module, self.mean_module)
         self._num_steps = num_steps
         self.method = method
         self.max_iter = check_int(max_iter, "max_iter")
@@ -140,6 +182,11 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         )
         #: Newton iterations of each step computed, by step (counted from 1)
         self.newton_iterations: dict[int, int] = {}
+        #: the loss of every Adam iteration of each step's refit, by step (counted from 1;
+        #: empty without ``refit_hyperparameters``)
+        self.refit_history: dict[int, list[float]] = {}
+        # the kernel and prior mean of each step computed with refit_hyperparameters, by step
+        self._step_modules: dict[int, FittedModules] = {}
         # valid while the prior, likelihood, data and settings that the computed steps belong
         # to hold (the fitted buffers are not part of it: a loaded fit is adopted)
         self._fit_cache = FitCache()
@@ -149,7 +196,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the unkept step
         self._scratch = None
-        was_current = self._fit_is_current()
+        # refitted step modules are no submodules: they stay behind, so the next use refits
+        was_current = self._fit_is_current() and not self.refit_hyperparameters
         out = super()._apply(fn, *args, **kwargs)
         if was_current:  # the same values in another dtype or on another device
             self._adopt_fit()
@@ -162,6 +210,23 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         "method",
         _METHODS,
         '``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``; a new one refits on use.',
+    )
+
+    refit_hyperparameters = checked_setting(
+        "refit_hyperparameters",
+        check_refit_flag,
+        "Whether every step refits the kernel's and prior mean's hyperparameters; a new value "
+        "refits on use.",
+    )
+    refit_max_iter = checked_setting(
+        "refit_max_iter",
+        lambda v: check_int(v, "refit_max_iter"),
+        "Adam iterations of each step's refit; a new value refits on use.",
+    )
+    refit_lr = checked_setting(
+        "refit_lr",
+        lambda v: check_positive_float(v, "refit_lr"),
+        "Adam's learning rate of each step's refit; a new value refits on use.",
     )
 
     def _prior_modules(self) -> torch.nn.ModuleList:
@@ -182,7 +247,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         (which steps the buffers hold)."""
         likelihood = (type(self.terms), type(getattr(self, "likelihood", None)))
         names = tuple(f"{cls.__module__}.{cls.__qualname__}" for cls in likelihood)
-        return self.method, self.max_iter, names, self.store_all_steps
+        refit = (self.refit_hyperparameters, self.refit_max_iter, self.refit_lr)
+        return self.method, self.max_iter, names, self.store_all_steps, refit
 
     def _fit_modules(self) -> tuple[torch.nn.Module, torch.nn.Module]:
         """:meth:`_prior_modules` and the training data: the state the computed steps belong to."""
@@ -201,8 +267,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     def get_extra_state(self) -> dict:
         """Saved in ``state_dict``: the :meth:`_settings` that the saved steps were fitted with, or
         ``None`` where they belong to no fit of the saved state (unfitted, or fitted before a
-        hyperparameter or setting changed)."""
-        return {"fit_settings": self._settings() if self._fit_is_current() else None}
+        hyperparameter or setting changed, or fitted with refits, whose step modules are not
+        saved)."""
+        current = self._fit_is_current() and not self.refit_hyperparameters
+        return {"fit_settings": self._settings() if current else None}
 
     def set_extra_state(self, state: dict) -> None:
         self._loaded_fit_settings = state["fit_settings"]
@@ -260,20 +328,80 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         nearest = min(done, key=lambda s: abs(s - step))
         return self.latent_modes[self._slot(nearest)]
 
+    def _refit(self, step: int, temperature: float = 1.0, scale: float = 1.0) -> LaplaceMode:
+        r"""Refit step ``step``'s kernel and prior mean (:func:`refit_step_modules`) for the
+        likelihood raised to ``temperature`` under :math:`\mathcal{GP}(m, s k)`, ``s = scale``;
+        keeps them and returns the mode there (for the kernel ``scale`` times the refitted one)."""
+        check_trainable(self.covar_module, self.mean_module)
+        kernel = self.covar_module
+        if scale != 1.0:  # s k: a ScaleKernel whose fixed output scale is s
+            kernel = copy.deepcopy(kernel)
+            like = next(iter(kernel.parameters()), self.train_inputs)
+            kernel = gpytorch.kernels.ScaleKernel(kernel, batch_shape=kernel.batch_shape)
+            kernel = kernel.to(dtype=like.dtype, device=like.device)
+            kernel.outputscale = torch.full_like(kernel.outputscale, scale)
+            kernel.raw_outputscale.requires_grad_(False)
+        modules, mode = refit_step_modules(
+            self.train_inputs,
+            self.train_targets,
+            kernel,
+            self.mean_module,
+            self.terms,
+            temperature=temperature,
+            max_iter=self.max_iter,
+            refit_max_iter=self.refit_max_iter,
+            refit_lr=self.refit_lr,
+        )
+        if scale != 1.0:
+            modules.covar_module = modules.covar_module.base_kernel
+        self._step_modules[step] = modules
+        self.refit_history[step] = modules.history
+        return mode
+
+    def _step_modules_at(self, step: int) -> FittedModules:
+        """The kernel and prior mean of step ``step`` (in 1..``_fitted_steps()``)."""
+        if not self.refit_hyperparameters:
+            return FittedModules(self.covar_module, self.mean_module)
+        if not self._fit_is_current():
+            self.fit()
+        if step not in self._step_modules:  # a step of an approximation that was not kept
+            with torch.no_grad():
+                self._fit_approximation(step)
+        return self._step_modules[step]
+
+    @property
+    def step_covar_modules(self) -> tuple[Kernel, ...]:
+        """The kernel of each fitted step, entry ``t - 1`` for step ``t`` (fitted first where
+        needed): with ``refit_hyperparameters``, each step's own copy with its fitted
+        hyperparameters (constants: their ``requires_grad`` is off); otherwise
+        :attr:`covar_module` for every step."""
+        steps = range(1, self._fitted_steps() + 1)
+        return tuple(self._step_modules_at(t).covar_module for t in steps)
+
+    @property
+    def step_mean_modules(self) -> tuple[Mean, ...]:
+        """The prior mean of each fitted step, entry ``t - 1`` for step ``t``, as
+        :attr:`step_covar_modules`."""
+        steps = range(1, self._fitted_steps() + 1)
+        return tuple(self._step_modules_at(t).mean_module for t in steps)
+
     def _fit_approximation(self, step: int) -> None:
-        m, K = self._prior()
         t = float(step)
         scale = t if self.method == "scaled_kernel" else 1.0
         temperature = 1.0 if self.method == "scaled_kernel" else t
-        mode = find_laplace_mode(
-            scale * K,
-            self.train_targets,
-            self.terms,
-            prior_mean=m,
-            init_f=self._nearest_mode(step),
-            temperature=temperature,
-            max_iter=self.max_iter,
-        )
+        if self.refit_hyperparameters:
+            mode = self._refit(step, temperature, scale)
+        else:
+            m, K = self._prior()
+            mode = find_laplace_mode(
+                scale * K,
+                self.train_targets,
+                self.terms,
+                prior_mean=m,
+                init_f=self._nearest_mode(step),
+                temperature=temperature,
+                max_iter=self.max_iter,
+            )
         S = self._middle(mode)
         # mean m + (sK)(x, X) a ; cov s k - s^2 k(x,X) S k(X,x)
         self._store(step, mode.f, scale * mode.alpha, scale**2 * S)
@@ -289,13 +417,42 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         return 0.5 * (S + S.transpose(-1, -2))
 
     def _fit_iterated(self, report: ProgressReporter) -> None:
+        if self.refit_hyperparameters:
+            for step in range(1, self.num_steps + 1):
+                self._refit(step, temperature=float(step))
+                modules = self._step_modules[step]
+                m0, K0 = prior_at_training(
+                    modules.covar_module,
+                    modules.mean_module,
+                    self.train_inputs,
+                    self.train_targets,
+                )
+                *_, (mode, c, Q) = self._recursion(m0, K0, step)
+                self._store(step, mode.f, c, Q)
+                self.newton_iterations[step] = mode.iterations
+                loss = -float(mode.log_marginal_likelihood.sum())
+                info = {"newton_iterations": mode.iterations}
+                info["refit_iterations"] = len(modules.history)
+                if report.update(step, loss=loss, **info):
+                    break
+            return
         m0, K0 = self._prior()
+        for step, (mode, c, Q) in enumerate(self._recursion(m0, K0, self.num_steps), start=1):
+            self._store(step, mode.f, c, Q)
+            self.newton_iterations[step] = mode.iterations
+            loss = -float(mode.log_marginal_likelihood.sum())
+            if report.update(step, loss=loss, newton_iterations=mode.iterations):
+                break
+
+    def _recursion(self, m0: Tensor, K0: Tensor, num_steps: int):
+        r"""Steps ``1..num_steps`` of the recursion from the prior ``m0, K0``: yields each step's
+        mode, coefficients :math:`\mathbf c_t` and correction :math:`\mathbf Q_t`."""
         n = K0.shape[-1]
         c = torch.zeros_like(m0)
         Q = torch.zeros_like(K0)
         eye = torch.eye(n, dtype=K0.dtype, device=K0.device)
         init = None
-        for step in range(1, self.num_steps + 1):
+        for _ in range(num_steps):
             P = eye - Q @ K0  # k_{t-1}(x, X) = k(x, X) P
             K_prev = K0 @ P  # k_{t-1}(X, X)
             K_prev = 0.5 * (K_prev + K_prev.transpose(-1, -2))
@@ -312,12 +469,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             c = c + (P @ mode.alpha.unsqueeze(-1)).squeeze(-1)
             Q = Q + P @ S @ P.transpose(-1, -2)
             Q = 0.5 * (Q + Q.transpose(-1, -2))
-            self._store(step, mode.f, c, Q)
-            self.newton_iterations[step] = mode.iterations
             init = mode.f
-            loss = -float(mode.log_marginal_likelihood.sum())
-            if report.update(step, loss=loss, newton_iterations=mode.iterations):
-                break
+            yield mode, c, Q
 
     def fit(
         self, *, progress: object = False, callback: Callback | None = None
@@ -340,6 +493,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             self.computed_steps.fill_(False)
             self._scratch = None
             self.newton_iterations = {}
+            self.refit_history = {}
+            self._step_modules = {}
             if self.method == "iterated":
                 self._fit_iterated(report)
             else:
@@ -382,9 +537,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
         scale, c, Q = self._state(step)
+        modules = self._step_modules_at(step)
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
-                self.covar_module, self.mean_module, x, self.train_inputs, diag=True
+                modules.covar_module, modules.mean_module, x, self.train_inputs, diag=True
             )
         mean = prior_mean + (K_cross @ c.unsqueeze(-1)).squeeze(-1)  # shape: (*batch, m)
         prior_var = scale * K_diag

@@ -281,3 +281,201 @@ def test_data_centric_gpc_follows_hyperparameters_and_settings(toy_for_refits):
             model.predict_latent(test_x, step=step).mean,
             fresh.predict_latent(test_x, step=step).mean,
         )
+
+
+# ------------------------------------------------------------------ per-step hyperparameter refits
+
+REFIT = {"refit_max_iter": 15, "refit_lr": 0.1}
+
+
+def _refit_kernel(batch_shape=()):
+    batch_shape = torch.Size(batch_shape)
+    k = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.RBFKernel(batch_shape=batch_shape), batch_shape=batch_shape
+    ).double()
+    k.outputscale = 1.0
+    k.base_kernel.lengthscale = 1.0
+    return k
+
+
+def _naive_refit_chain(x, y, test_x, noise, likelihood, num_steps, kernel=_refit_kernel):
+    """An independent LaplaceGPClassifier per step, its hyperparameters optimised on the step's
+    targets from the same start; the next targets are its probabilities at the inputs."""
+    from gpsd.laplace import BernoulliLogitTerms
+
+    class _SoftLogit(BernoulliLogitTerms):  # the misspecified model accepts soft targets
+        def check_targets(self, y, name="train_y"):
+            pass
+
+    targets, out = y, []
+    for step in range(1, num_steps + 1):
+        if step == 1:
+            lik = "bernoulli_logit"
+        else:
+            lik = "continuous_bernoulli" if likelihood == "continuous_bernoulli" else _SoftLogit()
+        naive = LaplaceGPClassifier(x, targets, kernel(), likelihood=lik, noise=noise[step - 1])
+        naive.optimize_hyperparameters(max_iter=REFIT["refit_max_iter"], lr=REFIT["refit_lr"])
+        with torch.no_grad():
+            out.append((targets, naive, naive.predict_latent(test_x)))
+            targets = naive.predict_proba(x)[..., 1]
+    return out
+
+
+@pytest.mark.parametrize("likelihood", ["continuous_bernoulli", "bernoulli"])
+def test_refits_give_each_step_an_independent_classifier_fitted_to_its_targets(toy, likelihood):
+    x, y, test_x = toy
+    noise = [0.0, 0.1, 0.3]
+    start = _refit_kernel()
+    model = DataCentricGPC(
+        x,
+        y,
+        start,
+        num_steps=3,
+        noise=noise,
+        soft_target_likelihood=likelihood,
+        refit_hyperparameters=True,
+        **REFIT,
+    ).fit()
+    chain = _naive_refit_chain(x, y, test_x, noise, likelihood, 3)
+    lengthscales = []
+    for step, (targets, naive, latent) in enumerate(chain, start=1):
+        torch.testing.assert_close(model.step_targets[step - 1], targets, rtol=1e-7, atol=1e-8)
+        kernel = model.step_covar_modules[step - 1]
+        for name in ("outputscale", "base_kernel.lengthscale"):
+            ours, theirs = kernel, naive.covar_module
+            for part in name.split("."):
+                ours, theirs = getattr(ours, part), getattr(theirs, part)
+            torch.testing.assert_close(ours, theirs.detach(), rtol=1e-6, atol=1e-8)
+        assert len(model.refit_history[step - 1]) == REFIT["refit_max_iter"]
+        np.testing.assert_allclose(model.refit_history[step - 1], naive.history, rtol=1e-6)
+        ours = model.predict_latent(test_x, step=step)
+        torch.testing.assert_close(ours.mean, latent.mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours.variance, latent.variance, rtol=1e-6, atol=1e-6)
+        lengthscales.append(kernel.base_kernel.lengthscale.item())
+    assert len(set(lengthscales)) == 3  # every step has hyperparameters of its own
+    # the given kernel is the starting point, left as it is
+    assert start.outputscale.item() == pytest.approx(1.0)
+    assert start.base_kernel.lengthscale.item() == pytest.approx(1.0)
+
+
+def test_without_refits_every_step_shares_the_given_modules(toy):
+    x, y, _ = toy
+    kernel = _kernel()
+    model = DataCentricGPC(x, y, kernel, num_steps=3).fit()
+    assert model.step_covar_modules == (kernel,) * 3
+    assert model.step_mean_modules == (model.mean_module,) * 3
+    assert model.refit_history == [[], [], []]
+
+
+def test_refits_follow_their_settings_and_cache_the_fit(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _refit_kernel(), num_steps=2, refit_hyperparameters=True, **REFIT)
+    first = model.predict_proba(test_x)
+    kernels = model.step_covar_modules
+    model.predict_proba(test_x)
+    assert model.step_covar_modules[1] is kernels[1]  # no refit while nothing changed
+    model.refit_lr = 0.02
+    again = DataCentricGPC(
+        x,
+        y,
+        _refit_kernel(),
+        num_steps=2,
+        refit_hyperparameters=True,
+        refit_max_iter=15,
+        refit_lr=0.02,
+    )
+    torch.testing.assert_close(model.predict_proba(test_x), again.predict_proba(test_x))
+    model.refit_hyperparameters = False
+    plain = DataCentricGPC(x, y, _refit_kernel(), num_steps=2)
+    torch.testing.assert_close(model.predict_proba(test_x), plain.predict_proba(test_x))
+    assert not torch.allclose(first, plain.predict_proba(test_x))
+    # a new starting point refits
+    model.refit_hyperparameters = True
+    model.covar_module.base_kernel.lengthscale = 0.5
+    moved = _refit_kernel()
+    moved.base_kernel.lengthscale = 0.5
+    other = DataCentricGPC(x, y, moved, num_steps=2, refit_hyperparameters=True, refit_max_iter=15)
+    other.refit_lr = 0.02
+    torch.testing.assert_close(model.predict_proba(test_x), other.predict_proba(test_x))
+
+
+def test_refits_report_each_step_and_a_callback_stops_them(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _refit_kernel(), num_steps=3, refit_hyperparameters=True, **REFIT)
+    records = []
+    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+    assert [r.iteration for r in records] == [1, 2]
+    assert records[0].info["refit_iterations"] == REFIT["refit_max_iter"]
+    assert len(model.step_covar_modules) == 2
+    assert model.predict_proba(test_x).shape[0] == 2
+
+
+def test_refits_of_a_batch_with_a_batched_kernel_fit_each_member_alone(toy):
+    x, y, test_x = toy
+    labels = torch.stack([y, 1 - y])  # shape: (2, n)
+    model = DataCentricGPC(
+        x,
+        labels,
+        _refit_kernel(torch.Size([2])),
+        num_steps=2,
+        noise=0.1,
+        refit_hyperparameters=True,
+        **REFIT,
+    )
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (2, 2, test_x.shape[0], 2)
+    single = DataCentricGPC(
+        x, 1 - y, _refit_kernel(), num_steps=2, noise=0.1, refit_hyperparameters=True, **REFIT
+    )
+    torch.testing.assert_close(proba[1], single.predict_proba(test_x), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        model.step_covar_modules[1].base_kernel.lengthscale[1].squeeze(),
+        single.step_covar_modules[1].base_kernel.lengthscale.squeeze(),
+        rtol=1e-6,
+        atol=1e-8,
+    )
+
+
+def test_refits_in_float32_close_to_float64(toy):
+    x, y, test_x = toy
+    options = {"num_steps": 2, "noise": 0.1, "refit_hyperparameters": True, **REFIT}
+    ref = DataCentricGPC(x, y, _refit_kernel(), **options).predict_proba(test_x)
+    model = DataCentricGPC(x.float(), y.float(), _refit_kernel().float(), **options)
+    p32 = model.predict_proba(test_x.float())
+    assert p32.dtype == torch.float32
+    torch.testing.assert_close(p32.double(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_refit_predictions_are_differentiable_in_the_test_inputs(toy):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _refit_kernel(), num_steps=2, refit_hyperparameters=True, **REFIT)
+    z = test_x[:3].clone().requires_grad_(True)
+    model.predict_latent(z, step=2).mean.sum().backward()
+    h = 1e-6
+    with torch.no_grad():
+        up = model.predict_latent(z + h, step=2).mean
+        down = model.predict_latent(z - h, step=2).mean
+    torch.testing.assert_close(z.grad, (up - down) / (2 * h), rtol=1e-5, atol=1e-7)
+
+
+def test_refit_options_refuse_bad_values(toy):
+    x, y, _ = toy
+    with pytest.raises(TypeError, match="refit_hyperparameters must be True or False"):
+        DataCentricGPC(x, y, _refit_kernel(), refit_hyperparameters="yes")
+    with pytest.raises(ValueError, match="refit_max_iter"):
+        DataCentricGPC(x, y, _refit_kernel(), refit_hyperparameters=True, refit_max_iter=0)
+    with pytest.raises(ValueError, match="refit_lr"):
+        DataCentricGPC(x, y, _refit_kernel(), refit_hyperparameters=True, refit_lr=-0.1)
+    frozen = _refit_kernel()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="refit_hyperparameters=True needs"):
+        DataCentricGPC(x, y, frozen, refit_hyperparameters=True)
+    model = DataCentricGPC(x, y, frozen)
+    with pytest.raises(TypeError, match="refit_hyperparameters"):
+        model.refit_hyperparameters = 1
+    with pytest.raises(ValueError, match="refit_lr"):
+        model.refit_lr = 0.0
+    model.refit_hyperparameters = True
+    with pytest.raises(ValueError, match="refit_hyperparameters=True needs"):
+        model.fit()

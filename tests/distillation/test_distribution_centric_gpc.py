@@ -288,3 +288,164 @@ def test_distribution_centric_gpc_keeps_a_loaded_fit_and_a_fit_moved_to_float32(
     loaded.double()
     loaded.predict_proba(test_x)
     assert loaded.newton_iterations == {}
+
+
+# ------------------------------------------------------------------ per-step hyperparameter refits
+
+REFIT = {"refit_max_iter": 15, "refit_lr": 0.1}
+
+
+def _start_kernel():
+    return _kernel(1.0, 1.0)
+
+
+def _fitted_classifier(x, y, kernel, temperature=1.0):
+    """An independent LaplaceGPClassifier whose hyperparameters are optimised as the refits are."""
+    model = LaplaceGPClassifier(x, y, kernel, temperature=temperature)
+    model.optimize_hyperparameters(max_iter=REFIT["refit_max_iter"], lr=REFIT["refit_lr"])
+    return model
+
+
+def _scaled(kernel, scale):
+    """``scale`` times ``kernel``: a ScaleKernel around it whose output scale is fixed."""
+    outer = gpytorch.kernels.ScaleKernel(kernel).double()
+    outer.outputscale = scale
+    outer.raw_outputscale.requires_grad_(False)
+    return outer
+
+
+def _assert_same_hyperparameters(ours, theirs):
+    torch.testing.assert_close(ours.outputscale, theirs.outputscale.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        ours.base_kernel.lengthscale, theirs.base_kernel.lengthscale.detach(), rtol=1e-6, atol=0
+    )
+
+
+def test_tempered_refits_equal_an_independent_classifier_of_the_tempered_likelihood(toy):
+    x, y, test_x = toy
+    start = _start_kernel()
+    model = DistributionCentricGPC(
+        x, y, start, num_steps=3, method="tempered", refit_hyperparameters=True, **REFIT
+    )
+    proba = model.predict_proba(test_x)
+    for t in (1, 2, 3):
+        naive = _fitted_classifier(x, y, _start_kernel(), temperature=float(t))
+        _assert_same_hyperparameters(model.step_covar_modules[t - 1], naive.covar_module)
+        np.testing.assert_allclose(model.refit_history[t], naive.history, rtol=1e-6)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                proba[t - 1], naive.predict_proba(test_x), rtol=1e-6, atol=1e-7
+            )
+    assert start.base_kernel.lengthscale.item() == pytest.approx(1.0)  # the start is left alone
+
+
+def test_scaled_kernel_refits_equal_an_independent_classifier_of_the_scaled_kernel(toy):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(
+        x,
+        y,
+        _start_kernel(),
+        num_steps=3,
+        method="scaled_kernel",
+        refit_hyperparameters=True,
+        **REFIT,
+    )
+    for t in (1, 3):
+        naive = _fitted_classifier(x, y, _scaled(_start_kernel(), float(t)))
+        _assert_same_hyperparameters(
+            model.step_covar_modules[t - 1], naive.covar_module.base_kernel
+        )
+        ours = model.predict_latent(test_x, step=t)
+        with torch.no_grad():
+            theirs = naive.predict_latent(test_x)
+        torch.testing.assert_close(ours.mean, theirs.mean, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours.variance, theirs.variance, rtol=1e-6, atol=1e-7)
+
+
+def test_iterated_refits_run_the_recursion_with_the_tempered_evidence_hyperparameters(toy):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(
+        x, y, _start_kernel(), num_steps=3, method="iterated", refit_hyperparameters=True, **REFIT
+    )
+    proba = model.predict_proba(test_x)
+    for t in (1, 2, 3):
+        naive = _fitted_classifier(x, y, _start_kernel(), temperature=float(t))
+        kernel = model.step_covar_modules[t - 1]
+        _assert_same_hyperparameters(kernel, naive.covar_module)
+        # step t is step t of the recursion without refits at step t's hyperparameters
+        fixed = DistributionCentricGPC(x, y, naive.covar_module, num_steps=t, method="iterated")
+        with torch.no_grad():
+            torch.testing.assert_close(
+                proba[t - 1], fixed.predict_proba(test_x, step=t), rtol=1e-6, atol=1e-7
+            )
+
+
+def test_without_refits_every_step_shares_the_given_kernel(toy):
+    x, y, _ = toy
+    kernel = _kernel()
+    model = DistributionCentricGPC(x, y, kernel, num_steps=3).fit()
+    assert model.step_covar_modules == (kernel,) * 3
+    assert model.refit_history == {}
+
+
+def test_refits_of_an_unkept_step_and_after_loading_and_moving(toy):
+    x, y, test_x = toy
+    options = {"num_steps": 3, "method": "tempered", "refit_hyperparameters": True, **REFIT}
+    full = DistributionCentricGPC(x, y, _start_kernel(), **options)
+    last = DistributionCentricGPC(x, y, _start_kernel(), store_all_steps=False, **options).fit()
+    assert sorted(last.refit_history) == [3]
+    torch.testing.assert_close(
+        last.predict_proba(test_x, step=2), full.predict_proba(test_x, step=2)
+    )
+    loaded = DistributionCentricGPC(x, y, _start_kernel(), **options)
+    loaded.load_state_dict(full.state_dict())  # the step modules are not saved: it refits
+    torch.testing.assert_close(loaded.predict_proba(test_x), full.predict_proba(test_x))
+    moved = full.to(torch.float32)
+    p32 = moved.predict_proba(test_x.float())
+    assert (
+        p32.dtype == torch.float32
+        and moved.step_covar_modules[0].outputscale.dtype == torch.float32
+    )
+
+
+def test_refits_report_each_iterated_step_and_a_callback_stops_them(toy):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(
+        x, y, _start_kernel(), num_steps=3, refit_hyperparameters=True, **REFIT
+    )
+    records = []
+    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+    assert [r.iteration for r in records] == [1, 2]
+    assert records[1].info["refit_iterations"] == REFIT["refit_max_iter"]
+    assert model.predict_proba(test_x).shape[0] == 2
+
+
+def test_refit_options_refuse_bad_values(toy):
+    x, y, _ = toy
+    with pytest.raises(TypeError, match="refit_hyperparameters must be True or False"):
+        DistributionCentricGPC(x, y, _kernel(), refit_hyperparameters=None)
+    with pytest.raises(ValueError, match="refit_max_iter"):
+        DistributionCentricGPC(x, y, _kernel(), refit_hyperparameters=True, refit_max_iter=1.5)
+    with pytest.raises(ValueError, match="refit_lr"):
+        DistributionCentricGPC(x, y, _kernel(), refit_lr=float("nan"))
+    frozen = _kernel()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="refit_hyperparameters=True needs"):
+        DistributionCentricGPC(x, y, frozen, refit_hyperparameters=True)
+
+
+@pytest.mark.parametrize("method", ["iterated", "tempered"])
+def test_refits_of_a_batch_with_a_batched_kernel_fit_each_member_alone(toy, method):
+    x, y, test_x = toy
+    batch = torch.Size([2])
+    kernel = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch
+    ).double()
+    kernel.outputscale, kernel.base_kernel.lengthscale = 1.0, 1.0
+    options = {"num_steps": 2, "method": method, "refit_hyperparameters": True, **REFIT}
+    model = DistributionCentricGPC(x, torch.stack([y, 1 - y]), kernel, **options)
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (2, 2, test_x.shape[0], 2)
+    single = DistributionCentricGPC(x, 1 - y, _start_kernel(), **options)
+    torch.testing.assert_close(proba[1], single.predict_proba(test_x), rtol=1e-6, atol=1e-7)

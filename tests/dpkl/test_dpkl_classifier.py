@@ -233,6 +233,23 @@ def test_a_trained_state_roundtrips():
     assert "train_x" not in a.state_dict()
 
 
+def test_latent_dim_defaults_to_the_networks_output_width():
+    x, y = _blobs(12)
+    torch.manual_seed(3)
+    inferred = DPKLClassifier(x, y, lambda: tanh_net(4, 5), num_particles=2)
+    torch.manual_seed(3)
+    given = DPKLClassifier(x, y, lambda: tanh_net(4, 5), num_particles=2, latent_dim=5)
+    assert inferred.latent_dim == 5 and inferred.class_weights.shape == (10, 3, 5)
+    torch.testing.assert_close(inferred.class_weights, given.class_weights)
+    torch.manual_seed(4)
+    inferred.fit(max_iter=2)
+    torch.manual_seed(4)
+    given.fit(max_iter=2)
+    torch.testing.assert_close(inferred.predict_proba(x), given.predict_proba(x))
+    with pytest.raises(ValueError, match="train_x with 4 features"):
+        DPKLClassifier(x, y, lambda: tanh_net(3, 5))
+
+
 # ---------------------------------------------------------------------- checks
 def test_constructor_and_queries_name_the_bad_argument():
     x, y = _blobs(12)
