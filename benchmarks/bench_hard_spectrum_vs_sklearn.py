@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -96,6 +97,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     out = fn()  # warm-up
     times = []
     for _ in range(repeats):
+        gc.collect()  # the previous model's factorisation (a Cholesky chain holds T factors)
         start = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - start)
