@@ -6,6 +6,15 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from gpsd.dpkl import DPKLRegressor
+
+
+def paper_dpkl(*args, **kwargs):
+    """A :class:`~gpsd.DPKLRegressor` with the paper's kernel alone (``input_kernel=None``), the
+    model the dense references of the particles' kernel are written for."""
+    kwargs.setdefault("input_kernel", None)
+    return DPKLRegressor(*args, **kwargs)
+
 
 def tanh_net(d_in=4, d_out=2):
     """A particle network: d_in -> 8 -> d_out with a tanh between."""
@@ -29,10 +38,16 @@ def sum_sine_data(n=24, d=3):
     return x, torch.sin(x.sum(-1))
 
 
+def _embedding_kernel(model):
+    """The kernel between the latent distributions: the model's kernel, or its embedding part
+    where an input kernel is added."""
+    return getattr(model.covar_module, "embedding_kernel", model.covar_module)
+
+
 def loop_mean_features(model, x):
     """phi-bar of a random-feature DPKL model, by an explicit loop over the particles."""
     ens = model.covar_module.feature_extractor
-    rf = model.covar_module.random_features
+    rf = _embedding_kernel(model).random_features
     arch = ens.particle_module(0)
     stacked = ens.stacked_parameters()
     feats = [
@@ -55,12 +70,12 @@ def dense_kernel(model, z):
     """The prior kernel matrix of the rows of embeddings ``z`` (``(m, N, d)``), written out."""
     m, num_rows, _ = z.shape
     if model.kernel_type == "rff":
-        rf = model.covar_module.random_features
+        rf = _embedding_kernel(model).random_features
         proj = (z / rf.lengthscale) @ rf.base_frequencies.mT  # shape: (m, N, R)
         f = torch.cat([proj.cos(), proj.sin()], -1) * (rf.outputscale / rf.num_features).sqrt()
         phi = f.mean(0)
         return phi @ phi.mT
-    scaled = model.covar_module.base_kernel
+    scaled = _embedding_kernel(model).base_kernel
     s, ell = scaled.outputscale, scaled.base_kernel.lengthscale
     flat = z.reshape(m * num_rows, -1)
     k = s * torch.exp(-torch.cdist(flat, flat).pow(2) / (2 * ell**2))

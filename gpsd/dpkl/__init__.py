@@ -2,7 +2,8 @@
 
 Building blocks (each usable alone in a PyTorch loop): :class:`ParticleEnsemble`,
 :class:`SteinVariationalGradient`, :class:`RandomFeatureKernel`,
-:class:`ProbabilisticEmbeddingKernel`, :class:`ExpectedEmbeddingKernel`. Models:
+:class:`ProbabilisticEmbeddingKernel`, :class:`ExpectedEmbeddingKernel`,
+:class:`InputPlusEmbeddingKernel`. Models:
 :class:`DPKLRegressor`, :class:`SSDPKLRegressor`, :class:`DKLRegressor`, :class:`ARDGPRegressor`,
 :class:`DPKLClassifier`.
 """
@@ -13,6 +14,7 @@ from gpsd.dpkl.dpkl_classifier import DPKLClassifier
 from gpsd.dpkl.dpkl_regressor import DPKLRegressor
 from gpsd.dpkl.embedding_kernel import ProbabilisticEmbeddingKernel
 from gpsd.dpkl.expected_embedding_kernel import ExpectedEmbeddingKernel
+from gpsd.dpkl.input_embedding_kernel import InputPlusEmbeddingKernel
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.random_feature_kernel import RandomFeatureKernel, sample_spectral_frequencies
 from gpsd.dpkl.ssdpkl_regressor import SSDPKLRegressor
@@ -24,6 +26,7 @@ __all__ = [
     "DPKLClassifier",
     "DPKLRegressor",
     "ExpectedEmbeddingKernel",
+    "InputPlusEmbeddingKernel",
     "ParticleEnsemble",
     "ProbabilisticEmbeddingKernel",
     "RandomFeatureKernel",

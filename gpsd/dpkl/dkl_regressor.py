@@ -51,6 +51,7 @@ class DKLRegressor(DPKLRegressor):
             embedding_kernel="exact",
             nu=nu,
             update="paper",
+            input_kernel=None,
             likelihood=likelihood,
             mean_module=mean_module,
         )

@@ -38,7 +38,8 @@ class SSDPKLRegressor(DPKLRegressor):
     Both terms come from one pass of the feature extractor over the labelled rows and :math:`B`
     together: in training mode (:meth:`fit`) each row's embeddings are drawn once (one dropout
     draw, used in both terms) and BatchNorm normalises all the rows as one batch, updating its
-    running statistics once per step. All other arguments are those of :class:`~gpsd.dpkl.DPKLRegressor`.
+    running statistics once per step. All other arguments are those of :class:`~gpsd.dpkl.DPKLRegressor`,
+    except that ``input_kernel`` defaults to ``None`` (the paper's kernel).
 
     The regulariser's gradient reaches every parameter that :math:`\sigma^2` depends on: the
     particles, the lengthscale, and also the outputscale (which scales
@@ -69,6 +70,7 @@ class SSDPKLRegressor(DPKLRegressor):
         train_x = check_inputs(train_x, "train_x")
         unlabelled_x = check_inputs(unlabelled_x, "unlabelled_x", train_x.shape[-1], like=train_x)
         unlabelled_batch_size = check_int(unlabelled_batch_size, "unlabelled_batch_size")
+        kwargs.setdefault("input_kernel", None)  # the paper's kernel unless one is asked for
         super().__init__(train_x, train_y, feature_extractor, **kwargs)
         # data, as ExactGP's train_inputs: follows .to() but stays out of state_dict()
         self.register_buffer("unlabelled_x", unlabelled_x, persistent=False)

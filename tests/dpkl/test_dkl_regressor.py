@@ -5,11 +5,10 @@ import copy
 import gpytorch
 import pytest
 import torch
-from dpkl_reference import noisy_sine_data, tanh_net
+from dpkl_reference import noisy_sine_data, paper_dpkl, tanh_net
 
 from gpsd.dpkl import (
     DKLRegressor,
-    DPKLRegressor,
 )
 
 
@@ -30,7 +29,7 @@ def test_single_particle_dpkl_is_dkl(update):
     """m = 1: same loss and same Adam trajectory as a hand-written GPyTorch deep-kernel GP."""
     x, y = noisy_sine_data(n=20)
     net = tanh_net()
-    model = DPKLRegressor(
+    model = paper_dpkl(
         x, y, copy.deepcopy(net), num_particles=1, embedding_kernel="exact", update=update
     )
     hand = _HandDKL(x, y, copy.deepcopy(net))

@@ -13,6 +13,7 @@ from dpkl_reference import (
     loop_embeddings,
     loop_mean_features,
     noisy_sine_data,
+    paper_dpkl,
     sum_sine_data,
     tanh_net,
 )
@@ -54,7 +55,7 @@ def _dense_loss(model, x, y):
 
 def test_loss_and_particle_gradients_equal_dense():
     x, y = noisy_sine_data(n=40)
-    model = DPKLRegressor(x, y, tanh_net, num_particles=3, num_random_features=5)
+    model = paper_dpkl(x, y, tanh_net, num_particles=3, num_random_features=5)
     model.likelihood.noise = 0.2
     loss = model.training_loss() * x.shape[0]
     params = model.particle_parameters()
@@ -68,7 +69,7 @@ def test_loss_and_particle_gradients_equal_dense():
 
 def test_predictions_equal_dense_gp_formula():
     x, y = noisy_sine_data(n=25)
-    model = DPKLRegressor(x, y, tanh_net, num_particles=3, num_random_features=20).fit(max_iter=0)
+    model = paper_dpkl(x, y, tanh_net, num_particles=3, num_random_features=20).fit(max_iter=0)
     xs = torch.randn(7, 4)
     latent = model.predict(xs)
     observed = model.predict(xs, include_noise=True)
@@ -92,7 +93,7 @@ def test_predictions_equal_dense_gp_formula():
 
 def test_single_particle_functional_gradient_is_plain_gradient():
     x, y = noisy_sine_data(n=20)
-    model = DPKLRegressor(x, y, tanh_net, num_particles=1, num_random_features=10, update="svgd")
+    model = paper_dpkl(x, y, tanh_net, num_particles=1, num_random_features=10, update="svgd")
     model.training_loss().backward()
     params = model.particle_parameters()
     before = [p.grad.clone() for p in params]
@@ -104,7 +105,7 @@ def test_single_particle_functional_gradient_is_plain_gradient():
 def test_fit_early_stopping_restores_the_best_checked_state_and_it_roundtrips():
     x, y = noisy_sine_data(n=40)
     xv, yv = noisy_sine_data(n=15)
-    model = DPKLRegressor(x, y, tanh_net, num_particles=4, num_random_features=20, update="svgd")
+    model = paper_dpkl(x, y, tanh_net, num_particles=4, num_random_features=20, update="svgd")
     first = model.training_loss().item()
     assert model.fit(max_iter=40, lr=0.02, val_x=xv, val_y=yv, check_every=10) is model
     hist = model.history
@@ -115,7 +116,7 @@ def test_fit_early_stopping_restores_the_best_checked_state_and_it_roundtrips():
     assert math.isclose(model.nll(xv, yv), min(hist["val_nll"]), rel_tol=1e-9)
     pred = model.predict(xv)
     assert pred.mean.shape == (15,) and (pred.variance > 0).all()
-    other = DPKLRegressor(x, y, tanh_net, num_particles=4, num_random_features=20)
+    other = paper_dpkl(x, y, tanh_net, num_particles=4, num_random_features=20)
     other.load_state_dict(model.state_dict())  # a trained state: the model is fitted
     torch.testing.assert_close(other.predict(xv).mean, pred.mean)
     assert model.embed(xv).shape == (4, 15, 2)
@@ -125,7 +126,7 @@ def test_float32_and_orthogonal_matern_variant():
     torch.set_default_dtype(torch.float32)
     x = torch.randn(30, 4)
     y = torch.randn(30)
-    model = DPKLRegressor(
+    model = paper_dpkl(
         x, y, tanh_net, num_particles=3, num_random_features=8, orthogonal=True, nu=1.5
     )
     model.fit(max_iter=3)
@@ -136,30 +137,30 @@ def test_float32_and_orthogonal_matern_variant():
 def test_constructor_names_the_bad_argument():
     x, y = noisy_sine_data(n=20)
     with pytest.raises(ValueError, match="num_particles"):
-        DPKLRegressor(x, y, tanh_net, num_particles=0)
+        paper_dpkl(x, y, tanh_net, num_particles=0)
     with pytest.raises(ValueError, match="R"):
-        DPKLRegressor(x, y, tanh_net, num_random_features=0)
+        paper_dpkl(x, y, tanh_net, num_random_features=0)
     with pytest.raises(ValueError, match="latent_dim"):
-        DPKLRegressor(x, y, lambda: tanh_net(4, 3), latent_dim=2)
+        paper_dpkl(x, y, lambda: tanh_net(4, 3), latent_dim=2)
     with pytest.raises(ValueError, match="bandwidth"):
-        DPKLRegressor(x, y, tanh_net, bandwidth=-2.0)
+        paper_dpkl(x, y, tanh_net, bandwidth=-2.0)
     with pytest.raises(ValueError, match="repulsion"):
-        DPKLRegressor(x, y, tanh_net, update="svgd", repulsion=-1.0)
+        paper_dpkl(x, y, tanh_net, update="svgd", repulsion=-1.0)
     bad = x.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="train_x"):
-        DPKLRegressor(bad, y, tanh_net)
+        paper_dpkl(bad, y, tanh_net)
     bad_y = y.clone()
     bad_y[3] = float("inf")
     with pytest.raises(ValueError, match="train_y"):
-        DPKLRegressor(x, bad_y, tanh_net)
+        paper_dpkl(x, bad_y, tanh_net)
     with pytest.raises(ValueError, match="train_y"):
-        DPKLRegressor(x, y[:-1], tanh_net)
+        paper_dpkl(x, y[:-1], tanh_net)
     with pytest.raises(ValueError, match="update"):
-        DPKLRegressor(x, y, tanh_net, update="adam")
+        paper_dpkl(x, y, tanh_net, update="adam")
     with pytest.raises(TypeError, match="mean_module"):
-        DPKLRegressor(x, y, tanh_net, mean_module=gpytorch.kernels.RBFKernel())
-    model = DPKLRegressor(x, y, tanh_net, num_particles=2, num_random_features=5).fit(max_iter=1)
+        paper_dpkl(x, y, tanh_net, mean_module=gpytorch.kernels.RBFKernel())
+    model = paper_dpkl(x, y, tanh_net, num_particles=2, num_random_features=5).fit(max_iter=1)
     with pytest.raises(ValueError, match="test_x must have 4 features"):
         model.predict(torch.randn(3, 5))
 
@@ -169,11 +170,9 @@ def test_one_dimensional_train_x_is_one_feature():
     x = torch.linspace(-2, 2, 20)
     y = torch.sin(x)
     torch.manual_seed(1)
-    flat = DPKLRegressor(x, y, lambda: tanh_net(1), num_particles=2, num_random_features=6)
+    flat = paper_dpkl(x, y, lambda: tanh_net(1), num_particles=2, num_random_features=6)
     torch.manual_seed(1)
-    column = DPKLRegressor(
-        x[:, None], y, lambda: tanh_net(1), num_particles=2, num_random_features=6
-    )
+    column = paper_dpkl(x[:, None], y, lambda: tanh_net(1), num_particles=2, num_random_features=6)
     assert flat.train_inputs[0].shape == (20, 1)
     flat.fit(max_iter=2)
     column.fit(max_iter=2)
@@ -196,12 +195,12 @@ class _SqrtNet(nn.Module):
 @pytest.mark.parametrize("kernel", ["rff", "exact"])
 def test_a_network_that_gives_nan_is_named_in_fit_and_predict(kernel):
     x, y = sum_sine_data(n=20)
-    model = DPKLRegressor(
+    model = paper_dpkl(
         x, y, _SqrtNet, num_particles=2, num_random_features=6, embedding_kernel=kernel
     )
     with pytest.raises(ValueError, match=r"feature_extractor produced NaN or inf .* iteration 1"):
         model.fit(max_iter=3)
-    healthy = DPKLRegressor(
+    healthy = paper_dpkl(
         x, y, tanh_net(3), num_particles=2, num_random_features=6, embedding_kernel=kernel
     )
     healthy.fit(max_iter=1)
@@ -216,7 +215,7 @@ def test_a_network_that_gives_nan_is_named_in_fit_and_predict(kernel):
 
 def test_a_network_that_turns_nan_during_fit_names_the_iteration():
     x, y = sum_sine_data(n=20)
-    model = DPKLRegressor(x, y, tanh_net(3), num_particles=2, num_random_features=6)
+    model = paper_dpkl(x, y, tanh_net(3), num_particles=2, num_random_features=6)
 
     def poison(record):
         if record.iteration == 2:
@@ -232,11 +231,11 @@ def test_a_network_that_turns_nan_during_fit_names_the_iteration():
 @requires_cuda
 def test_cuda():
     x, y = noisy_sine_data(n=30)
-    model = DPKLRegressor(x.cuda(), y.cuda(), tanh_net, num_particles=3, num_random_features=8)
+    model = paper_dpkl(x.cuda(), y.cuda(), tanh_net, num_particles=3, num_random_features=8)
     model.fit(max_iter=3)
     mean = model.predict(x[:4].cuda()).mean
     assert mean.device.type == "cuda"
-    cpu = DPKLRegressor(x, y, tanh_net, num_particles=3, num_random_features=8)
+    cpu = paper_dpkl(x, y, tanh_net, num_particles=3, num_random_features=8)
     cpu.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     torch.testing.assert_close(cpu.predict(x[:4]).mean, mean.cpu(), rtol=1e-6, atol=1e-6)
 
@@ -246,7 +245,7 @@ def test_regressors_name_a_feature_extractor_of_the_wrong_input_width():
     wide = torch.randn(10, 4)
     net = lambda: tanh_net(3)  # noqa: E731
     for make in (
-        lambda: DPKLRegressor(wide, y, net),
+        lambda: paper_dpkl(wide, y, net),
         lambda: DKLRegressor(wide, y, net),
         lambda: SSDPKLRegressor(wide, y, net, unlabelled_x=torch.randn(5, 4)),
     ):
@@ -258,7 +257,7 @@ def test_bad_nu_is_a_value_error():
     x, y = sum_sine_data(10)
     for kernel in ("rff", "exact"):
         with pytest.raises(ValueError, match="nu must be"):
-            DPKLRegressor(x, y, lambda: tanh_net(3), embedding_kernel=kernel, nu=0.7)
+            paper_dpkl(x, y, lambda: tanh_net(3), embedding_kernel=kernel, nu=0.7)
     # nu = 0 or inf would give NaN frequencies, a negative nu a shape error
     for nu in (0.0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="nu must be"):
@@ -273,7 +272,7 @@ def test_bad_nu_is_a_value_error():
 def test_fits_leave_frozen_parameters_alone():
     x, y = sum_sine_data(24)
     net = _pretrained_frozen_body()
-    model = DPKLRegressor(x, y, net, num_particles=3, num_random_features=5)
+    model = paper_dpkl(x, y, net, num_particles=3, num_random_features=5)
     params = model.covar_module.feature_extractor.stacked_parameters()
     body, head = params["0.weight"].detach().clone(), params["2.weight"].detach().clone()
     model.fit(max_iter=3, lr=1e-2)
@@ -303,7 +302,7 @@ def test_embed_runs_the_networks_in_evaluation_mode():
             nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)
         ).to(DT)
 
-    model = DPKLRegressor(x, y, net, num_particles=3, num_random_features=20)
+    model = paper_dpkl(x, y, net, num_particles=3, num_random_features=20)
     model.train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     first, second = model.embed(x), model.embed(x)
@@ -323,7 +322,7 @@ def test_batchnorm_network_constructs_fits_and_predicts():
     x = torch.randn(30, 3, dtype=torch.float64)
     y = torch.sin(x.sum(-1))
     # the one-row width check runs in evaluation mode, where BatchNorm takes one row
-    model = DPKLRegressor(x, y, _batchnorm_net, num_particles=3, num_random_features=20)
+    model = paper_dpkl(x, y, _batchnorm_net, num_particles=3, num_random_features=20)
     assert model.covar_module.feature_extractor.training  # the check left training mode on
     stats = model.covar_module.feature_extractor.state_dict()
     stats = {k: v.clone() for k, v in stats.items() if "running" in k}
@@ -339,7 +338,7 @@ def test_training_mode_dropout_variance_is_one_psd_pass(kernel):
     # mask per row): with three passes sigma^2 reached -128 with the exact kernel (noise 1e-3)
     x, y = sum_sine_data()
     xq = torch.randn(10, 3)
-    model = DPKLRegressor(
+    model = paper_dpkl(
         x, y, _dropout_net, num_particles=3, num_random_features=30, embedding_kernel=kernel
     )
     model.likelihood.noise = 1e-3
@@ -358,7 +357,7 @@ def test_training_mode_dropout_variance_is_one_psd_pass(kernel):
 def test_training_loss_in_eval_mode_is_the_marginal_likelihood():
     # in evaluation mode GPyTorch's model(train_x) is the posterior; the loss stays the prior's
     x, y = sum_sine_data()
-    model = DPKLRegressor(x, y, _dropout_net, num_particles=3, num_random_features=30)
+    model = paper_dpkl(x, y, _dropout_net, num_particles=3, num_random_features=30)
     model.eval()
     z = loop_embeddings(model, x, training=False)
     n, noise, c = x.shape[0], model.likelihood.noise.detach(), model.mean_module.constant.detach()
@@ -369,7 +368,116 @@ def test_training_loss_in_eval_mode_is_the_marginal_likelihood():
 
 def test_not_fitted_error_is_a_gpsd_error_and_a_runtime_error():
     x, y = noisy_sine_data(n=10)
-    model = DPKLRegressor(x, y, tanh_net, num_particles=2, num_random_features=4)
+    model = paper_dpkl(x, y, tanh_net, num_particles=2, num_random_features=4)
     with pytest.raises(gpsd.NotFittedError, match=r"call fit\(\)") as info:
         model.predict(x)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, gpsd.GpsdError)
+
+
+def _dense_validation_nll(model, x, y, xv, yv):
+    """Gaussian predictive NLL per point at ``xv`` given ``(x, y)``, from the kernel matrix of
+    the model's current parameters formed and solved densely."""
+    with torch.no_grad():
+        z = loop_embeddings(model, torch.cat([x, xv]), training=False)
+        k = dense_kernel(model, z)
+        if model.input_kernel is not None:
+            both = torch.cat([x, xv])
+            ell = model.input_kernel.base_kernel.lengthscale.reshape(-1)
+            diff = (both.unsqueeze(-2) - both.unsqueeze(-3)) / ell
+            k = k + model.input_kernel.outputscale * torch.exp(-0.5 * diff.pow(2).sum(-1))
+        n, noise, c = x.shape[0], model.likelihood.noise, model.mean_module.constant
+        k_tt = k[:n, :n] + noise * torch.eye(n)
+        k_vt = k[n:, :n]
+        mean = c + k_vt @ torch.linalg.solve(k_tt, y - c)
+        var = k[n:, n:].diagonal() - (k_vt * torch.linalg.solve(k_tt, k_vt.mT).mT).sum(-1) + noise
+        return float((0.5 * (yv - mean) ** 2 / var + 0.5 * torch.log(2 * math.pi * var)).mean())
+
+
+def test_default_fit_holds_out_validation_rows_and_restores_the_best_checked_state():
+    x, y = noisy_sine_data(n=50, d=3)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=3, num_random_features=10)
+    torch.manual_seed(5)
+    model.fit(max_iter=30, lr=0.05, check_every=5, warm_start_iter=50)
+    # the same draw of the 10 validation rows (20 % of 50), made again
+    torch.manual_seed(5)
+    perm = torch.randperm(50)
+    val, tr = perm[:10], perm[10:]
+    hist = model.history
+    assert hist["val_iteration"] == [0, 5, 10, 15, 20, 25, 30]
+    best = min(hist["val_nll"])
+    ref = _dense_validation_nll(model, x[tr], y[tr], x[val], y[val])
+    assert math.isclose(ref, best, rel_tol=1e-8)
+    # after fit the model conditions on every row it was given
+    assert torch.equal(model.train_inputs[0], x) and torch.equal(model.train_targets, y)
+    assert len(hist["warm_start_loss"]) == 50
+
+
+def test_the_warm_start_fits_the_input_kernel_as_an_ard_gp_on_all_rows():
+    x, y = noisy_sine_data(n=40, d=3)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=8)
+    model.fit(max_iter=0, warm_start_iter=40)
+    gp = gpsd.ARDGPRegressor(x, y).fit(max_iter=40, lr=0.1)
+    torch.testing.assert_close(
+        model.input_kernel.base_kernel.lengthscale, gp.covar_module.base_kernel.lengthscale
+    )
+    torch.testing.assert_close(model.likelihood.noise, gp.likelihood.noise)
+    emb = model.embedding_kernel.random_features.outputscale
+    torch.testing.assert_close(emb, model.embedding_scale_ratio * gp.covar_module.outputscale.detach())
+
+
+def test_default_is_not_worse_than_the_ard_gp_where_that_gp_is_right():
+    # a smooth function of two of three inputs: the ARD GP is the right model, and the network
+    # should be rejected by the held-out rows
+    gp_module = pytest.importorskip("sklearn.gaussian_process")
+    kernels = pytest.importorskip("sklearn.gaussian_process.kernels")
+    torch.set_default_dtype(torch.float64)
+    x, xs = torch.randn(80, 3), torch.randn(300, 3)
+
+    def f(a):
+        return torch.sin(1.5 * a[:, 0]) + 0.5 * a[:, 1]
+
+    def rmse(mean):
+        return float((mean - f(xs)).pow(2).mean().sqrt())
+
+    y = f(x) + 0.1 * torch.randn(80)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=4, num_random_features=20)
+    dpkl = rmse(model.fit(max_iter=60).predict(xs).mean)
+    ard = rmse(gpsd.ARDGPRegressor(x, y).fit(max_iter=300, lr=0.1).predict(xs).mean)
+    # scikit-learn's ARD GP (L-BFGS to convergence), computed independently
+    kernel = kernels.ConstantKernel() * kernels.RBF([1.0] * 3) + kernels.WhiteKernel(0.1)
+    sk = gp_module.GaussianProcessRegressor(kernel, normalize_y=True, random_state=0)
+    reference = rmse(torch.as_tensor(sk.fit(x.numpy(), y.numpy()).predict(xs.numpy())))
+    assert dpkl <= 1.02 * ard
+    assert dpkl <= 1.5 * reference  # Adam's 300 warm-start steps leave the ARD GP near it
+
+
+def test_paper_setting_is_the_papers_model_and_fit():
+    x, y = noisy_sine_data(n=30, d=3)
+    model = DPKLRegressor.paper_setting(x, y, lambda: tanh_net(3))
+    assert model.input_kernel is None and model.num_particles == 10
+    assert model.embedding_kernel.random_features.num_features == 100 and model.update == "paper"
+    model.fit(max_iter=4, check_every=2)
+    assert model.history["val_iteration"] == [0, 2, 4] and model.history["warm_start_loss"] == []
+    assert model.train_inputs[0].shape == (30, 3)
+    with pytest.raises(ValueError, match="num_random_features"):
+        DPKLRegressor.paper_setting(x, y, lambda: tanh_net(3), num_random_features=10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"val_fraction": 1.0}, "val_fraction"),
+        ({"val_fraction": -0.1}, "val_fraction"),
+        ({"val_fraction": "a"}, "val_fraction"),
+        ({"warm_start_iter": -1}, "warm_start_iter"),
+        (
+            {"val_fraction": 0.2, "val_x": torch.zeros(2, 3), "val_y": torch.zeros(2)},
+            "val_fraction",
+        ),
+    ],
+)
+def test_fit_names_a_bad_validation_or_warm_start_argument(kwargs, match):
+    x, y = noisy_sine_data(n=20, d=3)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=5)
+    with pytest.raises((ValueError, TypeError), match=match):
+        model.fit(max_iter=1, **kwargs)

@@ -2,12 +2,8 @@
 
 import gpytorch
 import torch
-from dpkl_reference import loop_mean_features, noisy_sine_data, tanh_net
+from dpkl_reference import loop_mean_features, noisy_sine_data, paper_dpkl, tanh_net
 from torch import nn
-
-from gpsd.dpkl import (
-    DPKLRegressor,
-)
 
 
 def _net():
@@ -23,7 +19,7 @@ def test_rff_mll_is_exact_when_2r_reaches_n_above_the_cholesky_size():
     assert n > gpytorch.settings.max_cholesky_size.value()
     x = torch.randn(n, 3)
     y = torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(n)
-    model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=420)
+    model = paper_dpkl(x, y, _net, num_particles=2, num_random_features=420)
     model.likelihood.noise = 0.01
     model.covar_module.random_features.lengthscale = 0.3
     losses = [model.training_loss() for _ in range(2)]
@@ -38,5 +34,5 @@ def test_rff_mll_is_exact_when_2r_reaches_n_above_the_cholesky_size():
 
 def test_mean_features_equal_particle_loop():
     x, y = noisy_sine_data()
-    model = DPKLRegressor(x, y, tanh_net, num_particles=4, num_random_features=6)
+    model = paper_dpkl(x, y, tanh_net, num_particles=4, num_random_features=6)
     torch.testing.assert_close(model.covar_module.mean_features(x), loop_mean_features(model, x))

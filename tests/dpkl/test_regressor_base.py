@@ -10,7 +10,7 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
-from dpkl_reference import sum_sine_data
+from dpkl_reference import paper_dpkl, sum_sine_data
 from torch import nn
 
 import gpsd
@@ -33,11 +33,11 @@ def _dropout_net(d_in=3, d_out=2):
 
 
 def _small_regressor(x, y):
-    return DPKLRegressor(x, y, _net, num_particles=3, num_random_features=10)
+    return paper_dpkl(x, y, _net, num_particles=3, num_random_features=10)
 
 
 _MAKERS = {
-    "DPKLRegressor": lambda x, y: DPKLRegressor(x, y, _net, num_particles=2, num_random_features=6),
+    "DPKLRegressor": lambda x, y: paper_dpkl(x, y, _net, num_particles=2, num_random_features=6),
     "SSDPKLRegressor": lambda x, y: SSDPKLRegressor(
         x, y, _net, unlabelled_x=x + 0.5, num_particles=2, num_random_features=6
     ),
@@ -171,7 +171,7 @@ def test_a_copy_predicts_as_the_original():
 def test_fit_names_a_bad_lr(lr):
     # a string, a bool (not a learning rate of 1.0) and a tensor of two elements
     x, y = sum_sine_data(n=12)
-    model = DPKLRegressor(x, y, lambda: nn.Linear(3, 2), num_particles=2, num_random_features=3)
+    model = paper_dpkl(x, y, lambda: nn.Linear(3, 2), num_particles=2, num_random_features=3)
     with pytest.raises(ValueError, match="lr"):
         model.fit(max_iter=1, lr=lr)
 
@@ -199,7 +199,7 @@ def test_fit_names_a_bad_lr(lr):
 )
 def test_fit_names_the_bad_argument(kwargs, match):
     x, y = sum_sine_data(n=20)
-    model = DPKLRegressor(x, y, _net, num_particles=2, num_random_features=5)
+    model = paper_dpkl(x, y, _net, num_particles=2, num_random_features=5)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=match):
         model.fit(**kwargs)
@@ -229,7 +229,7 @@ def test_rmse_and_nll_equal_their_formulas():
 
 def test_predictions_with_dropout_are_deterministic():
     x, y = sum_sine_data()
-    model = DPKLRegressor(x, y, _dropout_net, num_particles=3, num_random_features=5)
+    model = paper_dpkl(x, y, _dropout_net, num_particles=3, num_random_features=5)
     model.fit(max_iter=2)
     first, second = model.predict(x[:7]), model.predict(x[:7])
     torch.testing.assert_close(first.mean, second.mean, rtol=0, atol=0)
@@ -296,7 +296,7 @@ def _trained_model():
     torch.manual_seed(0)
     x = torch.randn(40, 3, dtype=torch.float64)
     y = torch.sin(x[:, 0])
-    model = DPKLRegressor(x, y, _net, num_particles=3, num_random_features=20)
+    model = paper_dpkl(x, y, _net, num_particles=3, num_random_features=20)
     model.fit(max_iter=3, lr=0.01)  # leaves the model in evaluation mode
     return model, x, torch.randn(6, 3, dtype=torch.float64)
 
@@ -393,7 +393,7 @@ def test_bandwidth_and_repulsion_accept_real_scalars():
         scalars.direction(flat, params[0].grad), plain.direction(flat, params[0].grad)
     )
     x, y = sum_sine_data(n=12)
-    model = DPKLRegressor(
+    model = paper_dpkl(
         x, y, _dropout_net, num_particles=2, bandwidth=torch.tensor(2.0), repulsion=np.int64(1)
     )
     assert model.bandwidth == 2.0 and model.repulsion == 1.0
