@@ -422,7 +422,9 @@ def test_the_warm_start_fits_the_input_kernel_as_an_ard_gp_on_all_rows():
     )
     torch.testing.assert_close(model.likelihood.noise, gp.likelihood.noise)
     emb = model.embedding_kernel.random_features.outputscale
-    torch.testing.assert_close(emb, model.embedding_scale_ratio * gp.covar_module.outputscale.detach())
+    torch.testing.assert_close(
+        emb, model.embedding_scale_ratio * gp.covar_module.outputscale.detach()
+    )
 
 
 def test_default_is_not_worse_than_the_ard_gp_where_that_gp_is_right():

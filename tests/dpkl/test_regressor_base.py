@@ -18,7 +18,6 @@ from gpsd.dpkl import (
     ARDGPRegressor,
     DKLRegressor,
     DPKLClassifier,
-    DPKLRegressor,
     SSDPKLRegressor,
     SteinVariationalGradient,
 )
