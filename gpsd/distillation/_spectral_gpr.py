@@ -631,7 +631,9 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             kernel, train_x = state["test_kernel"]
             cross = kernel_matrix(kernel, train_x, test_x.to(train_x.dtype))
         weights = self._mean_weights(state)  # shape: (*, T, N, 1)
-        mean = (cross.to(weights).mT.unsqueeze(-3) @ weights).squeeze(-1)  # shape: (*, T, M)
+        # one product with the T weight vectors side by side (T matrix-vector products would
+        # read the cross-covariance T times)
+        mean = (cross.to(weights).mT @ weights.squeeze(-1).mT).mT  # shape: (*, T, M)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
 
     def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> Prediction:
