@@ -218,11 +218,20 @@ def make_engine(
             callback=callback,
         )
 
-    def grow_lanczos(operator, max_rank: int, give_up_early: bool = False) -> KernelSpectrum:
+    def grow_lanczos(
+        operator, max_rank: int, give_up_early: bool = False, moments: tuple | None = None
+    ) -> KernelSpectrum:
         def stop(spectrum: KernelSpectrum) -> bool:
             if spectrum.meets(gamma_min, rtol, allow_power=False):
                 return True
-            return give_up_early and _out_of_reach(spectrum, max_rank, gamma_min, rtol)
+            if not give_up_early:
+                return False
+            if _out_of_reach(spectrum, max_rank, gamma_min, rtol):
+                return True
+            # the trace and Frobenius norm of the formed matrix count what the Ritz values leave
+            return moments is not None and _too_many_above(
+                spectrum.ritz_values, *moments, n, gamma_min, rtol, max_rank
+            )
 
         return lanczos(operator, max_rank, stop)
 
@@ -296,9 +305,10 @@ def make_engine(
         dense = dense_kernel(dense_x).to_dense()
         dense = dense if eig_dtype is None else dense.to(eig_dtype)
         budget = rank or max(1, n // 4)
-        if try_lanczos_first and not _hard_spectrum(dense, budget, gamma_min, rtol):
+        moments = _trace_and_frobenius(dense) if try_lanczos_first else None
+        if try_lanczos_first and not _hard_spectrum(*moments, n, budget, gamma_min, rtol):
             dense = drop_negligible(dense, inplace=not dense.requires_grad)  # Krylov products
-            spectrum = grow_lanczos(dense, budget, give_up_early=True)
+            spectrum = grow_lanczos(dense, budget, give_up_early=True, moments=moments)
             if spectrum.meets(gamma_min, rtol):
                 return spectrum
         return _full_spectrum(dense, eig_dtype, keep_graph=needs_grad)
@@ -338,8 +348,8 @@ def _check_dense_memory(
 
 
 #: Krylov columns block Lanczos took per eigenpair it resolved: 2.2 to 3.8 in our measurements
-#: (see :func:`_out_of_reach`); the middle of that range.
-_COLUMNS_PER_PAIR = 3.0
+#: (see :func:`_out_of_reach`); the warning on forced matrix-free backends takes the low end.
+_COLUMNS_PER_PAIR = 2.2
 
 
 def _full_spectrum(
@@ -389,19 +399,63 @@ def _lanczos_threshold(gamma_min: float, rtol: float) -> float:
     return gamma_min * rtol ** (1.0 / 5)
 
 
-def _hard_spectrum(dense: Tensor, budget: int, gamma_min: float, rtol: float) -> bool:
-    """Whether, before any product, ``dense`` (``(*b, N, N)``) is seen to have so many
-    eigenvalues above the level Lanczos must resolve that a basis of ``budget`` columns cannot
-    reach ``rtol`` (:func:`_eigenvalue_count_bound`, about 3 columns per eigenpair): the
-    automatic choice then skips its Lanczos attempt, whose products and Rayleigh–Ritz steps
-    would be thrown away. Two passes over the matrix."""
+#: Leading eigenpairs :func:`_hard_spectrum` takes out of its count, and the subspace iterations
+#: that estimate them (products of the formed matrix with that many columns).
+_LEADING_PAIRS = 8
+_SUBSPACE_ITERATIONS = 6
+
+
+def _trace_and_frobenius(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """:math:`\\operatorname{tr}\\mathbf K` and :math:`\\lVert\\mathbf K\\rVert_F^2` of the formed
+    matrices (``(*b, N, N)``), each of shape ``(*b,)``."""
     with torch.no_grad():
         d = dense.detach()
-        trace = d.diagonal(dim1=-2, dim2=-1).sum(-1)
-        frobenius_sq = d.square().sum((-2, -1))
-        tau = _lanczos_threshold(gamma_min, rtol)
-        bound = _eigenvalue_count_bound(trace, frobenius_sq, d.shape[-1], tau)
-    return bool((_COLUMNS_PER_PAIR * bound > budget).any())
+        return d.diagonal(dim1=-2, dim2=-1).sum(-1), d.square().sum((-2, -1))
+
+
+def _too_many_above(
+    theta: Tensor,
+    trace: Tensor,
+    frobenius_sq: Tensor,
+    n: int,
+    gamma_min: float,
+    rtol: float,
+    budget: int,
+) -> bool:
+    r"""Whether the leading Ritz values ``theta`` (``(*b, p)``) of a matrix with trace ``trace``
+    and squared Frobenius norm ``frobenius_sq`` (``(*b,)``) leave more eigenvalues above the
+    level Lanczos must resolve than a basis of ``budget`` columns can hold.
+
+    The count is those of ``theta`` above the level :math:`\tau` plus
+    :func:`_eigenvalue_count_bound` on the spectrum they leave,
+    :math:`(\operatorname{tr}\mathbf K - \sum\theta_i - (N-p)\tau)_+^2 /
+    (\lVert\mathbf K\rVert_F^2 - \sum\theta_i^2)`. Ritz values lie below the eigenvalues they
+    approximate, so this estimates rather than bounds; it sees a flat spectrum under a few large
+    eigenvalues (inputs in many dimensions, whose distances concentrate), which the bound on the
+    whole matrix misses."""
+    p = theta.shape[-1]
+    if p >= n:
+        return False
+    tau = _lanczos_threshold(gamma_min, rtol)
+    theta = theta.to(trace)
+    rest = _eigenvalue_count_bound(
+        trace - theta.sum(-1), frobenius_sq - theta.square().sum(-1), n - p, tau
+    )
+    count = (theta > tau).sum(-1) + rest
+    return bool((count > budget).any())
+
+
+def _hard_spectrum(
+    trace: Tensor, frobenius_sq: Tensor, n: int, budget: int, gamma_min: float, rtol: float
+) -> bool:
+    """Whether, before the Lanczos attempt, the formed matrices (``trace`` and ``frobenius_sq``
+    from :func:`_trace_and_frobenius`) are seen to have more eigenvalues above the level Lanczos
+    must resolve than a basis of ``budget`` columns can hold (:func:`_eigenvalue_count_bound`):
+    the automatic choice then skips the attempt, whose products and Rayleigh–Ritz steps would be
+    thrown away. A flat spectrum under a few large eigenvalues escapes this bound; during the
+    attempt, :func:`_too_many_above` looks again at each checkpoint with the Ritz values."""
+    tau = _lanczos_threshold(gamma_min, rtol)
+    return bool((_eigenvalue_count_bound(trace, frobenius_sq, n, tau) > budget).any())
 
 
 def _warn_if_hard_for_matrix_free(

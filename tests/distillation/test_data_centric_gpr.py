@@ -594,6 +594,7 @@ def test_auto_gives_up_a_hopeless_lanczos_attempt_at_half_its_budget(monkeypatch
     attempt before the dense eigendecomposition stops at half its rank budget of N / 4 (with
     the bound that skips the attempt before any product switched off)."""
     monkeypatch.setattr(backend_module, "_hard_spectrum", lambda *args: False)
+    monkeypatch.setattr(backend_module, "_too_many_above", lambda *args: False)
     runs = []
     from_lanczos = KernelSpectrum.from_lanczos.__func__
 
@@ -674,6 +675,41 @@ def test_eigenvalue_count_bound_never_exceeds_the_count():
         for tau in (1e-3, 1e-1, 1.0):
             bound = backend_module._eigenvalue_count_bound(k.trace(), k.square().sum(), 300, tau)
             assert float(bound) <= int((evals > tau).sum())
+
+
+def test_a_flat_spectrum_under_one_large_eigenvalue_is_seen_once_it_is_taken_out():
+    """Inputs in many dimensions: one eigenvalue near N times the mean kernel value, the rest
+    near each other. The count bound on the whole matrix misses it (no skip before the attempt);
+    with the large one taken out (as the attempt's Ritz values do), the rest count more
+    eigenvalues above the level than the budget can hold, as they are; a smooth kernel's don't."""
+    gen = torch.Generator().manual_seed(12)
+    n = 400
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DTYPE))
+    evals = torch.cat(
+        [
+            torch.tensor([150.0], dtype=DTYPE),
+            0.5 + 0.1 * torch.rand(n - 1, generator=gen, dtype=DTYPE),
+        ]
+    )
+    k = q @ torch.diag(evals) @ q.T
+    trace, frobenius_sq = backend_module._trace_and_frobenius(k)
+    tau = backend_module._lanczos_threshold(0.1, 1e-6)
+    whole = backend_module._eigenvalue_count_bound(trace, frobenius_sq, n, tau)
+    assert 3 * float(whole) < 100  # the whole-matrix bound would let Lanczos try
+    top = evals[:1]
+    assert backend_module._too_many_above(top, trace, frobenius_sq, n, 0.1, 1e-6, 100)
+    assert int((evals > tau).sum()) == n  # the truth: every eigenvalue is above the level
+    assert not backend_module._hard_spectrum(trace, frobenius_sq, n, 100, 0.1, 1e-6)
+    smooth = (
+        rbf_kernel(outputscale=1.0, lengthscale=1.0)(
+            torch.linspace(0, 10, n, dtype=DTYPE).unsqueeze(-1)
+        )
+        .to_dense()
+        .detach()
+    )
+    moments = backend_module._trace_and_frobenius(smooth)
+    evals = torch.linalg.eigvalsh(smooth).flip(0)
+    assert not backend_module._too_many_above(evals[:8], *moments, n, 0.1, 1e-6, 100)
 
 
 def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():
