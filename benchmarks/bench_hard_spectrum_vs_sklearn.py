@@ -13,8 +13,9 @@ uses where an autograd graph is kept) for comparison. Settings:
 - ``48d``: standard normal inputs in 48 dimensions, lengthscale 6 (every eigenvalue above 1e-7);
 - ``deliveries``: the 30 standardised inputs of the deliveries data, lengthscale 6.
 
-Each cell is run once as a warm-up, then ``--repeats`` times; the median is reported. Forced
-``lanczos`` and ``cg`` run in a child process stopped after ``--max-seconds``. The relative
+Each cell runs in a fresh process (so that no library's idle worker threads from the previous
+cell take a core), once as a warm-up, then ``--repeats`` times; the median is reported; a cell is
+stopped after ``--max-seconds``. The relative
 error column compares every gpsd row with the dense eigendecomposition's means and variances.
 
 Usage::
@@ -114,8 +115,18 @@ def eigh_only():
 
 
 def child(name: str, backend: str, repeats: int) -> None:
-    """Run one matrix-free cell and print its time and results as JSON (for the parent)."""
-    seconds, (mean, variance) = timed(lambda: gpsd_run(name, backend), repeats)
+    """Run one cell and print its time (and gpsd's results) as JSON, for the parent: every cell
+    runs in a fresh process, so that no library's idle worker threads (OpenBLAS spins for a
+    while after each call) take cores from the next cell."""
+    if backend == "scikit-learn":
+        seconds, _ = timed(lambda: sklearn_run(name), repeats)
+        print(json.dumps({"seconds": seconds}))
+        return
+    if backend == "dense (eigh)":
+        with eigh_only():
+            seconds, (mean, variance) = timed(lambda: gpsd_run(name, "dense"), repeats)
+    else:
+        seconds, (mean, variance) = timed(lambda: gpsd_run(name, backend), repeats)
     print(json.dumps({"seconds": seconds, "mean": mean.tolist(), "variance": variance.tolist()}))
 
 
@@ -148,37 +159,33 @@ def main() -> None:
         "linspace(0.1, 1, 100); gpsd predicts every step's means and variances under "
         "`torch.no_grad()`; scikit-learn fits once (alpha = 0.1, optimizer=None) and predicts "
         "means and standard deviations",
-        f"- median of {args.repeats} after a warm-up; `lanczos` and `cg` in a child process "
-        f"stopped after {args.max_seconds:.0f} s",
+        f"- median of {args.repeats} after a warm-up, each cell in a fresh process stopped after "
+        f"{args.max_seconds:.0f} s",
         "",
     )
     for name in args.settings:
-        sk_seconds, _ = timed(lambda name=name: sklearn_run(name), args.repeats)
-        rows, reference = [], None
-        for backend in BACKENDS:
-            if backend in ("lanczos", "cg"):
-                command = [sys.executable, __file__, "--child", name, backend]
-                command += ["--repeats", "1"]
-                try:
-                    done = subprocess.run(
-                        command, capture_output=True, text=True, timeout=args.max_seconds
-                    )
-                    result = json.loads(done.stdout.strip().splitlines()[-1])
-                    seconds = result["seconds"]
-                    mean = torch.tensor(result["mean"], dtype=torch.float64)
-                    variance = torch.tensor(result["variance"], dtype=torch.float64)
-                except subprocess.TimeoutExpired:
-                    rows.append((backend, math.inf, None, None))
-                    continue
-            elif backend == "dense (eigh)":
-                with eigh_only():
-                    seconds, (mean, variance) = timed(
-                        lambda n=name: gpsd_run(n, "dense"), args.repeats
-                    )
-            else:
-                seconds, (mean, variance) = timed(
-                    lambda n=name, b=backend: gpsd_run(n, b), args.repeats
+        rows, reference, sk_seconds = [], None, math.nan
+        for backend in ("scikit-learn", *BACKENDS):
+            command = [sys.executable, __file__, "--child", name, backend]
+            command += ["--repeats", str(args.repeats)]
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, text=True, timeout=args.max_seconds
                 )
+            except subprocess.TimeoutExpired:
+                rows.append((backend, math.inf, None, f"> {args.max_seconds:.0f} (stopped)"))
+                continue
+            if done.returncode != 0:  # the backend refused the problem: say why
+                reason = done.stderr.strip().splitlines()[-1][:160]
+                rows.append((backend, math.inf, None, f"failed: {reason}"))
+                continue
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            if backend == "scikit-learn":
+                sk_seconds = result["seconds"]
+                continue
+            seconds = result["seconds"]
+            mean = torch.tensor(result["mean"], dtype=torch.float64)
+            variance = torch.tensor(result["variance"], dtype=torch.float64)
             if backend == "dense (eigh)":
                 reference = (mean, variance)
             rows.append((backend, seconds, mean, variance))
@@ -194,7 +201,7 @@ def main() -> None:
         )
         for backend, seconds, mean, variance in rows:
             if math.isinf(seconds):
-                report.add(f"| {backend} | > {args.max_seconds:.0f} (stopped) | — | — | — |")
+                report.add(f"| {backend} | {variance} | — | — | — |")
                 continue
             errors = (
                 f"{relative_error(mean, reference[0]):.1e} / "

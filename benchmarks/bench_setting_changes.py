@@ -67,9 +67,7 @@ def one_round(backend: str) -> dict[str, float]:
         times["distribution-centric: first predict"] = seconds(lambda: model.predict(test_x))
         model.method = "iterated"
         model.method = "collapsed"  # back: the targets' coordinates of this method again
-        times["distribution-centric: after method changes"] = seconds(
-            lambda: model.predict(test_x)
-        )
+        times["distribution-centric: after method changes"] = seconds(lambda: model.predict(test_x))
     return times
 
 

@@ -348,7 +348,7 @@ def _check_dense_memory(
 
 
 #: Krylov columns block Lanczos took per eigenpair it resolved: 2.2 to 3.8 in our measurements
-#: (see :func:`_out_of_reach`); the warning on forced matrix-free backends takes the low end.
+#: (see :func:`_out_of_reach`); the decisions take the low end.
 _COLUMNS_PER_PAIR = 2.2
 
 
@@ -424,7 +424,7 @@ def _too_many_above(
 ) -> bool:
     r"""Whether the leading Ritz values ``theta`` (``(*b, p)``) of a matrix with trace ``trace``
     and squared Frobenius norm ``frobenius_sq`` (``(*b,)``) leave more eigenvalues above the
-    level Lanczos must resolve than a basis of ``budget`` columns can hold.
+    level Lanczos must resolve than a basis of ``budget`` columns can resolve (:func:`_beyond`).
 
     The count is those of ``theta`` above the level :math:`\tau` plus
     :func:`_eigenvalue_count_bound` on the spectrum they leave,
@@ -442,7 +442,7 @@ def _too_many_above(
         trace - theta.sum(-1), frobenius_sq - theta.square().sum(-1), n - p, tau
     )
     count = (theta > tau).sum(-1) + rest
-    return bool((count > budget).any())
+    return _beyond(count, budget)
 
 
 def _hard_spectrum(
@@ -450,12 +450,26 @@ def _hard_spectrum(
 ) -> bool:
     """Whether, before the Lanczos attempt, the formed matrices (``trace`` and ``frobenius_sq``
     from :func:`_trace_and_frobenius`) are seen to have more eigenvalues above the level Lanczos
-    must resolve than a basis of ``budget`` columns can hold (:func:`_eigenvalue_count_bound`):
+    must resolve than a basis of ``budget`` columns can resolve (:func:`_eigenvalue_count_bound`,
+    :func:`_beyond`):
     the automatic choice then skips the attempt, whose products and Rayleigh–Ritz steps would be
     thrown away. A flat spectrum under a few large eigenvalues escapes this bound; during the
     attempt, :func:`_too_many_above` looks again at each checkpoint with the Ritz values."""
     tau = _lanczos_threshold(gamma_min, rtol)
-    return bool((_eigenvalue_count_bound(trace, frobenius_sq, n, tau) > budget).any())
+    return _beyond(_eigenvalue_count_bound(trace, frobenius_sq, n, tau), budget)
+
+
+#: Eigenpairs from which on block Lanczos took at least :data:`_COLUMNS_PER_PAIR` columns each
+#: in our measurements (a few pairs of a fast-decaying spectrum can take fewer).
+_MANY_PAIRS = 64
+
+
+def _beyond(count: Tensor, budget: int) -> bool:
+    """Whether ``count`` (``(*b,)``) eigenpairs to resolve are beyond a basis of ``budget``
+    columns: more than it can hold, or, from :data:`_MANY_PAIRS` on, more than it can resolve
+    at :data:`_COLUMNS_PER_PAIR` columns each."""
+    many = (count >= _MANY_PAIRS) & (_COLUMNS_PER_PAIR * count > budget)
+    return bool(((count > budget) | many).any())
 
 
 def _warn_if_hard_for_matrix_free(
