@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gpsd._internal.module_state import checked_setting
 from gpsd._internal.validation import (
     as_float_tensor,
     check_int,
@@ -177,6 +178,23 @@ class StepwiseClassifier(abc.ABC):
 
     num_steps: int
     train_inputs: Tensor
+
+    refit_hyperparameters = checked_setting(
+        "refit_hyperparameters",
+        check_refit_flag,
+        "Whether every step refits the kernel's and prior mean's hyperparameters; a new value "
+        "refits on use.",
+    )
+    refit_max_iter = checked_setting(
+        "refit_max_iter",
+        lambda v: check_int(v, "refit_max_iter"),
+        "Adam iterations of each step's refit; a new value refits on use.",
+    )
+    refit_lr = checked_setting(
+        "refit_lr",
+        lambda v: check_positive_float(v, "refit_lr"),
+        "Adam's learning rate of each step's refit; a new value refits on use.",
+    )
 
     @abc.abstractmethod
     def _fitted_steps(self) -> int:

@@ -14,18 +14,16 @@ from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import (
     adopt_buffer_shapes,
     check_saved_num_steps,
-    checked_setting,
     choice_setting,
     fixed_setting,
 )
 from gpsd._internal.progress_reporter import ProgressReporter
-from gpsd._internal.validation import check_gp_modules, check_int, check_positive_float
+from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
 from gpsd.distillation._gpc_steps import (
     FittedModules,
     SoftBernoulliLogitTerms,
     StepwiseClassifier,
-    check_refit_flag,
     check_refit_options,
     check_trainable,
     noise_schedule,
@@ -211,23 +209,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         "target_method",
         ("quadrature", "probit"),
         "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
-    )
-
-    refit_hyperparameters = checked_setting(
-        "refit_hyperparameters",
-        check_refit_flag,
-        "Whether every step refits the kernel's and prior mean's hyperparameters; a new value "
-        "refits on use.",
-    )
-    refit_max_iter = checked_setting(
-        "refit_max_iter",
-        lambda v: check_int(v, "refit_max_iter"),
-        "Adam iterations of each step's refit; a new value refits on use.",
-    )
-    refit_lr = checked_setting(
-        "refit_lr",
-        lambda v: check_positive_float(v, "refit_lr"),
-        "Adam's learning rate of each step's refit; a new value refits on use.",
     )
 
     #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(T,)`` (entry ``t - 1`` for step
