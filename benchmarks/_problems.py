@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gpytorch
 import torch
+from torch import nn
 
 
 def uniform_square_problem(
@@ -26,3 +27,17 @@ def rbf_kernel(
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(device, dtype)
     kernel.base_kernel.lengthscale = torch.tensor(lengthscale, dtype=dtype, device=device)
     return kernel
+
+
+def dpkl_network(d_in: int, latent: int = 2) -> nn.Module:
+    """The D-100-50-50-d ReLU network of Jean et al. and Mallick et al. (the models cast it to
+    the data's dtype)."""
+    return nn.Sequential(
+        nn.Linear(d_in, 100),
+        nn.ReLU(),
+        nn.Linear(100, 50),
+        nn.ReLU(),
+        nn.Linear(50, 50),
+        nn.ReLU(),
+        nn.Linear(50, latent),
+    )

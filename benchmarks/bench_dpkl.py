@@ -27,6 +27,7 @@ from pathlib import Path
 import gpytorch
 import numpy as np
 import torch
+from _problems import dpkl_network as make_net
 from _timing import Report, cpu_name, cuda_missing, median_time
 from linear_operator.operators import LowRankRootLinearOperator
 from torch import nn
@@ -42,19 +43,6 @@ from gpsd.dpkl import (
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ["GP", "DKL", "DPKL (paper)", "DPKL (SVGD)", "SSDPKL"]
-
-
-def make_net(d_in: int, latent: int = 2) -> nn.Module:
-    """The D-100-50-50-d architecture of Jean et al. / Mallick et al."""
-    return nn.Sequential(
-        nn.Linear(d_in, 100),
-        nn.ReLU(),
-        nn.Linear(100, 50),
-        nn.ReLU(),
-        nn.Linear(50, 50),
-        nn.ReLU(),
-        nn.Linear(50, latent),
-    )
 
 
 def standardise(train: np.ndarray, *others: np.ndarray):

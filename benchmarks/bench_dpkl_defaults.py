@@ -35,8 +35,8 @@ from pathlib import Path
 import gpytorch
 import numpy as np
 import torch
+from _problems import dpkl_network as make_net
 from _timing import Report, cpu_name
-from torch import nn
 
 from gpsd.data import load_arrays
 from gpsd.dpkl import ARDGPRegressor, DKLRegressor, DPKLRegressor
@@ -44,19 +44,6 @@ from gpsd.dpkl import ARDGPRegressor, DKLRegressor, DPKLRegressor
 METHODS = ["ARD GP", "ARD GP (200 steps at 0.01)", "DPKL default", "DPKL paper", "DKL"]
 N_TEST = {"deliveries": 1000, "concrete": 500, "boston": 206, "meats": 65}
 NS = {"deliveries": [100, 300], "concrete": [100, 300], "boston": [100, 300], "meats": [100, 150]}
-
-
-def make_net(d_in: int, latent: int = 2) -> nn.Module:
-    """The D-100-50-50-d ReLU network of Jean et al. / Mallick et al."""
-    return nn.Sequential(
-        nn.Linear(d_in, 100),
-        nn.ReLU(),
-        nn.Linear(100, 50),
-        nn.ReLU(),
-        nn.Linear(50, 50),
-        nn.ReLU(),
-        nn.Linear(50, latent),
-    ).double()
 
 
 def draw(name: str, n: int, seed: int):
