@@ -360,9 +360,7 @@ def _full_spectrum(
     kept, which measured 0.3 to 0.6 times the time of ``torch.linalg.eigh`` there
     (``benchmarks/results/hard_spectrum_vs_sklearn_cpu.md``); ``torch.linalg.eigh`` otherwise
     (on CUDA the reduction would run on the host, which has not been measured to pay), and where
-    the eigenvectors of the tridiagonal matrix fail (multiple relatively robust
-    representations can fail on large clusters of equal eigenvalues, such as the eigenvalue 1 of
-    many isolated points under a short lengthscale)."""
+    LAPACK reports a failure of the reduction or of the tridiagonal eigensolver."""
     dtype = eig_dtype or dense.dtype
     tridiagonal = (
         not keep_graph
@@ -373,7 +371,7 @@ def _full_spectrum(
     if tridiagonal:
         try:
             return KernelSpectrum.from_tridiagonal(dense, dtype=eig_dtype)
-        except np.linalg.LinAlgError:  # MRRR can fail on large clusters of equal eigenvalues
+        except np.linalg.LinAlgError:  # LAPACK reported a failure
             pass
     return KernelSpectrum.from_dense(dense, dtype=eig_dtype)
 
@@ -397,12 +395,6 @@ def _lanczos_threshold(gamma_min: float, rtol: float) -> float:
     r"""The eigenvalue level :math:`\tau` Lanczos must resolve down to (see :func:`_out_of_reach`),
     for the default Taylor order 4 of :meth:`KernelSpectrum.from_lanczos`."""
     return gamma_min * rtol ** (1.0 / 5)
-
-
-#: Leading eigenpairs :func:`_hard_spectrum` takes out of its count, and the subspace iterations
-#: that estimate them (products of the formed matrix with that many columns).
-_LEADING_PAIRS = 8
-_SUBSPACE_ITERATIONS = 6
 
 
 def _trace_and_frobenius(dense: Tensor) -> tuple[Tensor, Tensor]:
@@ -459,6 +451,9 @@ def _hard_spectrum(
     return _beyond(_eigenvalue_count_bound(trace, frobenius_sq, n, tau), budget)
 
 
+#: Random columns of each of the two probe products of :func:`_warn_if_hard_for_matrix_free`.
+_PROBE_COLUMNS = 8
+
 #: Eigenpairs from which on block Lanczos took at least :data:`_COLUMNS_PER_PAIR` columns each
 #: in our measurements (a few pairs of a fast-decaying spectrum can take fewer).
 _MANY_PAIRS = 64
@@ -489,12 +484,23 @@ def _warn_if_hard_for_matrix_free(
     too flat for it and the ``N x N`` matrix would fit in memory (so that ``backend="auto"``
     would form it): with the estimated number of products and their measured time.
 
-    One product with 4 random columns estimates :math:`\lVert\mathbf K\rVert_F^2`
-    (:math:`\mathbb E\lVert\mathbf K\boldsymbol\omega\rVert^2` for a standard normal
-    :math:`\boldsymbol\omega`) and its time; :func:`_eigenvalue_count_bound` turns it into the
-    eigenvalues above the level Lanczos must resolve; deflated CG's iterations per solve follow
-    from the condition number bound :math:`1 + \sqrt{\lVert\mathbf K\rVert_F^2/(k+1)} /
-    \gamma_{\min}` after deflating :math:`k` pairs.
+    Two products count the eigenvalues above the level Lanczos must resolve, and time one of
+    them. The first, with :math:`p` random columns :math:`\boldsymbol\Omega`, gives an
+    orthonormal basis :math:`\mathbf Q` of :math:`\mathbf K\boldsymbol\Omega`, the leading part
+    of the range; the second, with :math:`\mathbf Q` and :math:`p` random columns
+    :math:`\boldsymbol\omega` projected onto the complement
+    (:math:`\mathbf P_\perp = \mathbf I - \mathbf Q\mathbf Q^\top`), gives the Ritz values
+    :math:`\theta_i` of :math:`\mathbf Q^\top\mathbf K\mathbf Q`, and
+    :math:`\lVert\mathbf K_\perp\rVert_F^2` of :math:`\mathbf K_\perp =
+    \mathbf P_\perp\mathbf K\mathbf P_\perp` as the mean of
+    :math:`\lVert\mathbf P_\perp\mathbf K\mathbf P_\perp\boldsymbol\omega\rVert^2`, whose
+    trace is exactly :math:`\operatorname{tr}\mathbf K - \sum_i\theta_i`. The count is the
+    Ritz values above the level plus :func:`_eigenvalue_count_bound` on :math:`\mathbf K_\perp`:
+    taking the leading part out first sees a flat spectrum under a few large eigenvalues
+    (inputs in many dimensions), which a count on the whole matrix misses. Deflated CG's
+    iterations per solve follow from the condition number bound
+    :math:`1 + \sqrt{\lVert\mathbf K\rVert_F^2/(k+1)} / \gamma_{\min}` after deflating
+    :math:`k` pairs.
     """
     matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
     num_schedules = schedule_shape.numel()
@@ -509,17 +515,26 @@ def _warn_if_hard_for_matrix_free(
     )
     if better == "lanczos":  # the matrix does not fit: no better choice to point to
         return
+    p = min(_PROBE_COLUMNS, n)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
-        probe = torch.randn((*matrix_shape, n, 4), generator=generator, dtype=dtype)
-        probe = probe.to(x.device)
+        omega = torch.randn((*matrix_shape, n, 2 * p), generator=generator, dtype=dtype)
+        omega = omega.to(x.device)
         start = time.perf_counter()
-        product = operator @ probe
+        product = operator @ omega[..., :p]  # shape: (*b, n, p)
         seconds = time.perf_counter() - start
-        frobenius_sq = product.square().sum(-2).mean(-1)  # shape: (*b,)
-        trace = operator.diagonal(dim1=-2, dim2=-1).sum(-1).to(frobenius_sq)
+        basis = torch.linalg.qr(product).Q  # shape: (*b, n, p)
+        rest = omega[..., p:] - basis @ (basis.mT @ omega[..., p:])  # P_perp omega
+        both = operator @ torch.cat([basis, rest], dim=-1)  # shape: (*b, n, 2p)
+        projected = basis.mT @ both[..., :p]
+        theta = torch.linalg.eigvalsh(0.5 * (projected + projected.mT))  # shape: (*b, p)
+        perp = both[..., p:] - basis @ (basis.mT @ both[..., p:])  # K_perp omega
+        frobenius_perp = perp.square().sum(-2).mean(-1)  # shape: (*b,)
+        trace = operator.diagonal(dim1=-2, dim2=-1).sum(-1).to(theta)
     tau = _lanczos_threshold(gamma_min, rtol)
-    count = float(_eigenvalue_count_bound(trace, frobenius_sq, n, tau).max())
+    rest_count = _eigenvalue_count_bound(trace - theta.sum(-1), frobenius_perp, n - p, tau)
+    count = float(((theta > tau).sum(-1) + rest_count).max())
+    frobenius_sq = theta.square().sum(-1) + frobenius_perp
     if backend == "lanczos":
         budget = rank or min(n, settings.max_lanczos_rank.value())
         if _COLUMNS_PER_PAIR * count <= max(budget, n // 4):

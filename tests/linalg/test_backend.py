@@ -225,7 +225,7 @@ def test_the_dense_backend_without_a_graph_keeps_its_eigenvectors_factored():
 
 def test_a_failed_tridiagonal_eigensolver_falls_back_to_eigh(monkeypatch):
     def failing(*args, **kwargs):
-        raise np.linalg.LinAlgError("stemr did not converge")
+        raise np.linalg.LinAlgError("stevd did not converge")
 
     monkeypatch.setattr(KernelSpectrum, "from_tridiagonal", failing)
     x = torch.linspace(0, 10, 50, dtype=DTYPE).unsqueeze(-1)
@@ -267,6 +267,25 @@ def test_a_forced_matrix_free_backend_on_a_flat_spectrum_warns_before_it_runs(ba
         warnings.simplefilter("always")
         _make(kernel, smooth, backend, rank=16, gamma_min=0.1, rtol=1e-6)
     assert not [w for w in caught if "slowly decaying spectrum" in str(w.message)]
+
+
+def test_a_flat_spectrum_under_a_few_large_eigenvalues_warns_before_a_forced_cg():
+    """Gaussian inputs in 48 dimensions at lengthscale 6: a few large eigenvalues and every
+    other one above the filters' level. The count on the whole matrix finds 12 eigenvalues;
+    with the leading part of the range taken out first it finds more than a quarter of N."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(400, 48, generator=gen, dtype=DTYPE)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=6.0)
+    dense = kernel(x).to_dense().detach()
+    tau = backend_module._lanczos_threshold(0.1, 1e-6)
+    assert int((torch.linalg.eigvalsh(dense) > tau).sum()) == 400
+    whole = backend_module._eigenvalue_count_bound(dense.trace(), dense.square().sum(), 400, tau)
+    assert float(whole) < 400 // 4 / backend_module._COLUMNS_PER_PAIR  # the old count: silent
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _make(kernel, x, "cg", rank=16, gamma_min=0.1, rtol=1e-6)
+    hard = [w for w in caught if "slowly decaying spectrum" in str(w.message)]
+    assert len(hard) == 1 and "CG solves" in str(hard[0].message)
 
 
 def test_no_flat_spectrum_warning_where_the_dense_matrix_would_not_fit(monkeypatch):
