@@ -15,6 +15,7 @@ from gpytorch.models import ExactGP
 from torch import Tensor
 
 from gpsd._internal.collectives import (
+    all_gather,
     all_gather_cat,
     all_reduce_sum,
     check_group,
@@ -278,18 +279,21 @@ class KernelDistillation:
       every rank, and, for the gradient and the block direction, an ``all_gather`` of the
       :math:`n \times b` rows (each rank receives :math:`P \lceil n/P \rceil b` values).
     * **Time per rank** per pass: :math:`O(n^2 (d + b) / P)`, plus :math:`O(n m^2 / P)` for the
-      product :math:`(E W) K_{UU}` of the gradient. Replicated on every rank (the same result
-      on every rank, given the ``seed``): K-means and the nearest-inducing search, :math:`K_{UU}`,
-      the matrix :math:`G` (:math:`O(n b^2 + m^3)`) and the student
-      (:class:`~gpsd.SparseLowRankStudent`, :math:`O(n b^2 + m^3)`).
+      product :math:`(E W) K_{UU}` of the gradient. Replicated on every rank: K-means (every
+      rank takes rank 0's centroids, ``m x d`` values gathered once, since on GPUs K-means adds
+      with atomics whose order varies), the nearest-inducing search, :math:`K_{UU}`, the matrix
+      :math:`G` (:math:`O(n b^2 + m^3)`) and the student (:class:`~gpsd.SparseLowRankStudent`,
+      :math:`O(n b^2 + m^3)`). What is gathered or summed over the ranks (:math:`W`, the errors)
+      is the same bits on every rank; on the CPU the student is too, while on GPUs its
+      predictions can differ across ranks by rounding (sums with atomics).
 
-    Construction is then collective: every rank compares the shape, dtype and an exact checksum
+    Construction with a group is collective: every rank compares the shape, dtype and an exact checksum
     of the bits of ``train_x``, ``train_y``, the noise, the mean constant, the kernel's
     hyperparameters (and its module types), the inducing points and the settings with every
     other rank's, and where any differ every rank raises the same ``ValueError`` naming what
-    differs. So are :meth:`prepare`, :meth:`least_squares_weights`,
-    :meth:`objective_and_gradient`, :meth:`frobenius_error`, :meth:`block_direction` and
-    :meth:`fit`: every rank calls them in the same order with the same arguments (a
+    differs. :meth:`prepare`, :meth:`least_squares_weights`, :meth:`objective_and_gradient`,
+    :meth:`frobenius_error`, :meth:`block_direction` and :meth:`fit` are collective too: every
+    rank calls them in the same order with the same arguments (a
     ``callback`` must stop the descent on every rank alike). A collective that fails or waits
     longer than the group's ``timeout`` raises a :class:`~gpsd.DistributedError`. Collectives
     run on the tensors' device with NCCL, on the CPU with gloo.
@@ -650,6 +654,10 @@ class KernelDistillation:
             centres = kmeans(
                 x / scale, self.num_inducing, max_iter=self.kmeans_max_iter, seed=self.seed
             )
+            if self.process_group is not None:
+                # on GPUs, K-means adds with atomics whose order varies: rank 0's for all
+                what = "all_gather of the K-means centroids"
+                centres = all_gather(centres, self.process_group, what)[0]
             self.inducing_points = centres * scale
         t1 = time.perf_counter()
         _, idx = nearest_inducing_points(x / scale, self.inducing_points / scale, self.sparsity)
