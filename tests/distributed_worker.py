@@ -1,9 +1,10 @@
-"""One rank of the multi-process runs of tests/linalg/test_distributed_kernel_operator.py.
+"""One rank of the multi-process runs of tests/linalg/test_distributed_kernel_operator.py and
+tests/kernel_distillation/test_kernel_distillation_process_group.py (started by
+tests/distributed_launch.py).
 
 Run as ``python tests/distributed_worker.py SCENARIO RANK WORLD_SIZE INIT_FILE OUT_FILE``: it
 joins a gloo group through the file store ``INIT_FILE``, runs ``SCENARIO`` and saves what it
-found to ``OUT_FILE`` (``torch.save``). :func:`problem` and :func:`reference` are shared with the
-test, which computes the single-process answers.
+found to ``OUT_FILE`` (``torch.save``). :func:`problem` is shared with the tests.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import traceback
 import gpytorch
 import torch
 import torch.distributed as dist
+from kd_reference import Teacher
 
 import gpsd
 from gpsd.distillation._spectral_gpr import _columns_are_local
@@ -75,6 +77,115 @@ def reference(n: int, process_group=None) -> dict:
                 out[name]["step_targets"] = model.step_targets()
                 covariance = model.predict(test_x[:7], full_cov=True).covariance
                 out[name]["covariance"] = covariance
+    return out
+
+
+#: kernel distillation: the problem size (uneven on 2 and 3 ranks), the settings every run
+#: shares (several column chunks per rank) and the runs compared, by name
+KD_N = 301
+KD_COMMON = {"num_inducing": 30, "sparsity": 5, "chunk_size": 40}
+KD_RUNS = {
+    "block": {"max_iter": 2},  # the block direction with the exact line search
+    "gradient": {"max_iter": 2, "descent": "gradient", "lr": 1e-3},
+}
+KD_NOISE = 0.1
+KD_MEAN = 0.3
+
+
+def kd_reference(process_group=None) -> dict:
+    """W, errors and the student's predictions of every run of :data:`KD_RUNS` (through
+    ``from_data``) and of a teacher's distillation, with the given process group (``None``:
+    this process alone), with the columns of K_XX each evaluated."""
+    x, y, test_x, kernel = problem(KD_N)
+    mean = gpytorch.means.ConstantMean().to(DT)
+    mean.constant = KD_MEAN
+    out = {}
+    for name, settings in KD_RUNS.items():
+        columns = []
+        with _recording_columns(columns):
+            distiller = gpsd.KernelDistillation.from_data(
+                x,
+                y,
+                kernel,
+                noise=KD_NOISE,
+                mean_module=mean,
+                process_group=process_group,
+                **KD_COMMON,
+                **settings,
+            ).fit()
+        out[name] = _kd_result(distiller, test_x)
+        out[name]["columns"] = columns
+        out[name]["block"] = (distiller._block.start, distiller._block.stop)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DT)
+    likelihood.noise = KD_NOISE
+    teacher = Teacher(x, y, likelihood)
+    distiller = gpsd.KernelDistillation(
+        teacher, max_iter=1, process_group=process_group, **KD_COMMON
+    ).fit()
+    out["teacher"] = _kd_result(distiller, test_x)
+    return out
+
+
+class _recording_columns:
+    """Within it, every block of columns of K_XX that kernel distillation evaluates is
+    appended to ``columns`` as ``(start, stop)``."""
+
+    def __init__(self, columns: list) -> None:
+        self.columns = columns
+
+    def __enter__(self):
+        cls = gpsd.KernelDistillation
+        self.original = original = cls._columns
+        columns = self.columns
+
+        def recorded(distiller, start):
+            cols, k_cols = original(distiller, start)
+            columns.append((cols.start, cols.stop))
+            assert k_cols.shape == (distiller.train_x.shape[0], cols.stop - cols.start)
+            return cols, k_cols
+
+        cls._columns = recorded
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gpsd.KernelDistillation._columns = self.original
+
+
+def _kd_result(distiller, test_x) -> dict:
+    prediction = distiller.student.predict(test_x)
+    return {
+        "weights": distiller.weight_values,
+        "initial_weights": distiller.initial_weight_values,
+        "errors": torch.tensor(distiller.frobenius_errors, dtype=DT),
+        "mean": prediction.mean,
+        "variance": prediction.variance,
+        "inducing_points": distiller.inducing_points,
+        "neighbour_indices": distiller.neighbour_indices,
+        "inducing_covariance": distiller.inducing_covariance,
+    }
+
+
+def scenario_kd(rank: int, world: int) -> dict:
+    group = dist.group.WORLD
+    out = {"distributed": kd_reference(group), "plain": kd_reference()}
+    x, y, _, kernel = problem(KD_N)
+
+    def build(x=x, kernel=kernel, **settings):
+        return gpsd.KernelDistillation.from_data(
+            x, y, kernel, noise=KD_NOISE, process_group=group, **{**KD_COMMON, **settings}
+        )
+
+    # a different problem on the last rank: a ValueError on every rank
+    last = rank == world - 1
+    other_x = x.clone()
+    if last:
+        other_x[0, 0] += 1e-12
+    out["different_train_x"] = _caught(lambda: build(x=other_x))
+    other_kernel = problem(KD_N)[3]
+    if last:
+        other_kernel.base_kernel.lengthscale = 0.71
+    out["different_kernel"] = _caught(lambda: build(kernel=other_kernel))
+    out["different_settings"] = _caught(lambda: build(sparsity=6 if last else 5))
     return out
 
 
@@ -187,6 +298,8 @@ def main() -> None:
     try:
         if scenario == "main":
             result = scenario_main(rank, world)
+        elif scenario == "kd":
+            result = scenario_kd(rank, world)
         else:
             result = scenario_fail(rank, world, scenario.removeprefix("fail_"), out_file)
     except Exception:

@@ -8,6 +8,7 @@ did not join) raises a :class:`~gpsd.DistributedError` naming the operation.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -19,12 +20,15 @@ from gpsd.exceptions import DistributedError
 __all__ = [
     "all_gather",
     "all_gather_cat",
+    "all_reduce_sum",
     "check_group",
     "check_same",
     "comm_device",
     "dtype_code",
     "exact_checksum",
+    "module_fingerprint",
     "split_sizes",
+    "tensor_fingerprint",
     "text_checksum",
 ]
 
@@ -116,6 +120,22 @@ def all_gather_cat(
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)], dim=dim)
 
 
+def all_reduce_sum(tensor: Tensor, group: object, what: str) -> Tensor:
+    """The sum over the ranks of ``tensor`` (the same shape and dtype on every rank), on every
+    rank; ``what`` names the operation in an error.
+
+    The ranks' tensors are gathered and added in rank order on every rank, so that every rank
+    holds the same bits whatever order the backend's own reduction would add them in (and the
+    same bits from run to run). It moves ``P`` times the tensor to every rank: meant for small
+    tensors (sums of a few scalars).
+    """
+    parts = all_gather(tensor, group, what)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def exact_checksum(tensor: Tensor) -> Tensor:
     """Two int64 checksums of the bits of ``tensor`` (its plain and position-weighted sums,
     modulo :math:`2^{64}`): exact and independent of the order of summation, so equal values
@@ -136,6 +156,32 @@ def text_checksum(text: str) -> int:
 def dtype_code(dtype: torch.dtype) -> int:
     """A number for ``dtype`` that is the same in every process."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + text_checksum(str(dtype))
+
+
+def tensor_fingerprint(name: str, tensor: Tensor) -> dict[str, Tensor]:
+    """The shape, dtype and :func:`exact_checksum` of ``tensor``, as :func:`check_same` fields
+    named after ``name`` (``"shape of x"``, ``"dtype of x"``, ``"values of x"``)."""
+    return {
+        f"shape of {name}": torch.tensor([text_checksum(str(tuple(tensor.shape)))]),
+        f"dtype of {name}": torch.tensor([dtype_code(tensor.dtype)]),
+        f"values of {name}": exact_checksum(tensor),
+    }
+
+
+def module_fingerprint(module: torch.nn.Module, name: str = "kernel") -> dict[str, Tensor]:
+    """The types of ``module``'s submodules, the names, shapes and dtypes of its parameters and
+    buffers, and an exact checksum of their values, as :func:`check_same` fields named after
+    ``name`` (``"kernel modules"``, ``"kernel hyperparameter values"``, ...)."""
+    tensors = list(itertools.chain(module.named_parameters(), module.named_buffers()))
+    layout = ";".join(f"{key}:{tuple(t.shape)}:{t.dtype}" for key, t in tensors)
+    types = ",".join(type(m).__qualname__ for m in module.modules())
+    sums = [exact_checksum(t) for _, t in tensors]
+    values = exact_checksum(torch.stack(sums)) if sums else torch.zeros(2, dtype=torch.int64)
+    return {
+        f"{name} modules": torch.tensor([text_checksum(types)]),
+        f"{name} hyperparameter shapes and dtypes": torch.tensor([text_checksum(layout)]),
+        f"{name} hyperparameter values": values,
+    }
 
 
 def check_same(fields: dict[str, Tensor], group: object, what: str, advice: str) -> None:

@@ -21,10 +21,8 @@ from gpsd._internal.collectives import (
     all_gather_cat,
     check_group,
     check_same,
-    dtype_code,
-    exact_checksum,
     split_sizes,
-    text_checksum,
+    tensor_fingerprint,
 )
 from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
@@ -550,11 +548,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _check_same_test_x(self, test_x: Tensor) -> None:
         """The same ``ValueError`` on every rank unless all hold the same ``test_x``."""
         check_same(
-            {
-                "shape of test_x": torch.tensor([text_checksum(str(tuple(test_x.shape)))]),
-                "dtype of test_x": torch.tensor([dtype_code(test_x.dtype)]),
-                "values of test_x": exact_checksum(test_x),
-            },
+            tensor_fingerprint("test_x", test_x),
             self.process_group,
             "the check of the test points",
             "every rank must predict at the same test points",

@@ -14,6 +14,17 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ExactGP
 from torch import Tensor
 
+from gpsd._internal.collectives import (
+    all_gather,
+    all_gather_cat,
+    all_reduce_sum,
+    check_group,
+    check_same,
+    module_fingerprint,
+    split_sizes,
+    tensor_fingerprint,
+    text_checksum,
+)
 from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.teacher import frozen_copy
 from gpsd._internal.validation import (
@@ -245,6 +256,48 @@ class KernelDistillation:
     n = 4096, m = 1000, b = 20, d = 2: 0.14 s of 0.63 s in float64 on one CPU thread). The
     objective alone and the line search skip that product: :math:`O(n^2 (d + b))`.
 
+    **Across processes.** With a ``process_group`` (a ``torch.distributed.ProcessGroup``), the
+    ranks share the passes over :math:`K_{XX}`; the maths does not change. The ``n`` columns of
+    :math:`K_{XX}` (= its rows, :math:`K_{XX}` being symmetric) are split into contiguous
+    blocks, one per rank of :math:`P`, as even as can be (the first :math:`n \bmod P` ranks one
+    more), and every pass evaluates on each rank only the columns of its block, in chunks of
+    ``chunk_size``. The objective and the six coefficients of the line search are sums over
+    columns: each rank's partial sums are added over the ranks (gathered and added in rank
+    order, so that every rank holds the same bits); the gradient's rows of each block are
+    gathered (``all_gather``). The per-row work is split by the same rows and gathered too: the
+    least-squares start (:math:`O(n b (m + b^2))`) and the solves of the block direction
+    (:math:`O(n b^3)`). Every rank thus holds the same :math:`W` after every iteration and ends
+    with the same ``frobenius_errors`` and student as one process, to rounding (the partial sums
+    are added in another order).
+
+    * **Each rank holds** the inputs :math:`X` whole (:math:`n \times d`), the targets,
+      :math:`W` replicated (:math:`n \times b` values and their pattern), the gradient and the
+      direction (:math:`n \times b`), :math:`K_{UU}` and the Gram matrix :math:`G` of the block
+      direction (:math:`m \times m`), and one chunk of its block of columns of :math:`K_{XX}`
+      (:math:`n \times` ``chunk_size``) with its temporaries.
+    * **Communication per pass**: one scalar (the objective) or six (the line search) from
+      every rank, and, for the gradient and the block direction, an ``all_gather`` of the
+      :math:`n \times b` rows (each rank receives :math:`P \lceil n/P \rceil b` values).
+    * **Time per rank** per pass: :math:`O(n^2 (d + b) / P)`, plus :math:`O(n m^2 / P)` for the
+      product :math:`(E W) K_{UU}` of the gradient. Replicated on every rank: K-means (every
+      rank takes rank 0's centroids, ``m x d`` values gathered once, since on GPUs K-means adds
+      with atomics whose order varies), the nearest-inducing search, :math:`K_{UU}`, the matrix
+      :math:`G` (:math:`O(n b^2 + m^3)`) and the student (:class:`~gpsd.SparseLowRankStudent`,
+      :math:`O(n b^2 + m^3)`). What is gathered or summed over the ranks (:math:`W`, the errors)
+      is the same bits on every rank; on the CPU the student is too, while on GPUs its
+      predictions can differ across ranks by rounding (sums with atomics).
+
+    Construction with a group is collective: every rank compares the shape, dtype and an exact checksum
+    of the bits of ``train_x``, ``train_y``, the noise, the mean constant, the kernel's
+    hyperparameters (and its module types), the inducing points and the settings with every
+    other rank's, and where any differ every rank raises the same ``ValueError`` naming what
+    differs. :meth:`prepare`, :meth:`least_squares_weights`, :meth:`objective_and_gradient`,
+    :meth:`frobenius_error`, :meth:`block_direction` and :meth:`fit` are collective too: every
+    rank calls them in the same order with the same arguments (a
+    ``callback`` must stop the descent on every rank alike). A collective that fails or waits
+    longer than the group's ``timeout`` raises a :class:`~gpsd.DistributedError`. Collectives
+    run on the tensors' device with NCCL, on the CPU with gloo.
+
     Usage::
 
         distiller = KernelDistillation(teacher, num_inducing=100, sparsity=10).fit()
@@ -282,6 +335,12 @@ class KernelDistillation:
         :math:`\ell`, so that "nearest" means nearest in the kernel's metric; ``"euclidean"`` uses
         the raw inputs, as the paper does. Other kernels always use the raw inputs.
     :param require_trained: refuse a teacher whose raw hyperparameters are all still 0.
+    :param process_group: a ``torch.distributed.ProcessGroup`` whose ranks share the passes
+        over :math:`K_{XX}` (``torch.distributed.group.WORLD`` for the default group of
+        ``torch.distributed.init_process_group``); ``None`` (the default) computes everything in
+        this process, even where a default group is initialised. With a group, every rank builds
+        the distiller from the same data, kernel and settings and calls the same methods with the
+        same arguments (as under ``torchrun``); see *Across processes* above.
 
     :ivar covar_module: a frozen copy of the teacher's kernel.
     :ivar frobenius_errors: :math:`\|K_{XX} - W K_{UU} W^\top\|_F` of the last :meth:`fit`,
@@ -307,14 +366,17 @@ class KernelDistillation:
         jitter: float | None = None,
         neighbour_metric: str = "lengthscale",
         require_trained: bool = True,
+        process_group: object = None,
     ) -> None:
+        if process_group is not None:
+            check_group(process_group)
         covar_module, train_x, train_y, noise, mean_constant = self._unpack_teacher(
             teacher, require_trained
         )
         self._setup(
             covar_module, train_x, train_y, noise, mean_constant, num_inducing, sparsity,
             max_iter, lr, optimizer, descent, inducing_points, kmeans_max_iter, seed, chunk_size,
-            jitter, neighbour_metric,
+            jitter, neighbour_metric, process_group,
         )  # fmt: skip
         if not _forward_matches_modules(
             teacher, self.covar_module, self.mean_constant, self.train_x
@@ -351,6 +413,7 @@ class KernelDistillation:
         chunk_size: int | None = None,
         jitter: float | None = None,
         neighbour_metric: str = "lengthscale",
+        process_group: object = None,
     ) -> KernelDistillation:
         r"""Distil the GP given by its training data, kernel and noise variance (no teacher model).
 
@@ -363,6 +426,8 @@ class KernelDistillation:
         The other arguments are the constructor's.
         """
         obj = cls.__new__(cls)
+        if process_group is not None:
+            check_group(process_group)
         if not isinstance(covar_module, gpytorch.kernels.Kernel):
             raise TypeError(
                 f"covar_module must be a gpytorch.kernels.Kernel, got {type(covar_module)}"
@@ -376,7 +441,7 @@ class KernelDistillation:
         obj._setup(
             covar_module, x, y, noise_t, mean_constant, num_inducing, sparsity, max_iter, lr,
             optimizer, descent, inducing_points, kmeans_max_iter, seed, chunk_size, jitter,
-            neighbour_metric,
+            neighbour_metric, process_group,
         )  # fmt: skip
         return obj
 
@@ -425,7 +490,7 @@ class KernelDistillation:
     def _setup(
         self, covar_module, train_x, train_y, noise, mean_constant, num_inducing, sparsity,
         max_iter, lr, optimizer, descent, inducing_points, kmeans_max_iter, seed, chunk_size,
-        jitter, neighbour_metric,
+        jitter, neighbour_metric, process_group=None,
     ) -> None:  # fmt: skip
         # the distillation and its student are no functions of these: keep no autograd graph
         # (a noise such as likelihood.noise would otherwise leave the student's buffers attached
@@ -522,6 +587,48 @@ class KernelDistillation:
         self.frobenius_errors: list[float] = []
         self.timings: dict[str, float] = {}
         self._student: SparseLowRankStudent | None = None
+        #: The ``torch.distributed.ProcessGroup`` whose ranks share the passes over
+        #: :math:`K_{XX}` (``None``: this process alone).
+        self.process_group = process_group
+        #: The columns of :math:`K_{XX}` (and rows of :math:`W`) this rank evaluates, and the
+        #: number of them every rank holds, in rank order.
+        self._block, self._block_sizes = slice(0, n), [n]
+        if process_group is not None:
+            rank, size = check_group(process_group)
+            self._block_sizes = split_sizes(n, size)
+            start = sum(self._block_sizes[:rank])
+            self._block = slice(start, start + self._block_sizes[rank])
+            self._check_same_problem()
+
+    def _check_same_problem(self) -> None:
+        """The same ``ValueError`` on every rank of :attr:`process_group` unless all hold the
+        same problem: data, noise, mean, kernel and settings (collective)."""
+        inducing = self.inducing_points
+        settings = (
+            self.num_inducing, self.sparsity, self.max_iter, self.lr, self.optimizer is None,
+            self.descent, self.kmeans_max_iter, self.seed, self.chunk_size, self.jitter,
+            self.neighbour_scale.tolist(),
+        )  # fmt: skip
+        check_same(
+            {
+                **tensor_fingerprint("train_x", self.train_x),
+                **tensor_fingerprint("train_y", self.train_y),
+                **tensor_fingerprint("noise", self.noise),
+                **tensor_fingerprint(
+                    "mean constant", torch.tensor([self.mean_constant], dtype=torch.float64)
+                ),
+                **module_fingerprint(self.covar_module),
+                **tensor_fingerprint(
+                    "inducing_points", inducing if inducing is not None else self.train_x[:0]
+                ),
+                "settings": torch.tensor([text_checksum(repr(settings))]),
+            },
+            self.process_group,
+            "KernelDistillation's check of its problem",
+            "every rank must build it from the same training data, noise, mean and kernel "
+            "(hyperparameters and dtype), with the same settings (num_inducing, sparsity, "
+            "max_iter, lr, descent, seed, chunk_size, ...)",
+        )
 
     @property
     def student(self) -> SparseLowRankStudent:
@@ -538,7 +645,8 @@ class KernelDistillation:
 
     # ------------------------------------------------------------------ building blocks
     def prepare(self) -> None:
-        """K-means (unless ``inducing_points`` was given), neighbours, :math:`K_{UU}`, initial W."""
+        """K-means (unless ``inducing_points`` was given), neighbours, :math:`K_{UU}`, initial W
+        (collective with a :attr:`process_group`: see :meth:`least_squares_weights`)."""
         t0 = time.perf_counter()
         x = self.train_x
         scale = self.neighbour_scale
@@ -546,6 +654,10 @@ class KernelDistillation:
             centres = kmeans(
                 x / scale, self.num_inducing, max_iter=self.kmeans_max_iter, seed=self.seed
             )
+            if self.process_group is not None:
+                # on GPUs, K-means adds with atomics whose order varies: rank 0's for all
+                what = "all_gather of the K-means centroids"
+                centres = all_gather(centres, self.process_group, what)[0]
             self.inducing_points = centres * scale
         t1 = time.perf_counter()
         _, idx = nearest_inducing_points(x / scale, self.inducing_points / scale, self.sparsity)
@@ -568,7 +680,8 @@ class KernelDistillation:
         condition number of :math:`K_{UU}(J_i,:)`, which at lengthscales long next to the spacing
         of the inducing points reaches :math:`10^6`, beyond what float32 can factorise. Every
         row's Gram matrix :math:`K_{UU}(J_i,:) K_{UU}(J_i,:)^\top` is read from
-        :math:`K_{UU} K_{UU}^\top`, computed once.
+        :math:`K_{UU} K_{UU}^\top`, computed once. With a :attr:`process_group`, collective:
+        each rank solves its block of rows, and the rows are gathered.
         """
         idx, m, b = self.neighbour_indices, self.num_inducing, self.sparsity
         dtype = self.inducing_covariance.dtype
@@ -576,18 +689,37 @@ class KernelDistillation:
         kuu = self.inducing_covariance.to(work)
         kuu_gram = kuu @ kuu.mT  # shape: (m, m)
         rows = max(1, _CHUNK_ELEMENTS // (m * b))
+        block = self._block  # all n rows without a process group
         out = []
-        for start in range(0, self.train_x.shape[0], rows):
-            xr = self.train_x[start : start + rows]
+        for start in range(block.start, block.stop, rows):
+            stop = min(start + rows, block.stop)
+            xr = self.train_x[start:stop]
             rhs = evaluate_kernel(self.covar_module, xr, self.inducing_points).to(work)  # (c, m)
-            j = idx[start : start + rows]  # shape: (c, b)
+            j = idx[start:stop]  # shape: (c, b)
             design = kuu[j]  # K_UU(J_i, :), shape: (c, b, m)
             gram = kuu_gram[j.unsqueeze(-1), j.unsqueeze(-2)]  # shape: (c, b, b)
             out.append(_batched_least_squares(design, rhs, gram).to(dtype))
-        return torch.cat(out)
+        mine = torch.cat(out) if out else kuu.new_zeros(0, b).to(dtype)  # (n_p, b)
+        return self._gather_rows(mine, "all_gather of the least-squares start")
+
+    def _gather_rows(self, mine: Tensor, what: str) -> Tensor:
+        """This rank's rows :attr:`_block` of an ``(n, b)`` matrix, with every other rank's,
+        ``(n, b)`` on every rank (``mine`` itself without a process group)."""
+        if self.process_group is None:
+            return mine
+        return all_gather_cat(mine, 0, self._block_sizes, self.process_group, what)
+
+    def _sum_over_ranks(self, mine: Tensor, what: str) -> Tensor:
+        """This rank's partial sums plus every other rank's (``mine`` itself without a
+        process group)."""
+        if self.process_group is None:
+            return mine
+        return all_reduce_sum(mine, self.process_group, what)
 
     def _columns(self, start: int) -> tuple[slice, Tensor]:
-        cols = slice(start, min(start + self.chunk_size, self.train_x.shape[0]))
+        """Columns ``start ..`` of :math:`K_{XX}`, at most ``chunk_size`` of them and none
+        beyond this rank's block :attr:`_block`."""
+        cols = slice(start, min(start + self.chunk_size, self._block.stop))
         return cols, evaluate_kernel(self.covar_module, self.train_x, self.train_x[cols])  # (n, c)
 
     def _times_kuu(self, values: Tensor, cols: slice) -> Tensor:
@@ -599,6 +731,9 @@ class KernelDistillation:
     ) -> tuple[Tensor, Tensor | None]:
         r"""Squared error :math:`\|K_{XX} - W K_{UU} W^\top\|_F^2` and its gradient on the pattern.
 
+        With a :attr:`process_group`, collective: each rank evaluates its block of columns, the
+        objective is summed over the ranks and the gradient's rows are gathered.
+
         :param values: non-zeros of :math:`W`, shape ``(n, b)``.
         :param gradient: also return the gradient (``False``: the objective alone, cheaper).
         :return: ``(objective (), gradient (n, b) or None)``.
@@ -606,9 +741,11 @@ class KernelDistillation:
         w = self._pattern.matrix(values)
         wt = self._pattern.transpose(values) if gradient else None
         total = values.new_zeros(())
-        grad = torch.empty_like(values) if gradient else None
+        block = self._block  # all n columns without a process group
+        rows = slice(0, block.stop - block.start)
+        grad = torch.empty_like(values[rows]) if gradient else None  # rows of this block
         with torch.no_grad():
-            for start in range(0, self.train_x.shape[0], self.chunk_size):
+            for start in range(block.start, block.stop, self.chunk_size):
                 cols, k_cols = self._columns(start)
                 a_rows = self._times_kuu(values, cols)  # (W K_UU)[cols], shape: (c, m)
                 resid = w @ a_rows.transpose(-1, -2) - k_cols  # E[:, cols] (n, c)
@@ -617,11 +754,16 @@ class KernelDistillation:
                     ew = (wt @ resid).transpose(-1, -2)  # (E W)[cols], shape: (c, m)
                     # (E W K_UU)[cols] on the pattern, shape: (c, b)
                     ewk = ew @ self.inducing_covariance.mT
-                    grad[cols] = 4.0 * ewk.gather(-1, self.neighbour_indices[cols])
+                    local = slice(cols.start - block.start, cols.stop - block.start)
+                    grad[local] = 4.0 * ewk.gather(-1, self.neighbour_indices[cols])
+        total = self._sum_over_ranks(total, "all_reduce of the objective")
+        if gradient:
+            grad = self._gather_rows(grad, "all_gather of the gradient")
         return total, grad
 
     def frobenius_error(self, values: Tensor | None = None) -> float:
-        r""":math:`\|K_{XX} - W K_{UU} W^\top\|_F` (chunked), at ``values`` or the current ``W``."""
+        r""":math:`\|K_{XX} - W K_{UU} W^\top\|_F` (chunked), at ``values`` or the current ``W``
+        (collective with a :attr:`process_group`)."""
         if self.weight_values is None:
             self.prepare()
         values = self.weight_values if values is None else values
@@ -646,7 +788,8 @@ class KernelDistillation:
         and :meth:`fit` searches along it exactly. :math:`G` costs :math:`O(n b^2 + m^3)`, the
         ``n`` solves :math:`O(n b^3)`, in float64 (except on MPS), with a relative jitter of
         :math:`10^{-12}` on each :math:`G(J_i, J_i)`; rows whose factorisation still fails take
-        the pseudo-inverse.
+        the pseudo-inverse. With a :attr:`process_group`, collective: :math:`G` is computed on
+        every rank, the solves of each rank's rows only, and the rows are gathered.
 
         :param values: non-zeros of :math:`W`, shape ``(n, b)``.
         :param gradient: :math:`\nabla_W` on the pattern (:meth:`objective_and_gradient`),
@@ -675,20 +818,23 @@ class KernelDistillation:
         b = self.sparsity
         eye = torch.eye(b, dtype=work, device=values.device)
         rows = max(1, _CHUNK_ELEMENTS // (b * b))
+        owned = self._block  # all n rows without a process group
         out = []
-        for start in range(0, values.shape[0], rows):
-            j = idx[start : start + rows]  # shape: (c, b)
+        for start in range(owned.start, owned.stop, rows):
+            stop = min(start + rows, owned.stop)
+            j = idx[start:stop]  # shape: (c, b)
             block = g[j.unsqueeze(-1), j.unsqueeze(-2)]  # shape: (c, b, b)
             scale = block.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(work).tiny)
             block = block + 1e-12 * scale[:, None, None] * eye
-            rhs = 0.25 * gradient[start : start + rows].to(work).unsqueeze(-1)  # (c, b, 1)
+            rhs = 0.25 * gradient[start:stop].to(work).unsqueeze(-1)  # (c, b, 1)
             chol, info = torch.linalg.cholesky_ex(block)
             sol = torch.cholesky_solve(rhs, chol)
             bad = (info != 0) | ~torch.isfinite(sol).all(dim=(-2, -1))
             if bool(bad.any()):
                 sol[bad] = torch.linalg.pinv(block[bad], hermitian=True) @ rhs[bad]
             out.append(sol.squeeze(-1))
-        return torch.cat(out).to(dtype)
+        mine = torch.cat(out) if out else g.new_zeros(0, b)  # shape: (n_p, b)
+        return self._gather_rows(mine.to(dtype), "all_gather of the block direction")
 
     def _line_search(self, values: Tensor, direction: Tensor) -> tuple[float, float]:
         """The first local minimiser ``t >= 0`` of ``f(values - t * direction)`` and ``f`` there.
@@ -700,8 +846,9 @@ class KernelDistillation:
         w = self._pattern.matrix(values)
         dmat = self._pattern.matrix(direction)
         c = torch.zeros(6, dtype=values.dtype, device=values.device)
+        block = self._block  # all n columns without a process group
         with torch.no_grad():
-            for start in range(0, self.train_x.shape[0], self.chunk_size):
+            for start in range(block.start, block.stop, self.chunk_size):
                 cols, k_cols = self._columns(start)
                 a = self._times_kuu(values, cols).transpose(-1, -2)  # (m, c)
                 bmat = self._times_kuu(direction, cols).transpose(-1, -2)
@@ -721,6 +868,7 @@ class KernelDistillation:
                         (q * q).sum(),
                     ]
                 )
+        c = self._sum_over_ranks(c, "all_reduce of the line search's coefficients")
         ee, es, ss, eq, sq, qq = c.tolist()
         # f(t) = ee - 2 es t + (ss + 2 eq) t^2 - 2 sq t^3 + qq t^4
         coeffs = [qq, -2.0 * sq, ss + 2.0 * eq, -2.0 * es, ee]

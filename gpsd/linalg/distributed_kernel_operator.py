@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from gpytorch.kernels import Kernel
 from linear_operator.operators import LinearOperator
@@ -13,10 +11,9 @@ from gpsd._internal.collectives import (
     all_gather,
     check_group,
     check_same,
-    dtype_code,
-    exact_checksum,
+    module_fingerprint,
     split_sizes,
-    text_checksum,
+    tensor_fingerprint,
 )
 from gpsd._internal.validation import check_int
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
@@ -128,7 +125,7 @@ class DistributedKernelOperator(LinearOperator):
                     f"{type(covar_module).__name__}"
                 )
             check_same(
-                _fingerprint(x, covar_module),
+                {**tensor_fingerprint("x", x), **module_fingerprint(covar_module)},
                 process_group,
                 "DistributedKernelOperator's check of its inputs",
                 "every rank must build it from the same training inputs x and the same kernel "
@@ -216,23 +213,6 @@ class DistributedKernelOperator(LinearOperator):
             cache_bytes=self.cache_bytes,
             keep_after=self.keep_after,
         )
-
-
-def _fingerprint(x: Tensor, kernel: Kernel) -> dict[str, Tensor]:
-    """What must be the same on every rank, as int64 vectors of fixed length."""
-    tensors = list(itertools.chain(kernel.named_parameters(), kernel.named_buffers()))
-    layout = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in tensors)
-    types = ",".join(type(m).__qualname__ for m in kernel.modules())
-    sums = [exact_checksum(t) for _, t in tensors]
-    values = exact_checksum(torch.stack(sums)) if sums else torch.zeros(2, dtype=torch.int64)
-    return {
-        "shape of x": torch.tensor([text_checksum(str(tuple(x.shape)))]),
-        "dtype of x": torch.tensor([dtype_code(x.dtype)]),
-        "values of x": exact_checksum(x),
-        "kernel modules": torch.tensor([text_checksum(types)]),
-        "kernel hyperparameter shapes and dtypes": torch.tensor([text_checksum(layout)]),
-        "kernel hyperparameter values": values,
-    }
 
 
 def _rhs_sums(rhs: Tensor) -> Tensor:

@@ -1,22 +1,20 @@
 """DistributedKernelOperator and the regressors' process_group, on 2 and 3 gloo processes.
 
-Each multi-process run starts ``tests/distributed_worker.py`` once per rank (subprocesses on
-the loopback interface, joined through a file store in a temporary folder); the workers compute
-the plain single-process answers too, and return everything for the checks here.
+Each multi-process run starts ``tests/distributed_worker.py`` once per rank
+(``tests/distributed_launch.py``: subprocesses on the loopback interface, joined through a file
+store in a temporary folder); the workers compute the plain single-process answers too, and
+return everything for the checks here.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import pathlib
-import subprocess
-import sys
 
 import gpytorch
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_launch import launch
 from distributed_worker import problem
 
 import gpsd
@@ -26,63 +24,15 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with the gloo backend",
 )
 
-WORKER = pathlib.Path(__file__).parents[1] / "distributed_worker.py"
-ROOT = pathlib.Path(__file__).parents[2]
 DT = torch.float64
 SHORT_TIMEOUT = 3.0  # distributed_worker.SHORT_TIMEOUT
 MODELS = ["data_lanczos", "data_cg", "data_auto", "distribution_lanczos", "distribution_cg"]
 
 
-def _launch(
-    scenario: str, world: int, folder: pathlib.Path, limit: float = 120.0, exits: tuple = ()
-) -> list:
-    """Run ``scenario`` on ``world`` gloo processes; what each rank saved, in rank order
-    (``None`` for the ranks in ``exits``, which leave without saving)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    if sys.platform.startswith("linux") and pathlib.Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the loopback interface
-    init, outs = folder / "store", [folder / f"rank{r}.pt" for r in range(world)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(init), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r, out in enumerate(outs)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=limit)[0].decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    results = []
-    for rank, out in enumerate(outs):
-        if rank in exits:
-            assert not out.exists() and procs[rank].returncode == 3
-            results.append(None)
-            continue
-        if not out.exists():
-            pytest.fail(f"rank {rank} saved nothing; its output:\n{logs[rank][-3000:]}")
-        result = torch.load(out, weights_only=False)
-        assert "crashed" not in result, result.get("crashed")
-        results.append(result)
-    return results
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks (uneven)"])
 def main_run(request, tmp_path_factory):
     world = request.param
-    return world, _launch("main", world, tmp_path_factory.mktemp(f"main{world}"))
+    return world, launch("main", world, tmp_path_factory.mktemp(f"main{world}"))
 
 
 def test_each_rank_holds_a_contiguous_block_of_rows(main_run):
@@ -185,7 +135,7 @@ def test_ranks_that_hold_different_data_raise_a_value_error_on_every_rank(main_r
 
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_a_rank_that_fails_mid_run_ends_the_run_on_every_rank_within_the_timeout(how, tmp_path):
-    results = _launch(f"fail_{how}", 2, tmp_path, limit=60.0, exits=(1,) if how == "exit" else ())
+    results = launch(f"fail_{how}", 2, tmp_path, limit=60.0, exits=(1,) if how == "exit" else ())
     caught = results[0]["fit"]
     assert caught["type"] == "DistributedError", caught
     assert "rank 0 of 2" in caught["message"] and "all_gather" in caught["message"]
