@@ -260,6 +260,37 @@ def scenario_main(rank: int, world: int) -> dict:
     return out
 
 
+def scenario_keops(rank: int, world: int) -> dict:
+    """The kernel of :func:`problem` as a GPyTorch KeOps kernel (needs pykeops), through KeOps
+    from 2 rows on (GPyTorch evaluates blocks smaller than ``max_cholesky_size`` densely, the
+    diagonal's 1 x 1 blocks among them): each rank's rows go through KeOps reductions."""
+    n = 300
+    x, y, test_x, kernel = problem(n)
+    keops = gpytorch.kernels.ScaleKernel(gpytorch.kernels.keops.RBFKernel()).to(DT)
+    keops.base_kernel.lengthscale = kernel.base_kernel.lengthscale.detach()
+    keops.outputscale = kernel.outputscale.detach()
+    group = dist.group.WORLD
+    rhs = torch.randn(n, 5, generator=torch.Generator().manual_seed(1), dtype=DT)
+    out = {}
+    with gpytorch.settings.max_cholesky_size(2), torch.no_grad():
+        for turn in range(world):  # one rank at a time compiles (or loads) the KeOps formula
+            if turn == rank:
+                keops(x[:2], x) @ rhs
+            dist.barrier()
+        operator = gpsd.linalg.DistributedKernelOperator(x, covar_module=keops, process_group=group)
+        out["local"] = type(operator.local).__name__
+        out["product"] = operator @ rhs
+        out["diagonal"] = operator.diagonal(dim1=-2, dim2=-1)
+        model = gpsd.DataCentricGPR(
+            x, y, keops, noise=NOISE, backend="lanczos", process_group=group
+        )
+        prediction = model.predict(test_x)
+        out["mean"], out["variance"] = prediction.mean, prediction.variance
+        plain = gpsd.DataCentricGPR(x, y, kernel, noise=NOISE, backend="lanczos").predict(test_x)
+        out["plain_mean"], out["plain_variance"] = plain.mean, plain.variance
+    return out
+
+
 def scenario_fail(rank: int, world: int, how: str, out_file: str) -> dict:
     """Rank 1 fails in the middle of the Lanczos iterations (raises, then stays until rank 0
     has saved what it saw; or exits)."""
@@ -300,6 +331,8 @@ def main() -> None:
             result = scenario_main(rank, world)
         elif scenario == "kd":
             result = scenario_kd(rank, world)
+        elif scenario == "keops":
+            result = scenario_keops(rank, world)
         else:
             result = scenario_fail(rank, world, scenario.removeprefix("fail_"), out_file)
     except Exception:

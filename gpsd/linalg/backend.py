@@ -15,6 +15,7 @@ from torch import Tensor
 
 from gpsd import settings
 from gpsd._internal.collectives import all_gather, check_group
+from gpsd._internal.keops import is_keops_kernel
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
 from gpsd._internal.validation import check_int
@@ -607,17 +608,14 @@ def _matrix_free(
     :class:`gpsd.settings.kernel_cache_fraction` of the device's free memory, less where the rest would not
     hold a prediction's working set of :data:`_ROW_CHUNK_VECTORS` plus 8 test chunks of N-vectors).
     With a ``process_group``, a :class:`~gpsd.linalg.DistributedKernelOperator`: each rank
-    evaluates and keeps its own block of rows (a KeOps kernel too, in dense row chunks).
+    evaluates and keeps its own block of rows (a KeOps kernel by KeOps reductions over them).
 
     The products run in ``dtype`` (the factorisation's), so that the Krylov products, the Ritz
     residuals and the CG residuals reach that precision even for float32 data; the kernel is
     copied into ``dtype`` for that (these backends keep no graph).
     """
     kernel, x = kernel_in_dtype(kernel, x, dtype)
-    is_keops = any(
-        type(m).__module__.startswith("gpytorch.kernels.keops") for m in kernel.modules()
-    )
-    if is_keops and process_group is None:
+    if is_keops_kernel(kernel) and process_group is None:
         return kernel(x)
     if cache_bytes is None:
         cache_bytes = _default_cache_bytes(x)

@@ -122,12 +122,7 @@ class ChunkedKernelOperator(LinearOperator):
     def _matmul(self, rhs: Tensor) -> Tensor:
         first, stop = self._row_range()
         n = stop - first
-        if not bool(torch.isfinite(rhs).all()):
-            bad = int((~torch.isfinite(rhs)).sum())
-            raise ValueError(
-                "rhs, the right-hand side of a product with the kernel operator, must be finite, "
-                f"but it holds {bad} NaN or infinite value(s)"
-            )
+        check_finite_rhs(rhs)
         out = None  # written into chunk by chunk, not concatenated: one N x r block, not two
         with torch.no_grad():
             # without a budget there is nothing to count or compare (a sync per product on GPUs)
@@ -170,17 +165,9 @@ class ChunkedKernelOperator(LinearOperator):
         return torch.diagonal_scatter(block, diag.expand(*block.shape[:-1]), start, -2, -1)
 
     def _kernel_diagonal(self, rows: Tensor, shape: torch.Size) -> Tensor:
-        """``k(x_i, x_i)`` for ``rows`` (``(*bx, c, d)``), of the expected ``shape`` ``(*b, c)``.
-
-        GPyTorch's ``diag=True`` can drop a dimension: a ScaleKernel with batch shape ``(2,)``
-        on ``c = 2`` unbatched rows gives ``(2,)``, the output scales, which would make the
-        operator's trace their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the
-        ``c x c`` block, evaluated with ``x1 = x2``, is taken.
-        """
-        diag = self.covar_module(rows, diag=True)
-        if diag.shape != shape:
-            diag = to_dense(self.covar_module(rows, rows)).diagonal(dim1=-2, dim2=-1)
-        return diag
+        """``k(x_i, x_i)`` for ``rows`` (``(*bx, c, d)``), of the expected ``shape`` ``(*b, c)``
+        (:func:`kernel_diagonal`)."""
+        return kernel_diagonal(self.covar_module, rows, shape)
 
     def _size(self) -> torch.Size:
         n = self.x.shape[-2]
@@ -215,6 +202,31 @@ class ChunkedKernelOperator(LinearOperator):
             cache_bytes=self.cache_bytes,
             keep_after=self.keep_after,
             rows=self.rows,
+        )
+
+
+def kernel_diagonal(covar_module: Kernel, rows: Tensor, shape: torch.Size) -> Tensor:
+    """``k(x_i, x_i)`` for ``rows`` (``(*bx, c, d)``), of the expected ``shape`` ``(*b, c)``.
+
+    GPyTorch's ``diag=True`` can drop a dimension: a ScaleKernel with batch shape ``(2,)`` on
+    ``c = 2`` unbatched rows gives ``(2,)``, the output scales, which would make the operator's
+    trace their sum (2.6) instead of the traces (1.4, 3.8). Then the diagonal of the ``c x c``
+    block, evaluated with ``x1 = x2``, is taken.
+    """
+    diag = covar_module(rows, diag=True)
+    if diag.shape != shape:
+        diag = to_dense(covar_module(rows, rows)).diagonal(dim1=-2, dim2=-1)
+    return diag
+
+
+def check_finite_rhs(rhs: Tensor) -> None:
+    """A ``ValueError`` where the right-hand side of a product with a kernel operator holds NaN
+    or infinite values (every entry of the product would be NaN)."""
+    if not bool(torch.isfinite(rhs).all()):
+        bad = int((~torch.isfinite(rhs)).sum())
+        raise ValueError(
+            "rhs, the right-hand side of a product with the kernel operator, must be finite, "
+            f"but it holds {bad} NaN or infinite value(s)"
         )
 
 

@@ -15,8 +15,13 @@ from gpsd._internal.collectives import (
     split_sizes,
     tensor_fingerprint,
 )
+from gpsd._internal.keops import is_keops_kernel
 from gpsd._internal.validation import check_int
-from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
+from gpsd.linalg.chunked_kernel_operator import (
+    ChunkedKernelOperator,
+    check_finite_rhs,
+    kernel_diagonal,
+)
 
 __all__ = ["DistributedKernelOperator"]
 
@@ -40,7 +45,9 @@ class DistributedKernelOperator(LinearOperator):
 
     each rank evaluating its block :math:`k(\mathbf X_{I_p}, \mathbf X)\mathbf B` by row chunks
     (a :class:`~gpsd.linalg.ChunkedKernelOperator` of those rows, keeping the rows that fit in
-    ``cache_bytes``), and an ``all_gather`` giving every rank the whole product. The operator
+    ``cache_bytes``), or, for a GPyTorch KeOps kernel (``gpytorch.kernels.keops``), by one KeOps
+    reduction over those rows that holds no kernel entry, and an ``all_gather`` giving every
+    rank the whole product. The operator
     is meant for iterations that run identically on every rank (replicated): every rank calls
     each product with the same :math:`\mathbf B` (``(*b, N, r)``), in the same order, and gets
     the same :math:`\mathbf K\mathbf B`, so that block Lanczos
@@ -50,7 +57,7 @@ class DistributedKernelOperator(LinearOperator):
 
     **Memory per rank**: the inputs :math:`\mathbf X` whole (:math:`N \times d`), the kept rows
     of its own block (at most ``cache_bytes``, of the :math:`N^2/P` entries of the block) or one
-    chunk of ``chunk_size`` rows, and what the caller's iteration holds, replicated: a block
+    chunk of ``chunk_size`` rows (none for a KeOps kernel), and what the caller's iteration holds, replicated: a block
     Lanczos basis and its products, :math:`2 N q` entries for :math:`q` columns.
 
     **Communication per product** with :math:`r` columns: each rank sends its block,
@@ -103,7 +110,7 @@ class DistributedKernelOperator(LinearOperator):
         chunk_size: int = 2048,
         cache_bytes: int = 0,
         keep_after: int = 0,
-        _local: ChunkedKernelOperator | None = None,
+        _local: ChunkedKernelOperator | _KeOpsRows | None = None,
     ) -> None:
         if _local is None:  # not a copy that linear_operator rebuilds for a product
             rank, size = check_group(process_group)
@@ -133,14 +140,18 @@ class DistributedKernelOperator(LinearOperator):
             )
             sizes = split_sizes(x.shape[-2], size)
             start = sum(sizes[:rank])
-            _local = ChunkedKernelOperator(
-                x,
-                covar_module=covar_module,
-                chunk_size=chunk_size,
-                cache_bytes=cache_bytes,
-                keep_after=keep_after,
-                rows=slice(start, start + sizes[rank]),
-            )
+            rows = slice(start, start + sizes[rank])
+            if is_keops_kernel(covar_module):
+                _local = _KeOpsRows(x, covar_module, rows)
+            else:
+                _local = ChunkedKernelOperator(
+                    x,
+                    covar_module=covar_module,
+                    chunk_size=chunk_size,
+                    cache_bytes=cache_bytes,
+                    keep_after=keep_after,
+                    rows=rows,
+                )
         super().__init__(
             x,
             covar_module=covar_module,
@@ -156,7 +167,8 @@ class DistributedKernelOperator(LinearOperator):
         self.chunk_size = chunk_size
         self.cache_bytes = cache_bytes
         self.keep_after = keep_after
-        #: This rank's block of rows, a :class:`~gpsd.linalg.ChunkedKernelOperator`.
+        #: This rank's block of rows: a :class:`~gpsd.linalg.ChunkedKernelOperator`, or for a
+        #: KeOps kernel the rows as KeOps reductions.
         self.local = _local
         #: This rank's position in the group and the group's size.
         self.rank = torch.distributed.get_rank(process_group)
@@ -213,6 +225,25 @@ class DistributedKernelOperator(LinearOperator):
             cache_bytes=self.cache_bytes,
             keep_after=self.keep_after,
         )
+
+
+class _KeOpsRows:
+    r"""Rows ``rows`` of a GPyTorch KeOps kernel's matrix, :math:`k(\mathbf X_I, \mathbf X)`:
+    each product is one KeOps reduction over them, and no kernel entry is held."""
+
+    #: Kept kernel rows, in bytes: a KeOps reduction keeps none.
+    kept_bytes = 0
+
+    def __init__(self, x: Tensor, covar_module: Kernel, rows: slice) -> None:
+        self.x, self.covar_module, self.rows = x, covar_module, rows
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
+        check_finite_rhs(rhs)
+        with torch.no_grad():
+            return self.covar_module(self.x[..., self.rows, :], self.x) @ rhs  # (*b, n_p, r)
+
+    def _kernel_diagonal(self, rows: Tensor, shape: torch.Size) -> Tensor:
+        return kernel_diagonal(self.covar_module, rows, shape)
 
 
 def _rhs_sums(rhs: Tensor) -> Tensor:

@@ -152,3 +152,23 @@ def test_a_process_group_that_is_not_one_is_refused():
         gpsd.DataCentricGPR(x, x.sum(-1), kernel, noise=0.1, process_group="world")
     with pytest.raises(TypeError, match="process_group"):
         gpsd.linalg.DistributedKernelOperator(x, covar_module=kernel, process_group=0)
+
+
+def test_a_keops_kernel_multiplies_each_ranks_rows_by_keops_reductions(tmp_path):
+    """With a GPyTorch KeOps kernel, each rank's block is KeOps reductions over its rows (no
+    dense row chunks): products, diagonal and the regressor through the group equal the dense
+    kernel and one process with the plain kernel."""
+    pytest.importorskip("pykeops", reason="the KeOps path needs pykeops (gpsd[keops])")
+    results = launch("keops", 2, tmp_path, limit=600.0)
+    x, _, _, kernel = problem(300)
+    scale = float(kernel.outputscale.detach())
+    lengthscale = float(kernel.base_kernel.lengthscale.detach())
+    dense = scale * torch.exp(-torch.cdist(x, x).square() / (2 * lengthscale**2))
+    rhs = torch.randn(300, 5, generator=torch.Generator().manual_seed(1), dtype=DT)
+    for result in results:
+        assert result["local"] == "_KeOpsRows"
+        torch.testing.assert_close(result["product"], dense @ rhs, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["diagonal"], dense.diagonal(), rtol=1e-14, atol=0)
+        torch.testing.assert_close(result["mean"], result["plain_mean"], rtol=0, atol=1e-10)
+        torch.testing.assert_close(result["variance"], result["plain_variance"], rtol=0, atol=1e-10)
+        assert torch.equal(result["mean"], results[0]["mean"])
