@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import check_finite, check_int
-from gpsd.linalg._tridiagonal import ReflectedEigenvectors, tridiagonal_eigh
+from gpsd.linalg._tridiagonal import tridiagonal_eigh
 from gpsd.linalg.spectral_engine import SpectralEngine, is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
 from gpsd.progress import Callback
@@ -90,8 +90,7 @@ class KernelSpectrum(SpectralEngine):
     schedules ``*s``, which broadcasts against ``*b``.
 
     :param eigenvalues: shape ``(*b, k)``, descending; columns not resolved are 0.
-    :param eigenvectors: shape ``(*b, N, k)``, orthonormal columns; unresolved columns are 0
-        (a tensor, or the factors of :meth:`from_tridiagonal`, which form it when first needed).
+    :param eigenvectors: shape ``(*b, N, k)``, orthonormal columns; unresolved columns are 0.
     :param matmul: ``X -> K X`` (needed only for a truncated spectrum).
     :param series_order: Taylor order :math:`J` for the complement (truncated spectra only).
     :param complement_norm: :math:`\varepsilon`, an estimate of :math:`\lVert \mathbf K_\perp \rVert_2`
@@ -108,7 +107,7 @@ class KernelSpectrum(SpectralEngine):
     def __init__(
         self,
         eigenvalues: Tensor,
-        eigenvectors: Tensor | ReflectedEigenvectors,
+        eigenvectors: Tensor,
         *,
         matmul: Callable[[Tensor], Tensor] | None = None,
         series_order: int = 0,
@@ -119,7 +118,7 @@ class KernelSpectrum(SpectralEngine):
         differentiable: bool = True,
     ) -> None:
         self.eigenvalues = eigenvalues
-        self._vectors = eigenvectors
+        self.eigenvectors = eigenvectors
         self.is_truncated = matmul is not None
         self._differentiable = differentiable
         #: Whether ``matmul`` multiplies through a matrix-free operator (set by
@@ -146,28 +145,6 @@ class KernelSpectrum(SpectralEngine):
         # shape: (*b, k): which columns hold a resolved eigenpair (all of them when dense)
         self.resolved = eigenvectors.abs().sum(-2) > 0 if resolved is None else resolved
         self.num_resolved = self.resolved.sum(-1)
-
-    @property
-    def eigenvectors(self) -> Tensor:
-        """The eigenvectors :math:`\\mathbf V`, shape ``(*b, N, k)`` (formed on first read where
-        :meth:`from_tridiagonal` keeps them as factors)."""
-        if isinstance(self._vectors, ReflectedEigenvectors):
-            return self._vectors.dense()
-        return self._vectors
-
-    def _v_matmul(self, coefficients: Tensor) -> Tensor:
-        """:math:`\\mathbf V \\mathbf C` for ``coefficients`` of shape ``(*, k, r)``."""
-        if isinstance(self._vectors, ReflectedEigenvectors):
-            return self._vectors.matmul(coefficients)
-        return self._vectors @ coefficients
-
-    def _vt_matmul(self, rhs: Tensor) -> Tensor:
-        """:math:`\\mathbf V^\\top \\mathbf B` for ``rhs`` of shape ``(*, N, r)``, in the
-        eigenvectors' dtype and on their device."""
-        rhs = rhs.to(dtype=self._vectors.dtype, device=self._vectors.device)
-        if isinstance(self._vectors, ReflectedEigenvectors):
-            return self._vectors.t_matmul(rhs)
-        return self._vectors.mT @ rhs
 
     @property
     def complement_norm(self) -> float:
@@ -218,7 +195,7 @@ class KernelSpectrum(SpectralEngine):
         if dtype is not None:
             dense = dense.to(dtype)
         eps = max(eps, torch.finfo(dense.dtype).eps)
-        dense = _symmetrised(dense)
+        dense = 0.5 * (dense + dense.mT)
         evals, evecs = torch.linalg.eigh(dense)
         _warn_if_indefinite(evals.detach(), eps)
         resolved = torch.ones_like(evals, dtype=torch.bool)
@@ -232,16 +209,13 @@ class KernelSpectrum(SpectralEngine):
         tridiagonal reduction, without an autograd graph.
 
         The reduction :math:`\mathbf K = \mathbf Q \mathbf T \mathbf Q^\top` (Householder
-        reflectors, :math:`\tfrac43 N^3` flops) and the eigenpairs
+        reflectors, :math:`\tfrac43 N^3` flops), the eigenpairs
         :math:`\mathbf T = \mathbf Z \operatorname{diag}(\mathbf d) \mathbf Z^\top` of the
         tridiagonal matrix by divide and conquer (:math:`\mathcal O(N^2)` flops where, as in
-        kernel matrices, most couplings deflate). :math:`\mathbf V = \mathbf Q \mathbf Z` is
-        not formed at once: products apply the reflectors and :math:`\mathbf Z` until they
-        have multiplied :math:`N` columns, when :math:`\mathbf V` is formed (:math:`2N^3`
-        flops) and used from then on, so that no sequence of products costs more than twice
-        what it would with :math:`\mathbf V` formed at the best moment; one prediction at :math:`M < N` test points thus skips the formation. The results are
-        those of :meth:`from_dense` up to rounding; the reduction runs in SciPy's LAPACK on the
-        CPU, and the factors return to the kernel's device.
+        kernel matrices, most couplings deflate), and :math:`\mathbf V = \mathbf Q \mathbf Z`
+        by applying the reflectors.
+        The results are those of :meth:`from_dense` up to rounding; the reduction runs in
+        SciPy's LAPACK on the CPU, and the eigenpairs return to the kernel's device.
 
         :raises ValueError: as :meth:`from_dense`.
         :raises TypeError: as :meth:`from_dense`.
@@ -253,10 +227,10 @@ class KernelSpectrum(SpectralEngine):
         if dtype is not None:
             dense = dense.to(dtype)
         eps = max(eps, torch.finfo(dense.dtype).eps)
-        evals, evecs = tridiagonal_eigh(_symmetrised(dense))  # descending
-        _warn_if_indefinite(evals.flip(-1), eps)
+        evals, evecs = tridiagonal_eigh(0.5 * (dense + dense.mT))  # ascending
+        _warn_if_indefinite(evals, eps)
         resolved = torch.ones_like(evals, dtype=torch.bool)
-        return cls(evals, evecs, resolved=resolved, differentiable=False)
+        return cls(evals.flip(-1), evecs.flip(-1), resolved=resolved, differentiable=False)
 
     @classmethod
     def from_lanczos(
@@ -467,7 +441,7 @@ class KernelSpectrum(SpectralEngine):
         For a truncated spectrum this runs ``num_powers`` (default :math:`J`) products with
         :math:`\\mathbf K` to build the complement's Krylov vectors.
         """
-        coefficients = self._vt_matmul(rhs)
+        coefficients = self.eigenvectors.mT @ rhs.to(self.eigenvectors)
         if not self.is_truncated:
             return SpectralCoordinates(coefficients, None)
         num_powers = self.series_order if num_powers is None else num_powers
@@ -484,7 +458,7 @@ class KernelSpectrum(SpectralEngine):
         filt = self._in_dtype(filt)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         scaled = values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3)  # shape: (*, F, k, r)
-        out = stacked_matmul(self._v_matmul, scaled)
+        out = stacked_matmul(self.eigenvectors, scaled)
         if coords.krylov is not None:
             out = out + self._combine(filt, coords.krylov)
         return out
@@ -496,11 +470,11 @@ class KernelSpectrum(SpectralEngine):
         ``(*b, N, M)``; returns ``(*, F, M, r)``."""
         coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
         filt = self._in_dtype(filt)
-        left = left.to(self.eigenvalues)
-        z = self._vt_matmul(left)  # shape: (*b, k, M)
+        left = left.to(self.eigenvectors)
+        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         scaled = values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3)  # shape: (*, F, k, r)
-        out = stacked_matmul(z.mT.__matmul__, scaled)
+        out = stacked_matmul(z.mT, scaled)
         if coords.krylov is not None:
             out = out + self._combine(filt, left.mT.unsqueeze(-3) @ coords.krylov)
         return out
@@ -517,8 +491,8 @@ class KernelSpectrum(SpectralEngine):
         if num_powers is None:
             num_powers = (self.series_order + 1) // 2
         filt = self._in_dtype(filt)
-        left = left.to(self.eigenvalues)
-        z = self._vt_matmul(left)  # shape: (*b, k, M)
+        left = left.to(self.eigenvectors)
+        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         out = values @ z.square()
         if self.is_truncated:
@@ -571,7 +545,7 @@ class KernelSpectrum(SpectralEngine):
 
     def _in_dtype(self, filt: SpectralFilter) -> SpectralFilter:
         """``filt`` evaluated in the dtype and on the device of the eigenvectors."""
-        return filt.to(self.eigenvalues.dtype, self.eigenvalues.device)
+        return filt.to(self.eigenvectors.dtype, self.eigenvectors.device)
 
     def _combine(self, filt: SpectralFilter, krylov: Tensor) -> Tensor:
         """:math:`\\sum_j c_{t,j} \\mathbf W_j` for ``krylov`` of shape ``(*b, J+1, ·, r)``."""
@@ -672,7 +646,7 @@ class KernelSpectrum(SpectralEngine):
         others = "use backend='cg' (matrix-free) or backend='dense'"
         computed = self.resolved.shape[-1]  # Ritz pairs computed
         resolved = int(self.num_resolved.min())
-        low_precision = self.eigenvalues.dtype != torch.float64
+        low_precision = self.eigenvectors.dtype != torch.float64
         if computed >= self.size:
             advice = (
                 f"the Krylov space already spans all N = {self.size} dimensions "
@@ -682,7 +656,7 @@ class KernelSpectrum(SpectralEngine):
         elif resolved == 0 and low_precision:
             advice = (
                 f"none of the {computed} Ritz pairs met the residual tolerance, which "
-                f"{self.eigenvalues.dtype} residuals rarely reach; {others}"
+                f"{self.eigenvectors.dtype} residuals rarely reach; {others}"
             )
         else:
             return f"raise rank= ({resolved} of {computed} Ritz pairs resolved), or {others}"
@@ -691,15 +665,14 @@ class KernelSpectrum(SpectralEngine):
         return advice
 
 
-def stacked_matmul(left: Callable[[Tensor], Tensor], stack: Tensor) -> Tensor:
-    """``left(stack[..., f, :, :])`` for every ``f``, for the product ``left`` with a matrix of
-    shape ``(*b, N, k)``: ``stack`` of shape ``(*, F, k, r)`` gives ``(*, F, N, r)``, as one
-    product with the ``F`` blocks side by side (``F`` separate products, matrix-vector ones where
-    ``r = 1``, would read the matrix ``F`` times: 100 steps of means at N = 2000 took 0.5 s that
-    way against 0.02 s)."""
+def stacked_matmul(left: Tensor, stack: Tensor) -> Tensor:
+    """``left @ stack[..., f, :, :]`` for every ``f``: ``left`` of shape ``(*b, N, k)`` and
+    ``stack`` of shape ``(*, F, k, r)`` give ``(*, F, N, r)``, as one product with the ``F``
+    blocks side by side (``F`` separate products, matrix-vector ones where ``r = 1``, would read
+    ``left`` ``F`` times: 100 steps of means at N = 2000 took 0.5 s that way against 0.02 s)."""
     *lead, f, k, r = stack.shape
     side = stack.movedim(-3, -2).reshape(*lead, k, f * r)  # shape: (*, k, F r)
-    out = left(side)  # shape: (*, N, F r)
+    out = left @ side  # shape: (*, N, F r)
     return out.reshape(*out.shape[:-1], f, r).movedim(-2, -3)
 
 
@@ -727,11 +700,6 @@ def _check_symmetric_matrix(dense: Tensor, name: str) -> None:
             f"above the rounding tolerance {float(tolerance.flatten()[worst]):.3g} (sqrt(eps) of "
             f"{dense.dtype} times max |K|)"
         )
-
-
-def _symmetrised(dense: Tensor) -> Tensor:
-    """:math:`(\\mathbf K + \\mathbf K^\\top) / 2`, contiguous."""
-    return torch.add(dense, dense.mT).mul_(0.5)
 
 
 def _warn_if_indefinite(evals: Tensor, eps: float) -> None:

@@ -101,14 +101,11 @@ def test_predict_returns_a_prediction_whose_row_t_minus_1_is_step_t(cls, backend
         assert isinstance(every, Prediction)
         assert every.mean.shape == every.variance.shape == (3, 9)
         assert full.covariance.shape == (3, 9, 9)
-        # the dense backend's eigenvectors are formed after the first predictions (products
-        # through the reflectors before, with the formed matrix after): equal to rounding
-        exact = dict(rtol=1e-12, atol=1e-14) if backend == "dense" else dict(rtol=0, atol=0)
         for step in (1, 2, 3):
             one = model.predict(test_x, step=step)
             assert one.mean.shape == one.variance.shape == (9,)
-            torch.testing.assert_close(one.mean, every.mean[step - 1], **exact)
-            torch.testing.assert_close(one.variance, every.variance[step - 1], **exact)
+            torch.testing.assert_close(one.mean, every.mean[step - 1], rtol=0, atol=0)
+            torch.testing.assert_close(one.variance, every.variance[step - 1], rtol=0, atol=0)
             torch.testing.assert_close(model.predict_mean(test_x, step=step), means[step - 1])
             cov = model.predict(test_x, step=step, full_cov=True).covariance
             torch.testing.assert_close(cov, full.covariance[step - 1])
