@@ -10,7 +10,9 @@ after one warm-up (the ranks aligned by a barrier before each call):
 * ``product``: the whole ``DistributedKernelOperator`` product (local rows, gather, checks).
 
 and one fit of ``DataCentricGPR(backend="lanczos", T=10)`` at ``--fit-n`` points through the
-group, with its number of products. The tables give the slowest rank's ``local`` and
+group, with its number of products; and, for :class:`gpsd.KernelDistillation` at ``--kd-n``
+points (m = 200, b = 10) through the group, one pass of the objective and gradient over
+:math:`K_{XX}` (each rank its block of columns) and one fit of 3 block iterations. The tables give the slowest rank's ``local`` and
 ``product`` (the critical path) and rank 0's collectives; the report's model section is
 written by hand from them (``benchmarks/results/distributed_scaling_model.md``).
 
@@ -85,6 +87,27 @@ def _time_product(n: int, world: int, group: object, args) -> dict:
         }
 
 
+def _time_kernel_distillation(n: int, group: object, args) -> tuple[float, float]:
+    """The median seconds of one objective-and-gradient pass of kernel distillation at ``n``
+    points through the group, and of one fit of 3 block iterations (every rank calls this)."""
+    import gpsd
+
+    x, y, kernel = _problem(n)
+    distiller = gpsd.KernelDistillation.from_data(
+        x, y, kernel, noise=0.01, num_inducing=200, sparsity=10, max_iter=3, process_group=group
+    )
+    distiller.prepare()
+    values = distiller.weight_values
+    one_pass = _median(lambda: distiller.objective_and_gradient(values), args.repeats)
+    start_values = values.clone()
+
+    def fit():
+        distiller.weight_values = start_values.clone()
+        distiller.fit()
+
+    return one_pass, _median(fit, 1)
+
+
 def worker(rank: int, world: int, init: str, out: str, args) -> None:
     """One rank: time the pieces of a product at every N, then one Lanczos fit."""
     torch.set_num_threads(1)
@@ -117,8 +140,11 @@ def worker(rank: int, world: int, init: str, out: str, args) -> None:
             process_group=group,
         ).fit()
     fit = time.perf_counter() - start
+    kd_pass, kd_fit = _time_kernel_distillation(args.kd_n, group, args)
     result = {
         "rows": rows,
+        "kd_pass": kd_pass,
+        "kd_fit": kd_fit,
         "fit": fit,
         "products": len(calls),
         "columns": sum(calls),
@@ -140,7 +166,7 @@ def launch(world: int, args) -> list[dict]:
     command = [sys.executable, __file__, "--worker", "--world", str(world), "--init"]
     common = [
         "--sizes", *map(str, args.sizes), "--columns", str(args.columns),
-        "--repeats", str(args.repeats), "--fit-n", str(args.fit_n),
+        "--repeats", str(args.repeats), "--fit-n", str(args.fit_n), "--kd-n", str(args.kd_n),
     ]  # fmt: skip
     procs = [
         subprocess.Popen([*command, str(folder / "store"), "--rank", str(r), "--result", str(o),
@@ -161,9 +187,9 @@ def report(results: dict[int, list[dict]], args) -> str:
         "# DistributedKernelOperator: per-product costs on gloo processes of one CPU",
         "",
         f"- command: `python benchmarks/bench_distributed.py {' '.join(sys.argv[1:])}`",
-        f"- machine: {cpu_name()}, {os.cpu_count()} cores, **shared with other jobs and busy** "
-        "(load line below); each process runs one thread (OMP_NUM_THREADS=1), so 3 processes "
-        "share 2 cores",
+        f"- machine: {cpu_name()}, {os.cpu_count()} cores (the load averages at start and end "
+        "are in the line above and below); each process runs one thread (OMP_NUM_THREADS=1), "
+        "so 3 processes share 2 cores",
         f"- device: CPU; dtype float64; torch {torch.__version__}, gpytorch "
         f"{gpytorch.__version__}, Python {platform.python_version()}; gloo over loopback",
         f"- kernel: RBF (lengthscale 1) on inputs uniform in [0, 10]^2; right-hand sides of "
@@ -196,6 +222,19 @@ def report(results: dict[int, list[dict]], args) -> str:
         lines.append(
             f"| {world} | {r0['fit']:.2f} | {r0['products']} | {r0['columns']} | {r0['rank']} |"
         )
+    lines += [
+        "",
+        f"`KernelDistillation` through the group, n = {args.kd_n}, m = 200, b = 10 (each rank "
+        "its block of columns of K_XX; medians after one warm-up):",
+        "",
+        "| P | objective + gradient pass (s, slowest rank) | fit, 3 block iterations (s, "
+        "slowest rank) |",
+        "|---:|---:|---:|",
+    ]
+    for world, ranks in results.items():
+        one_pass = max(r["kd_pass"] for r in ranks)
+        fit = max(r["kd_fit"] for r in ranks)
+        lines.append(f"| {world} | {one_pass:.3f} | {fit:.2f} |")
     lines += [""]
     return "\n".join(lines)
 
@@ -207,6 +246,7 @@ def main() -> None:
     parser.add_argument("--columns", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fit-n", type=int, default=4000)
+    parser.add_argument("--kd-n", type=int, default=3000)
     parser.add_argument("--quick", action="store_true", help="N = 1000, 2000; P = 1, 2")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -220,6 +260,7 @@ def main() -> None:
         return
     if args.quick:
         args.sizes, args.processes, args.repeats, args.fit_n = [1000, 2000], [1, 2], 2, 1000
+        args.kd_n = 1000
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from _timing import write_report
 
