@@ -12,8 +12,8 @@ after one warm-up (the ranks aligned by a barrier before each call):
 and one fit of ``DataCentricGPR(backend="lanczos", T=10)`` at ``--fit-n`` points through the
 group, with its number of products; and, for :class:`gpsd.KernelDistillation` at ``--kd-n``
 points (m = 200, b = 10) through the group, one pass of the objective and gradient over
-:math:`K_{XX}` (each rank its block of columns) and one fit of 3 block iterations. The tables give the slowest rank's ``local`` and
-``product`` (the critical path) and rank 0's collectives; the report's model section is
+:math:`K_{XX}` (each rank its block of columns) and one fit of 3 block iterations. The tables
+give the slowest rank's ``local`` and ``product`` (the critical path) and rank 0's collectives; the report's model section is
 written by hand from them (``benchmarks/results/distributed_scaling_model.md``).
 
 Usage::

@@ -20,10 +20,10 @@ def tridiagonal_eigh(dense: Tensor) -> tuple[Tensor, Tensor]:
     :math:`\tfrac43 N^3` flops) and the eigenpairs :math:`\mathbf T = \mathbf Z \operatorname{diag}
     (\mathbf d)\mathbf Z^\top` of the tridiagonal matrix by divide and conquer (``stevd``,
     :math:`\mathcal O(N^2)` flops where, as in kernel matrices, most couplings deflate) run on
-    the CPU through SciPy's LAPACK. :math:`\mathbf Q = \mathbf H_1 \cdots \mathbf H_{N-1}`, whose reflector :math:`i` acts
-    on coordinates :math:`i+1, \dots, N-1`, is :math:`\operatorname{diag}(1, \mathbf Q')` with
-    :math:`\mathbf Q'` the orthogonal factor of a QR decomposition in LAPACK's ``geqrf``
-    storage, so ``torch.ormqr`` forms :math:`\mathbf V = \mathbf Q \mathbf Z` (:math:`2N^3` flops).
+    the CPU through SciPy's LAPACK. :math:`\mathbf Q = \mathbf H_1 \cdots \mathbf H_{N-1}`,
+    whose reflector :math:`i` acts on coordinates :math:`i+1, \dots, N-1`, is
+    :math:`\operatorname{diag}(1, \mathbf Q')` with :math:`\mathbf Q'` the orthogonal factor of
+    a QR decomposition in LAPACK's ``geqrf`` storage, so ``torch.ormqr`` forms :math:`\mathbf V = \mathbf Q \mathbf Z` (:math:`2N^3` flops).
     The results return to ``dense``'s device, without an autograd graph. Only the upper triangle
     of ``dense`` is read.
 

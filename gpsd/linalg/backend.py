@@ -359,9 +359,10 @@ def _full_spectrum(
     """The full eigendecomposition of the formed ``dense`` matrix: through its tridiagonal
     reduction (:meth:`KernelSpectrum.from_tridiagonal`) on the CPU where no autograd graph is
     kept, with which a whole prediction at N = 2000 measured 1.1 to 1.4 times faster than with
-    ``torch.linalg.eigh`` (``benchmarks/results/hard_spectrum_vs_sklearn_cpu.md``); ``torch.linalg.eigh`` otherwise
-    (on CUDA the reduction would run on the host, which has not been measured to pay), and where
-    LAPACK reports a failure of the reduction or of the tridiagonal eigensolver."""
+    ``torch.linalg.eigh`` (``benchmarks/results/hard_spectrum_vs_sklearn_cpu.md``);
+    ``torch.linalg.eigh`` otherwise (on CUDA the reduction would run on the host, which has not
+    been measured to pay), and where LAPACK reports a failure of the reduction or of the
+    tridiagonal eigensolver."""
     dtype = eig_dtype or dense.dtype
     tridiagonal = (
         not keep_graph

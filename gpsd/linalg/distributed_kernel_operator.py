@@ -47,8 +47,8 @@ class DistributedKernelOperator(LinearOperator):
     (a :class:`~gpsd.linalg.ChunkedKernelOperator` of those rows, keeping the rows that fit in
     ``cache_bytes``), or, for a GPyTorch KeOps kernel (``gpytorch.kernels.keops``), by one KeOps
     reduction over those rows that holds no kernel entry, and an ``all_gather`` giving every
-    rank the whole product. The operator
-    is meant for iterations that run identically on every rank (replicated): every rank calls
+    rank the whole product. The operator is meant for iterations that run identically on every
+    rank (replicated): every rank calls
     each product with the same :math:`\mathbf B` (``(*b, N, r)``), in the same order, and gets
     the same :math:`\mathbf K\mathbf B`, so that block Lanczos
     (:meth:`~gpsd.linalg.KernelSpectrum.from_lanczos`) and deflated CG
@@ -57,8 +57,9 @@ class DistributedKernelOperator(LinearOperator):
 
     **Memory per rank**: the inputs :math:`\mathbf X` whole (:math:`N \times d`), the kept rows
     of its own block (at most ``cache_bytes``, of the :math:`N^2/P` entries of the block) or one
-    chunk of ``chunk_size`` rows (none for a KeOps kernel), and what the caller's iteration holds, replicated: a block
-    Lanczos basis and its products, :math:`2 N q` entries for :math:`q` columns.
+    chunk of ``chunk_size`` rows (none for a KeOps kernel), and what the caller's iteration
+    holds, replicated: a block Lanczos basis and its products, :math:`2 N q` entries for
+    :math:`q` columns.
 
     **Communication per product** with :math:`r` columns: each rank sends its block,
     :math:`(\lceil N/P \rceil + 2) r` entries (padded to the largest block; two more rows carry
