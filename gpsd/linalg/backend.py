@@ -177,7 +177,10 @@ def make_engine(
 
     A forced ``"lanczos"`` or ``"cg"`` on a slowly decaying spectrum, where the matrix would fit
     in memory, warns before it starts, with its estimated cost
-    (:func:`_warn_if_hard_for_matrix_free`).
+    (:func:`_warn_if_hard_for_matrix_free`); a forced ``"cg"`` whose probes counted short warns
+    after its Lanczos run of the default rank, before its first solve, where the eigenvalues it
+    leaves to the iterations average at least ``gamma_min``
+    (:func:`_warn_if_cg_iterates_on_much`).
 
     ``backend="dense"`` and ``"cholesky"`` form the ``N x N`` kernel matrices: where they cannot
     fit in the device's free memory (:func:`~gpsd.linalg.free_memory_bytes`), an
@@ -238,19 +241,14 @@ def make_engine(
 
     if backend in ("lanczos", "cg"):
         operator = _matrix_free(kernel, x, eig_dtype, kernel_cache_bytes, process_group)
+        better, warned = None, False
         if process_group is None:  # a probe product on some ranks only would hang the others
-            _warn_if_hard_for_matrix_free(
-                operator,
-                backend,
-                n,
-                x,
-                eig_dtype or x.dtype,
-                num_steps,
-                schedule_shape,
-                kernel,
-                rank,
-                gamma_min,
-                rtol,
+            better = _dense_alternative(
+                n, x, eig_dtype or x.dtype, num_steps, schedule_shape, kernel
+            )
+        if better is not None:
+            warned = _warn_if_hard_for_matrix_free(
+                operator, backend, better, n, x, eig_dtype or x.dtype, rank, gamma_min, rtol
             )
         try:
             if backend == "lanczos":
@@ -260,6 +258,8 @@ def make_engine(
             spectrum = lanczos(
                 operator, rank if rank is not None else min(n, settings.cg_deflation_rank.value())
             )
+            if better is not None and not warned and rank is None:  # a given rank is chosen
+                _warn_if_cg_iterates_on_much(spectrum, better, n, gamma_min, rtol)
             return ShiftedCG.from_spectrum(operator, spectrum, tol=rtol)
         except torch.OutOfMemoryError as err:
             raise InsufficientMemoryError(
@@ -469,22 +469,95 @@ def _beyond(count: Tensor, budget: int) -> bool:
     return bool(((count > budget) | many).any())
 
 
-def _warn_if_hard_for_matrix_free(
-    operator: Tensor | LinearOperator,
-    backend: str,
+def _dense_alternative(
     n: int,
     x: Tensor,
     dtype: torch.dtype,
     num_steps: int,
     schedule_shape: torch.Size,
     kernel: Kernel,
+) -> str | None:
+    """What ``backend="auto"`` would factor instead of a forced matrix-free run: ``"dense"`` or
+    ``"cholesky"``, or ``None`` where the ``N x N`` matrix would not fit (the matrix-free
+    backends are then the only way, and nothing better can be pointed to)."""
+    matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
+    num_schedules = schedule_shape.numel()
+    better = choose_backend(
+        n,
+        num_schedules * num_steps,
+        x.device,
+        dtype=dtype,
+        batch_size=matrix_shape.numel(),
+        num_schedules=num_schedules,
+        factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
+    )
+    return None if better == "lanczos" else better
+
+
+def _cg_iterations(kappa: float, rtol: float) -> int:
+    r"""CG iterations that reach relative residual ``rtol`` at condition number ``kappa``:
+    :math:`\lceil \tfrac12\sqrt\kappa \log(2/\mathrm{rtol}) \rceil`."""
+    return math.ceil(0.5 * math.sqrt(kappa) * math.log(2.0 / rtol))
+
+
+def _warn_if_cg_iterates_on_much(
+    spectrum: KernelSpectrum, better: str, n: int, gamma_min: float, rtol: float
+) -> None:
+    r"""Warn, before a forced ``"cg"`` run's first solve, where the spectrum its Lanczos run
+    leaves to the iterations is not small against the noise: the :math:`N - k` eigenvalues of
+    :math:`\mathbf K` on the complement of its :math:`k` Ritz vectors, which CG deflates,
+    average
+
+    .. math::
+        \bar d_\perp = \frac{\operatorname{tr}\mathbf K - \sum_i \theta_i}{N - k}
+        \ \ge\ \gamma_{\min}
+
+    (:math:`\mathbf V^\top\mathbf K\mathbf V = \operatorname{diag}(\boldsymbol\theta)` for
+    Ritz vectors, so the numerator is the complement's trace exactly). Every solve then
+    iterates at a condition number of at least :math:`1 + \bar d_\perp/\gamma_{\min}` on
+    many directions, where one factorisation (``better``) would serve every step. Only after
+    a run of the default rank (:class:`gpsd.settings.cg_deflation_rank`): a ``rank=`` the
+    caller gives is a choice of how much to deflate. This catches
+    the slowly decaying spectra that the probes of :func:`_warn_if_hard_for_matrix_free` count
+    short (their count is a lower estimate): at N = 2000, the 3-D, 48-D and deliveries
+    settings of ``benchmarks/bench_hard_spectrum_vs_sklearn.py``, where ``cg`` took 4 to 15
+    times ``dense``."""
+    trace = spectrum.kernel_trace
+    theta = spectrum.ritz_values  # shape: (*b, k)
+    k = theta.shape[-1]
+    if trace is None or k >= n:
+        return
+    mean = float(((trace.to(theta) - theta.clamp_min(0).sum(-1)) / (n - k)).max())
+    if not mean >= gamma_min:
+        return
+    kappa = 1.0 + mean / gamma_min
+    warnings.warn(
+        f"backend='cg' on a slowly decaying spectrum: after deflating {k} Ritz pairs, the "
+        f"{n - k} eigenvalues left to the iterations average {mean:.3g}, not below the smallest "
+        f"noise {gamma_min:.3g}, so every CG solve iterates on them (condition number at least "
+        f"{kappa:.3g}, {_cg_iterations(kappa, rtol)} iterations or more per solve, each a "
+        f"product with K). The {n} x {n} matrix fits in memory: backend='auto' (here "
+        f"{better!r}) factors it once and is faster on such spectra",
+        NumericalWarning,
+        stacklevel=4,
+    )
+
+
+def _warn_if_hard_for_matrix_free(
+    operator: Tensor | LinearOperator,
+    backend: str,
+    better: str,
+    n: int,
+    x: Tensor,
+    dtype: torch.dtype,
     rank: int | None,
     gamma_min: float,
     rtol: float,
-) -> None:
+) -> bool:
     r"""Warn, before a forced ``"lanczos"`` or ``"cg"`` run starts, where the kernel's spectrum is
-    too flat for it and the ``N x N`` matrix would fit in memory (so that ``backend="auto"``
-    would form it): with the estimated number of products and their measured time.
+    too flat for it and the ``N x N`` matrix would fit in memory (``backend="auto"`` would then
+    factor it: ``better``): with the estimated number of products and their measured time.
+    Returns whether it warned.
 
     Two products count the eigenvalues above the level Lanczos must resolve, and time one of
     them. The first, with :math:`p` random columns :math:`\boldsymbol\Omega`, gives an
@@ -504,19 +577,7 @@ def _warn_if_hard_for_matrix_free(
     :math:`1 + \sqrt{\lVert\mathbf K\rVert_F^2/(k+1)} / \gamma_{\min}` after deflating
     :math:`k` pairs.
     """
-    matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
-    num_schedules = schedule_shape.numel()
-    better = choose_backend(
-        n,
-        num_schedules * num_steps,
-        x.device,
-        dtype=dtype,
-        batch_size=matrix_shape.numel(),
-        num_schedules=num_schedules,
-        factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
-    )
-    if better == "lanczos":  # the matrix does not fit: no better choice to point to
-        return
+    matrix_shape = operator.shape[:-2]
     p = min(_PROBE_COLUMNS, n)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
@@ -540,7 +601,7 @@ def _warn_if_hard_for_matrix_free(
     if backend == "lanczos":
         budget = rank or min(n, settings.max_lanczos_rank.value())
         if _COLUMNS_PER_PAIR * count <= max(budget, n // 4):
-            return
+            return False
         columns = min(n, math.ceil(_COLUMNS_PER_PAIR * count))
         products = math.ceil(columns / min(64, max(4, budget // 8)))  # blocks of from_lanczos
         cost = (
@@ -550,10 +611,10 @@ def _warn_if_hard_for_matrix_free(
         )
     else:
         if _COLUMNS_PER_PAIR * count <= n // 4:
-            return
+            return False
         deflated = rank or min(n, settings.cg_deflation_rank.value())
         kappa = 1.0 + math.sqrt(float(frobenius_sq.max()) / (deflated + 1)) / gamma_min
-        iterations = math.ceil(0.5 * math.sqrt(kappa) * math.log(2.0 / rtol))
+        iterations = _cg_iterations(kappa, rtol)
         cost = (
             f"deflated CG solves with up to {iterations} iterations each (condition number up "
             f"to {kappa:.3g} after deflating {deflated} pairs), each iteration a product with K "
@@ -567,6 +628,7 @@ def _warn_if_hard_for_matrix_free(
         NumericalWarning,
         stacklevel=4,
     )
+    return True
 
 
 def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rtol: float) -> bool:

@@ -288,6 +288,64 @@ def test_a_flat_spectrum_under_a_few_large_eigenvalues_warns_before_a_forced_cg(
     assert len(hard) == 1 and "CG solves" in str(hard[0].message)
 
 
+def _deflation_warnings(kernel, x, monkeypatch, **kwargs):
+    """The flat-spectrum warnings of a forced ``cg`` whose probes count short (the probe check
+    made silent), and the spectrum it deflates."""
+    monkeypatch.setattr(backend_module, "_warn_if_hard_for_matrix_free", lambda *a, **k: False)
+    seen = {}
+    from_spectrum = ShiftedCG.from_spectrum.__func__
+
+    def recording(cls, operator, spectrum, **options):
+        seen["spectrum"] = spectrum
+        return from_spectrum(cls, operator, spectrum, **options)
+
+    monkeypatch.setattr(ShiftedCG, "from_spectrum", classmethod(recording))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _make(kernel, x, "cg", **kwargs)
+    hard = [w for w in caught if "slowly decaying spectrum" in str(w.message)]
+    return hard, seen["spectrum"]
+
+
+def test_a_forced_cg_warns_after_its_lanczos_run_where_the_deflated_rest_is_not_small(
+    monkeypatch,
+):
+    """Where the probes count short, the Ritz values of the deflating run still show the rest
+    of the spectrum: its mean eigenvalue, the trace of P⊥ K P⊥ over N - k formed densely from
+    the Ritz vectors, is named in the warning and is at least the smallest noise."""
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
+    x = _flat_problem()
+    hard, spectrum = _deflation_warnings(kernel, x, monkeypatch, gamma_min=0.1)
+    assert len(hard) == 1 and issubclass(hard[0].category, NumericalWarning)
+    message = str(hard[0].message)
+    k = spectrum.ritz_vectors.shape[-1]
+    assert k == 256 and "after deflating 256 Ritz pairs" in message
+    assert "backend='auto'" in message
+    complement = torch.eye(400, dtype=DTYPE) - spectrum.ritz_vectors @ spectrum.ritz_vectors.mT
+    dense = kernel(x).to_dense().detach()
+    mean = float((complement @ dense @ complement).trace() / (400 - k))
+    assert mean >= 0.1 and f"average {mean:.3g}," in message
+    smooth = torch.linspace(0, 10, 400, dtype=DTYPE).unsqueeze(-1)
+    hard, _ = _deflation_warnings(kernel, smooth, monkeypatch, gamma_min=0.1)
+    assert not hard
+    hard, _ = _deflation_warnings(kernel, x, monkeypatch, rank=16, gamma_min=0.1)
+    assert not hard  # a rank the caller chose
+
+
+def test_a_forced_cg_on_3d_inputs_at_n_2000_warns_where_the_probes_alone_are_silent():
+    """The 3-D setting of the hard-spectrum benchmark (inputs uniform on [0, 10]^3,
+    lengthscale 1): about 1300 eigenvalues above the filters' level, which the two probe
+    products count as fewer than N / 8.8; the deflating run's rest averages 0.22."""
+    gen = torch.Generator().manual_seed(0)
+    x = 10 * torch.rand(2000, 3, generator=gen, dtype=DTYPE)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _make(kernel, x, "cg", gamma_min=0.1, rtol=1e-6)
+    hard = [str(w.message) for w in caught if "slowly decaying spectrum" in str(w.message)]
+    assert len(hard) == 1 and "after deflating 256 Ritz pairs" in hard[0]
+
+
 def test_no_flat_spectrum_warning_where_the_dense_matrix_would_not_fit(monkeypatch):
     """Beyond the memory of a dense factorisation the matrix-free backends are the only way:
     nothing better to point to, no warning (and no probe product)."""
