@@ -513,15 +513,17 @@ def _warn_if_cg_iterates_on_much(
         \ \ge\ \gamma_{\min}
 
     (:math:`\mathbf V^\top\mathbf K\mathbf V = \operatorname{diag}(\boldsymbol\theta)` for
-    Ritz vectors, so the numerator is the complement's trace exactly). Every solve then
-    iterates at a condition number of at least :math:`1 + \bar d_\perp/\gamma_{\min}` on
-    many directions, where one factorisation (``better``) would serve every step. Only after
-    a run of the default rank (:class:`gpsd.settings.cg_deflation_rank`): a ``rank=`` the
-    caller gives is a choice of how much to deflate. This catches
-    the slowly decaying spectra that the probes of :func:`_warn_if_hard_for_matrix_free` count
-    short (their count is a lower estimate): at N = 2000, the 3-D, 48-D and deliveries
-    settings of ``benchmarks/bench_hard_spectrum_vs_sklearn.py``, where ``cg`` took 4 to 15
-    times ``dense``."""
+    Ritz vectors, so the numerator is the complement's trace exactly). Where the smallest of
+    them are near zero, as a kernel matrix's are, every solve then iterates at a condition
+    number of at least :math:`1 + \bar d_\perp/\gamma_{\min}`, where one factorisation
+    (``better``) would serve every step.
+
+    It looks only after a run of the default rank (:class:`gpsd.settings.cg_deflation_rank`):
+    a ``rank=`` the caller gives is a choice of how much to deflate. It catches the slowly
+    decaying spectra that the probes of :func:`_warn_if_hard_for_matrix_free` count short
+    (their count is a lower estimate): at N = 2000, the 3-D, 48-D and deliveries settings of
+    ``benchmarks/bench_hard_spectrum_vs_sklearn.py``, where ``cg`` took 4 to 15 times
+    ``dense``."""
     trace = spectrum.kernel_trace
     theta = spectrum.ritz_values  # shape: (*b, k)
     k = theta.shape[-1]
@@ -534,9 +536,10 @@ def _warn_if_cg_iterates_on_much(
     warnings.warn(
         f"backend='cg' on a slowly decaying spectrum: after deflating {k} Ritz pairs, the "
         f"{n - k} eigenvalues left to the iterations average {mean:.3g}, not below the smallest "
-        f"noise {gamma_min:.3g}, so every CG solve iterates on them (condition number at least "
-        f"{kappa:.3g}, {_cg_iterations(kappa, rtol)} iterations or more per solve, each a "
-        f"product with K). The {n} x {n} matrix fits in memory: backend='auto' (here "
+        f"noise {gamma_min:.3g}, so every CG solve iterates on them (with the smallest near "
+        f"zero, a condition number of {kappa:.3g} or more: {_cg_iterations(kappa, rtol)} "
+        f"iterations or more per solve, each a product with K). The {n} x {n} matrix fits in "
+        f"memory: backend='auto' (here "
         f"{better!r}) factors it once and is faster on such spectra",
         NumericalWarning,
         stacklevel=4,
