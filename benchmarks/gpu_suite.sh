@@ -13,17 +13,19 @@
 #                                             # (each matrix-free path); the doubling tables'
 #                                             # peaks from N = 16,384 on (no dense rows)
 #     bash benchmarks/gpu_suite.sh 5 OUTDIR   # on an H100 (80 GB): N = 100,000 and 131,072
+#     bash benchmarks/gpu_suite.sh 6 OUTDIR   # N = 262,144, 524,288 and 1,000,000, each Lanczos
+#                                             # block timed (the last row may not finish)
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
 # versions and the command, rewritten after every row, so a command cut short by its time limit
 # still leaves the rows it measured; the full console output goes to OUTDIR/gpu_stageN.log. The
 # limits of a stage add up to under eight minutes (three stages fit a 30-minute device budget
-# with the machine's start-up); stage 4's to eight.
+# with the machine's start-up); stage 4's to eight, stage 6's to nine.
 set -uo pipefail
 
-stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5) [OUTDIR]}
-[[ $stage =~ ^[12345]$ ]] || {
-    echo "gpu_suite.sh: STAGE must be 1 to 5, got $stage"
+stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5|6) [OUTDIR]}
+[[ $stage =~ ^[123456]$ ]] || {
+    echo "gpu_suite.sh: STAGE must be 1 to 6, got $stage"
     exit 2
 }
 # Without CUDA, stop before installing anything or writing into OUTDIR.
@@ -96,5 +98,9 @@ case "$stage" in
         --steps 100 --out "$out/gpu_n100000_not_kept.md"
     run 60 python3 bench_gpu.py "${big[@]}" --min-n 131072 --max-n 131072 --methods lanczos \
         not-kept --steps 1 --out "$out/gpu_n131072_lanczos.md"
+    ;;
+6)
+    run 540 python3 bench_million.py --n 262144 524288 1000000 --compare-n 0 \
+        --out "$out/gpu_million.md"
     ;;
 esac
