@@ -34,12 +34,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import gpytorch
 import numpy as np
@@ -47,22 +43,11 @@ import scipy
 import sklearn
 import torch
 from _timing import Report, cpu_name, load_line
-from bench_hard_spectrum_vs_sklearn import M, N, T, kernel, problem, sklearn_run
+from bench_hard_spectrum_vs_sklearn import M, N, T, kernel, problem, sklearn_run, timed
 from scipy.linalg import get_lapack_funcs
 
 SETTINGS = ("3d", "48d", "deliveries")
 _BANDWIDTH = 32  # of the band matrix a two-stage reduction would leave
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    out = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
 
 
 def shifted_forward_solves(
@@ -94,18 +79,16 @@ def measure(name: str, repeats: int) -> tuple[float, dict[str, float], dict[str,
         k = kernel(lengthscale)
         train = k(x).to_dense()  # (N, N)
         cross = k(x, test_x).to_dense()  # (N, M)
-    sk, _ = median_seconds(lambda: sklearn_run(name), repeats)
+    sk, _ = timed(lambda: sklearn_run(name), repeats)
 
     host = train.numpy()
     sytrd, sytrd_lwork, stevd = get_lapack_funcs(("sytrd", "sytrd_lwork", "stevd"), (host,))
     lwork = int(sytrd_lwork(N, lower=1)[0])
     pieces: dict[str, float] = {}
-    pieces["sytrd"], (packed, diag, offdiag, tau, _) = median_seconds(
+    pieces["sytrd"], (packed, diag, offdiag, tau, _) = timed(
         lambda: sytrd(host.T, lower=1, lwork=lwork), repeats
     )
-    pieces["stevd"], (theta, z, _) = median_seconds(
-        lambda: stevd(diag, offdiag, compute_v=1), repeats
-    )
+    pieces["stevd"], (theta, z, _) = timed(lambda: stevd(diag, offdiag, compute_v=1), repeats)
     reflectors = torch.from_numpy(np.ascontiguousarray(packed[1:, :-1]))
     tau = torch.from_numpy(tau)
     theta, z = torch.from_numpy(theta), torch.from_numpy(z)
@@ -114,14 +97,12 @@ def measure(name: str, repeats: int) -> tuple[float, dict[str, float], dict[str,
         tail = torch.ormqr(reflectors, tau, columns[1:], left=True, transpose=transpose)
         return torch.cat([columns[:1], tail])
 
-    pieces["form V = QZ"], v = median_seconds(lambda: apply_q(z, False), repeats)
-    pieces["Vᵀ K_X*"], _ = median_seconds(lambda: v.T @ cross, repeats)
-    pieces["Qᵀ K_X*"], b = median_seconds(lambda: apply_q(cross, True), repeats)
-    pieces["Zᵀ (Qᵀ K_X*)"], zb = median_seconds(lambda: z.T @ b, repeats)
-    pieces["T filters"], _ = median_seconds(
-        lambda: (1 / (theta[:, None] + noise)).T @ (zb * zb), repeats
-    )
-    pieces["T shifted solves"], solved = median_seconds(
+    pieces["form V = QZ"], v = timed(lambda: apply_q(z, False), repeats)
+    pieces["Vᵀ K_X*"], _ = timed(lambda: v.T @ cross, repeats)
+    pieces["Qᵀ K_X*"], b = timed(lambda: apply_q(cross, True), repeats)
+    pieces["Zᵀ (Qᵀ K_X*)"], zb = timed(lambda: z.T @ b, repeats)
+    pieces["T filters"], _ = timed(lambda: (1 / (theta[:, None] + noise)).T @ (zb * zb), repeats)
+    pieces["T shifted solves"], solved = timed(
         lambda: shifted_forward_solves(torch.from_numpy(diag), torch.from_numpy(offdiag), noise, b),
         repeats,
     )
@@ -135,15 +116,13 @@ def measure(name: str, repeats: int) -> tuple[float, dict[str, float], dict[str,
             quad[t] = np.einsum("ij,ij->j", rhs, solved)
         return torch.from_numpy(quad)
 
-    pieces["T shifted solves (LAPACK gtsv)"], lapack_quad = median_seconds(lapack_solves, 1)
+    pieces["T shifted solves (LAPACK gtsv)"], lapack_quad = timed(lapack_solves, 1)
     band = np.random.default_rng(0).standard_normal((_BANDWIDTH + 1, N))
     sbevd = get_lapack_funcs("sbevd", (band,))
-    pieces[f"band of width {_BANDWIDTH} to eigenvalues (sbevd)"], _ = median_seconds(
+    pieces[f"band of width {_BANDWIDTH} to eigenvalues (sbevd)"], _ = timed(
         lambda: sbevd(band, compute_v=0, lower=1), repeats
     )
-    pieces["torch.linalg.eigh"], (lam, u) = median_seconds(
-        lambda: torch.linalg.eigh(train), repeats
-    )
+    pieces["torch.linalg.eigh"], (lam, u) = timed(lambda: torch.linalg.eigh(train), repeats)
     shifted = train + noise[0] * torch.eye(N, dtype=torch.float64)
 
     def one_step() -> torch.Tensor:
@@ -151,7 +130,7 @@ def measure(name: str, repeats: int) -> tuple[float, dict[str, float], dict[str,
         half = torch.linalg.solve_triangular(factor, cross, upper=False)
         return (half * half).sum(0)
 
-    pieces["one Cholesky + solve"], chol_quad = median_seconds(one_step, repeats)
+    pieces["one Cholesky + solve"], chol_quad = timed(one_step, repeats)
 
     projected = u.T @ cross
     reference = (1 / (lam[:, None] + noise)).T @ (projected * projected)  # (T, M)
