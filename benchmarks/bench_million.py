@@ -4,23 +4,28 @@ Fits :class:`gpsd.DataCentricGPR` (``backend="lanczos"``: matrix-free block Lanc
 chunks of the kernel, never forming K) to ``--n`` points uniform on [0, 10]^2 (targets
 sin(x1) + sin(x2) + noise, float32 data, float64 factorisation), and predicts the means and
 variances of all ``--steps`` steps at ``--m`` test points. Reports the wall times of the fit
-and of the prediction (CUDA synchronised), the number of Lanczos blocks and the median time of
-one (from the fit's ``callback``: one product with K each), the peak device memory, the Krylov
-rank and the backend's error estimate, and writes each row as soon as it is measured
-(``--out``). Several ``--n`` run in turn, so that the time per block at smaller N predicts
-whether the largest fits the time at hand.
+and of the prediction (CUDA synchronised), the peak device memory, the Krylov rank, the order
+of the complement series, the backend's error estimate, and the number of products with K
+with the median time of one. Each product is timed on its own: one for the random start
+block and one per Lanczos block, after the two probe products of the flat-spectrum check where
+a dense backend would fit (none does at these N on a GPU). Every product's time is printed as
+it ends, so a run cut short by a time limit still shows how far it got; each row is written as
+soon as it is measured (``--out``). Several ``--n`` run in turn, so that the time per product
+at smaller N predicts whether the largest fits the time at hand (it grows as N^2).
 
-The accuracy check runs first, at ``--compare-n`` (default 131,072) with float64 data, where a
-second matrix-free path, deflated CG (every solve to a relative residual of 1e-6), still runs in
-seconds: the largest relative differences of the means and variances of all steps between the
-two paths, against the backends' tolerance ``rtol`` = 1e-6. There is no dense reference at
-these N (K alone would take 4 TB at N = 1e6), and GPyTorch's KeOps ExactGP needs pykeops, which
-this script does not install.
+The accuracy check runs first, at ``--compare-n`` (default 32,768) with float64 data, where a
+second matrix-free path, deflated CG (every solve to a relative residual of 1e-6), runs in
+under half a minute on an H200: the largest relative differences of the means and variances
+of all steps between the two paths, against the backends' tolerance ``rtol`` = 1e-6. There is
+no dense reference at these N (K alone would take 4 TB at N = 1e6), and GPyTorch's KeOps
+ExactGP needs pykeops, which this script does not install.
 
 Usage (one GPU)::
 
     python benchmarks/bench_million.py --n 262144 524288 1000000 --compare-n 0 \\
         --out benchmarks/results/gpu_million.md
+    # the agreement check alone
+    python benchmarks/bench_million.py --n --compare-n 65536
     # a CPU smoke run
     python benchmarks/bench_million.py --device cpu --n 2048 4096 --m 500 --compare-n 2048
 """
@@ -41,6 +46,7 @@ from _timing import Report, cpu_name, peak_rss_kib, start_peak_rss, sync
 
 import gpsd
 from gpsd import DataCentricGPR
+from gpsd.linalg import ChunkedKernelOperator
 
 
 def _device_line(device: torch.device) -> str:
@@ -72,9 +78,10 @@ class Run:
     fit_seconds: float
     predict_seconds: float
     peak_gib: float
-    #: Seconds between the Lanczos blocks' callbacks (one product with K each, with the
-    #: block's orthogonalisation and Rayleigh-Ritz step); empty for a backend without blocks.
-    block_seconds: list[float]
+    #: Seconds of each product with K in the fit (synchronised before and after).
+    product_seconds: list[float]
+    #: Number of Lanczos blocks (the fit's callbacks); 0 for a backend without blocks.
+    blocks: int
     prediction: object
     model: DataCentricGPR
 
@@ -83,42 +90,89 @@ class Run:
         return self.fit_seconds + self.predict_seconds
 
 
+class ProductTimer:
+    """Times every product of a :class:`~gpsd.linalg.ChunkedKernelOperator` while active (the
+    benchmark's instrument: the operator itself keeps no clock), printing each as it ends."""
+
+    def __init__(self, device: torch.device, label: str) -> None:
+        self.device, self.label = device, label
+        self.seconds: list[float] = []
+        self._original = ChunkedKernelOperator._matmul
+
+    def __enter__(self) -> ProductTimer:
+        timer, original = self, self._original
+
+        def timed(operator, rhs):
+            sync(timer.device)
+            start = time.perf_counter()
+            out = original(operator, rhs)
+            sync(timer.device)
+            timer.seconds.append(time.perf_counter() - start)
+            print(
+                f"  {timer.label}: product {len(timer.seconds)} with K ({rhs.shape[-1]} columns) "
+                f"{timer.seconds[-1]:.2f} s",
+                flush=True,
+            )
+            return out
+
+        ChunkedKernelOperator._matmul = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ChunkedKernelOperator._matmul = self._original
+
+
 def run(n, m, steps, backend, args, device, dtype) -> Run:
-    """Fit (timing each Lanczos block through the ``callback``), then predict every step."""
+    """Fit (timing each product with K), then predict every step."""
     x, y, test_x = uniform_square_problem(n, m, device, dtype)
     kernel = rbf_kernel(args.lengthscale, device, dtype)
     noise = torch.linspace(0.1, 1.0, steps, dtype=dtype, device=device)
     _reset_peak(device)
-    marks = []
+    blocks = 0
 
-    def mark(record) -> None:
-        sync(device)
-        marks.append(time.perf_counter())
+    def count(record) -> None:
+        nonlocal blocks
+        blocks += 1
 
+    label = f"N = {n:,} {backend}"
     sync(device)
     start = time.perf_counter()
     with torch.no_grad(), gpsd.settings.test_chunk_size(args.test_chunk):
-        model = DataCentricGPR(x, y, kernel, noise=noise, backend=backend, rtol=1e-6)
-        model.fit(callback=mark)
-        sync(device)
+        with ProductTimer(device, label) as timer:
+            model = DataCentricGPR(x, y, kernel, noise=noise, backend=backend, rtol=1e-6)
+            model.fit(callback=count)
+            sync(device)
         fitted = time.perf_counter()
+        print(
+            f"  {label}: fit {fitted - start:.1f} s, {len(timer.seconds)} products, "
+            f"rank {_rank(model)}, series order {_series_order(model)}",
+            flush=True,
+        )
         prediction = model.predict(test_x)
     sync(device)
     done = time.perf_counter()
-    blocks = [b - a for a, b in zip([start, *marks[:-1]], marks, strict=True)]
-    return Run(fitted - start, done - fitted, _peak_gib(device), blocks, prediction, model)
+    return Run(
+        fitted - start, done - fitted, _peak_gib(device), timer.seconds, blocks, prediction, model
+    )
 
 
-def _blocks(result: Run) -> str:
-    """The number of Lanczos blocks and the median seconds of one."""
-    if not result.block_seconds:
-        return "— | —"
-    return f"{len(result.block_seconds)} | {statistics.median(result.block_seconds):.2f}"
+def _products(result: Run) -> str:
+    """The number of products with K in the fit, the Lanczos blocks among them, and the median
+    seconds of one product."""
+    if not result.product_seconds:
+        return "— | — | —"
+    median = statistics.median(result.product_seconds)
+    return f"{len(result.product_seconds)} | {result.blocks} | {median:.2f}"
 
 
 def _rank(model) -> int:
     engine = model._state()["engine"]
     return int(engine.ritz_values.shape[-1]) if hasattr(engine, "ritz_values") else 0
+
+
+def _series_order(model) -> str:
+    engine = model._state()["engine"]
+    return str(engine.series_order) if getattr(engine, "is_truncated", False) else "—"
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,13 +183,17 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--n", type=int, nargs="+", default=[1_000_000], help="sizes, run in this order"
+        "--n",
+        type=int,
+        nargs="*",
+        default=[1_000_000],
+        help="sizes, run in this order (none: the agreement check alone)",
     )
     parser.add_argument("--m", type=int, default=10_000, help="test points")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lengthscale", type=float, default=1.0)
     parser.add_argument(
-        "--compare-n", type=int, default=131_072, help="N of the agreement check (0: none)"
+        "--compare-n", type=int, default=32_768, help="N of the agreement check (0: none)"
     )
     parser.add_argument(
         "--test-chunk", type=int, default=1024, help="gpsd.settings.test_chunk_size"
@@ -161,12 +219,13 @@ def main() -> None:
         f"{args.steps} --compare-n {args.compare_n} --device {args.device} --dtype {args.dtype}`",
         f"- problem: inputs uniform on [0, 10]^2, RBF lengthscale {args.lengthscale}, noise "
         f"schedule linspace(0.1, 1, {args.steps}), {args.m} test points; one call each (the "
-        "time includes the first evaluation of every kernel row); a Lanczos block is one "
-        "product with K and its orthogonalisation, timed between the fit's callbacks",
+        "time includes the first evaluation of every kernel row); the fit's products with K "
+        "are one for the random start block and one per Lanczos block (after two probes "
+        "where a dense backend would fit), each timed alone (synchronised)",
         "",
-        "| N | backend | fit (s) | predict (s) | peak (GiB) | Lanczos blocks | s per block "
-        "| Krylov rank | error estimate |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| N | backend | fit (s) | predict (s) | peak (GiB) | products with K | Lanczos blocks "
+        "| s per product | Krylov rank | series order | error estimate |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     )
     if args.compare_n:
         rows = {}
@@ -177,8 +236,8 @@ def main() -> None:
             estimate = f"{model.error_estimate:.1e}" if backend == "lanczos" else "(solves to 1e-6)"
             report.add(
                 f"| {args.compare_n:,} (float64 data) | {backend} | {result.fit_seconds:.1f} | "
-                f"{result.predict_seconds:.1f} | {result.peak_gib:.1f} | {_blocks(result)} | "
-                f"{_rank(model)} | {estimate} |"
+                f"{result.predict_seconds:.1f} | {result.peak_gib:.1f} | {_products(result)} | "
+                f"{_rank(model)} | {_series_order(model)} | {estimate} |"
             )
             del result, model
         agreement = (
@@ -198,8 +257,8 @@ def main() -> None:
         )
         report.add(
             f"| {n:,} | lanczos | {result.fit_seconds:.1f} | {result.predict_seconds:.1f} | "
-            f"{result.peak_gib:.1f} | {_blocks(result)} | {_rank(result.model)} | "
-            f"{result.model.error_estimate:.1e} |",
+            f"{result.peak_gib:.1f} | {_products(result)} | {_rank(result.model)} | "
+            f"{_series_order(result.model)} | {result.model.error_estimate:.1e} |",
         )
         if not finite:
             report.add("", f"- N = {n:,}: some means or variances are not finite.", "")

@@ -16,7 +16,11 @@ Settings whose best value depends on the device (:class:`dense_max_n`,
 keywords (``dense_max_n(cpu=4000)``); ``value(device)`` reads the one for a device.
 
 Models that cache a factorisation include :func:`snapshot` in what their cache depends on, so
-that a prediction inside a ``with`` block never reuses a factorisation made under other settings.
+that a prediction inside a ``with`` block never reuses a factorisation made under settings that
+give another result. Settings that trade memory for time alone (:class:`test_chunk_size`,
+:class:`kernel_cache_fraction`, :class:`keep_kernel_rows_after`, :class:`max_chunk_elements`)
+are left out of it: a model fitted inside ``with gpsd.settings.test_chunk_size(1024):`` predicts
+outside the block without factorising again.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class _Setting:
 
     _value: ClassVar[Any]
     _registry: ClassVar[list[type[_Setting]]] = []
+    #: Whether the value can change a result beyond rounding (and so belongs in
+    #: :func:`snapshot`), rather than only the memory and time it takes.
+    changes_results: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -100,6 +107,7 @@ class test_chunk_size(_Setting):
     """Test points predicted per chunk by the regression distillers (default 4096): memory for
     the N x chunk cross-covariance against the number of kernel evaluations."""
 
+    changes_results = False
     _value = 4096
     _check = staticmethod(_positive_int("test_chunk_size"))
 
@@ -125,6 +133,7 @@ class kernel_cache_fraction(_Setting):
     """Fraction of the device's free memory that the matrix-free backends fill with kernel rows
     kept between products when no ``kernel_cache_bytes=`` is given (default 0.5)."""
 
+    changes_results = False
     _value = 0.5
     _check = staticmethod(_fraction("kernel_cache_fraction"))
 
@@ -135,6 +144,7 @@ class keep_kernel_rows_after(_Setting):
     on a 2-core CPU at N = 32,768: 22 s with every row kept against 19 s without, 13 GiB
     against 1 GiB)."""
 
+    changes_results = False
     _value = 3
     _check = staticmethod(_positive_int("keep_kernel_rows_after", minimum=0))
 
@@ -151,6 +161,7 @@ class max_chunk_elements(_Setting):
     """Elements of the largest temporary block that chunked evaluations form (default 2**24:
     kernel distillation's student predictions, the DPKL classifier's pairwise differences)."""
 
+    changes_results = False
     _value = 2**24
     _check = staticmethod(_positive_int("max_chunk_elements"))
 
@@ -202,9 +213,12 @@ class max_chain_factorisations(_DeviceSetting):
 
 
 def snapshot() -> tuple:
-    """The value of every setting now: part of what a cached fit depends on."""
+    """The value now of every setting that can change a result: part of what a cached fit
+    depends on (the settings that trade memory for time alone are left out)."""
     out = []
     for setting in _Setting._registry:
+        if not setting.changes_results:
+            continue
         value = setting._value
         out.append(tuple(sorted(value.items())) if isinstance(value, dict) else value)
     return tuple(out)

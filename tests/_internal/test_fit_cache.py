@@ -27,7 +27,7 @@ def test_the_value_is_reused_while_nothing_changes():
     assert len(calls) == 1
 
 
-def test_a_parameter_change_a_config_change_and_a_setting_change_each_rebuild():
+def test_a_parameter_change_a_config_change_and_a_result_changing_setting_each_rebuild():
     kernel = gpytorch.kernels.RBFKernel()
     cache = FitCache()
     calls, build = build_counter()
@@ -35,9 +35,19 @@ def test_a_parameter_change_a_config_change_and_a_setting_change_each_rebuild():
     kernel.lengthscale = 2.0
     assert cache.get(kernel, (), build) == 2
     assert cache.get(kernel, ("other",), build) == 3
-    with gpsd.settings.test_chunk_size(3):
+    with gpsd.settings.max_lanczos_rank(3):
         assert cache.get(kernel, ("other",), build) == 4
     assert cache.get(kernel, ("other",), build) == 5  # back under the defaults
+
+
+def test_a_setting_of_memory_alone_keeps_the_cached_value():
+    kernel = gpytorch.kernels.RBFKernel()
+    cache = FitCache()
+    calls, build = build_counter()
+    with gpsd.settings.test_chunk_size(3), gpsd.settings.kernel_cache_fraction(0.1):
+        assert cache.get(kernel, (), build) == 1
+    assert cache.get(kernel, (), build) == 1
+    assert len(calls) == 1
 
 
 def test_load_state_dict_and_a_dtype_change_rebuild():

@@ -839,6 +839,38 @@ def test_grad_mode_does_not_make_the_matrix_free_cache_stale(backend, monkeypatc
             out.sum().backward()
 
 
+@pytest.mark.parametrize("backend", ["lanczos", "cg"])
+def test_a_fit_inside_memory_settings_is_reused_outside_them_and_not_under_another_rank(
+    backend, monkeypatch
+):
+    """Settings that trade memory for time cannot change the factorisation: a model fitted
+    inside them predicts outside without factorising again, to the same values; a setting that
+    changes the result (the largest Lanczos rank) factorises afresh."""
+    builds = []
+    make_engine = gpsd.linalg.make_engine
+    monkeypatch.setattr(
+        gpsd.linalg, "make_engine", lambda *a, **k: builds.append(1) or make_engine(*a, **k)
+    )
+    x, y, test_x = wiggly_data(n=200)
+    model = DataCentricGPR(x, y, rbf_kernel(lengthscale=2.0), noise=[0.1, 0.2], backend=backend)
+    memory_only = (
+        gpsd.settings.test_chunk_size(7),
+        gpsd.settings.kernel_cache_fraction(0.25),
+        gpsd.settings.keep_kernel_rows_after(0),
+        gpsd.settings.max_chunk_elements(1000),
+    )
+    with torch.no_grad():
+        with memory_only[0], memory_only[1], memory_only[2], memory_only[3]:
+            inside = model.fit().predict(test_x)
+        outside = model.predict(test_x)
+        assert len(builds) == 1
+        assert relative_error(outside.mean, inside.mean) < 1e-12
+        assert relative_error(outside.variance, inside.variance) < 1e-12
+        with gpsd.settings.max_lanczos_rank(64), gpsd.settings.cg_deflation_rank(32):
+            model.predict(test_x)
+    assert len(builds) == 2
+
+
 def test_explicit_lanczos_stops_growing_and_names_the_matrix_free_way_out(
     small_dense_limit, monkeypatch
 ):

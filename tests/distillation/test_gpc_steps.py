@@ -501,7 +501,9 @@ def test_classifiers_refuse_an_empty_training_set(build):
 @pytest.mark.parametrize(
     "cls, n, seed", [(DataCentricGPC, 30, 1), (DistributionCentricGPC, 25, 2)], ids=["data", "dist"]
 )
-def test_a_prediction_under_another_gpsd_setting_refits_every_step(cls, n, seed, monkeypatch):
+def test_a_prediction_under_a_result_changing_setting_refits_every_step_and_memory_does_not(
+    cls, n, seed, monkeypatch
+):
     module = importlib.import_module(cls.__module__)
     x, y, test_x = sine_classification(n, seed=seed)
     model = cls(x, y, rbf_kernel(3.0, 1.0), num_steps=2).fit()
@@ -512,7 +514,10 @@ def test_a_prediction_under_another_gpsd_setting_refits_every_step(cls, n, seed,
     )
     model.predict_proba(test_x)
     assert calls == []
-    with gpsd.settings.test_chunk_size(7):
+    with gpsd.settings.test_chunk_size(7):  # memory and time alone: the fit is reused
+        model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.max_lanczos_rank(7):
         model.predict_proba(test_x)
     assert len(calls) == 2  # both steps refitted
     model.covar_module.outputscale = 2.0

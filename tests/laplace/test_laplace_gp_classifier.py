@@ -414,7 +414,7 @@ def test_data_of_a_low_precision_dtype_are_refused_before_fitting(toy, dtype):
         LaplaceGPClassifier(x.to(dtype), y.to(dtype), _kernel().to(dtype))
 
 
-def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
+def test_a_prediction_under_a_result_changing_setting_refits_and_memory_does_not(toy, monkeypatch):
     import gpsd.laplace.laplace_gp_classifier as module
 
     x, y, test_x = toy
@@ -426,7 +426,10 @@ def test_a_prediction_under_another_gpsd_setting_refits(toy, monkeypatch):
     )
     model.predict_proba(test_x)
     assert calls == []  # the fit is reused
-    with gpsd.settings.test_chunk_size(7):
+    with gpsd.settings.test_chunk_size(7):  # memory and time alone: reused too
+        model.predict_proba(test_x)
+    assert calls == []
+    with gpsd.settings.max_lanczos_rank(7):
         model.predict_proba(test_x)
     assert calls == [1]
     model.covar_module.outputscale = 3.0  # a parameter changed: refits
