@@ -13,9 +13,10 @@
 #                                             # (each matrix-free path); the doubling tables'
 #                                             # peaks from N = 16,384 on (no dense rows)
 #     bash benchmarks/gpu_suite.sh 5 OUTDIR   # on an H100 (80 GB): N = 100,000 and 131,072
-#     bash benchmarks/gpu_suite.sh 6 OUTDIR   # N = 1,000,000 first (every product with K timed
-#                                             # as it ends), then with the time left N = 262,144
-#                                             # (and 524,288) and the Lanczos-CG agreement
+#     bash benchmarks/gpu_suite.sh 6 OUTDIR   # one product through RBF rows against GPyTorch's;
+#                                             # N = 1,000,000 (every product with K timed as it
+#                                             # ends), then with the time left N = 262,144 (and
+#                                             # 524,288) and the Lanczos-CG agreement
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
 # versions and the command, rewritten after every row, so a command cut short by its time limit
@@ -107,6 +108,8 @@ case "$stage" in
         local t=$((deadline - SECONDS - ${1:-0}))
         echo $((t > 5 ? t : 5))
     }
+    run 90 python3 bench_kernel_rows.py --device cuda --n 262144 524288 \
+        --out "$out/kernel_rows_cuda.md"
     run "$(left 100)" python3 bench_million.py --n 1000000 --compare-n 0 \
         --out "$out/gpu_million.md"
     if (($(left) >= 240)); then
