@@ -17,6 +17,9 @@
 #                                             # N = 1,000,000 (every product with K timed as it
 #                                             # ends), then with the time left N = 262,144 (and
 #                                             # 524,288) and the Lanczos-CG agreement
+#     bash benchmarks/gpu_suite.sh 7 OUTDIR   # GPyTorch's KeOps ExactGP against gpsd at N =
+#                                             # 65,536 and 262,144 (needs pykeops and keopscore,
+#                                             # carried as wheels where the image lacks them)
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
 # versions and the command, rewritten after every row, so a command cut short by its time limit
@@ -26,9 +29,9 @@
 # starts, sharing the time among its runs as they end: one ten-minute command holds it.
 set -uo pipefail
 
-stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5|6) [OUTDIR]}
-[[ $stage =~ ^[123456]$ ]] || {
-    echo "gpu_suite.sh: STAGE must be 1 to 6, got $stage"
+stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5|6|7) [OUTDIR]}
+[[ $stage =~ ^[1234567]$ ]] || {
+    echo "gpu_suite.sh: STAGE must be 1 to 7, got $stage"
     exit 2
 }
 # Without CUDA, stop before installing anything or writing into OUTDIR.
@@ -123,5 +126,9 @@ case "$stage" in
         run "$(left)" python3 bench_million.py --n --compare-n 32768 \
             --out "$out/gpu_million_agreement.md"
     fi
+    ;;
+7)
+    run 400 python3 bench_keops_exactgp.py --device cuda --n 65536 262144 \
+        --out "$out/keops_exactgp_cuda.md"
     ;;
 esac
