@@ -10,7 +10,8 @@ two ways, in the same process:
   GPyTorch kernel (squared distances, clamp, halve, exponential, scale: five operations over the
   block, the last into a new tensor);
 - ``gpsd``: :class:`gpsd.linalg.ChunkedKernelOperator` with no row kept, which evaluates RBF rows
-  as one matrix product of augmented inputs and an exponential in place.
+  as one matrix product of augmented inputs (accumulated in float64), capped at the log
+  outputscale and exponentiated in place: three operations over the block.
 
 The two products are checked against each other (relative difference, float64) before timing.
 Median of ``--repeats`` after one warm-up, synchronised on CUDA.

@@ -13,7 +13,7 @@
 #                                             # (each matrix-free path); the doubling tables'
 #                                             # peaks from N = 16,384 on (no dense rows)
 #     bash benchmarks/gpu_suite.sh 5 OUTDIR   # on an H100 (80 GB): N = 100,000 and 131,072
-#     bash benchmarks/gpu_suite.sh 6 OUTDIR   # one product through RBF rows against GPyTorch's;
+#     bash benchmarks/gpu_suite.sh 6 OUTDIR   # one product, gpsd's RBF rows against GPyTorch's;
 #                                             # N = 1,000,000 (every product with K timed as it
 #                                             # ends), then with the time left N = 262,144 (and
 #                                             # 524,288) and the Lanczos-CG agreement

@@ -26,6 +26,11 @@ from gpsd._internal.collectives import (
     text_checksum,
 )
 from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.stationary_kernel import (
+    check_lengthscale_count,
+    evaluate_kernel,
+    stationary_kernel_parameters,
+)
 from gpsd._internal.teacher import frozen_copy
 from gpsd._internal.validation import (
     as_float_tensor,
@@ -36,11 +41,6 @@ from gpsd._internal.validation import (
     check_vector,
 )
 from gpsd.exceptions import NotFittedError
-from gpsd.kernel_distillation._stationary_kernel import (
-    check_lengthscale_count,
-    evaluate_kernel,
-    stationary_kernel_parameters,
-)
 from gpsd.kernel_distillation.kmeans import kmeans
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
 from gpsd.kernel_distillation.sparse_low_rank_student import SparseLowRankStudent

@@ -13,6 +13,13 @@ from torch import Tensor
 
 from gpsd import settings
 from gpsd._internal.distances import squared_distances
+from gpsd._internal.stationary_kernel import (
+    STATIONARY_KERNEL_TYPES,
+    check_lengthscale_count,
+    evaluate_kernel,
+    stationary_kernel_from_squared_distance,
+    stationary_kernel_parameters,
+)
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -22,13 +29,6 @@ from gpsd._internal.validation import (
     check_vector,
 )
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.kernel_distillation._stationary_kernel import (
-    STATIONARY_KERNEL_TYPES,
-    check_lengthscale_count,
-    evaluate_kernel,
-    stationary_kernel_from_squared_distance,
-    stationary_kernel_parameters,
-)
 from gpsd.prediction import Prediction
 
 __all__ = ["SparseLowRankStudent"]

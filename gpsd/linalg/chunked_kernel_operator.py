@@ -10,8 +10,8 @@ from torch import Tensor
 
 from gpsd._internal.module_state import ModuleState, write_count
 from gpsd._internal.negligible import DROP_MIN_COLUMNS, drop_negligible
+from gpsd._internal.stationary_kernel import stationary_kernel_block
 from gpsd._internal.validation import check_finite, check_int
-from gpsd.linalg._rbf_rows import RBFRows
 
 __all__ = ["ChunkedKernelOperator"]
 
@@ -29,17 +29,18 @@ class ChunkedKernelOperator(LinearOperator):
     meant for the block Lanczos and CG backends, which only multiply; it carries no autograd graph
     (wrap its use in ``torch.no_grad()``).
 
-    **RBF rows.** For an ``RBFKernel`` or a ``ScaleKernel`` of one (unbatched, on all input
-    dimensions, with GPyTorch's own ``forward``) a chunk of rows is one matrix product of
-    augmented inputs, exponentiated in place,
+    **Stationary kernels.** For an ``RBFKernel`` (and a ``MaternKernel`` of :math:`\nu` 1/2,
+    3/2 or 5/2 in float32), alone or in a ``ScaleKernel``, unbatched, on all input dimensions,
+    a chunk of rows is one matrix product of augmented inputs accumulated in float64,
 
     .. math::
-        k(\mathbf x_i, \mathbf x_j) = \exp\big(\log s - \tfrac12\lVert\mathbf z_i\rVert^2
-            - \tfrac12\lVert\mathbf z_j\rVert^2 + \mathbf z_i^\top\mathbf z_j\big),
+        \log s - \tfrac12 r_{ij}^2 = [\mathbf z_i,\ \log s - \tfrac12\lVert\mathbf z_i\rVert^2,\ 1]
+            \cdot [\mathbf z_j,\ 1,\ -\tfrac12\lVert\mathbf z_j\rVert^2],
         \qquad \mathbf z = (\mathbf x - \bar{\mathbf x}) / \boldsymbol\ell ,
 
-    two operations over the block where GPyTorch's evaluation takes five; the entries agree with
-    GPyTorch's to rounding. Every other kernel is evaluated by ``covar_module``.
+    then capped at :math:`\log s` and exponentiated in place: three operations over the block
+    where GPyTorch's evaluation takes five (:mod:`gpsd._internal.stationary_kernel`). Every
+    other kernel is evaluated by ``covar_module``.
 
     **Keeping rows.** An iterative solver multiplies by :math:`\mathbf K` tens to hundreds of
     times, and evaluating a kernel entry costs several passes over memory where a kept entry
@@ -143,11 +144,10 @@ class ChunkedKernelOperator(LinearOperator):
                 self.cache_bytes > 0
                 and self._rows.claim(self.x, self.covar_module) > self.keep_after
             )
-            rbf = RBFRows.for_kernel(self.covar_module, self.x)  # None: GPyTorch's evaluation
             for start in range(first, stop, self.chunk_size):
                 block = self._rows.blocks.get(start) if keep else None
                 if block is None:
-                    block = self._row_block(start, min(start + self.chunk_size, stop), rbf)
+                    block = self._row_block(start, min(start + self.chunk_size, stop))
                     if keep or rhs.shape[-1] >= DROP_MIN_COLUMNS:
                         block = drop_negligible(block, inplace=True)
                     keep = keep and self._rows.add(start, block, self.cache_bytes)
@@ -159,10 +159,10 @@ class ChunkedKernelOperator(LinearOperator):
             return rhs.new_empty(*self.batch_shape, 0, rhs.shape[-1])
         return out
 
-    def _row_block(self, start: int, stop: int, rbf: RBFRows | None = None) -> Tensor:
-        r"""Rows ``start : stop`` of :math:`\mathbf K`, shape ``(*b, c, N)``; with ``rbf``, from
-        its augmented inputs (:mod:`gpsd.linalg._rbf_rows`: two operations over the block
-        instead of GPyTorch's five), else by ``covar_module``.
+    def _row_block(self, start: int, stop: int) -> Tensor:
+        r"""Rows ``start : stop`` of :math:`\mathbf K`, shape ``(*b, c, N)``: by
+        :func:`~gpsd._internal.stationary_kernel.stationary_kernel_block` for the common
+        stationary kernels, else by ``covar_module``.
 
         GPyTorch zeroes the distances of a point to itself only where ``x1`` equals ``x2``,
         which a row chunk does not: the entries :math:`k(\mathbf x_i, \mathbf x_i)` of the
@@ -173,9 +173,8 @@ class ChunkedKernelOperator(LinearOperator):
         ``covar_module(x)`` has them.
         """
         rows = self.x[..., start:stop, :]  # shape: (*bx, c, d)
-        if rbf is not None:
-            block = rbf.block(start, stop)  # shape: (c, N)
-        else:
+        block = stationary_kernel_block(self.covar_module, rows, self.x, drop=False)
+        if block is None:  # another kernel, batched inputs, Matérn in float64
             block = to_dense(self.covar_module(rows, self.x))  # shape: (*b, c, N)
         diag = self._kernel_diagonal(rows, block.shape[:-1]).to(block)  # shape: (*b, c)
         if block.is_contiguous():  # a fresh tensor: written in place

@@ -379,3 +379,38 @@ def test_a_block_of_rows_has_no_transpose_nor_diagonal():
         op._transpose_nonbatch()
     whole = ChunkedKernelOperator(x, covar_module=RBFKernel().to(DTYPE), rows=slice(0, 10))
     assert whole._diagonal().shape == (10,)
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 10**7])
+@pytest.mark.parametrize("offset", [0.0, 1000.0], ids=["origin", "far"])
+def test_scaled_rbf_rows_are_multiplied_without_gpytorchs_forward(cache_bytes, offset, monkeypatch):
+    """A ScaleKernel(RBFKernel()) has its rows evaluated from augmented inputs in one matrix
+    product (``gpsd._internal.stationary_kernel``), not by GPyTorch's ``forward``, and its
+    products equal those of the kernel formula, also far from the origin, where the expansion of
+    the squared distance needs the inputs centred."""
+    gen = torch.Generator().manual_seed(1)
+    x = offset + 5 * torch.rand(90, 2, generator=gen, dtype=DTYPE)
+    rhs = torch.randn(90, 4, generator=gen, dtype=DTYPE)
+    kernel = ScaleKernel(RBFKernel()).to(DTYPE)
+    kernel.base_kernel.lengthscale = torch.tensor(0.6, dtype=DTYPE)
+    kernel.outputscale = torch.tensor(2.5, dtype=DTYPE)
+    z = x / 0.6  # the differences themselves: no expansion in the reference
+    exact = 2.5 * torch.exp(-0.5 * (z.unsqueeze(-2) - z.unsqueeze(-3)).square().sum(-1))
+    forward = RBFKernel.forward
+
+    def refuse(self, x1, x2, diag=False, **kwargs):
+        if not diag:  # the diagonal k(x_i, x_i) is GPyTorch's, as the dense kernel(x) has it
+            raise AssertionError("GPyTorch's RBF forward evaluated a block of rows")
+        return forward(self, x1, x2, diag=diag, **kwargs)
+
+    monkeypatch.setattr(RBFKernel, "forward", refuse)
+    op = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=32, cache_bytes=cache_bytes)
+    rows = ChunkedKernelOperator(x, covar_module=kernel, chunk_size=16, rows=slice(20, 70))
+    with torch.no_grad():
+        with pytest.raises(AssertionError, match="forward evaluated"):  # the patch is live
+            kernel(x[:3], x).to_dense()
+        products = [op @ rhs for _ in range(2)]
+        block_of_rows = rows @ rhs
+    for product in products:
+        torch.testing.assert_close(product, exact @ rhs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block_of_rows, exact[20:70] @ rhs, rtol=1e-12, atol=1e-12)

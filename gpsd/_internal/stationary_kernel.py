@@ -1,15 +1,20 @@
 """Plain-tensor evaluation of the common stationary GPyTorch kernels.
 
-Two users. The distilled student: GPyTorch kernels go through ``LinearOperator`` objects and
+Three users. The distilled student: GPyTorch kernels go through ``LinearOperator`` objects and
 keyword-only arguments, which neither ``torch.jit.script`` nor ``torch.export`` can compile, so
 for the kernels below the student stores the hyperparameters as plain tensors and evaluates the
-kernel itself, and its prediction path exports. And the blocks of :math:`K_{XX}` that kernel
-distillation evaluates in every pass (:func:`stationary_kernel_block`: more accurate in float32,
-faster on a CPU). The kernels:
+kernel itself, and its prediction path exports. The blocks of :math:`K_{XX}` that kernel
+distillation evaluates in every pass, and the row chunks of
+:class:`~gpsd.linalg.ChunkedKernelOperator`, which the matrix-free backends evaluate afresh at
+every product at large N (:func:`stationary_kernel_block`: more accurate in float32, and the
+RBF kernel in three operations over the block where GPyTorch's evaluation takes five). The
+kernels:
 
 * ``RBFKernel`` (``"rbf"``), ``MaternKernel`` with ``nu`` in {0.5, 1.5, 2.5} (``"matern12"``,
   ``"matern32"``, ``"matern52"``), each with one lengthscale or ARD lengthscales, optionally wrapped
-  in a ``ScaleKernel``, without ``active_dims`` and without batch shape.
+  in a ``ScaleKernel``, without ``active_dims``, without batch shape, and with their classes'
+  own ``forward`` (not a subclass, nor a ``forward`` replaced on the instance: either may
+  compute another function).
 
 Any other kernel is kept as a GPyTorch module ("generic"): prediction works, export does not;
 blocks of it are GPyTorch's.
@@ -35,8 +40,12 @@ def stationary_kernel_parameters(
     """``(kernel_type, lengthscale (d or 1,), outputscale ())``, or ``None`` if unsupported."""
     outputscale = None
     base = kernel
-    if isinstance(kernel, gpytorch.kernels.ScaleKernel):
-        if kernel.active_dims is not None or kernel.outputscale.numel() != 1:
+    if type(kernel) is gpytorch.kernels.ScaleKernel:
+        if (
+            kernel.active_dims is not None
+            or kernel.outputscale.numel() != 1
+            or "forward" in vars(kernel)
+        ):
             return None
         outputscale = kernel.outputscale.detach().reshape(())
         base = kernel.base_kernel
@@ -46,7 +55,7 @@ def stationary_kernel_parameters(
         kind = {0.5: "matern12", 1.5: "matern32", 2.5: "matern52"}[base.nu]
     else:
         return None
-    if base.active_dims is not None or len(base.batch_shape) != 0:
+    if base.active_dims is not None or len(base.batch_shape) != 0 or "forward" in vars(base):
         return None
     lengthscale = base.lengthscale.detach().reshape(-1)
     if outputscale is None:
@@ -120,10 +129,10 @@ def affine_squared_distances(
 
 
 def stationary_kernel_block(
-    kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor
+    kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor, *, drop: bool = True
 ) -> Tensor | None:
-    r"""``k(x1, x2)`` (``(n1, n2)``, no autograd graph) for the kernels above, entries below
-    :math:`\epsilon^2` times the largest set to zero on a CPU
+    r"""``k(x1, x2)`` (``(n1, n2)``, no autograd graph, a fresh tensor) for the kernels above,
+    with ``drop`` entries below :math:`\epsilon^2` times the largest set to zero on a CPU
     (:func:`~gpsd._internal.negligible.drop_negligible`); or ``None`` where GPyTorch should
     evaluate it (another kernel, batched inputs, Matérn in float64, MPS).
 
@@ -170,7 +179,7 @@ def stationary_kernel_block(
             if block.device.type == "cpu":  # exp(block) < tiny: zero
                 F.threshold_(block, math.log(torch.finfo(block.dtype).tiny), -math.inf)
             block = block.exp_()
-    return drop_negligible(block, inplace=True)
+    return drop_negligible(block, inplace=True) if drop else block
 
 
 def check_lengthscale_count(lengthscale: Tensor, d: int, inputs: str) -> None:

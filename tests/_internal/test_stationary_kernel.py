@@ -4,7 +4,7 @@ import gpytorch
 import pytest
 import torch
 
-from gpsd.kernel_distillation._stationary_kernel import (
+from gpsd._internal.stationary_kernel import (
     STATIONARY_KERNEL_TYPES,
     evaluate_kernel,
     stationary_kernel_block,
@@ -15,7 +15,7 @@ from gpsd.kernel_distillation._stationary_kernel import (
 
 @pytest.mark.parametrize("n", [300, 5000])  # 5000 x 300 products go in row blocks on a CPU
 def test_affine_squared_distances_round_once_to_float32(n):
-    from gpsd.kernel_distillation._stationary_kernel import affine_squared_distances
+    from gpsd._internal.stationary_kernel import affine_squared_distances
 
     gen = torch.Generator().manual_seed(0)
     x = 100.0 + 10.0 * torch.rand(n, 3, generator=gen)  # far from the origin: hard for ||x||^2
@@ -84,6 +84,24 @@ def test_evaluate_kernel_equals_the_direct_formula(kind, dtype):
     torch.testing.assert_close(from_r2, want, rtol=1e-12, atol=1e-12)
 
 
+class _WiderRBF(gpytorch.kernels.RBFKernel):
+    def forward(self, x1, x2, **params):
+        return super().forward(2 * x1, 2 * x2, **params)
+
+
+class _DoubledScale(gpytorch.kernels.ScaleKernel):
+    def forward(self, x1, x2, **params):
+        return 2 * super().forward(x1, x2, **params)
+
+
+def _replaced_forward():
+    kernel = gpytorch.kernels.RBFKernel()
+    kernel.forward = lambda x1, x2, **params: (
+        3 * gpytorch.kernels.RBFKernel.forward(kernel, x1, x2, **params)
+    )
+    return kernel
+
+
 @pytest.mark.parametrize(
     "kernel",
     [
@@ -92,8 +110,20 @@ def test_evaluate_kernel_equals_the_direct_formula(kind, dtype):
         gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])),
         gpytorch.kernels.ScaleKernel(gpytorch.kernels.RQKernel()),
         gpytorch.kernels.RBFKernel() + gpytorch.kernels.LinearKernel(),
+        _WiderRBF(),
+        _DoubledScale(gpytorch.kernels.RBFKernel()),
+        _replaced_forward(),
     ],
-    ids=["periodic", "active-dims", "batch", "scaled-rq", "sum"],
+    ids=[
+        "periodic",
+        "active-dims",
+        "batch",
+        "scaled-rq",
+        "sum",
+        "rbf-subclass",
+        "scale-subclass",
+        "replaced-forward",
+    ],
 )
 def test_other_kernels_are_left_to_gpytorch(kernel):
     assert stationary_kernel_parameters(kernel) is None
