@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import os
 import platform
 import resource
@@ -105,6 +106,24 @@ def start_peak_rss() -> int | None:
     except OSError:
         return None
     return _status_kib("VmHWM")
+
+
+def reset_peak(device: torch.device) -> None:
+    """Collect garbage and start counting the peak memory afresh: CUDA's allocator statistics,
+    or this process's resident set on the CPU (:func:`start_peak_rss`)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        start_peak_rss()
+
+
+def peak_gib(device: torch.device) -> float:
+    """GiB at the peak since :func:`reset_peak`: allocated on CUDA, resident on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return peak_rss_kib() / 2**20
 
 
 def median_time(

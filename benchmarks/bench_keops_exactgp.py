@@ -27,7 +27,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import platform
 import time
@@ -35,7 +34,7 @@ import time
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import Report, cpu_name, cuda_missing, peak_rss_kib, start_peak_rss, sync
+from _timing import Report, cpu_name, cuda_missing, peak_gib, reset_peak, sync
 
 import gpsd
 from gpsd import DataCentricGPR
@@ -55,21 +54,6 @@ class KeOpsExactGP(gpytorch.models.ExactGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
-def _reset_peak(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        start_peak_rss()
-
-
-def _peak_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return peak_rss_kib() / 2**20
-
-
 def gpytorch_posterior(x, y, test_x, noise: float, lengthscale: float, device):
     """Seconds, peak GiB, mean and variance of GPyTorch's KeOps ExactGP posterior."""
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device, x.dtype)
@@ -77,7 +61,7 @@ def gpytorch_posterior(x, y, test_x, noise: float, lengthscale: float, device):
     model = KeOpsExactGP(x, y, likelihood, lengthscale).to(device, x.dtype)
     model.eval()
     likelihood.eval()
-    _reset_peak(device)
+    reset_peak(device)
     sync(device)
     start = time.perf_counter()
     with torch.no_grad(), gpytorch.settings.fast_pred_var():
@@ -85,14 +69,14 @@ def gpytorch_posterior(x, y, test_x, noise: float, lengthscale: float, device):
         mean, variance = posterior.mean, posterior.variance
         sync(device)
     seconds = time.perf_counter() - start
-    return seconds, _peak_gib(device), mean, variance
+    return seconds, peak_gib(device), mean, variance
 
 
 def gpsd_steps(x, y, test_x, steps: int, lengthscale: float, device):
     """Seconds, peak GiB and prediction of gpsd's Lanczos fit and prediction of every step."""
     kernel = rbf_kernel(lengthscale, device, x.dtype)
     noise = torch.linspace(0.1, 1.0, steps, dtype=x.dtype, device=device)
-    _reset_peak(device)
+    reset_peak(device)
     sync(device)
     start = time.perf_counter()
     with torch.no_grad():
@@ -100,7 +84,7 @@ def gpsd_steps(x, y, test_x, steps: int, lengthscale: float, device):
         prediction = model.predict(test_x)
         sync(device)
     seconds = time.perf_counter() - start
-    return seconds, _peak_gib(device), prediction
+    return seconds, peak_gib(device), prediction
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

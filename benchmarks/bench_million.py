@@ -33,7 +33,6 @@ Usage (one GPU)::
 from __future__ import annotations
 
 import argparse
-import gc
 import platform
 import statistics
 import time
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 import gpytorch
 import torch
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import Report, cpu_name, peak_rss_kib, start_peak_rss, sync
+from _timing import Report, cpu_name, peak_gib, reset_peak, sync
 
 import gpsd
 from gpsd import DataCentricGPR
@@ -54,21 +53,6 @@ def _device_line(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
     return cpu_name()
-
-
-def _reset_peak(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        start_peak_rss()
-
-
-def _peak_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return peak_rss_kib() / 2**20
 
 
 @dataclass
@@ -127,7 +111,7 @@ def run(n, m, steps, backend, args, device, dtype) -> Run:
     x, y, test_x = uniform_square_problem(n, m, device, dtype)
     kernel = rbf_kernel(args.lengthscale, device, dtype)
     noise = torch.linspace(0.1, 1.0, steps, dtype=dtype, device=device)
-    _reset_peak(device)
+    reset_peak(device)
     blocks = 0
 
     def count(record) -> None:
@@ -152,7 +136,7 @@ def run(n, m, steps, backend, args, device, dtype) -> Run:
     sync(device)
     done = time.perf_counter()
     return Run(
-        fitted - start, done - fitted, _peak_gib(device), timer.seconds, blocks, prediction, model
+        fitted - start, done - fitted, peak_gib(device), timer.seconds, blocks, prediction, model
     )
 
 
