@@ -22,6 +22,13 @@ Usage::
     python benchmarks/bench_keops_exactgp.py --device cuda --n 65536 262144 \\
         --out benchmarks/results/keops_exactgp_cuda.md
     python benchmarks/bench_keops_exactgp.py --device cpu --n 1024 --m 200   # a smoke run
+    # at N = 10^6, against gpsd's step 1 saved by bench_million.py (no second gpsd fit)
+    python benchmarks/bench_keops_exactgp.py --device cuda --n 1000000 \\
+        --reference million_step_one.pt
+
+With ``--reference PATH`` (written by ``bench_million.py --save-step-one PATH`` on the same
+problem and test points), the sizes it holds take gpsd's step 1, time and peak from it instead
+of fitting gpsd again.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ def gpytorch_posterior(x, y, test_x, noise: float, lengthscale: float, device):
     model = KeOpsExactGP(x, y, likelihood, lengthscale).to(device, x.dtype)
     model.eval()
     likelihood.eval()
+    torch.manual_seed(0)  # LOVE's Lanczos starts from a random vector
     reset_peak(device)
     sync(device)
     start = time.perf_counter()
@@ -87,8 +95,35 @@ def gpsd_steps(x, y, test_x, steps: int, lengthscale: float, device):
     return seconds, peak_gib(device), prediction
 
 
+def _reference(args) -> dict:
+    """gpsd's step 1 by N from ``--reference`` (empty without it), checked to match this run's
+    test points, step count and data type."""
+    if args.reference is None:
+        return {}
+    reference = torch.load(args.reference)
+    for n, saved in reference.items():
+        if (saved["m"], saved["steps"], saved["dtype"]) != (args.m, args.steps, "float32"):
+            raise ValueError(
+                f"--reference: N = {n} was saved with m={saved['m']}, steps={saved['steps']}, "
+                f"dtype={saved['dtype']}; this run needs m={args.m}, steps={args.steps}, "
+                "dtype=float32"
+            )
+    return reference
+
+
+def _reference_lines(args, reference: dict) -> list[str]:
+    """The header line saying which sizes took gpsd's columns from ``--reference``."""
+    if not reference:
+        return []
+    sizes = ", ".join(f"{n:,}" for n in sorted(reference))
+    return [
+        f"- gpsd's columns at N = {sizes}: from `bench_million.py --save-step-one` "
+        f"(`--reference {args.reference}`), its fit and prediction of all steps in one call"
+    ]
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).abs().max() / b.abs().max())
 
 
@@ -99,6 +134,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="PATH",
+        help="gpsd's step 1 by N, from bench_million.py --save-step-one (same --m and --steps)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if cuda_missing(device):
@@ -109,6 +150,7 @@ def main() -> None:
     import pykeops
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    reference = _reference(args)
     report = Report(args.out)
     sizes = " ".join(str(n) for n in args.n)
     report.add(
@@ -122,22 +164,30 @@ def main() -> None:
         f"- float32 data, {args.m} test points, RBF lengthscale 1; GPyTorch: noise 0.1, eval "
         'mode, `fast_pred_var`, default CG settings; gpsd: `backend="lanczos"`, '
         f"`rtol=1e-6`, {args.steps} steps; one call each, the first (KeOps compiles its "
-        "formulas there) after an untimed call at the smallest N",
+        "formulas there) after an untimed call at N = min(smallest N, 4096)",
+        *_reference_lines(args, reference),
         "",
         "| N | GPyTorch KeOps (s) | its peak (GiB) | gpsd, all steps (s) | its peak (GiB) "
         "| GPyTorch − gpsd step 1: means | variances |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     )
-    warm_x, warm_y, warm_test = uniform_square_problem(min(args.n), args.m, device, torch.float32)
-    gpytorch_posterior(warm_x, warm_y, warm_test, 0.1, 1.0, device)  # KeOps compiles here
+    # KeOps compiles its formulas here; they depend on the dimension and dtype, not on N.
+    warm_n = min(min(args.n), 4096)
+    warm_x, warm_y, warm_test = uniform_square_problem(warm_n, args.m, device, torch.float32)
+    gpytorch_posterior(warm_x, warm_y, warm_test, 0.1, 1.0, device)
     for n in args.n:
         x, y, test_x = uniform_square_problem(n, args.m, device, torch.float32)
         try:
             theirs = gpytorch_posterior(x, y, test_x, 0.1, 1.0, device)
         except torch.cuda.OutOfMemoryError:
             theirs = None
-        ours = gpsd_steps(x, y, test_x, args.steps, 1.0, device)
-        step_one = ours[2].mean[..., 0, :], ours[2].variance[..., 0, :]
+        if n in reference:
+            saved = reference[n]
+            ours = saved["seconds"], saved["peak_gib"]
+            step_one = saved["mean"], saved["variance"]
+        else:
+            ours = gpsd_steps(x, y, test_x, args.steps, 1.0, device)
+            step_one = ours[2].mean[..., 0, :], ours[2].variance[..., 0, :]
         if theirs is None:
             cells = "out of memory | — |", "— | — |"
         else:

@@ -21,7 +21,7 @@ Usage::
     python benchmarks/bench_kernel_rows.py --device cpu --n 16384 32768 \\
         --out benchmarks/results/kernel_rows_cpu.md
     python benchmarks/bench_kernel_rows.py --device cuda --n 262144 524288 \\
-        --out benchmarks/results/kernel_rows_cuda.md
+        --out benchmarks/results/kernel_rows_h200.md
 """
 
 from __future__ import annotations

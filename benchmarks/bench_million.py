@@ -28,6 +28,10 @@ Usage (one GPU)::
     python benchmarks/bench_million.py --n --compare-n 65536
     # a CPU smoke run
     python benchmarks/bench_million.py --device cpu --n 2048 4096 --m 500 --compare-n 2048
+
+``--save-step-one PATH`` keeps step 1 of each ``--n`` (the posterior at noise 0.1), so that
+``bench_keops_exactgp.py --reference PATH`` compares GPyTorch's KeOps posterior with it at the
+same N without fitting gpsd a second time.
 """
 
 from __future__ import annotations
@@ -159,6 +163,20 @@ def _series_order(model) -> str:
     return str(engine.series_order) if getattr(engine, "is_truncated", False) else "—"
 
 
+def _step_one(result: Run, args) -> dict:
+    """Step 1 of a run at the test points of :func:`uniform_square_problem` (seed 0), on the CPU
+    in float64, with what the run cost: the reference of ``bench_keops_exactgp.py --reference``."""
+    return {
+        "m": args.m,
+        "steps": args.steps,
+        "dtype": args.dtype,
+        "mean": result.prediction.mean[..., 0, :].cpu().double(),
+        "variance": result.prediction.variance[..., 0, :].cpu().double(),
+        "seconds": result.seconds,
+        "peak_gib": result.peak_gib,
+    }
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max())
@@ -185,6 +203,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--save-step-one",
+        default=None,
+        metavar="PATH",
+        help="save step 1's means and variances of each --n, with the fit's time and peak, for "
+        "bench_keops_exactgp.py --reference",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -233,9 +258,13 @@ def main() -> None:
         )
         del rows
         report.add("", agreement, "")
+    saved = {}
     for n in args.n:
         result = run(n, args.m, args.steps, "lanczos", args, device, dtype)
         prediction = result.prediction
+        if args.save_step_one:
+            saved[n] = _step_one(result, args)
+            torch.save(saved, args.save_step_one)
         finite = bool(
             torch.isfinite(prediction.mean).all() and torch.isfinite(prediction.variance).all()
         )

@@ -15,21 +15,28 @@
 #     bash benchmarks/gpu_suite.sh 5 OUTDIR   # on an H100 (80 GB): N = 100,000 and 131,072
 #     bash benchmarks/gpu_suite.sh 6 OUTDIR   # one product, gpsd's RBF rows against GPyTorch's;
 #                                             # N = 1,000,000 (every product with K timed as it
-#                                             # ends), then with the time left N = 262,144 (and
-#                                             # 524,288) and the Lanczos-CG agreement
-#     bash benchmarks/gpu_suite.sh 7 OUTDIR   # GPyTorch's KeOps ExactGP against gpsd at N =
-#                                             # 65,536 and 262,144 (needs pykeops and keopscore,
-#                                             # carried as wheels where the image lacks them)
+#                                             # ends; step 1 saved to OUTDIR/million_step_one.pt),
+#                                             # then GPyTorch's KeOps ExactGP at the same N against
+#                                             # that step 1 where pykeops is installed, else
+#                                             # N = 262,144 and the Lanczos-CG agreement
+#     bash benchmarks/gpu_suite.sh 7 OUTDIR [REFERENCE]
+#                                             # GPyTorch's KeOps ExactGP against gpsd at N =
+#                                             # 65,536 and 262,144 (REFERENCE: a saved step 1
+#                                             # for the sizes it holds)
+#
+# Stages 6 and 7 run GPyTorch's KeOps kernels only where pykeops and keopscore are installed
+# (carried as wheels where the image lacks them).
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
 # versions and the command, rewritten after every row, so a command cut short by its time limit
 # still leaves the rows it measured; the full console output goes to OUTDIR/gpu_stageN.log. The
 # limits of a stage add up to under eight minutes (three stages fit a 30-minute device budget
-# with the machine's start-up); stage 4's to eight. Stage 6 ends its last run 580 s after the script
-# starts, sharing the time among its runs as they end: one ten-minute command holds it.
+# with the machine's start-up); stage 4's to eight. Stages 6 and 7 end their last run
+# GPU_SUITE_DEADLINE seconds (default 580) after the script starts, sharing the time among their
+# runs as they end: one ten-minute command holds each.
 set -uo pipefail
 
-stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5|6|7) [OUTDIR]}
+stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5|6|7) [OUTDIR] [REFERENCE]}
 [[ $stage =~ ^[1234567]$ ]] || {
     echo "gpu_suite.sh: STAGE must be 1 to 7, got $stage"
     exit 2
@@ -57,6 +64,12 @@ run() {  # run SECONDS COMMAND...: one measurement with its own time limit, logg
     echo "== $* (limit ${limit} s)" | tee -a "$log"
     (cd benchmarks && timeout "$limit" "$@") 2>&1 | tee -a "$log"
 }
+deadline=${GPU_SUITE_DEADLINE:-580} # stages 6 and 7: seconds from the start, set-up included
+left() {                             # left RESERVE: seconds to the deadline less RESERVE, at least 5
+    local t=$((deadline - SECONDS - ${1:-0}))
+    echo $((t > 5 ? t : 5))
+}
+has_keops() { python3 -c "import pykeops" 2>/dev/null; }
 
 case "$stage" in
 1)
@@ -106,20 +119,12 @@ case "$stage" in
         not-kept --steps 1 --out "$out/gpu_n131072_lanczos.md"
     ;;
 6)
-    deadline=580 # seconds from the start of this script, its set-up included
-    left() {     # left RESERVE: seconds to the deadline less RESERVE, at least 5
-        local t=$((deadline - SECONDS - ${1:-0}))
-        echo $((t > 5 ? t : 5))
-    }
-    run 90 python3 bench_kernel_rows.py --device cuda --n 262144 524288 \
-        --out "$out/kernel_rows_cuda.md"
-    run "$(left 100)" python3 bench_million.py --n 1000000 --compare-n 0 \
-        --out "$out/gpu_million.md"
-    if (($(left) >= 240)); then
-        run "$(left 110)" python3 bench_million.py --n 262144 524288 --compare-n 0 \
-            --out "$out/gpu_million_scaling.md"
-        run "$(left)" python3 bench_million.py --n --compare-n 65536 \
-            --out "$out/gpu_million_agreement.md"
+    run 40 python3 bench_kernel_rows.py --device cuda --n 262144 --out "$out/kernel_rows_cuda.md"
+    run "$(left 60)" python3 bench_million.py --n 1000000 --compare-n 0 \
+        --save-step-one "$out/million_step_one.pt" --out "$out/gpu_million.md"
+    if has_keops && [[ -f $out/million_step_one.pt ]]; then
+        run "$(left)" python3 bench_keops_exactgp.py --device cuda --n 1000000 \
+            --reference "$out/million_step_one.pt" --out "$out/keops_exactgp_million_cuda.md"
     else
         run "$(left 40)" python3 bench_million.py --n 262144 --compare-n 0 \
             --out "$out/gpu_million_scaling.md"
@@ -128,7 +133,9 @@ case "$stage" in
     fi
     ;;
 7)
-    run 400 python3 bench_keops_exactgp.py --device cuda --n 65536 262144 \
+    reference=()
+    [[ -n ${3:-} ]] && reference=(--reference "$(realpath "$3")")
+    run "$(left)" python3 bench_keops_exactgp.py --device cuda --n 65536 262144 "${reference[@]}" \
         --out "$out/keops_exactgp_cuda.md"
     ;;
 esac
