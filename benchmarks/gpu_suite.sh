@@ -25,7 +25,7 @@
 #                                             # for the sizes it holds)
 #
 # Stages 6 and 7 run GPyTorch's KeOps kernels only where pykeops and keopscore are installed
-# (carried as wheels where the image lacks them).
+# (carried as wheels where the image lacks them) and pass pykeops' own test.
 #
 # Every table lands in OUTDIR (default benchmarks/results) as Markdown with the device, the
 # versions and the command, rewritten after every row, so a command cut short by its time limit
@@ -69,7 +69,11 @@ left() {                             # left RESERVE: seconds to the deadline les
     local t=$((deadline - SECONDS - ${1:-0}))
     echo $((t > 5 ? t : 5))
 }
-has_keops() { python3 -c "import pykeops" 2>/dev/null; }
+has_keops() { # pykeops installed and its own test passing (KeOps compiles at run time through
+    # nvrtc, and a CUDA it does not support can crash the process: gpu_million_h200.md)
+    echo "== pykeops.test_torch_bindings()" | tee -a "$log"
+    timeout 120 python3 -c "import pykeops; pykeops.test_torch_bindings()" >>"$log" 2>&1
+}
 
 case "$stage" in
 1)
@@ -133,6 +137,10 @@ case "$stage" in
     fi
     ;;
 7)
+    has_keops || {
+        echo "gpu_suite.sh: pykeops is missing or fails its test (see $log)"
+        exit 1
+    }
     reference=()
     [[ -n ${3:-} ]] && reference=(--reference "$(realpath "$3")")
     run "$(left)" python3 bench_keops_exactgp.py --device cuda --n 65536 262144 "${reference[@]}" \
