@@ -41,6 +41,8 @@ __all__ = [
     "max_lanczos_rank",
     "snapshot",
     "test_chunk_size",
+    "trace_probe_seed",
+    "trace_probes",
 ]
 
 _lock = threading.RLock()
@@ -164,6 +166,28 @@ class max_chunk_elements(_Setting):
     changes_results = False
     _value = 2**24
     _check = staticmethod(_positive_int("max_chunk_elements"))
+
+
+class trace_probes(_Setting):
+    """Probe vectors of the stochastic trace estimates of the ``"lanczos"`` and ``"cg"``
+    backends (default 32), as :meth:`~gpsd.DataCentricGPR.gcv` uses them: the standard error
+    falls as one over the square root of the count, the cost rises with it (on CG, one set of
+    solves per chunk of probes). A model keys its GCV scores on this setting itself: a change
+    re-estimates them without refactoring."""
+
+    changes_results = False
+    _value = 32
+    _check = staticmethod(_positive_int("trace_probes", minimum=2))
+
+
+class trace_probe_seed(_Setting):
+    """Seed of the probe vectors of the stochastic trace estimates (default 0): the same seed
+    gives the same probes, and so the same GCV scores, on every device and every rank. Keyed
+    on by the models as :class:`trace_probes` is."""
+
+    changes_results = False
+    _value = 0
+    _check = staticmethod(_positive_int("trace_probe_seed", minimum=0))
 
 
 class _DeviceSetting(_Setting):

@@ -45,6 +45,8 @@ def test_device_settings_take_one_value_or_values_per_device_type():
         (lambda: settings.test_chunk_size(2.5), "test_chunk_size must be an int"),
         (lambda: settings.test_chunk_size(True), "test_chunk_size must be an int"),
         (lambda: settings.keep_kernel_rows_after(-1), "keep_kernel_rows_after must be an int >= 0"),
+        (lambda: settings.trace_probes(1), "trace_probes must be an int >= 2"),
+        (lambda: settings.trace_probe_seed(-1), "trace_probe_seed must be an int >= 0"),
         (
             lambda: settings.kernel_cache_fraction(0),
             r"kernel_cache_fraction must be a number in \(0, 1\]",
@@ -74,6 +76,9 @@ def test_the_snapshot_changes_with_every_setting_that_changes_results_and_only_i
         settings.kernel_cache_fraction(0.25),
         settings.keep_kernel_rows_after(0),
         settings.max_chunk_elements(9),
+        # the probes change the GCV estimates alone, which the models key on these themselves
+        settings.trace_probes(2),
+        settings.trace_probe_seed(5),
     ]
     for setting in changing:
         with setting:

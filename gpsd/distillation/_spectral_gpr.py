@@ -679,21 +679,65 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             \operatorname{GCV}(t) = \frac{N \lVert \mathbf y - \boldsymbol\mu_t \rVert^2}
             {\big(N - \operatorname{tr}\mathbf S_t\big)^2},
 
-        with :math:`\operatorname{tr}\mathbf S_t` read off the factorisation (smaller is
-        better). :math:`\mathbf I - \mathbf S_t` is evaluated as a filter of its own, not as a
-        difference: :math:`\mathbf y - \boldsymbol\mu_t` and
+        smaller is better. :math:`\mathbf I - \mathbf S_t` is evaluated as a filter of its own,
+        not as a difference: :math:`\mathbf y - \boldsymbol\mu_t` and
         :math:`N - \operatorname{tr}\mathbf S_t` cancel to rounding where the noise is tiny.
-        Not available with the CG backend (the trace would take N solves).
+
+        The ``"dense"`` and ``"cholesky"`` backends read the trace off the factorisation
+        exactly. The matrix-free ones estimate the part they cannot read off from
+        :class:`gpsd.settings.trace_probes` Rademacher vectors (seed
+        :class:`gpsd.settings.trace_probe_seed`): ``"lanczos"`` the curvature of the filters on
+        the complement of its eigenpairs
+        (:meth:`KernelSpectrum.trace_estimate <gpsd.linalg.KernelSpectrum.trace_estimate>`),
+        ``"cg"`` the trace beyond the resolved Ritz pairs, through solves
+        (:meth:`ShiftedCG.trace_estimate <gpsd.linalg.ShiftedCG.trace_estimate>`). Every step
+        shares the probes, so the choice of step is steadier than the scores' standard errors
+        (:meth:`gcv_standard_error`) suggest. The scores are kept with the fit, for the
+        settings they were estimated under.
         """
+        return self._gcv()[0]
+
+    def gcv_standard_error(self) -> Tensor:
+        r"""The standard error of every step's :meth:`gcv` score, ``(*batch, T)``: 0 where the
+        trace is exact (``"dense"``, ``"cholesky"``, and a Lanczos spectrum that needs no series
+        beyond first order), otherwise
+        :math:`2\,\operatorname{GCV}(t)\,\sigma_t / (N - \operatorname{tr}\mathbf S_t)`
+        for the standard error :math:`\sigma_t` of the trace estimate (to first order)."""
+        return self._gcv()[1]
+
+    def _gcv(self) -> tuple[Tensor, Tensor]:
+        """The scores and their standard errors; kept in the state where they carry no graph."""
         state = self._state()
+        key = ("gcv", settings.trace_probes.value(), settings.trace_probe_seed.value())
+        if key not in state:
+            result = self._estimate_gcv(state)
+            if state["engine"].supports_autograd:  # a graph is not kept beyond its use
+                return result
+            state[key] = result
+        score, error = state[key]
+        return self._guard(state, score), error
+
+    def _estimate_gcv(self, state: dict) -> tuple[Tensor, Tensor]:
+        engine = state["engine"]
         residuals = self._residual_filter()
         n = self.train_x.shape[-2]
         with autograd_context(state):
-            dof = state["engine"].trace(residuals)  # (N - tr S_t), times the filter's multiple
-            resid = state["engine"].apply(residuals, state["coords"]).squeeze(-1)
+            # (N - tr S_t) and its standard error, times the filter's multiple
+            generator = torch.Generator().manual_seed(settings.trace_probe_seed.value())
+            dof, dof_error = engine.trace_estimate(
+                residuals, settings.trace_probes.value(), generator
+            )
+            if not bool((dof.detach() > 0).all()):
+                raise ValueError(
+                    "the stochastic estimate of N - tr S_t came out non-positive for some step; "
+                    "raise gpsd.settings.trace_probes"
+                )
+            resid = engine.apply(residuals, state["coords"]).squeeze(-1)
             rss = resid.square().sum(-1)  # ||y - mu_t||^2, times the multiple squared
-            score = (n * rss / dof.square()).to(self.train_y.dtype)
-        return self._guard(state, score)
+            score = n * rss / dof.square()
+            error = 2 * score.detach() * dof_error / dof.detach()
+        dtype = self.train_y.dtype
+        return score.to(dtype), error.to(dtype)
 
     def validation_mse(self, val_x: Tensor, val_y: Tensor) -> Tensor:
         """Mean squared error of every step's predictive mean on a validation set, ``(*batch, T)``.

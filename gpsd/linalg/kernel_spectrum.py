@@ -16,7 +16,7 @@ from torch import Tensor
 from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import check_finite, check_int
 from gpsd.linalg._tridiagonal import tridiagonal_eigh
-from gpsd.linalg.spectral_engine import SpectralEngine, is_matrix_free
+from gpsd.linalg.spectral_engine import SpectralEngine, hutchinson, is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
 from gpsd.progress import Callback
 
@@ -525,6 +525,58 @@ class KernelSpectrum(SpectralEngine):
                 out + series[..., 0] * n_comp.unsqueeze(-1) + series[..., 1] * tr_comp.unsqueeze(-1)
             )
         return out
+
+    @property
+    def exact_trace(self) -> bool:
+        """Whether :meth:`trace` is exact up to rounding: a full decomposition."""
+        return not self.is_truncated
+
+    def trace_estimate(
+        self, filt: SpectralFilter, num_probes: int, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        r""":math:`\operatorname{tr} f_t(\mathbf K)` to the order :math:`J` of the complement
+        series, and its standard error; both ``(*, F)``.
+
+        The resolved eigenpairs give their part exactly, and so do the terms of order 0 and 1 of
+        the series on the complement (:meth:`trace`):
+
+        .. math::
+            \operatorname{tr} f(\mathbf K) \approx \sum_i f(d_i) + c_0 (N - k)
+            + c_1 \operatorname{tr}\mathbf K_\perp
+            + \sum_{j=2}^{J} c_j \operatorname{tr}\mathbf K_\perp^j .
+
+        The traces of the higher powers are Hutchinson's estimates
+        :math:`\operatorname{tr}\mathbf K_\perp^j \approx \frac1m \sum_i
+        \mathbf w_{i,a}^\top \mathbf w_{i,j-a}` with :math:`\mathbf w_{i,a} =
+        \mathbf K_\perp^a \mathbf P_\perp \mathbf z_i` for Rademacher vectors
+        :math:`\mathbf z_i` (:math:`\lceil J/2 \rceil` products with :math:`\mathbf K` per
+        probe): only the part of the spectrum the filters see through their curvature is left to
+        chance, so the standard error is small where the complement is small against the shifts.
+        A full spectrum, or a series of order :math:`J \le 1`, needs no probes: the result is
+        :meth:`trace`, with a standard error of 0.
+        """
+        exact = self.trace(filt)
+        order = self.series_order
+        if not self.is_truncated or order < 2:
+            return exact, torch.zeros_like(exact)
+        filt = self._in_dtype(filt)
+        series = filt.series(order)[..., 2:]  # shape: (*s, F, J - 1)
+        num_powers = (order + 1) // 2
+
+        def samples(probes: Tensor) -> Tensor:  # probes (N, c) -> (*, F, c)
+            w = [self._project_out(probes)]
+            for _ in range(num_powers):
+                w.append(self._complement_matmul(w[-1]))
+            # shape: (*b, J - 1, c): w_a . w_b with a + b = j, for j = 2..J
+            moments = [(w[j // 2] * w[j - j // 2]).sum(-2) for j in range(2, order + 1)]
+            return series @ torch.stack(moments, dim=-2)
+
+        vectors = num_powers + 2
+        v = self.eigenvectors
+        value, error = hutchinson(
+            samples, self.size, num_probes, generator, vectors, v.dtype, v.device
+        )
+        return exact + value, error
 
     def to_linear_operator(self, filt: SpectralFilter) -> LinearOperator:
         r""":math:`f_t(\mathbf K) = \mathbf V \operatorname{diag}(f_t(\mathbf d))\mathbf V^\top` as a

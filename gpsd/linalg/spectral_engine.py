@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import torch
 from linear_operator.operators import DenseLinearOperator
 from torch import Tensor
 
+from gpsd import settings
+from gpsd._internal.validation import check_int
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["SpectralEngine"]
@@ -44,6 +47,9 @@ class SpectralEngine(abc.ABC):
     #: :class:`~gpsd.linalg.KernelSpectrum`); only a full one has
     #: :meth:`~gpsd.linalg.KernelSpectrum.to_linear_operator`.
     is_truncated: bool = False
+    #: Whether :meth:`trace` is exact up to rounding (the direct engines and a full spectrum);
+    #: where it is not, :meth:`trace_estimate` estimates the trace from probe vectors.
+    exact_trace: bool = True
     #: :math:`N`.
     size: int
     #: Bounds ``(*, F, M)`` on the absolute error of the latest :meth:`quad_diag`'s values,
@@ -76,6 +82,24 @@ class SpectralEngine(abc.ABC):
         r""":math:`\operatorname{tr} f_t(\mathbf K)`; returns ``(*, F)``. An engine that would
         need :math:`N` solves for it raises a ``ValueError`` saying which backend has it."""
 
+    def trace_estimate(
+        self, filt: SpectralFilter, num_probes: int, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        r""":math:`\operatorname{tr} f_t(\mathbf K)` and the standard error of that value, both
+        ``(*, F)``: an engine with :attr:`exact_trace` returns :meth:`trace` and zeros; the others
+        estimate the part of the trace they cannot read off their factorisation from
+        ``num_probes`` Rademacher vectors drawn from ``generator`` (Hutchinson's estimator), the
+        same vectors for every filter of the stack, so that the differences between steps are
+        estimated far better than the traces themselves.
+
+        :param filt: the filters, shape ``(*s, F)``.
+        :param num_probes: the number of probe vectors, at least 2.
+        :param generator: a CPU generator the probes are drawn from (the same seed gives the same
+            probes on every device and every rank).
+        """
+        value = self.trace(filt)
+        return value, torch.zeros_like(value)
+
     def project(self, rhs: Tensor) -> Tensor | object:
         """``rhs`` (``(*b, N, r)``) in the form :meth:`apply` and :meth:`cross` take fastest,
         for several filters of the same right-hand side: its coordinates in an
@@ -100,3 +124,32 @@ def is_matrix_free(kernel: object) -> bool:
     dense ``LinearOperator``; a callable counts as one): the rule behind
     :attr:`SpectralEngine.matrix_free`."""
     return not isinstance(kernel, (torch.Tensor, DenseLinearOperator))
+
+
+def hutchinson(
+    samples: Callable[[Tensor], Tensor],
+    size: int,
+    num_probes: int,
+    generator: torch.Generator,
+    vectors_per_probe: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    r"""The mean over ``num_probes`` Rademacher vectors :math:`\mathbf z` of ``samples(Z)`` and its
+    standard error (the sample standard deviation over :math:`\sqrt{m}`).
+
+    ``samples`` maps probes ``Z`` of shape ``(N, c)`` to one value per probe, ``(..., c)``. The
+    probes are drawn on the CPU one after another (the ``i``-th probe does not depend on how they
+    are chunked) and handed over in chunks of as many as keep ``vectors_per_probe`` vectors of
+    length ``N`` per probe within :class:`gpsd.settings.max_chunk_elements` (at least one).
+    """
+    num_probes = check_int(num_probes, "num_probes", minimum=2)  # a standard error needs 2
+    chunk = max(1, settings.max_chunk_elements.value() // max(1, vectors_per_probe * size))
+    values = []
+    for start in range(0, num_probes, chunk):
+        count = min(chunk, num_probes - start)
+        signs = torch.randint(0, 2, (count, size), generator=generator, dtype=torch.int8)
+        probes = (2 * signs - 1).to(dtype=dtype, device=device).mT  # shape: (N, c)
+        values.append(samples(probes))
+    values = torch.cat(values, dim=-1)  # shape: (..., m)
+    return values.mean(-1), values.std(-1) / num_probes**0.5

@@ -58,13 +58,17 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
     :param max_iter: Adam iterations of that fit.
     :param lr: Adam's learning rate.
     :param backend: the distiller's backend (``"auto"``, ``"dense"``, ``"cholesky"``,
-        ``"lanczos"``, ``"cg"``; ``step="gcv"`` needs one other than ``"cg"``).
+        ``"lanczos"``, ``"cg"``); the matrix-free ones estimate the GCV scores (see
+        :meth:`~gpsd.DataCentricGPR.gcv`).
     :param dtype: ``"float64"`` or ``"float32"``, the dtype of the model and of the predictions.
 
     :ivar model_: the fitted :class:`~gpsd.DataCentricGPR` or :class:`~gpsd.DistributionCentricGPR`
         (on standardised targets with ``normalize_y``).
     :ivar step_: the step :meth:`predict` uses, counted from 1.
-    :ivar gcv_: the GCV score of every step, ``(num_steps,)`` (``None`` with ``backend="cg"``).
+    :ivar gcv_: the GCV score of every step, ``(num_steps,)``.
+    :ivar gcv_standard_error_: the standard error of each score, ``(num_steps,)``: 0 where the
+        backend computes the trace exactly, positive where it estimates it from
+        :class:`gpsd.settings.trace_probes` probe vectors.
     :ivar noise_: the noise schedule used, ``(num_steps,)``.
     :ivar n_iter_: the Adam iterations run on the teacher's hyperparameters.
     :ivar n_features_in_: the number of input features.
@@ -152,11 +156,13 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         )
         with torch.no_grad():
             model.fit()
-            self.gcv_ = None if model.backend == "cg" else to_numpy(model.gcv())
+            # every backend scores: exactly, or by probes with a standard error
+            self.gcv_ = to_numpy(model.gcv())
+            self.gcv_standard_error_ = to_numpy(model.gcv_standard_error())
+            self.step_ = int(self.step) if step_given else model.best_step("gcv")
         self.model_ = model
         self.n_iter_ = self.max_iter if self.optimize_hyperparameters else 0
         self.noise_ = np.asarray(schedule)
-        self.step_ = int(self.step) if step_given else model.best_step("gcv")
         return self
 
     def predict(self, X, return_std: bool = False):

@@ -779,17 +779,14 @@ def test_distribution_centric_cg_matches_dense_on_a_hard_spectrum():
     assert relative_error(got.variance, ref.variance) < 1e-7
 
 
-def test_cg_gcv_and_out_of_memory_name_the_way_out(monkeypatch):
-    x, y, _ = wiggly_data(n=100)
-    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2], backend="cg", rank=8)
-    with torch.no_grad(), pytest.raises(ValueError, match="gcv"):
-        model.gcv()
+def test_cg_out_of_memory_names_the_way_out(monkeypatch):
+    x, _, _ = wiggly_data(n=100)
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
     monkeypatch.setattr(KernelSpectrum, "from_lanczos", out_of_memory)
-    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1], backend="cg", rank=8)
+    model = DataCentricGPR(x, x[:, 0], rbf_kernel(), noise=[0.1], backend="cg", rank=8)
     with torch.no_grad(), pytest.raises(MemoryError, match="smaller rank="):
         model.predict(x[:5])
 
@@ -1498,3 +1495,69 @@ def test_fit_reports_the_growth_of_a_lanczos_basis_and_a_callback_stops_it(use_s
         ref = DataCentricGPR(x, y, kernel, noise=[1e-3, 1e-2], backend="dense").predict(test_x)
     assert len(stopped) == 1 and isinstance(early._state()["engine"], ShiftedCG)
     assert relative_error(got.mean, ref.mean) < 1e-7
+
+
+# ------------ GCV on the matrix-free backends: stochastic traces with standard errors
+
+
+def _explicit_gcv(k, y, gammas, alpha):
+    """Every step's score from explicit float64 smoothers (one dense solve per step)."""
+    n = k.shape[-1]
+    eye = torch.eye(n, dtype=DT)
+    f_prev, scores = eye, []
+    for g in gammas:
+        fitted = k @ torch.linalg.solve(k + g * eye, f_prev)
+        resid = y - fitted @ y
+        scores.append(n * resid.square().sum() / (n - torch.trace(fitted)) ** 2)
+        f_prev = alpha * eye + (1 - alpha) * fitted
+    return torch.stack(scores)
+
+
+def _two_d_data(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = 5 * torch.rand(n, 2, generator=gen, dtype=DT)
+    y = torch.sin(x).sum(-1) + 0.3 * torch.randn(n, generator=gen, dtype=DT)
+    return x, y
+
+
+@pytest.mark.filterwarnings("ignore:backend=.cg. on a slowly decaying")
+def test_gcv_on_cg_is_within_a_few_standard_errors_of_the_explicit_smoother():
+    x, y = _two_d_data(300, 0)
+    kernel = _kernel(lengthscale=0.8)
+    gammas = torch.tensor([0.05, 0.1, 0.1, 0.3, 0.3], dtype=DT)
+    with torch.no_grad(), gpsd.settings.cg_deflation_rank(24):
+        model = DataCentricGPR(x, y, kernel, noise=gammas, alpha=0.1, backend="cg")
+        got, error = model.gcv(), model.gcv_standard_error()
+        expected = _explicit_gcv(kernel(x).to_dense(), y, gammas.tolist(), 0.1)
+    assert isinstance(model._state()["engine"], gpsd.linalg.ShiftedCG)
+    assert bool((error > 0).all()) and float((error / got).max()) < 0.05
+    assert bool(((got - expected).abs() <= 5 * error).all()), (got, expected, error)
+
+
+@pytest.mark.filterwarnings("ignore:backend=.cg. on a slowly decaying")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gcv_on_cg_chooses_the_step_the_exact_gcv_chooses(seed):
+    x, y = _two_d_data(300, seed)
+    gammas = torch.tensor([0.02] * 8, dtype=DT)
+    with torch.no_grad(), gpsd.settings.cg_deflation_rank(24):
+        dense = DataCentricGPR(x, y, _kernel(0.8), noise=gammas, backend="dense")
+        cg = DataCentricGPR(x, y, _kernel(0.8), noise=gammas, backend="cg")
+        assert cg.best_step("gcv") == dense.best_step("gcv")
+
+
+@pytest.mark.filterwarnings("ignore:backend=.cg. on a slowly decaying")
+def test_dense_gcv_is_exact_and_stochastic_scores_are_kept_for_their_probe_settings():
+    x, y = _two_d_data(200, 3)
+    gammas = torch.tensor([0.1, 0.2], dtype=DT)
+    with torch.no_grad(), gpsd.settings.cg_deflation_rank(16):
+        dense = DataCentricGPR(x, y, _kernel(0.8), noise=gammas, backend="dense")
+        torch.testing.assert_close(dense.gcv_standard_error(), torch.zeros(2, dtype=DT))
+        cg = DataCentricGPR(x, y, _kernel(0.8), noise=gammas, backend="cg").fit()
+        first = cg.gcv()
+        assert cg.gcv() is first  # kept with the fit
+        with gpsd.settings.trace_probes(64):
+            more = cg.gcv()
+        with gpsd.settings.trace_probe_seed(1):
+            reseeded = cg.gcv()
+        assert not torch.equal(more, first) and not torch.equal(reseeded, first)
+        torch.testing.assert_close(cg.gcv(), first)  # the block's settings are gone again

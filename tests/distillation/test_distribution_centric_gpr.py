@@ -9,6 +9,7 @@ import torch
 from gpr_reference import PlainGP, exact_settings, rbf_kernel, relative_error
 from gpytorch.utils.warnings import GPInputWarning
 
+import gpsd
 from gpsd import DistributionCentricGPR
 from gpsd.data import xsinx_regression
 
@@ -125,6 +126,28 @@ def test_from_teacher_and_errors(problem):
         model.student(4)
     with pytest.raises(ValueError, match="step must be"):
         model.student(1.5)
+
+
+@pytest.mark.filterwarnings("ignore:backend=.cg. on a slowly decaying")
+def test_gcv_on_cg_is_within_a_few_standard_errors_of_one_gp_with_the_effective_noise():
+    gen = torch.Generator().manual_seed(1)
+    x = 5 * torch.rand(300, 2, generator=gen, dtype=DTYPE)
+    y = torch.sin(x).sum(-1) + 0.3 * torch.randn(300, generator=gen, dtype=DTYPE)
+    schedule = torch.tensor([0.2, 0.2, 0.4, 0.4], dtype=DTYPE)
+    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.8)
+    with torch.no_grad(), gpsd.settings.cg_deflation_rank(24):
+        model = DistributionCentricGPR(x, y, kernel, noise=schedule, backend="cg")
+        got, error = model.gcv(), model.gcv_standard_error()
+        k = kernel(x).to_dense()
+        want = []
+        for noise in 1.0 / torch.cumsum(1.0 / schedule, dim=0):
+            smoother = k @ torch.linalg.inv(k + noise * torch.eye(300, dtype=DTYPE))
+            residual = y - smoother @ y
+            want.append(300 * residual.square().sum() / (300 - smoother.trace()) ** 2)
+    want = torch.stack(want)
+    assert bool((error > 0).all())
+    assert bool(((got - want).abs() <= 5 * error).all()), (got, want, error)
+    assert model.best_step() == int(want.argmin()) + 1
 
 
 @pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos"])

@@ -554,3 +554,36 @@ def test_tridiagonal_spectrum_checks_its_input_as_the_dense_one_does():
     indefinite = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=DTYPE)
     with pytest.warns(NumericalWarning, match="not positive semi-definite"):
         KernelSpectrum.from_tridiagonal(indefinite)
+
+
+def test_lanczos_trace_estimate_adds_the_higher_series_terms_within_a_few_standard_errors():
+    k = random_rbf_matrix(300, lengthscale=0.8, seed=2)
+    noise = torch.tensor([0.5, 0.5, 0.8], dtype=DTYPE)
+    filt = SpectralFilter.data_centric_residuals(noise)
+    evals = torch.linalg.eigvalsh(k).clamp_min(0.0)
+    expected = filt.values(evals).sum(-1)  # the dense float64 trace
+    spectrum = KernelSpectrum.from_lanczos(
+        k, rank=24, residual_tol=1e-6, generator=torch.Generator().manual_seed(0)
+    )
+    spectrum.check_accuracy(0.5, 1e-5)
+    assert spectrum.series_order >= 2 and spectrum.exact_trace is False
+    value, error = spectrum.trace_estimate(filt, 64, torch.Generator().manual_seed(1))
+    first_order = spectrum.trace(filt)
+    series_error = spectrum.error_estimate(0.5) * 300  # per unit vector, over N of them
+    # E_3 = 1 - O(d^3): no series term of order 2 to estimate for step 3 at J = 2
+    assert bool((error[:2] > 0).all())
+    assert bool(((value - expected).abs() <= 5 * error + series_error).all())
+    # the probes correct the first-order trace towards the dense one
+    assert float((value - expected).abs().max()) < float((first_order - expected).abs().max())
+
+
+def test_a_full_spectrum_estimates_its_trace_exactly():
+    k = random_rbf_matrix(40)
+    filt = SpectralFilter.resolvent(torch.tensor([0.1, 0.4], dtype=DTYPE))
+    dense = KernelSpectrum.from_dense(k)
+    value, error = dense.trace_estimate(filt, 8, torch.Generator().manual_seed(0))
+    assert dense.exact_trace is True
+    eye = torch.eye(40, dtype=DTYPE)
+    expected = torch.stack([torch.linalg.inv(k + g * eye).trace() for g in (0.1, 0.4)])
+    torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(error, torch.zeros(2, dtype=DTYPE))

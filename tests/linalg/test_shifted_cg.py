@@ -7,6 +7,7 @@ import pytest
 import torch
 from gpytorch.utils.warnings import NumericalWarning
 
+import gpsd
 from gpsd.linalg import (
     ChunkedKernelOperator,
     KernelSpectrum,
@@ -133,8 +134,12 @@ def test_bad_arguments_and_trace_raise_clear_errors():
         ShiftedCG(k, torch.zeros(1, dtype=DTYPE), torch.zeros(19, 1, dtype=DTYPE))
     with pytest.raises(ValueError, match="from_lanczos"):
         ShiftedCG.from_spectrum(k, KernelSpectrum.from_dense(k))
-    with pytest.raises(ValueError, match="gcv"):
+    with pytest.raises(ValueError, match="trace_estimate"):
         no_deflation(k).trace(SF.resolvent(torch.tensor([0.1], dtype=DTYPE)))
+    with pytest.raises(ValueError, match="num_probes must be an integer >= 2"):
+        no_deflation(k).trace_estimate(
+            SF.resolvent(torch.tensor([0.1], dtype=DTYPE)), 1, torch.Generator()
+        )
 
 
 def dense_solves(k, noise, rhs):
@@ -611,3 +616,44 @@ def test_the_chain_solves_its_first_step_to_tol():
         error = float((weights[t] - expected).norm() / expected.norm())
         assert error < 1e-6, (t, error)
         targets = k @ expected
+
+
+def _explicit_trace(k, filt):
+    """``tr f_t(K)`` of every filter by a dense float64 eigendecomposition: ``(*, F)``."""
+    evals = torch.linalg.eigvalsh(k)
+    return filt.values(evals.clamp_min(0.0)).sum(-1)
+
+
+@pytest.mark.parametrize("deflation_rank", [0, 64])
+def test_trace_estimate_is_within_a_few_standard_errors_of_the_dense_trace(deflation_rank):
+    gen = torch.Generator().manual_seed(4)
+    x = 5 * torch.rand(250, 2, generator=gen, dtype=DTYPE)
+    k = rbf_matrix(x, 0.6)
+    noise = torch.tensor([[0.05, 0.05, 0.2], [0.3, 0.1, 0.1]], dtype=DTYPE)
+    if deflation_rank:
+        spectrum = KernelSpectrum.from_lanczos(k, rank=deflation_rank, residual_tol=1e-4)
+        cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10)
+        assert int(cg.resolved.sum()) > 0
+    else:
+        cg = no_deflation(k, tol=1e-10)
+    assert cg.exact_trace is False
+    for filt in (SF.data_centric_residuals(noise, 0.2), SF.resolvent(noise)):
+        value, error = cg.trace_estimate(filt, 64, torch.Generator().manual_seed(0))
+        expected = _explicit_trace(k, filt)
+        assert value.shape == error.shape == (2, 3)
+        assert bool((error > 0).all())
+        assert bool(((value - expected).abs() <= 5 * error).all()), (value, expected, error)
+        assert float(((value - expected) / expected).abs().max()) < 0.05
+
+
+def test_trace_estimate_depends_on_the_seed_alone_not_on_the_chunks():
+    gen = torch.Generator().manual_seed(5)
+    k = rbf_matrix(5 * torch.rand(120, 1, generator=gen, dtype=DTYPE), 0.3)
+    cg = no_deflation(k, tol=1e-10)
+    filt = SF.data_centric_residuals(torch.tensor([0.1, 0.2], dtype=DTYPE))
+    once = cg.trace_estimate(filt, 10, torch.Generator().manual_seed(3))
+    with gpsd.settings.max_chunk_elements(3 * 120):  # one probe per chunk
+        chunked = cg.trace_estimate(filt, 10, torch.Generator().manual_seed(3))
+    other = cg.trace_estimate(filt, 10, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(chunked, once, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(other[0], once[0], rtol=1e-6, atol=0)

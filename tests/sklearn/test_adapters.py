@@ -15,6 +15,8 @@ from sklearn.gaussian_process import GaussianProcessRegressor  # noqa: E402
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel  # noqa: E402
 from sklearn.model_selection import GridSearchCV  # noqa: E402
 
+import gpsd  # noqa: E402
+import gpsd.sklearn  # noqa: E402
 from gpsd import DataCentricGPC, DataCentricGPR, DistributionCentricGPR, KernelDistillation  # noqa: E402
 from gpsd.sklearn import (  # noqa: E402
     DeepProbabilisticKernelRegressor,
@@ -92,6 +94,21 @@ def test_regressor_gcv_step_is_the_native_best_step():
     assert estimator.step_ == native.best_step("gcv")
     assert estimator.step_ == int(np.argmin(estimator.gcv_)) + 1
     np.testing.assert_allclose(estimator.gcv_, native.gcv().detach().numpy(), rtol=1e-10)
+    np.testing.assert_array_equal(estimator.gcv_standard_error_, np.zeros(8))  # exact trace
+
+
+@pytest.mark.filterwarnings("ignore::gpytorch.utils.warnings.NumericalWarning")
+def test_regressor_scores_steps_when_auto_falls_back_to_cg():
+    """Issue 42's snippet: backend="auto" choosing CG fits, with estimated GCV scores."""
+    X = np.random.default_rng(0).uniform(0, 10, (300, 3))
+    y = np.sin(X).sum(1)
+    with gpsd.settings.dense_max_n(cpu=50), gpsd.settings.max_lanczos_rank(8):
+        estimator = gpsd.sklearn.SelfDistilledGPRegressor(backend="auto").fit(X, y)
+        assert isinstance(estimator.model_._state()["engine"], gpsd.linalg.ShiftedCG)
+    assert estimator.gcv_.shape == estimator.gcv_standard_error_.shape == (5,)
+    assert np.isfinite(estimator.gcv_).all() and (estimator.gcv_standard_error_ > 0).all()
+    assert estimator.step_ == int(np.argmin(estimator.gcv_)) + 1
+    assert np.isfinite(estimator.predict(X[:4])).all()
 
 
 def test_regressor_learns_hyperparameters_and_scales_back():
