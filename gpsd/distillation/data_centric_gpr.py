@@ -53,7 +53,8 @@ class DataCentricGPR(SpectralGPR):
     * ``backend="cg"``: matrix-free conjugate gradients for every step's solve with
       :math:`\mathbf K + \gamma_t\mathbf I`, deflated by the Ritz pairs of a rank-``rank``
       Lanczos run (:class:`~gpsd.linalg.ShiftedCG`); each solve reaches relative residual
-      ``rtol`` whatever the spectrum, at the price of iterations per step. No :meth:`gcv`.
+      ``rtol`` whatever the spectrum, at the price of iterations per step; :meth:`gcv`
+      estimates the trace it needs from probe vectors (:meth:`gcv_standard_error`).
     * ``backend="auto"``: chosen by :func:`~gpsd.linalg.choose_backend` from N, the number of steps
       and the device's free memory; beyond a dense matrix that fits, Lanczos, or deflated CG
       where Lanczos cannot reach ``rtol``.
