@@ -241,6 +241,35 @@ def scenario_main(rank: int, world: int) -> dict:
             x, y, other_kernel, noise=NOISE, backend="lanczos", process_group=dist.group.WORLD
         ).fit()
     )
+    # targets, noise schedules or prior means that differ on one rank, on every backend
+    last = rank == world - 1
+    other_y = y + (1e-3 if last else 0.0)
+    other_noise = [0.1, 0.05, 0.03 if last else 0.02]
+    other_mean = gpytorch.means.ConstantMean().to(DT)
+    other_mean.constant = 0.1 if last else 0.0
+    for backend in ("lanczos", "cg", "auto"):
+        for case, kwargs in (
+            ("y", {"train_y": other_y}),
+            ("noise", {"noise": other_noise}),
+            ("mean", {"mean_module": other_mean}),
+        ):
+            arguments = {"train_y": y, "noise": NOISE, **kwargs}
+            out[f"different_{case}_{backend}"] = _caught(
+                lambda arguments=arguments, backend=backend: gpsd.DataCentricGPR(
+                    x,
+                    covar_module=kernel,
+                    backend=backend,
+                    process_group=dist.group.WORLD,
+                    **arguments,
+                ).fit()
+            )
+    # the direct backends would ignore the group: refused on every rank
+    for backend in ("dense", "cholesky"):
+        out[f"group_with_{backend}"] = _caught(
+            lambda backend=backend: gpsd.DataCentricGPR(
+                x, y, kernel, noise=NOISE, backend=backend, process_group=dist.group.WORLD
+            ).fit()
+        )
     # a right-hand side that differs on one rank: the replicated iterations have diverged
     other_rhs = rhs + (1e-3 if rank == world - 1 else 0.0)
     out["different_rhs"] = _caught(lambda: operator @ other_rhs)

@@ -21,8 +21,10 @@ from gpsd._internal.collectives import (
     all_gather_cat,
     check_group,
     check_same,
+    module_fingerprint,
     split_sizes,
     tensor_fingerprint,
+    text_checksum,
 )
 from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
@@ -349,6 +351,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
     def _factorise(self, progress: object = False, callback: Callback | None = None) -> dict:
         self._check_modules()
+        self._check_same_on_every_rank()  # before the ranks' Krylov iterations could part ways
         gamma_min = self._smallest_shift()
         warn_low_precision_factorisation(  # before a factorisation that it may explain fails
             self.covar_module, self.train_x, self.linalg_dtype or self.train_x.dtype, gamma_min
@@ -395,6 +398,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         return self._targets_cache.get(modules, config, lambda: self._fit_targets(factor))
 
     def _fit_targets(self, factor: dict) -> dict:
+        self._check_same_on_every_rank()
         engine = factor["engine"]
         self._targets_cache.grad_matters = self._factor_cache.grad_matters
         with autograd_context(factor):
@@ -544,6 +548,26 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
     def _distributed(self, state: dict) -> bool:
         """Whether the engine multiplies through the ranks of :attr:`process_group`."""
         return self.process_group is not None and state["engine"].matrix_free
+
+    def _check_same_on_every_rank(self) -> None:
+        """The same ``ValueError`` on every rank of :attr:`process_group` unless all hold the
+        same targets, noise schedule, prior mean and model settings (the operator checks the
+        inputs and the kernel)."""
+        if self.process_group is None:
+            return
+        fields = {
+            **tensor_fingerprint("train_y", self.train_y),
+            **tensor_fingerprint("noise", self.noise),
+            **module_fingerprint(self.mean_module, "mean_module"),
+            "model settings": torch.tensor([text_checksum(repr(self._targets_config()))]),
+        }
+        check_same(
+            fields,
+            self.process_group,
+            "the check of the model's data",
+            "every rank must build the model from the same train_y, noise, mean_module and "
+            "settings",
+        )
 
     def _check_same_test_x(self, test_x: Tensor) -> None:
         """The same ``ValueError`` on every rank unless all hold the same ``test_x``."""

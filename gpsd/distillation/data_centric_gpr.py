@@ -103,9 +103,10 @@ class DataCentricGPR(SpectralGPR):
         rank, and every rank returns the same results as one process. Predictions split the
         test points across the ranks where the engine needs no product with K for them (a
         Lanczos spectrum without complement series) and gather them; the CG backend's solves
-        for the test columns run on every rank, through the group. The dense and Cholesky
-        backends compute whole on every rank. Ranks whose data or kernels differ raise a
-        ``ValueError`` on every rank; a failing rank makes the others raise a
+        for the test columns run on every rank, through the group. ``backend="auto"`` goes
+        matrix-free with a group; ``"dense"`` and ``"cholesky"``, which would ignore it, raise
+        a ``ValueError``. Ranks whose inputs, targets, noise schedules, kernels or prior means
+        differ raise a ``ValueError`` on every rank; a failing rank makes the others raise a
         :class:`~gpsd.DistributedError` within the group's ``timeout``.
 
     Example:

@@ -14,7 +14,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd import settings
-from gpsd._internal.collectives import all_gather, check_group
+from gpsd._internal.collectives import check_group
 from gpsd._internal.keops import is_keops_kernel
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
@@ -200,13 +200,21 @@ def make_engine(
     matrix-free backends multiply through a :class:`~gpsd.linalg.DistributedKernelOperator`,
     each rank evaluating its block of kernel rows, and every rank of the group must call this
     function with the same arguments: the Krylov iterations then run the same on every rank
-    and return the same engine. ``backend="auto"`` takes the most matrix-free choice of any
-    rank (the ranks' free memory may differ); the dense and Cholesky backends run whole on
-    every rank, without collectives.
+    and return the same engine. ``backend="auto"`` then goes matrix-free whatever N (Lanczos,
+    and deflated CG where it does not reach ``rtol``), so that the group shares the work and
+    every rank returns the single-process answer of that backend; ``"dense"`` and
+    ``"cholesky"``, which would form the whole matrix on every rank and ignore the group, raise
+    a ``ValueError`` naming the matrix-free backends.
     """
     n = x.shape[-2]
     if process_group is not None:
         check_group(process_group)
+        if backend in ("dense", "cholesky"):
+            raise ValueError(
+                f"backend={backend!r} forms the whole kernel matrix on every rank and cannot "
+                "share it out over process_group; use backend='lanczos' or 'cg' (or 'auto', "
+                "which goes matrix-free with a process_group), or process_group=None"
+            )
 
     def lanczos(operator, r: int, stop_when=None) -> KernelSpectrum:
         return KernelSpectrum.from_lanczos(
@@ -275,6 +283,8 @@ def make_engine(
         _check_dense_memory(
             backend, n, x.device, eig_dtype or x.dtype, matrix_shape, schedule_shape
         )
+    if backend == "auto" and process_group is not None:
+        backend = "lanczos"  # the group shares out the kernel rows of the matrix-free backends
     if backend == "auto":
         num_schedules = schedule_shape.numel()
         backend = choose_backend(
@@ -287,8 +297,6 @@ def make_engine(
             # a factor's batch: the schedules' broadcast against the matrices', as the shift is
             factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
         )
-        if process_group is not None:
-            backend = _agree(backend, process_group)
         try_lanczos_first = backend == "dense" and not needs_grad
     # K is evaluated in the factorisation's dtype, as the matrix-free backends do; with a graph
     # to keep, through differentiable casts of the parameters (a copy would cut the graph).
@@ -650,16 +658,6 @@ def _out_of_reach(spectrum: KernelSpectrum, max_rank: int, gamma_min: float, rto
         return False
     tau = gamma_min * rtol ** (1.0 / (spectrum.max_series_order + 1))
     return bool((theta >= tau).all(-1).any())
-
-
-def _agree(backend: str, process_group: object) -> str:
-    """The most matrix-free of the ranks' automatic choices (``"cholesky"``, ``"dense"``,
-    ``"lanczos"``, in that order), the same on every rank."""
-    order = ("cholesky", "dense", "lanczos")
-    codes = all_gather(
-        torch.tensor([order.index(backend)]), process_group, "agreement on the backend"
-    )
-    return order[max(int(c) for c in codes)]
 
 
 def _matrix_free(

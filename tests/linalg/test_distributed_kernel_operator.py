@@ -133,6 +133,37 @@ def test_ranks_that_hold_different_data_raise_a_value_error_on_every_rank(main_r
         assert names in caught["message"] and f"rank {rank} of {world}" in caught["message"]
 
 
+@pytest.mark.parametrize("backend", ["lanczos", "cg", "auto"])
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [
+        ("y", "values of train_y"),
+        ("noise", "values of noise"),
+        ("mean", "mean_module hyperparameter values"),
+    ],
+)
+def test_ranks_with_different_targets_noise_or_means_raise_on_every_rank(
+    main_run, backend, case, names
+):
+    world, results = main_run
+    for rank, result in enumerate(results):
+        caught = result[f"different_{case}_{backend}"]
+        assert caught["type"] == "ValueError", caught
+        assert names in caught["message"] and f"rank {rank} of {world}" in caught["message"]
+
+
+@pytest.mark.parametrize("backend", ["dense", "cholesky"])
+def test_a_direct_backend_with_a_process_group_is_refused_naming_the_matrix_free_ones(
+    main_run, backend
+):
+    _, results = main_run
+    for result in results:
+        caught = result[f"group_with_{backend}"]
+        assert caught["type"] == "ValueError", caught
+        assert f"backend={backend!r}" in caught["message"]
+        assert "'lanczos' or 'cg'" in caught["message"]
+
+
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_a_rank_that_fails_mid_run_ends_the_run_on_every_rank_within_the_timeout(how, tmp_path):
     results = launch(f"fail_{how}", 2, tmp_path, limit=60.0, exits=(1,) if how == "exit" else ())
