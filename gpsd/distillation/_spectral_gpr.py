@@ -713,7 +713,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         :class:`gpsd.settings.trace_probe_seed`): ``"lanczos"`` the curvature of the filters on
         the complement of its eigenpairs
         (:meth:`KernelSpectrum.trace_estimate <gpsd.linalg.KernelSpectrum.trace_estimate>`),
-        ``"cg"`` the trace beyond the resolved Ritz pairs, through solves
+        ``"cg"`` the trace beyond the Ritz vectors of its deflation, through solves
         (:meth:`ShiftedCG.trace_estimate <gpsd.linalg.ShiftedCG.trace_estimate>`). Every step
         shares the probes, so the choice of step is steadier than the scores' standard errors
         (:meth:`gcv_standard_error`) suggest. The scores are kept with the fit, for the

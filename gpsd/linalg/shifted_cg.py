@@ -13,7 +13,7 @@ from torch import Tensor
 from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, per_distinct_shift
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
-from gpsd.linalg.spectral_engine import hutchinson, is_matrix_free
+from gpsd.linalg.spectral_engine import columns_per_chunk, hutchinson, is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["ShiftedCG"]
@@ -727,50 +727,62 @@ class ShiftedCG(ShiftedSolveEngine):
         self, filt: SpectralFilter, num_probes: int, generator: torch.Generator
     ) -> tuple[Tensor, Tensor]:
         r""":math:`\operatorname{tr} f_t(\mathbf K)` by Hutchinson's estimator deflated with the
-        resolved Ritz pairs, and its standard error; both ``(*, F)``.
+        Ritz vectors, and its standard error; both ``(*, F)``.
 
-        With the :math:`k` resolved pairs :math:`(d_i, \mathbf v_i)` (eigenpairs to the accuracy
-        of the solves), :math:`\mathbf P_\perp = \mathbf I - \mathbf V\mathbf V^\top` and
-        :math:`c_0 = f(0)`,
+        For the :math:`q` orthonormal Ritz vectors :math:`\mathbf V` of the deflation,
+        :math:`\mathbf P_\perp = \mathbf I - \mathbf V\mathbf V^\top` and :math:`c_0 = f(0)`,
 
         .. math::
-            \operatorname{tr} f(\mathbf K) = \sum_i f(d_i) + c_0 (N - k)
+            \operatorname{tr} f(\mathbf K) = \sum_{i=1}^{q} \mathbf v_i^\top f(\mathbf K)
+            \mathbf v_i + c_0 (N - q)
             + \operatorname{tr}\big(\mathbf P_\perp (f(\mathbf K) - c_0\mathbf I)
-            \mathbf P_\perp\big),
+            \mathbf P_\perp\big)
 
-        the last term estimated by :math:`\frac1m\sum_i \mathbf z_{\perp i}^\top
+        holds for any orthonormal :math:`\mathbf V`. A resolved pair's form is
+        :math:`f(\theta_i)`; the others are computed by solves (:meth:`apply` on those Ritz
+        vectors). The last term is estimated by :math:`\frac1m\sum_i \mathbf z_{\perp i}^\top
         f(\mathbf K)\mathbf z_{\perp i} - c_0\lVert\mathbf z_{\perp i}\rVert^2` over
         Rademacher vectors :math:`\mathbf z_i`, :math:`\mathbf z_{\perp i} = \mathbf P_\perp
-        \mathbf z_i`, through :meth:`apply` (the solves of every filter, for a chunk of probes
-        at once). The leading eigenvalues, where a filter differs most from :math:`c_0`, are
-        taken exactly, as in Hutch++; for the residual filters of GCV, :math:`f - c_0` is a
-        multiple of the smoother, small on the complement where the noise exceeds its
-        eigenvalues, and so is the variance. The solves' tolerance adds at most about
-        ``tol`` :math:`\lVert f\rVert N` to the value.
+        \mathbf z_i`. This is Hutch++ with the Krylov space of the deflation in place of a
+        random sketch: the part of the spectrum the Ritz vectors capture, where the filters of
+        the steps differ most, is taken exactly, and what is left to chance is
+        :math:`f - c_0` on the eigenvalues below them (for the residual filters of GCV a
+        multiple of the smoother, small where the noise exceeds those eigenvalues). The solves
+        run in chunks of columns within :class:`gpsd.settings.max_chunk_elements`; their
+        tolerance adds at most about ``tol`` :math:`\lVert f\rVert N` to the value.
         """
+        num_probes = check_int(num_probes, "num_probes", minimum=2)  # before any solve
         filt = filt.to(self.dtype, self.ritz_vectors.device)
-        resolved = self.resolved.to(self.ritz_values.device)
-        values = filt.values(self.ritz_values) * resolved.unsqueeze(-2)  # shape: (*, F, q)
+        v = self.ritz_vectors  # shape: (*b, N, q)
+        resolved = self.resolved.to(v.device)
         c0 = filt.series(0)[..., 0]  # shape: (*s, F)
-        complement = self.size - resolved.sum(-1, keepdim=True)  # shape: (*b, 1)
-        exact = values.sum(-1) + c0 * complement.to(c0)
+        vectors = filt.num_filters + 64  # the filtered columns, the solves' blocks and basis
 
-        def samples(probes: Tensor) -> Tensor:  # probes (N, c) -> (*, F, c)
-            *_, projected = self._split_resolved(probes)  # shape: (*b, N, c)
-            filtered = self.apply(filt, projected)  # shape: (*, F, N, c)
-            forms = (projected.unsqueeze(-3) * filtered).sum(-2)
-            return forms - c0.unsqueeze(-1) * projected.square().sum(-2).unsqueeze(-2)
+        def forms(columns: Tensor) -> Tensor:  # (*b, N, c) -> (*, F, c)
+            chunk = columns_per_chunk(self.size, vectors)
+            out = []
+            for start in range(0, columns.shape[-1], chunk):
+                part = columns[..., start : start + chunk]
+                out.append((part.unsqueeze(-3) * self.apply(filt, part)).sum(-2))
+            return torch.cat(out, dim=-1)
 
-        vectors = filt.num_filters + 6  # the filtered probes and the solves' blocks
         with torch.no_grad():
+            # shape: (*, F, q): f(theta_i) for the resolved pairs, v_i^T f(K) v_i for the others
+            captured = (filt.values(self.ritz_values) * resolved.unsqueeze(-2)).sum(-1)
+            # shape: (q,): the pairs unresolved in some batch entry
+            open_pairs = (~resolved).flatten(0, -2).any(0) if resolved.dim() > 1 else ~resolved
+            if bool(open_pairs.any()):
+                unresolved = v[..., open_pairs] * (~resolved[..., open_pairs]).unsqueeze(-2)
+                captured = captured + forms(unresolved).sum(-1)
+            exact = captured + c0 * (self.size - v.shape[-1])
+
+            def samples(probes: Tensor) -> Tensor:  # probes (N, c) -> (*, F, c)
+                projected = probes - v @ (v.mT @ probes)  # shape: (*b, N, c)
+                squares = projected.square().sum(-2).unsqueeze(-2)  # shape: (*b, 1, c)
+                return forms(projected) - c0.unsqueeze(-1) * squares
+
             value, error = hutchinson(
-                samples,
-                self.size,
-                num_probes,
-                generator,
-                vectors,
-                self.dtype,
-                self.ritz_vectors.device,
+                samples, self.size, num_probes, generator, vectors, self.dtype, v.device
             )
         return exact + value, error
 

@@ -126,6 +126,12 @@ def is_matrix_free(kernel: object) -> bool:
     return not isinstance(kernel, (torch.Tensor, DenseLinearOperator))
 
 
+def columns_per_chunk(size: int, vectors_per_column: int) -> int:
+    """How many columns keep ``vectors_per_column`` vectors of length ``size`` per column within
+    :class:`gpsd.settings.max_chunk_elements` (at least one)."""
+    return max(1, settings.max_chunk_elements.value() // max(1, vectors_per_column * size))
+
+
 def hutchinson(
     samples: Callable[[Tensor], Tensor],
     size: int,
@@ -144,7 +150,7 @@ def hutchinson(
     length ``N`` per probe within :class:`gpsd.settings.max_chunk_elements` (at least one).
     """
     num_probes = check_int(num_probes, "num_probes", minimum=2)  # a standard error needs 2
-    chunk = max(1, settings.max_chunk_elements.value() // max(1, vectors_per_probe * size))
+    chunk = columns_per_chunk(size, vectors_per_probe)
     values = []
     for start in range(0, num_probes, chunk):
         count = min(chunk, num_probes - start)
