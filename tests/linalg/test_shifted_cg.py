@@ -657,3 +657,18 @@ def test_trace_estimate_depends_on_the_seed_alone_not_on_the_chunks():
     other = cg.trace_estimate(filt, 10, torch.Generator().manual_seed(4))
     torch.testing.assert_close(chunked, once, rtol=1e-9, atol=1e-9)
     assert not torch.allclose(other[0], once[0], rtol=1e-6, atol=0)
+
+
+def test_trace_estimate_of_a_batch_of_kernels_and_schedules_matches_each_dense_trace():
+    gen = torch.Generator().manual_seed(0)
+    x = 5 * torch.rand(2, 150, 2, generator=gen, dtype=DTYPE)  # a kernel batch of 2
+    k = rbf_matrix(x, 0.7)
+    noise = torch.tensor([[[0.05, 0.1]], [[0.2, 0.2]], [[0.1, 0.3]]], dtype=DTYPE)  # (3, 1, 2)
+    filt = SF.data_centric_residuals(noise)
+    spectrum = KernelSpectrum.from_lanczos(k, rank=32, residual_tol=1e-4, generator=gen)
+    cg = ShiftedCG.from_spectrum(k, spectrum, tol=1e-10)
+    assert cg.resolved.sum(-1).unique().numel() == 2  # the kernels resolve different pairs
+    value, error = cg.trace_estimate(filt, 32, torch.Generator().manual_seed(0))
+    expected = _explicit_trace(k, filt)  # shape: (3, 2, 2)
+    assert value.shape == error.shape == (3, 2, 2)
+    assert bool(((value - expected).abs() <= 5 * error).all())
