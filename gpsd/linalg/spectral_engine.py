@@ -80,7 +80,7 @@ class SpectralEngine(abc.ABC):
     @abc.abstractmethod
     def trace(self, filt: SpectralFilter) -> Tensor:
         r""":math:`\operatorname{tr} f_t(\mathbf K)`; returns ``(*, F)``. An engine that would
-        need :math:`N` solves for it raises a ``ValueError`` saying which backend has it."""
+        need :math:`N` solves for it raises a ``ValueError`` naming :meth:`trace_estimate`."""
 
     def trace_estimate(
         self, filt: SpectralFilter, num_probes: int, generator: torch.Generator
