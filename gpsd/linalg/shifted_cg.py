@@ -748,8 +748,10 @@ class ShiftedCG(ShiftedSolveEngine):
         the steps differ most, is taken exactly, and what is left to chance is
         :math:`f - c_0` on the eigenvalues below them (for the residual filters of GCV a
         multiple of the smoother, small where the noise exceeds those eigenvalues). The solves
-        run in chunks of columns within :class:`gpsd.settings.max_chunk_elements`; their
-        tolerance adds at most about ``tol`` :math:`\lVert f\rVert N` to the value.
+        run in chunks of columns, about :math:`T + 64` vectors of length :math:`N` per column
+        within :math:`N` times :class:`gpsd.settings.test_chunk_size` (a chunk of test
+        points' memory); their tolerance adds at most about ``tol``
+        :math:`\lVert f\rVert N` to the value.
         """
         num_probes = check_int(num_probes, "num_probes", minimum=2)  # before any solve
         filt = filt.to(self.dtype, self.ritz_vectors.device)
@@ -759,7 +761,7 @@ class ShiftedCG(ShiftedSolveEngine):
         vectors = filt.num_filters + 64  # the filtered columns, the solves' blocks and basis
 
         def forms(columns: Tensor) -> Tensor:  # (*b, N, c) -> (*, F, c)
-            chunk = columns_per_chunk(self.size, vectors)
+            chunk = columns_per_chunk(vectors)
             out = []
             for start in range(0, columns.shape[-1], chunk):
                 part = columns[..., start : start + chunk]

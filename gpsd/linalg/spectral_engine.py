@@ -126,10 +126,11 @@ def is_matrix_free(kernel: object) -> bool:
     return not isinstance(kernel, (torch.Tensor, DenseLinearOperator))
 
 
-def columns_per_chunk(size: int, vectors_per_column: int) -> int:
-    """How many columns keep ``vectors_per_column`` vectors of length ``size`` per column within
-    :class:`gpsd.settings.max_chunk_elements` (at least one)."""
-    return max(1, settings.max_chunk_elements.value() // max(1, vectors_per_column * size))
+def columns_per_chunk(vectors_per_column: int) -> int:
+    """How many columns keep ``vectors_per_column`` vectors of length ``N`` per column within
+    ``N`` times :class:`gpsd.settings.test_chunk_size`, the memory a chunk of test points takes
+    (at least one column)."""
+    return max(1, settings.test_chunk_size.value() // max(1, vectors_per_column))
 
 
 def hutchinson(
@@ -146,11 +147,11 @@ def hutchinson(
 
     ``samples`` maps probes ``Z`` of shape ``(N, c)`` to one value per probe, ``(..., c)``. The
     probes are drawn on the CPU one after another (the ``i``-th probe does not depend on how they
-    are chunked) and handed over in chunks of as many as keep ``vectors_per_probe`` vectors of
-    length ``N`` per probe within :class:`gpsd.settings.max_chunk_elements` (at least one).
+    are chunked) and handed over in chunks of :func:`columns_per_chunk` (``vectors_per_probe``
+    vectors of length ``N`` per probe).
     """
     num_probes = check_int(num_probes, "num_probes", minimum=2)  # a standard error needs 2
-    chunk = columns_per_chunk(size, vectors_per_probe)
+    chunk = columns_per_chunk(vectors_per_probe)
     values = []
     for start in range(0, num_probes, chunk):
         count = min(chunk, num_probes - start)

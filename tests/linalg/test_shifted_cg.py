@@ -652,7 +652,7 @@ def test_trace_estimate_depends_on_the_seed_alone_not_on_the_chunks():
     cg = no_deflation(k, tol=1e-10)
     filt = SF.data_centric_residuals(torch.tensor([0.1, 0.2], dtype=DTYPE))
     once = cg.trace_estimate(filt, 10, torch.Generator().manual_seed(3))
-    with gpsd.settings.max_chunk_elements(3 * 120):  # one probe per chunk
+    with gpsd.settings.test_chunk_size(2):  # one probe per chunk (each takes T + 64 vectors)
         chunked = cg.trace_estimate(filt, 10, torch.Generator().manual_seed(3))
     other = cg.trace_estimate(filt, 10, torch.Generator().manual_seed(4))
     torch.testing.assert_close(chunked, once, rtol=1e-9, atol=1e-9)
