@@ -722,11 +722,13 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         return self._gcv()[0]
 
     def gcv_standard_error(self) -> Tensor:
-        r"""The standard error of every step's :meth:`gcv` score, ``(*batch, T)``: 0 where the
-        trace is exact (``"dense"``, ``"cholesky"``, and a Lanczos spectrum that needs no series
-        beyond first order), otherwise
+        r"""The standard error of every step's :meth:`gcv` score, ``(*batch, T)``:
         :math:`2\,\operatorname{GCV}(t)\,\sigma_t / (N - \operatorname{tr}\mathbf S_t)`
-        for the standard error :math:`\sigma_t` of the trace estimate (to first order)."""
+        for the standard error :math:`\sigma_t` of the probes' part of the trace (to first
+        order), 0 where no probes were needed (``"dense"``, ``"cholesky"``, and a Lanczos
+        spectrum that needs no series beyond first order). It covers the probes only: the
+        backend's own error (:attr:`error_estimate`, up to ``rtol``; a Lanczos spectrum short
+        of ``rtol`` warns) comes on top."""
         return self._gcv()[1]
 
     def _gcv(self) -> tuple[Tensor, Tensor]:
