@@ -13,7 +13,12 @@ from torch import Tensor
 from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, per_distinct_shift
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
-from gpsd.linalg.spectral_engine import columns_per_chunk, hutchinson, is_matrix_free
+from gpsd.linalg.spectral_engine import (
+    columns_per_chunk,
+    is_matrix_free,
+    rademacher,
+    sample_mean,
+)
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["ShiftedCG"]
@@ -769,23 +774,21 @@ class ShiftedCG(ShiftedSolveEngine):
             return torch.cat(out, dim=-1)
 
         with torch.no_grad():
-            # shape: (*, F, q): f(theta_i) for the resolved pairs, v_i^T f(K) v_i for the others
+            # shape: (*, F): f(theta_i) summed over the resolved pairs
             captured = (filt.values(self.ritz_values) * resolved.unsqueeze(-2)).sum(-1)
-            # shape: (q,): the pairs unresolved in some batch entry
+            # shape: (q,): the pairs unresolved in some batch entry, whose forms take solves
             open_pairs = (~resolved).flatten(0, -2).any(0) if resolved.dim() > 1 else ~resolved
-            if bool(open_pairs.any()):
-                unresolved = v[..., open_pairs] * (~resolved[..., open_pairs]).unsqueeze(-2)
-                captured = captured + forms(unresolved).sum(-1)
-            exact = captured + c0 * (self.size - v.shape[-1])
-
-            def samples(probes: Tensor) -> Tensor:  # probes (N, c) -> (*, F, c)
-                projected = probes - v @ (v.mT @ probes)  # shape: (*b, N, c)
-                squares = projected.square().sum(-2).unsqueeze(-2)  # shape: (*b, 1, c)
-                return forms(projected) - c0.unsqueeze(-1) * squares
-
-            value, error = hutchinson(
-                samples, self.size, num_probes, generator, vectors, self.dtype, v.device
-            )
+            unresolved = v[..., open_pairs] * (~resolved[..., open_pairs]).unsqueeze(-2)
+            probes = rademacher(self.size, num_probes, generator, self.dtype, v.device)
+            projected = probes - v @ (v.mT @ probes)  # shape: (*b, N, m)
+            projected = projected.expand(*v.shape[:-2], *projected.shape[-2:])
+            # one set of solves for the Ritz vectors and the probes side by side
+            both = forms(torch.cat([unresolved, projected], dim=-1))  # shape: (*, F, p + m)
+            squares = projected.square().sum(-2).unsqueeze(-2)  # shape: (*b, 1, m)
+            samples = both[..., unresolved.shape[-1] :] - c0.unsqueeze(-1) * squares
+            value, error = sample_mean(samples)
+            exact = captured + both[..., : unresolved.shape[-1]].sum(-1)
+            exact = exact + c0 * (self.size - v.shape[-1])
         return exact + value, error
 
     def error_estimate(self, gamma_min: float) -> float:

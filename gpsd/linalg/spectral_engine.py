@@ -155,8 +155,21 @@ def hutchinson(
     values = []
     for start in range(0, num_probes, chunk):
         count = min(chunk, num_probes - start)
-        signs = torch.randint(0, 2, (count, size), generator=generator, dtype=torch.int8)
-        probes = (2 * signs - 1).to(dtype=dtype, device=device).mT  # shape: (N, c)
-        values.append(samples(probes))
-    values = torch.cat(values, dim=-1)  # shape: (..., m)
-    return values.mean(-1), values.std(-1) / num_probes**0.5
+        values.append(samples(rademacher(size, count, generator, dtype, device)))
+    return sample_mean(torch.cat(values, dim=-1))
+
+
+def rademacher(
+    size: int, count: int, generator: torch.Generator, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``count`` Rademacher vectors of length ``size`` as the columns of an ``(N, count)`` tensor,
+    drawn on the CPU one after another: the ``i``-th vector from a generator does not depend on
+    how many are drawn at once."""
+    signs = torch.randint(0, 2, (count, size), generator=generator, dtype=torch.int8)
+    return (2 * signs - 1).to(dtype=dtype, device=device).mT
+
+
+def sample_mean(values: Tensor) -> tuple[Tensor, Tensor]:
+    r"""The mean of ``values`` ``(..., m)`` over its last dimension and its standard error (the
+    sample standard deviation over :math:`\sqrt{m}`)."""
+    return values.mean(-1), values.std(-1) / values.shape[-1] ** 0.5
