@@ -72,8 +72,10 @@ def reference(n: int, process_group=None) -> dict:
                 "engine": type(model._state()["engine"]).__name__,
                 "split": _columns_are_local(model._state()["engine"]),
             }
-            if name == "data_lanczos":
+            if name in ("data_lanczos", "data_cg"):  # CG's from the same probes on every rank
                 out[name]["gcv"] = model.gcv()
+                out[name]["gcv_standard_error"] = model.gcv_standard_error()
+            if name == "data_lanczos":
                 out[name]["step_targets"] = model.step_targets()
                 covariance = model.predict(test_x[:7], full_cov=True).covariance
                 out[name]["covariance"] = covariance

@@ -93,6 +93,13 @@ def test_gcv_and_covariances_through_the_group_equal_one_process(main_run):
         got = result["models"]["data_lanczos"]
         torch.testing.assert_close(got["gcv"], plain["gcv"], rtol=1e-10, atol=0)
         torch.testing.assert_close(got["covariance"], plain["covariance"], rtol=0, atol=1e-10)
+    plain = results[0]["plain"]["data_cg"]
+    for result in results:  # estimated from the same probes on every rank
+        got = result["models"]["data_cg"]
+        torch.testing.assert_close(got["gcv"], plain["gcv"], rtol=1e-8, atol=0)
+        torch.testing.assert_close(
+            got["gcv_standard_error"], plain["gcv_standard_error"], rtol=0, atol=1e-10
+        )
 
 
 def test_ranks_whose_automatic_choices_differ_agree_on_the_matrix_free_one(main_run):
