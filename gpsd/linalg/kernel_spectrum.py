@@ -142,6 +142,8 @@ class KernelSpectrum(SpectralEngine):
         #: Which Ritz pairs meet ``residual_tol`` itself (:attr:`resolved` also counts pairs at
         #: the rounding level of the working dtype), ``None`` for other spectra.
         self.ritz_resolved: Tensor | None = None
+        #: Whether a callback of :meth:`from_lanczos` stopped the growth of the basis.
+        self.stopped_by_callback = False
         # shape: (*b, k): which columns hold a resolved eigenpair (all of them when dense)
         self.resolved = eigenvectors.abs().sum(-2) > 0 if resolved is None else resolved
         self.num_resolved = self.resolved.sum(-1)
@@ -296,7 +298,8 @@ class KernelSpectrum(SpectralEngine):
             the batch), ``complement_bound`` (the trace bound on
             :math:`\lVert \mathbf K_\perp \rVert_2`), ``residual_norm`` and, with
             ``gamma_min``, ``error_estimate``. Returning ``True`` stops the growth: the spectrum
-            of the basis so far is returned. With either, a Rayleigh-Ritz step follows every
+            of the basis so far is returned (:attr:`stopped_by_callback` set, so that
+            :meth:`check_accuracy` names the callback). With either, a Rayleigh-Ritz step follows every
             block (about :math:`N q^2` flops for a basis of :math:`q` columns); the spectrum
             returned is the same as without them.
         """
@@ -345,7 +348,9 @@ class KernelSpectrum(SpectralEngine):
                     shown = spectrum if spectrum is not None else ritz(draw=False)
                     info = _progress_info(shown, krylov.num_columns, gamma_min)
                     if reporter.update(krylov.num_blocks, **info):
-                        return spectrum if spectrum is not None else ritz()
+                        spectrum = spectrum if spectrum is not None else ritz()
+                        spectrum.stopped_by_callback = True
+                        return spectrum
                 if spectrum is not None and stop_when(spectrum):
                     return spectrum
             return ritz()
@@ -647,7 +652,13 @@ class KernelSpectrum(SpectralEngine):
         computed = self.resolved.shape[-1]  # Ritz pairs computed
         resolved = int(self.num_resolved.min())
         low_precision = self.eigenvectors.dtype != torch.float64
-        if computed >= self.size:
+        if self.stopped_by_callback:
+            advice = (
+                f"the callback stopped the Lanczos growth at {computed} Krylov columns "
+                f"({resolved} Ritz pairs resolved): return True from it later to let the basis "
+                f"grow further, or {others}"
+            )
+        elif computed >= self.size:
             advice = (
                 f"the Krylov space already spans all N = {self.size} dimensions "
                 f"({resolved} of its {computed} Ritz pairs resolved), so a higher rank= cannot "
