@@ -6,6 +6,26 @@ from __future__ import annotations
 from gpsd.progress import Callback, IterationRecord
 
 
+def check_progress(progress: object, callback: object) -> None:
+    """Refuse a ``progress=`` or ``callback=`` argument outside :mod:`gpsd.progress`'s contract.
+
+    Every public method that takes them calls this at its entry, so that a bad argument is
+    refused on every path, also on those that run no loop (a direct factorisation, a cached fit).
+
+    :raises TypeError: ``progress`` is not ``True``, ``False``, ``None`` or a ``tqdm`` bar (an
+        object with ``update`` and ``set_postfix``), or ``callback`` is neither ``None`` nor
+        callable.
+    """
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+    if progress is True or progress is False or progress is None:
+        return
+    if not (hasattr(progress, "update") and hasattr(progress, "set_postfix")):
+        raise TypeError(
+            f"progress must be True, False or a tqdm progress bar, got {type(progress).__name__}"
+        )
+
+
 class ProgressReporter:
     """Reports a loop's iterations to a progress bar and a callback.
 
@@ -31,8 +51,7 @@ class ProgressReporter:
         progress: object = False,
         callback: Callback | None = None,
     ) -> None:
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        check_progress(progress, callback)
         self.task = task
         self.total = total
         self.callback = callback
@@ -44,11 +63,6 @@ class ProgressReporter:
             self._bar = tqdm(total=total, desc=task, leave=False)
             self._owns_bar = True
         elif progress is not False and progress is not None:
-            if not (hasattr(progress, "update") and hasattr(progress, "set_postfix")):
-                raise TypeError(
-                    "progress must be True, False or a tqdm progress bar, "
-                    f"got {type(progress).__name__}"
-                )
             self._bar = progress
         #: the last record reported (``None`` before the first)
         self.last: IterationRecord | None = None

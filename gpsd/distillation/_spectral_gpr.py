@@ -28,6 +28,7 @@ from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
 from gpsd._internal.negligible import kernel_matrix
+from gpsd._internal.progress_reporter import check_progress
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -325,6 +326,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             the rank and the error estimate); returning ``True`` stops the growth, and the
             backend goes on from the basis reached as when Lanczos falls short of ``rtol``.
         """
+        check_progress(progress, callback)
         self._factorisation(progress=progress, callback=callback)
         self._state()
         return self

@@ -17,7 +17,7 @@ from gpsd._internal.module_state import (
     choice_setting,
     fixed_setting,
 )
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
 from gpsd.distillation._gpc_steps import (
@@ -354,6 +354,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
         :param callback: Called after each step with an :class:`~gpsd.IterationRecord`.
         """
+        check_progress(progress, callback)
         self._fit_cache.clear()
         steps = self._run(use_stored_modes, progress, callback)
         self._fit_cache.store(self, self._settings(), steps)

@@ -17,7 +17,7 @@ from gpsd._internal.module_state import (
     choice_setting,
     fixed_setting,
 )
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
 from gpsd.distillation._gpc_steps import (
@@ -468,6 +468,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
         :param callback: Called after each iteration with an :class:`~gpsd.IterationRecord`.
         """
+        check_progress(progress, callback)
         total = self.num_steps if self.method == "iterated" else 1
         task = f"{type(self).__name__}.fit"
         with torch.no_grad(), ProgressReporter(task, total, progress, callback) as report:

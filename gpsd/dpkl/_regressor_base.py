@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import checked_setting
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -275,6 +275,7 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         :raises ValueError: the feature extractor produced NaN or inf embeddings (the message
             names the iteration).
         """
+        check_progress(progress, callback)
         max_iter = check_int(max_iter, "max_iter", minimum=0)
         lr = check_positive_float(lr, "lr")
         if (val_x is None) != (val_y is None):

@@ -25,7 +25,7 @@ from gpsd._internal.collectives import (
     tensor_fingerprint,
     text_checksum,
 )
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.stationary_kernel import (
     check_lengthscale_count,
     evaluate_kernel,
@@ -909,6 +909,7 @@ class KernelDistillation:
             error after it (``frobenius_errors[k]``); returning ``True`` stops the descent.
         :return: this distiller.
         """
+        check_progress(progress, callback)
         if self.weight_values is None:
             self.prepare()
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import adopt_buffer_shapes
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import (
     check_gp_modules,
     check_int,
@@ -346,6 +346,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         :param callback: Called after each iteration with an :class:`~gpsd.IterationRecord`
             (``loss`` the loss before the iteration's step); returning ``True`` stops.
         """
+        check_progress(progress, callback)
         max_iter = check_int(max_iter, "max_iter", minimum=0)
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}")

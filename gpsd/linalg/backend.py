@@ -18,6 +18,7 @@ from gpsd._internal.collectives import all_gather, check_group
 from gpsd._internal.keops import is_keops_kernel
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
+from gpsd._internal.progress_reporter import check_progress
 from gpsd._internal.validation import check_int
 from gpsd.exceptions import InsufficientMemoryError
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
@@ -204,6 +205,7 @@ def make_engine(
     rank (the ranks' free memory may differ); the dense and Cholesky backends run whole on
     every rank, without collectives.
     """
+    check_progress(progress, callback)
     n = x.shape[-2]
     if process_group is not None:
         check_group(process_group)

@@ -13,7 +13,7 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import check_finite, check_int
 from gpsd.linalg._tridiagonal import tridiagonal_eigh
 from gpsd.linalg.spectral_engine import SpectralEngine, is_matrix_free
@@ -303,6 +303,7 @@ class KernelSpectrum(SpectralEngine):
             block (about :math:`N q^2` flops for a basis of :math:`q` columns); the spectrum
             returned is the same as without them.
         """
+        check_progress(progress, callback)
         if isinstance(kernel, (Tensor, LinearOperator)):
             size = kernel.shape[-1]
             batch_shape = kernel.shape[:-2]
