@@ -34,8 +34,9 @@ class BackendError(GpsdError, RuntimeError):
 
 class InsufficientMemoryError(GpsdError, MemoryError):
     """A computation does not fit in the device's memory. Raised before allocating where the
-    need can be foreseen (a forced dense or Cholesky backend), else when an allocation fails;
-    the message names the bytes and what would fit instead."""
+    need can be foreseen (a forced dense or Cholesky backend, the fits of the Laplace classifier
+    and the GPC distillers), else when an allocation fails; the message names the bytes and what
+    would fit instead."""
 
 
 class DistributedError(GpsdError, RuntimeError):

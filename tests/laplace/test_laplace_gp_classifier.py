@@ -794,3 +794,30 @@ def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
     y = (torch.sin(6 * x).squeeze(-1) > 0).double()
     with pytest.raises(ValueError, match="noise must be a finite float >= 0"):
         LaplaceGPClassifier(x, y, _kernel(), noise=noise)
+
+
+def _little_memory(monkeypatch, free):
+    from gpsd._internal import memory
+
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device, wanted=None: free)
+
+
+def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
+    monkeypatch, count_calls
+):
+    from gpsd.laplace import laplace_gp_classifier
+
+    x, y, test_x = sine_classification(30, seed=3)
+    needed = 4 * 30 * 30 * 8  # four 30 x 30 float64 matrices
+    evaluations = count_calls(laplace_gp_classifier, "prior_at_training")
+    _little_memory(monkeypatch, needed - 1)
+    model = LaplaceGPClassifier(x, y, _kernel())
+    for attempt in (model.fit, lambda: model.predict_proba(test_x)):
+        with pytest.raises(gpsd.InsufficientMemoryError) as raised:
+            attempt()
+        message = str(raised.value)
+        assert f"LaplaceGPClassifier.fit needs about {needed} bytes" in message
+        assert "train on fewer points, or in float32" in message
+    assert evaluations == [0]
+    _little_memory(monkeypatch, needed)
+    model.fit()
