@@ -31,6 +31,7 @@ from gpsd import (
     SparseLowRankStudent,
     SSDPKLRegressor,
 )
+from gpsd.kernel_distillation import kmeans
 from gpsd.linalg import KernelSpectrum, make_engine
 
 DT = torch.float64
@@ -414,6 +415,8 @@ def _call_with_progress_arguments(name, **arguments):
     x, y, labels, test_x = _data()
     if name == "make_engine":
         make_engine(_kernel(), x, "dense", torch.Size(), T, DT, None, 0, 1e-2, 1e-8, **arguments)
+    elif name == "kmeans":
+        kmeans(x, 4, **arguments)
     elif name == "KernelSpectrum.from_lanczos":
         KernelSpectrum.from_lanczos(_kernel()(x).to_dense().detach(), rank=8, **arguments)
     else:
@@ -431,6 +434,8 @@ PROGRESS_METHODS = [
     "DataCentricGPC.fit",
     "DistributionCentricGPC.fit",
     "KernelDistillation.fit",
+    "KernelDistillation.prepare",
+    "kmeans",
     "DPKLRegressor.fit",
     "SSDPKLRegressor.fit",
     "DKLRegressor.fit",
