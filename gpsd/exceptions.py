@@ -11,6 +11,8 @@ __all__ = [
     "DistributedError",
     "GpsdError",
     "InsufficientMemoryError",
+    "LaplaceConvergenceError",
+    "NonFiniteEmbeddingsError",
     "NotFittedError",
 ]
 
@@ -43,3 +45,14 @@ class DistributedError(GpsdError, RuntimeError):
     """A collective over a ``torch.distributed`` process group failed: another rank failed or
     left, called other methods, or did not join within the group's ``timeout``. Raised on each
     rank that was waiting in the collective, with the rank and the operation in the message."""
+
+
+class LaplaceConvergenceError(GpsdError, RuntimeError):
+    r"""Newton's method for the Laplace mode did not converge (:func:`~gpsd.laplace.find_laplace_mode`):
+    it ran out of iterations, or the Laplace matrix :math:`\mathbf B` is not positive definite;
+    the message says which, and what to change."""
+
+
+class NonFiniteEmbeddingsError(GpsdError, ValueError):
+    """A DPKL feature extractor produced NaN or infinite embeddings; the message counts the input
+    rows affected (and, in ``fit``, names the iteration)."""

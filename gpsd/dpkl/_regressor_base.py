@@ -22,14 +22,13 @@ from gpsd._internal.validation import (
     check_positive_float,
     replacement_data,
 )
-from gpsd.dpkl._feature_kernel import NonFiniteEmbeddingsError
 from gpsd.dpkl.svgd import (
     SteinVariationalGradient,
     check_bandwidth,
     check_repulsion,
     check_update,
 )
-from gpsd.exceptions import NotFittedError
+from gpsd.exceptions import NonFiniteEmbeddingsError, NotFittedError
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
 
@@ -323,7 +322,9 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
                 try:
                     loss = self.training_loss()
                 except NonFiniteEmbeddingsError as err:
-                    raise ValueError(f"{err} (in fit, at iteration {iteration})") from err
+                    raise NonFiniteEmbeddingsError(
+                        f"{err} (in fit, at iteration {iteration})"
+                    ) from err
                 if not torch.isfinite(loss):
                     raise RuntimeError(
                         f"the training loss became {float(loss)} at iteration {iteration}; "
