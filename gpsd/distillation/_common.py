@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import warnings
 
 import gpytorch
 import torch
@@ -18,6 +17,7 @@ from linear_operator import to_dense
 from torch import Tensor
 
 from gpsd._internal.teacher import validate_teacher
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -99,7 +99,7 @@ LOW_PRECISION_WARNING = 0.1
 
 
 def warn_low_precision_factorisation(
-    kernel: Kernel, x: Tensor, dtype: torch.dtype, gamma_min: float, stacklevel: int = 4
+    kernel: Kernel, x: Tensor, dtype: torch.dtype, gamma_min: float
 ) -> None:
     r"""Warn with a ``NumericalWarning`` where factoring :math:`\mathbf K + \gamma\mathbf I` in
     ``dtype`` may cost the predictions their accuracy.
@@ -122,14 +122,13 @@ def warn_low_precision_factorisation(
         trace = float(to_dense(kernel(x, diag=True)).sum(-1).max())
     estimate = eps * trace / gamma_min
     if estimate > LOW_PRECISION_WARNING:
-        warnings.warn(
+        warn(
             f"the kernel matrix is factored in {dtype} with a smallest noise of {gamma_min:.3g} "
             f"against a trace of {trace:.3g}: solves may be off by up to about "
             f"{min(estimate, 1.0):.2g} relative (eps * tr K / noise), and the variances, "
             "differences of nearly equal terms where the data pin the posterior, by more; use "
             "linalg_dtype=torch.float64",
             NumericalWarning,
-            stacklevel=stacklevel,
         )
 
 

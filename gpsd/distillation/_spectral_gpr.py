@@ -501,7 +501,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         test_x = validate_test_x(test_x, self.train_x)
         if self._splits_test_points(test_x, full_cov):
             prediction = self._predict_split(test_x)
-        else:  # called from here: warnings point past predict (stacklevel)
+        else:
             prediction = self._predict_all(test_x, full_cov)
         if include_noise:
             noise = self._step_noise().to(prediction.mean).unsqueeze(-1)  # shape: (*s, T, 1)
@@ -578,8 +578,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         if full_cov or test_x.shape[-2] <= chunk:
             return self._predict_chunk(test_x, full_cov)
         parts = []
-        for i in range(0, test_x.shape[-2], chunk):  # a loop, not a comprehension:
-            # warnings point past predict (stacklevel) on every Python version
+        for i in range(0, test_x.shape[-2], chunk):
             parts.append(self._predict_chunk(test_x[..., i : i + chunk, :], False))
         return Prediction(
             torch.cat([p.mean for p in parts], dim=-1),
@@ -645,7 +644,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
             variance = nonnegative_variance(prior_var - reduction, prior_var)
             if engine.quad_error_bound is not None:  # the iterative solvers bound their forms
-                warn_if_variance_error_large(variance, engine.quad_error_bound, prior_var, 5)
+                warn_if_variance_error_large(variance, engine.quad_error_bound, prior_var)
             variance = variance.to(test_x.dtype)
             # The variances do not depend on the targets or the prior mean: expanded (a view)
             # over their batch, so that they index as the means do.

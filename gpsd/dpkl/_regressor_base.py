@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from typing import Literal
 
 import gpytorch
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import checked_setting
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -387,10 +387,9 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         if not (torch.isfinite(mean).all() and torch.isfinite(var).all()):
             raise RuntimeError("non-finite predictions; the model is numerically unstable")
         if (var <= 0).any():
-            warnings.warn(
+            warn(
                 "non-positive predictive variances were clamped to 1e-12",
                 NumericalWarning,
-                stacklevel=2,
             )
             var = var.clamp_min(1e-12)
         return Prediction(mean, var)

@@ -32,6 +32,7 @@ from gpsd._internal.stationary_kernel import (
     stationary_kernel_parameters,
 )
 from gpsd._internal.teacher import frozen_copy
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
     check_int,
@@ -381,7 +382,7 @@ class KernelDistillation:
         if not _forward_matches_modules(
             teacher, self.covar_module, self.mean_constant, self.train_x
         ):
-            warnings.warn(
+            warn(
                 "teacher.forward differs from MultivariateNormal(mean_module(x), "
                 "covar_module(x)) on the teacher's training inputs (it transforms the inputs, "
                 "say): kernel distillation distils covar_module and mean_module applied to the "
@@ -389,7 +390,6 @@ class KernelDistillation:
                 "transformed inputs, pass them to KernelDistillation.from_data (and transform "
                 "test inputs alike)",
                 UserWarning,
-                stacklevel=2,
             )
 
     @classmethod
@@ -1024,12 +1024,11 @@ class KernelDistillation:
         # the exact line search never raises the error (beyond rounding); fixed steps can
         grew = not self._uses_line_search and errors[-1] > 1.001 * errors[0]
         if grew:
-            warnings.warn(
+            warn(
                 f"kernel distillation ended with a larger error ||K - WKW^T||_F = {errors[-1]:.3e} "
                 f"than it started with ({errors[0]:.3e}): {self._step_rule()} is too large; "
                 "lower it, or use the exact line search (lr=None, the default)",
                 RuntimeWarning,
-                stacklevel=2,
             )
         t1 = time.perf_counter()
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import check_finite, check_int
 from gpsd.linalg._tridiagonal import tridiagonal_eigh
 from gpsd.linalg.spectral_engine import SpectralEngine, is_matrix_free
@@ -639,12 +639,11 @@ class KernelSpectrum(SpectralEngine):
                 + self._way_out()
             )
         if err > rtol:
-            warnings.warn(
+            warn(
                 f"the truncated spectrum (rank {int(self.num_resolved.max())}, complement norm "
                 f"{self.complement_norm:.3g}) gives an estimated relative error of {err:.3g} for "
                 f"the smallest noise {gamma_min:.3g}; " + self._way_out(),
                 NumericalWarning,
-                stacklevel=3,
             )
 
     def _way_out(self) -> str:
@@ -723,14 +722,13 @@ def _warn_if_indefinite(evals: Tensor, eps: float) -> None:
     excess = (-evals[..., 0] - tolerance).flatten()
     worst = int(excess.argmax())
     if float(excess[worst]) > 0:
-        warnings.warn(
+        warn(
             f"the kernel matrix is not positive semi-definite: its smallest eigenvalue is "
             f"{float(evals[..., 0].flatten()[worst]):.3g}, beyond rounding (-"
             f"{float(tolerance.flatten()[worst]):.3g}); the filters take negative eigenvalues "
             "as 0. Check the kernel (a covariance function gives positive semi-definite "
             "matrices)",
             NumericalWarning,
-            stacklevel=3,
         )
 
 
