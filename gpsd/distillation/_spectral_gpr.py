@@ -317,7 +317,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         The model also fits lazily, on first use, and refits when the kernel's or the prior
         mean's parameters, the data, the schedule, the settings of the model or
-        :mod:`gpsd.settings` change; ``fit()`` chooses when the work is done, and reports it.
+        :mod:`gpsd.settings` change, when a gradient is needed (gradients enabled and a parameter
+        that requires one) and the fit was made without an autograd graph, and after a backward
+        pass through the fit's graph; ``fit()`` chooses when the work is done, and reports it.
+        A fit made under grad mode serves predictions under ``torch.no_grad()`` as it is.
 
         :param progress: a progress bar for the growth of a Lanczos basis, one iteration per
             block of Krylov vectors (see :mod:`gpsd.progress`); the direct backends do not
