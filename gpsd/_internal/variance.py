@@ -81,9 +81,7 @@ def nonnegative_variance(variance: Tensor, scale: Tensor) -> Tensor:
     return variance.clamp_min(0.0)
 
 
-def warn_if_variance_error_large(
-    variance: Tensor, bound: Tensor, scale: Tensor
-) -> None:
+def warn_if_variance_error_large(variance: Tensor, bound: Tensor, scale: Tensor) -> None:
     r"""Warn with a ``NumericalWarning`` where an iterative solve's error bound could make a
     predictive variance more than 10 % off.
 

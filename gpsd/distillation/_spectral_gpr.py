@@ -40,8 +40,8 @@ from gpsd._internal.validation import (
 )
 from gpsd._internal.variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.distillation._common import (
+    check_noise,
     unpack_teacher,
-    validate_noise,
     validate_test_x,
     validate_training_data,
     warn_low_precision_factorisation,
@@ -163,7 +163,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         # it cannot be deep-copied. Gradients reach the kernel's and the mean's parameters.
         self.register_buffer("train_x", train_x.detach())
         self.register_buffer("train_y", train_y.detach())
-        self.register_buffer("noise", validate_noise(noise, train_x, num_steps).detach())
+        self.register_buffer("noise", self._checked_noise(noise, train_x, num_steps))
         self._check_batches(train_x, train_y)
         self.backend = backend
         self.linalg_dtype = linalg_dtype
@@ -175,6 +175,29 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.process_group = process_group
         self._factor_cache = FitCache()
         self._targets_cache = FitCache()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "noise" and "noise" in self.__dict__.get("_buffers", {}):
+            previous = self._buffers["noise"]
+            value = self._checked_noise(value, self.train_x, self.num_steps, assigned=True)
+            super().__setattr__(name, value)
+            try:
+                self._check_batches(self.train_x, self.train_y)
+            except ValueError:
+                super().__setattr__(name, previous)
+                raise
+            return
+        super().__setattr__(name, value)
+
+    def _checked_noise(
+        self, noise: object, like: Tensor, num_steps: int | None, assigned: bool = False
+    ) -> Tensor:
+        """``noise`` as this model's ``(*s, T)`` schedules (:func:`check_noise`): one number
+        for every step, or schedules of ``num_steps`` steps, each > 0."""
+        owner = type(self).__name__
+        return check_noise(
+            noise, like, num_steps, owner=owner, positive=True, batch=True, assigned=assigned
+        )
 
     def _check_batches(self, train_x: Tensor, train_y: Tensor) -> None:
         """A ``ValueError`` unless the batches of the schedules, the data and the kernel

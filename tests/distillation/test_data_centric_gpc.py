@@ -152,7 +152,7 @@ def test_bad_input(toy):
         DataCentricGPC(x, y[:5], _kernel())
     with pytest.raises(ValueError, match="num_steps"):
         DataCentricGPC(x, y, _kernel(), num_steps=0)
-    with pytest.raises(ValueError, match="noise must have num_steps=3 entries"):
+    with pytest.raises(ValueError, match="num_steps=3 does not match the 2 steps of the noise"):
         DataCentricGPC(x, y, _kernel(), num_steps=3, noise=[0.1, 0.2])
     with pytest.raises(ValueError, match="noise must hold finite numbers >= 0"):
         DataCentricGPC(x, y, _kernel(), num_steps=2, noise=[0.1, -0.2])
