@@ -11,7 +11,7 @@ from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
 from gpsd._internal.fit_cache import FitCache
-from gpsd._internal.memory import check_dense_matrices_fit
+from gpsd._internal.memory_check import check_dense_matrices_fit
 from gpsd._internal.module_state import (
     adopt_buffer_shapes,
     check_saved_num_steps,

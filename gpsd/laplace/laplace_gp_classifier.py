@@ -10,7 +10,7 @@ from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
 from gpsd._internal.fit_cache import FitCache
-from gpsd._internal.memory import check_dense_matrices_fit
+from gpsd._internal.memory_check import check_dense_matrices_fit
 from gpsd._internal.module_state import adopt_buffer_shapes
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import (

@@ -716,7 +716,7 @@ def test_classifier_arguments_are_named(toy):
             cls(x, y, _kernel(), num_steps=2, max_iter=2.5, **kw)
     with pytest.raises(ValueError, match="temperature"):
         LaplaceGPClassifier(x, y, _kernel(), temperature=float("inf"))
-    with pytest.raises(TypeError, match="noise must be a number or a sequence"):
+    with pytest.raises(TypeError, match="noise must be a tensor or array-like of numbers"):
         DataCentricGPC(x, y, _kernel(), num_steps=2, noise="0.1")
     reference = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=0.1).fit()
     for noise in (torch.tensor(0.1, dtype=torch.float64), np.float64(0.1)):
@@ -797,9 +797,9 @@ def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
 
 
 def _little_memory(monkeypatch, free):
-    from gpsd._internal import memory
+    from gpsd._internal import memory_check
 
-    monkeypatch.setattr(memory, "free_memory_bytes", lambda device, wanted=None: free)
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: free)
 
 
 def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
