@@ -37,6 +37,8 @@ from gpsd.exceptions import (
     DistributedError,
     GpsdError,
     InsufficientMemoryError,
+    LaplaceConvergenceError,
+    NonFiniteEmbeddingsError,
     NotFittedError,
 )
 from gpsd.kernel_distillation import KernelDistillation, SparseLowRankStudent
@@ -65,7 +67,9 @@ __all__ = [
     "InsufficientMemoryError",
     "IterationRecord",
     "KernelDistillation",
+    "LaplaceConvergenceError",
     "LaplaceGPClassifier",
+    "NonFiniteEmbeddingsError",
     "NotFittedError",
     "PosteriorKernel",
     "PosteriorMean",

@@ -11,6 +11,8 @@ __all__ = [
     "DistributedError",
     "GpsdError",
     "InsufficientMemoryError",
+    "LaplaceConvergenceError",
+    "NonFiniteEmbeddingsError",
     "NotFittedError",
 ]
 
@@ -34,11 +36,23 @@ class BackendError(GpsdError, RuntimeError):
 
 class InsufficientMemoryError(GpsdError, MemoryError):
     """A computation does not fit in the device's memory. Raised before allocating where the
-    need can be foreseen (a forced dense or Cholesky backend), else when an allocation fails;
-    the message names the bytes and what would fit instead."""
+    need can be foreseen (a forced dense or Cholesky backend, the fits of the Laplace classifier
+    and the GPC distillers), else when an allocation fails; the message names the bytes and what
+    would fit instead."""
 
 
 class DistributedError(GpsdError, RuntimeError):
     """A collective over a ``torch.distributed`` process group failed: another rank failed or
     left, called other methods, or did not join within the group's ``timeout``. Raised on each
     rank that was waiting in the collective, with the rank and the operation in the message."""
+
+
+class LaplaceConvergenceError(GpsdError, RuntimeError):
+    r"""Newton's method for the Laplace mode did not converge (:func:`~gpsd.laplace.find_laplace_mode`):
+    it ran out of iterations, or the Laplace matrix :math:`\mathbf B` is not positive definite;
+    the message says which, and what to change."""
+
+
+class NonFiniteEmbeddingsError(GpsdError, ValueError):
+    """A DPKL feature extractor produced NaN or infinite embeddings; the message counts the input
+    rows affected (and, in ``fit``, names the iteration)."""

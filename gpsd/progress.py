@@ -34,6 +34,9 @@ class IterationRecord:
     :param total: The most iterations the loop will run (``None`` where unknown).
     :param loss: The objective after the iteration, where the loop has one (else ``None``).
     :param info: Other numbers of the iteration (a validation loss, a step size, a rank).
+    :param phase: The phase of the fit the iteration belongs to, for fits with several
+        (``"warm start"``, ``"training"``); ``None`` for one-phase loops. ``iteration`` and
+        ``total`` count within the phase.
     """
 
     task: str
@@ -41,6 +44,7 @@ class IterationRecord:
     total: int | None = None
     loss: float | None = None
     info: Mapping[str, float] = field(default_factory=dict)
+    phase: str | None = None
 
 
 #: A callback's type: called with each record; returning ``True`` stops the loop.

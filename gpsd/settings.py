@@ -13,7 +13,14 @@ test::
 
 Settings whose best value depends on the device (:class:`dense_max_n`,
 :class:`max_chain_factorisations`) take one value for every device, or one per device type as
-keywords (``dense_max_n(cpu=4000)``); ``value(device)`` reads the one for a device.
+the keywords ``cpu=`` and ``cuda=`` (``dense_max_n(cpu=4000)``); other accelerators take
+``cuda``'s value. ``value(device)`` reads the one for a device.
+
+Values are held per thread and per :mod:`asyncio` task (in :mod:`contextvars`): a ``with`` block
+changes the value for the code it runs and nowhere else, so two threads that nest settings leave
+each other's values alone. A thread starts with the defaults; to run work in another thread
+under the settings in force, run it in a copy of the context
+(``contextvars.copy_context().run(work)``).
 
 Models that cache a factorisation include :func:`snapshot` in what their cache depends on, so
 that a prediction inside a ``with`` block never reuses a factorisation made under settings that
@@ -25,7 +32,7 @@ outside the block without factorising again.
 
 from __future__ import annotations
 
-import threading
+from contextvars import ContextVar, Token
 from typing import Any, ClassVar
 
 import torch
@@ -45,13 +52,12 @@ __all__ = [
     "trace_probes",
 ]
 
-_lock = threading.RLock()
-
 
 class _Setting:
-    """A value with a global default, changed inside ``with`` blocks."""
+    """A value with a default, changed inside ``with`` blocks for the running thread or task."""
 
-    _value: ClassVar[Any]
+    _value: ClassVar[Any]  # the default
+    _var: ClassVar[ContextVar]
     _registry: ClassVar[list[type[_Setting]]] = []
     #: Whether the value can change a result beyond rounding (and so belongs in
     #: :func:`snapshot`), rather than only the memory and time it takes.
@@ -60,6 +66,7 @@ class _Setting:
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "_value" in vars(cls):  # a concrete setting, not an intermediate base
+            cls._var = ContextVar(f"gpsd.settings.{cls.__name__}", default=cls._value)
             _Setting._registry.append(cls)
 
     @classmethod
@@ -69,22 +76,40 @@ class _Setting:
     @classmethod
     def value(cls) -> Any:
         """The value in force."""
-        return cls._value
+        return cls._var.get()
 
     def __init__(self, value: Any) -> None:
         self._new = type(self)._check(value)
-        self._saved: list[Any] = []
+
+    def _entered_value(self) -> Any:
+        """The value the block sets, given the one in force where it is entered."""
+        return self._new
 
     def __enter__(self) -> _Setting:
-        with _lock:
-            self._saved.append(type(self)._value)
-            type(self)._value = self._new
+        token = type(self)._var.set(self._entered_value())
+        _open_blocks.set((*_open_blocks.get(), (self, token)))
         return self
 
     def __exit__(self, *exc: object) -> bool:
-        with _lock:
-            type(self)._value = self._saved.pop()
+        blocks = _open_blocks.get()
+        # the innermost block of this instance in the running thread or task
+        entered = [i for i, (setting, _) in enumerate(blocks) if setting is self]
+        if not entered:
+            raise RuntimeError(
+                f"gpsd.settings.{type(self).__name__} is left in a thread or task that did not "
+                "enter it"
+            )
+        index = entered[-1]
+        type(self)._var.reset(blocks[index][1])
+        _open_blocks.set(blocks[:index] + blocks[index + 1 :])
         return False
+
+
+#: The blocks open in the running thread or task, innermost last, with the token that restores
+#: the value in force before each (one instance may be open in several threads at once).
+_open_blocks: ContextVar[tuple[tuple[_Setting, Token], ...]] = ContextVar(
+    "gpsd.settings open blocks", default=()
+)
 
 
 def _positive_int(name: str, minimum: int = 1):
@@ -191,34 +216,43 @@ class trace_probe_seed(_Setting):
 
 
 class _DeviceSetting(_Setting):
-    """A setting with one value per device type (``"cpu"``, ``"cuda"``; others take ``"cuda"``'s
-    where they have none)."""
+    """A setting with one value per device type, given as the keywords ``cpu=`` and ``cuda=``
+    (other accelerators take ``cuda``'s)."""
 
     _value: ClassVar[dict[str, int]]
 
     def __init__(self, value: int | None = None, **per_device: int) -> None:
+        name = f"gpsd.settings.{type(self).__name__}"
         if value is not None and per_device:
             raise ValueError(
-                f"gpsd.settings.{type(self).__name__} takes one value for every device or "
-                "values per device type as keywords, not both"
+                f"{name} takes one value for every device or values per device type as "
+                "keywords, not both"
             )
         if value is None and not per_device:
-            raise ValueError(f"gpsd.settings.{type(self).__name__} needs a value")
+            raise ValueError(f"{name} needs a value")
+        accepted = tuple(type(self)._value)
+        for keyword in per_device:
+            if keyword not in accepted:
+                raise TypeError(
+                    f"{name} got an unknown device keyword {keyword!r}; the device keywords "
+                    f"are {', '.join(accepted)}"
+                )
         check = _positive_int(type(self).__name__)
         if value is not None:
-            new = {device: check(value) for device in type(self)._value}
-        else:
-            new = {**type(self)._value, **{k: check(v) for k, v in per_device.items()}}
-        self._new = new
-        self._saved = []
+            per_device = dict.fromkeys(accepted, value)
+        self._new = {keyword: check(v) for keyword, v in per_device.items()}
+
+    def _entered_value(self) -> dict[str, int]:
+        return {**type(self)._var.get(), **self._new}
 
     @classmethod
     def value(cls, device: torch.device | str | None = None) -> Any:
         """The value for ``device``'s type (``None``: the whole mapping)."""
+        values = cls._var.get()
         if device is None:
-            return dict(cls._value)
+            return dict(values)
         kind = torch.device(device).type
-        return cls._value.get(kind, cls._value["cuda"])
+        return values.get(kind, values["cuda"])
 
 
 class dense_max_n(_DeviceSetting):
@@ -243,6 +277,6 @@ def snapshot() -> tuple:
     for setting in _Setting._registry:
         if not setting.changes_results:
             continue
-        value = setting._value
+        value = setting._var.get()
         out.append(tuple(sorted(value.items())) if isinstance(value, dict) else value)
     return tuple(out)

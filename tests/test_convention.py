@@ -31,6 +31,8 @@ from gpsd import (
     SparseLowRankStudent,
     SSDPKLRegressor,
 )
+from gpsd.kernel_distillation import kmeans
+from gpsd.linalg import KernelSpectrum, make_engine
 
 DT = torch.float64
 N, M, T = 24, 7, 3
@@ -383,3 +385,78 @@ def test_classifiers_give_probabilities_labels_and_the_latent(cls):
     assert labels_out.dtype == torch.long and labels_out.shape == (M,)
     assert torch.equal(labels_out, proba.argmax(-1))
     assert isinstance(model.predict_latent(test_x), Prediction)
+
+
+# ---------------------------------------------------------------------------- progress arguments
+
+
+def _methods_taking_progress():
+    """Every public function and method of gpsd with a ``progress`` parameter, by name."""
+    found = set()
+    for module in [gpsd, *SUBPACKAGES]:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            members = inspect.getmembers(obj) if inspect.isclass(obj) else [("", obj)]
+            for attr, member in members:
+                if attr.startswith("_") or not callable(member):
+                    continue
+                if getattr(member, "__module__", "").split(".")[0] != "gpsd":
+                    continue
+                try:
+                    params = inspect.signature(member).parameters
+                except (TypeError, ValueError):
+                    continue
+                if "progress" in params:
+                    found.add(f"{name}.{attr}" if attr else name)
+    return found
+
+
+def _call_with_progress_arguments(name, **arguments):
+    x, y, labels, test_x = _data()
+    if name == "make_engine":
+        make_engine(_kernel(), x, "dense", torch.Size(), T, DT, None, 0, 1e-2, 1e-8, **arguments)
+    elif name == "kmeans":
+        kmeans(x, 4, **arguments)
+    elif name == "KernelSpectrum.from_lanczos":
+        KernelSpectrum.from_lanczos(_kernel()(x).to_dense().detach(), rank=8, **arguments)
+    else:
+        owner, method = name.split(".")
+        _, model, _ = _build(getattr(gpsd, owner))
+        getattr(model, method)(**arguments)
+
+
+PROGRESS_METHODS = [
+    "make_engine",
+    "KernelSpectrum.from_lanczos",
+    "DataCentricGPR.fit",  # the dense path here: no loop to report
+    "DistributionCentricGPR.fit",
+    "LaplaceGPClassifier.optimize_hyperparameters",
+    "DataCentricGPC.fit",
+    "DistributionCentricGPC.fit",
+    "KernelDistillation.fit",
+    "KernelDistillation.prepare",
+    "kmeans",
+    "DPKLRegressor.fit",
+    "SSDPKLRegressor.fit",
+    "DKLRegressor.fit",
+    "ARDGPRegressor.fit",
+    "DPKLClassifier.fit",
+]
+
+
+def test_every_method_taking_progress_is_checked_below():
+    assert _methods_taking_progress() == set(PROGRESS_METHODS)
+
+
+@pytest.mark.parametrize("name", PROGRESS_METHODS)
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"progress": "yes"}, "progress must be True, False or a tqdm progress bar, got str"),
+        ({"callback": 5}, "callback must be callable or None, got int"),
+    ],
+    ids=["progress", "callback"],
+)
+def test_every_method_taking_progress_refuses_a_bad_progress_or_callback(name, arguments, match):
+    with pytest.raises(TypeError, match=match):
+        _call_with_progress_arguments(name, **arguments)

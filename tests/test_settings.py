@@ -1,3 +1,4 @@
+import asyncio
 import threading
 
 import pytest
@@ -62,6 +63,21 @@ def test_bad_setting_values_are_refused_with_the_settings_name(make, match):
         make()
 
 
+@pytest.mark.parametrize("setting", [settings.dense_max_n, settings.max_chain_factorisations])
+def test_an_unknown_device_keyword_is_refused_naming_it_and_the_accepted_ones(setting):
+    with pytest.raises(TypeError, match=r"unknown device keyword 'gpu'.*cpu, cuda"):
+        setting(gpu=5)
+    with pytest.raises(TypeError, match="'cuda0'"):
+        setting(cpu=2, cuda0=5)
+
+
+def test_a_device_setting_keeps_the_other_devices_value_in_force_where_it_is_entered():
+    inner = settings.dense_max_n(cuda=7)  # made before the outer block is entered
+    with settings.dense_max_n(cpu=50), inner:
+        assert settings.dense_max_n.value("cpu") == 50
+        assert settings.dense_max_n.value("cuda") == 7
+
+
 def test_the_snapshot_changes_with_every_setting_that_changes_results_and_only_in_its_block():
     before = settings.snapshot()
     changing = [
@@ -95,6 +111,89 @@ def test_settings_are_exported_from_the_package():
     assert gpsd.settings is settings
     for name in settings.__all__:
         assert hasattr(settings, name)
+
+
+def test_two_threads_nesting_a_setting_leave_each_others_values_alone():
+    default = settings.test_chunk_size.value()
+    a_entered, b_entered, a_left = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with settings.test_chunk_size(5):
+            a_entered.set()
+            b_entered.wait(5)
+            seen["a inside, b inside"] = settings.test_chunk_size.value()
+            with settings.test_chunk_size(7):
+                seen["a nested"] = settings.test_chunk_size.value()
+            seen["a after nesting"] = settings.test_chunk_size.value()
+        a_left.set()
+        seen["a left"] = settings.test_chunk_size.value()
+
+    def thread_b():
+        a_entered.wait(5)
+        seen["b before entering"] = settings.test_chunk_size.value()
+        with settings.test_chunk_size(6):
+            b_entered.set()
+            a_left.wait(5)
+            seen["b inside, a left"] = settings.test_chunk_size.value()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    with settings.test_chunk_size(3):  # the main thread's block is its own as well
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert settings.test_chunk_size.value() == 3
+    assert seen == {
+        "b before entering": default,
+        "a inside, b inside": 5,
+        "a nested": 7,
+        "a after nesting": 5,
+        "a left": default,
+        "b inside, a left": 6,
+    }
+    assert settings.test_chunk_size.value() == default
+
+
+def test_two_asyncio_tasks_nesting_a_setting_leave_each_others_values_alone():
+    async def task(value, seen, entered, read):
+        with settings.max_lanczos_rank(value):
+            entered[value].set()
+            await asyncio.gather(*(event.wait() for event in entered.values()))
+            seen[value] = settings.max_lanczos_rank.value()
+            read[value].set()
+            await asyncio.gather(*(event.wait() for event in read.values()))
+
+    async def main():
+        seen = {}
+        entered = {11: asyncio.Event(), 12: asyncio.Event()}
+        read = {11: asyncio.Event(), 12: asyncio.Event()}
+        await asyncio.gather(task(11, seen, entered, read), task(12, seen, entered, read))
+        return seen
+
+    default = settings.max_lanczos_rank.value()
+    assert asyncio.run(main()) == {11: 11, 12: 12}
+    assert settings.max_lanczos_rank.value() == default
+
+
+def test_one_setting_instance_entered_in_two_threads_restores_each_threads_value():
+    shared = settings.cg_deflation_rank(9)
+    barrier = threading.Barrier(2)
+    seen = {}
+
+    def work(outer):
+        with settings.cg_deflation_rank(outer):
+            with shared:
+                barrier.wait(5)
+            barrier.wait(5)  # both threads have left the shared block
+            seen[outer] = settings.cg_deflation_rank.value()
+
+    threads = [threading.Thread(target=work, args=(v,)) for v in (5, 6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == {5: 5, 6: 6}
 
 
 def test_blocks_in_two_threads_restore_the_default():

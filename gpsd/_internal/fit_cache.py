@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,15 +36,29 @@ class BackwardWatch:
                     value.register_hook(self._hook)
 
 
+def _graph_needed(modules: tuple[nn.Module, ...]) -> bool:
+    """Whether a value computed from ``modules`` now would carry an autograd graph through them:
+    gradients are enabled and one of their parameters or buffers requires one."""
+    return torch.is_grad_enabled() and any(
+        tensor.requires_grad
+        for module in modules
+        for tensor in itertools.chain(module.parameters(), module.buffers())
+    )
+
+
 class FitCache:
     """A value computed from modules, with what it was computed from.
 
     The value stays valid while all of these are unchanged: the values, shapes, dtypes and
     devices of the modules' parameters and buffers (so an optimiser step, a write through
     ``.data``, ``load_state_dict`` and ``.to()`` all invalidate it), the ``config`` the owner
-    passes (its settings that the fit depends on), :func:`gpsd.settings.snapshot`, and, where
-    ``grad_matters``, the grad mode. A fit that carries an autograd graph is also invalid after
-    a backward pass has reached it (:meth:`watch`).
+    passes (its settings that the fit depends on) and :func:`gpsd.settings.snapshot`. Where
+    ``grad_matters`` (the value may carry an autograd graph through the modules), a value built
+    without a graph is invalid once one is needed: gradients are enabled and a parameter or
+    buffer of the modules requires them. A value built with a graph serves without one too
+    (under ``torch.no_grad()``), and one built under grad mode from modules that require no
+    gradient, which has no graph, serves under ``torch.no_grad()`` alike. A fit that carries an
+    autograd graph is invalid after a backward pass has reached it (:meth:`watch`).
 
     Owners keep one ``FitCache`` per cached fit and call :meth:`get` wherever they need it.
     It is dropped from copies and pickles (:meth:`__deepcopy__`): a copy refits on first use.
@@ -52,7 +67,7 @@ class FitCache:
     def __init__(self) -> None:
         self._states: list[ModuleState] | None = None
         self._config: tuple | None = None
-        self._grad_enabled: bool | None = None
+        self._with_graph = False
         self._backward = BackwardWatch()
         self.grad_matters = True
         self.value: Any = None
@@ -62,7 +77,7 @@ class FitCache:
         modules = modules if isinstance(modules, tuple) else (modules,)
         if self._states is None or self._backward.reached:
             return False
-        if self.grad_matters and self._grad_enabled != torch.is_grad_enabled():
+        if self.grad_matters and not self._with_graph and _graph_needed(modules):
             return False
         if self._config != (config, settings.snapshot()):
             return False
@@ -76,7 +91,7 @@ class FitCache:
         modules = modules if isinstance(modules, tuple) else (modules,)
         self._states = [ModuleState(module) for module in modules]
         self._config = (config, settings.snapshot())
-        self._grad_enabled = torch.is_grad_enabled()
+        self._with_graph = _graph_needed(modules)
         self.value = value
         return value
 

@@ -6,6 +6,26 @@ from __future__ import annotations
 from gpsd.progress import Callback, IterationRecord
 
 
+def check_progress(progress: object, callback: object) -> None:
+    """Refuse a ``progress=`` or ``callback=`` argument outside :mod:`gpsd.progress`'s contract.
+
+    Every public method that takes them calls this at its entry, so that a bad argument is
+    refused on every path, also on those that run no loop (a direct factorisation, a cached fit).
+
+    :raises TypeError: ``progress`` is not ``True``, ``False``, ``None`` or a ``tqdm`` bar (an
+        object with ``update`` and ``set_postfix``), or ``callback`` is neither ``None`` nor
+        callable.
+    """
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+    if progress is True or progress is False or progress is None:
+        return
+    if not (hasattr(progress, "update") and hasattr(progress, "set_postfix")):
+        raise TypeError(
+            f"progress must be True, False or a tqdm progress bar, got {type(progress).__name__}"
+        )
+
+
 class ProgressReporter:
     """Reports a loop's iterations to a progress bar and a callback.
 
@@ -22,6 +42,7 @@ class ProgressReporter:
     :param total: The most iterations (``None`` where unknown).
     :param progress: ``False``, ``True`` or a ``tqdm`` instance (see the module docs).
     :param callback: ``None`` or a function of an :class:`IterationRecord`.
+    :param phase: The phase of a fit with several, named in every record and on the bar.
     """
 
     def __init__(
@@ -30,25 +51,22 @@ class ProgressReporter:
         total: int | None,
         progress: object = False,
         callback: Callback | None = None,
+        phase: str | None = None,
     ) -> None:
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        check_progress(progress, callback)
         self.task = task
         self.total = total
+        self.phase = phase
         self.callback = callback
         self._owns_bar = False
         self._bar = None
         if progress is True:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=task, leave=False)
+            desc = task if phase is None else f"{task} ({phase})"
+            self._bar = tqdm(total=total, desc=desc, leave=False)
             self._owns_bar = True
         elif progress is not False and progress is not None:
-            if not (hasattr(progress, "update") and hasattr(progress, "set_postfix")):
-                raise TypeError(
-                    "progress must be True, False or a tqdm progress bar, "
-                    f"got {type(progress).__name__}"
-                )
             self._bar = progress
         #: the last record reported (``None`` before the first)
         self.last: IterationRecord | None = None
@@ -65,7 +83,7 @@ class ProgressReporter:
     def update(self, iteration: int, loss: float | None = None, **info: float) -> bool:
         """Report iteration ``iteration`` (1-based); ``True`` if the callback asks to stop."""
         loss = None if loss is None else float(loss)
-        record = IterationRecord(self.task, iteration, self.total, loss, dict(info))
+        record = IterationRecord(self.task, iteration, self.total, loss, dict(info), self.phase)
         self.last = record
         if self._bar is not None:
             self._bar.update(1)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
+
+from gpsd._internal.user_warning import warn
 
 __all__ = [
     "can_branch_on",
@@ -49,7 +49,7 @@ def checked_latent_variance(variance: Tensor) -> Tensor:
     return variance.clamp_min(0.0)
 
 
-def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -> Tensor:
+def nonnegative_variance(variance: Tensor, scale: Tensor) -> Tensor:
     r"""Clamp at 0 a variance :math:`k_{**} - \mathbf k_*^\top\mathbf A\mathbf k_*` that came out
     negative, warning with a ``NumericalWarning`` where that is beyond rounding.
 
@@ -64,7 +64,6 @@ def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -
 
     :param variance: the computed variances, any shape.
     :param scale: the prior variances, broadcastable against ``variance``.
-    :param stacklevel: passed to ``warnings.warn`` (3: the caller's caller).
     """
     if not can_branch_on(variance):
         return variance.clamp_min(0.0)
@@ -73,19 +72,16 @@ def nonnegative_variance(variance: Tensor, scale: Tensor, stacklevel: int = 3) -
     size = scale.detach().abs().clamp_min(tiny)
     if bool((variance.detach() < -relative * size).any()):
         worst = float((-variance.detach() / size).max())
-        warnings.warn(
+        warn(
             f"a predictive variance came out negative, {worst:.3g} times its prior variance "
             "(beyond rounding: an indefinite kernel matrix or an ill-conditioned solve); it was "
             "clamped at 0",
             NumericalWarning,
-            stacklevel=stacklevel,
         )
     return variance.clamp_min(0.0)
 
 
-def warn_if_variance_error_large(
-    variance: Tensor, bound: Tensor, scale: Tensor, stacklevel: int = 3
-) -> None:
+def warn_if_variance_error_large(variance: Tensor, bound: Tensor, scale: Tensor) -> None:
     r"""Warn with a ``NumericalWarning`` where an iterative solve's error bound could make a
     predictive variance more than 10 % off.
 
@@ -99,7 +95,6 @@ def warn_if_variance_error_large(
     :param variance: the computed variances, any shape.
     :param bound: bounds on their absolute errors, broadcastable against ``variance``.
     :param scale: the prior variances, broadcastable against ``variance``.
-    :param stacklevel: passed to ``warnings.warn`` (3: the caller's caller).
     """
     if not can_branch_on(variance):
         return
@@ -109,11 +104,10 @@ def warn_if_variance_error_large(
     tolerable = torch.maximum(0.1 * value.abs(), floor)
     if bool((bound > tolerable).any()):
         worst = float((bound / torch.maximum(value.abs(), floor)).max())
-        warnings.warn(
+        warn(
             f"the conjugate-gradient solves leave some predictive variances uncertain by up to "
             f"{worst:.3g} times their value (the bound |r|^2 / noise of a residual r within "
             "rtol of the right-hand side; small noise makes it large): lower rtol, or use "
             "backend='cholesky' where an N x N matrix fits",
             NumericalWarning,
-            stacklevel=stacklevel,
         )

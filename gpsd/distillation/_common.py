@@ -1,10 +1,10 @@
-"""Shared plumbing of the regression distillers: validation, students, batches."""
+"""Shared plumbing of the distillers: validation (the one check of ``noise``), students,
+batches."""
 
 from __future__ import annotations
 
 import copy
 import operator
-import warnings
 
 import gpytorch
 import torch
@@ -18,6 +18,7 @@ from linear_operator import to_dense
 from torch import Tensor
 
 from gpsd._internal.teacher import validate_teacher
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -27,27 +28,64 @@ from gpsd._internal.validation import (
 )
 
 
-def validate_noise(noise: object, like: Tensor, num_steps: object = None) -> Tensor:
-    """A noise schedule as a tensor of shape ``(*s, T)``, strictly positive and finite.
+def check_noise(
+    noise: object,
+    like: Tensor,
+    num_steps: object = None,
+    *,
+    owner: str,
+    positive: bool,
+    batch: bool,
+    assigned: bool = False,
+) -> Tensor:
+    r"""The noise schedule :math:`\gamma_1, \dots, \gamma_T` of a distiller as a detached
+    tensor of shape ``(*s, T)`` (a batch of schedules) in ``like``'s dtype and on its device:
+    the one check of ``noise`` of every distiller, at construction and on assignment.
 
-    One value (a number or a 0-d tensor) is one step, or, with ``num_steps`` given, repeated
-    ``num_steps`` times; a schedule given with ``num_steps`` must have ``num_steps`` steps.
+    One value (a number, or a 0-d tensor or array) is every step's: repeated ``num_steps`` times
+    (one step where ``num_steps`` is ``None``). A schedule must have ``num_steps`` steps where
+    ``num_steps`` is given.
+
+    :param owner: The distiller's class name, for the messages.
+    :param positive: Whether the family needs :math:`\gamma > 0` (the regression distillers,
+        whose every step's posterior needs :math:`\mathbf K + \gamma\mathbf I` invertible);
+        else :math:`\gamma \ge 0`.
+    :param batch: Whether the family takes a batch of schedules; else only ``(T,)``.
+    :param assigned: Whether the schedule replaces a model's (``model.noise = ...``), whose
+        ``num_steps`` is then fixed.
     """
-    noise = as_float_tensor(noise, "noise", dtype=like.dtype, device=like.device)
+    tensor = as_float_tensor(noise, "noise", dtype=like.dtype, device=like.device).detach()
     num_steps = check_int(num_steps, "num_steps", optional=True)
-    if noise.numel() == 0:
+    if tensor.numel() == 0:
         raise ValueError("noise must hold at least one noise value, got an empty schedule")
-    if torch.isnan(noise).any() or not (noise > 0).all() or torch.isinf(noise).any():
-        raise ValueError(f"noise must be strictly positive and finite, got {noise.tolist()}")
-    if noise.dim() == 0:
-        return noise.reshape(1).expand(num_steps or 1).clone()
-    if num_steps is not None and noise.shape[-1] != num_steps:
-        raise ValueError(
-            f"num_steps={num_steps} does not match the {noise.shape[-1]} steps of the noise "
-            f"schedule (shape {tuple(noise.shape)}); give one value of noise to repeat, or "
-            "leave num_steps out"
+    bound = "> 0" if positive else ">= 0"
+    if not bool((torch.isfinite(tensor) & ((tensor > 0) if positive else (tensor >= 0))).all()):
+        why = (
+            f" for {owner} (every step's posterior needs K + noise * I invertible)"
+            if positive
+            else ""
         )
-    return noise
+        raise ValueError(f"noise must hold finite numbers {bound}{why}, got {tensor.tolist()}")
+    if tensor.dim() == 0:
+        return tensor.reshape(1).expand(num_steps or 1).clone()
+    if tensor.dim() > 1 and not batch:
+        raise ValueError(
+            f"noise must be one number or a schedule of shape (num_steps,) for {owner}, which "
+            f"fits one schedule (a batch of schedules (*s, T) is for the regression "
+            f"distillers), got shape {tuple(tensor.shape)}"
+        )
+    if num_steps is not None and tensor.shape[-1] != num_steps:
+        fixed = (
+            f" (num_steps is fixed once {owner} is built: build a new one to change it)"
+            if assigned
+            else ""
+        )
+        raise ValueError(
+            f"num_steps={num_steps} does not match the {tensor.shape[-1]} steps of the noise "
+            f"schedule (shape {tuple(tensor.shape)}); give one value of noise to repeat, or a "
+            f"schedule of {num_steps} steps{fixed}"
+        )
+    return tensor
 
 
 def validate_training_data(train_x: object, train_y: object) -> tuple[Tensor, Tensor]:
@@ -99,7 +137,7 @@ LOW_PRECISION_WARNING = 0.1
 
 
 def warn_low_precision_factorisation(
-    kernel: Kernel, x: Tensor, dtype: torch.dtype, gamma_min: float, stacklevel: int = 4
+    kernel: Kernel, x: Tensor, dtype: torch.dtype, gamma_min: float
 ) -> None:
     r"""Warn with a ``NumericalWarning`` where factoring :math:`\mathbf K + \gamma\mathbf I` in
     ``dtype`` may cost the predictions their accuracy.
@@ -122,14 +160,13 @@ def warn_low_precision_factorisation(
         trace = float(to_dense(kernel(x, diag=True)).sum(-1).max())
     estimate = eps * trace / gamma_min
     if estimate > LOW_PRECISION_WARNING:
-        warnings.warn(
+        warn(
             f"the kernel matrix is factored in {dtype} with a smallest noise of {gamma_min:.3g} "
             f"against a trace of {trace:.3g}: solves may be off by up to about "
             f"{min(estimate, 1.0):.2g} relative (eps * tr K / noise), and the variances, "
             "differences of nearly equal terms where the data pin the posterior, by more; use "
             "linalg_dtype=torch.float64",
             NumericalWarning,
-            stacklevel=stacklevel,
         )
 
 

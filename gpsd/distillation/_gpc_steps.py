@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import abc
 import copy
-import numbers
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,7 +33,6 @@ __all__ = [
     "check_refit_flag",
     "check_refit_options",
     "check_trainable",
-    "noise_schedule",
     "refit_step_modules",
 ]
 
@@ -140,33 +137,6 @@ def refit_step_modules(
     for p in [*kernel.parameters(), *mean.parameters()]:
         p.requires_grad_(False)
     return FittedModules(kernel, mean, list(model.history)), model.mode
-
-
-def noise_schedule(value: object, num_steps: int, name: str = "noise") -> tuple[float, ...]:
-    """``value`` as ``num_steps`` finite numbers >= 0: one number for every step, or one per step
-    (a sequence, array or tensor of shape ``(num_steps,)``)."""
-    if isinstance(value, numbers.Real) or (
-        isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0
-    ):
-        values = [float(value)] * num_steps
-    elif isinstance(value, (Tensor, np.ndarray)) and value.ndim != 1:
-        raise ValueError(
-            f"{name} must be one number or have shape (num_steps,) = ({num_steps},), "
-            f"got shape {tuple(value.shape)}"
-        )
-    elif isinstance(value, Iterable) and not isinstance(value, str):
-        values = [float(v) for v in value]
-        if len(values) != num_steps:
-            raise ValueError(f"{name} must have num_steps={num_steps} entries, got {len(values)}")
-    else:
-        raise TypeError(
-            f"{name} must be a number or a sequence of num_steps={num_steps} numbers, "
-            f"got {type(value).__name__}"
-        )
-    for v in values:
-        if not (v >= 0 and v < float("inf")):
-            raise ValueError(f"{name} must hold finite numbers >= 0, got {values}")
-    return tuple(values)
 
 
 class StepwiseClassifier(abc.ABC):

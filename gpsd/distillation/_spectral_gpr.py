@@ -30,6 +30,7 @@ from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
 from gpsd._internal.negligible import kernel_matrix
+from gpsd._internal.progress_reporter import check_progress
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -41,8 +42,8 @@ from gpsd._internal.validation import (
 )
 from gpsd._internal.variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.distillation._common import (
+    check_noise,
     unpack_teacher,
-    validate_noise,
     validate_test_x,
     validate_training_data,
     warn_low_precision_factorisation,
@@ -164,7 +165,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         # it cannot be deep-copied. Gradients reach the kernel's and the mean's parameters.
         self.register_buffer("train_x", train_x.detach())
         self.register_buffer("train_y", train_y.detach())
-        self.register_buffer("noise", validate_noise(noise, train_x, num_steps).detach())
+        self.register_buffer("noise", self._checked_noise(noise, train_x, num_steps))
         self._check_batches(train_x, train_y)
         self.backend = backend
         self.linalg_dtype = linalg_dtype
@@ -176,6 +177,29 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self.process_group = process_group
         self._factor_cache = FitCache()
         self._targets_cache = FitCache()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "noise" and "noise" in self.__dict__.get("_buffers", {}):
+            previous = self._buffers["noise"]
+            value = self._checked_noise(value, self.train_x, self.num_steps, assigned=True)
+            super().__setattr__(name, value)
+            try:
+                self._check_batches(self.train_x, self.train_y)
+            except ValueError:
+                super().__setattr__(name, previous)
+                raise
+            return
+        super().__setattr__(name, value)
+
+    def _checked_noise(
+        self, noise: object, like: Tensor, num_steps: int | None, assigned: bool = False
+    ) -> Tensor:
+        """``noise`` as this model's ``(*s, T)`` schedules (:func:`check_noise`): one number
+        for every step, or schedules of ``num_steps`` steps, each > 0."""
+        owner = type(self).__name__
+        return check_noise(
+            noise, like, num_steps, owner=owner, positive=True, batch=True, assigned=assigned
+        )
 
     def _check_batches(self, train_x: Tensor, train_y: Tensor) -> None:
         """A ``ValueError`` unless the batches of the schedules, the data and the kernel
@@ -318,7 +342,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         The model also fits lazily, on first use, and refits when the kernel's or the prior
         mean's parameters, the data, the schedule, the settings of the model or
-        :mod:`gpsd.settings` change; ``fit()`` chooses when the work is done, and reports it.
+        :mod:`gpsd.settings` change, when a gradient is needed (gradients enabled and a parameter
+        that requires one) and the fit was made without an autograd graph, and after a backward
+        pass through the fit's graph; ``fit()`` chooses when the work is done, and reports it.
+        A fit made under grad mode serves predictions under ``torch.no_grad()`` as it is.
 
         :param progress: a progress bar for the growth of a Lanczos basis, one iteration per
             block of Krylov vectors (see :mod:`gpsd.progress`); the direct backends do not
@@ -327,6 +354,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             the rank and the error estimate); returning ``True`` stops the growth, and the
             backend goes on from the basis reached as when Lanczos falls short of ``rtol``.
         """
+        check_progress(progress, callback)
         self._factorisation(progress=progress, callback=callback)
         self._state()
         return self
@@ -503,7 +531,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         test_x = validate_test_x(test_x, self.train_x)
         if self._splits_test_points(test_x, full_cov):
             prediction = self._predict_split(test_x)
-        else:  # called from here: warnings point past predict (stacklevel)
+        else:
             prediction = self._predict_all(test_x, full_cov)
         if include_noise:
             noise = self._step_noise().to(prediction.mean).unsqueeze(-1)  # shape: (*s, T, 1)
@@ -600,8 +628,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         if full_cov or test_x.shape[-2] <= chunk:
             return self._predict_chunk(test_x, full_cov)
         parts = []
-        for i in range(0, test_x.shape[-2], chunk):  # a loop, not a comprehension:
-            # warnings point past predict (stacklevel) on every Python version
+        for i in range(0, test_x.shape[-2], chunk):
             parts.append(self._predict_chunk(test_x[..., i : i + chunk, :], False))
         return Prediction(
             torch.cat([p.mean for p in parts], dim=-1),
@@ -667,7 +694,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
             variance = nonnegative_variance(prior_var - reduction, prior_var)
             if engine.quad_error_bound is not None:  # the iterative solvers bound their forms
-                warn_if_variance_error_large(variance, engine.quad_error_bound, prior_var, 5)
+                warn_if_variance_error_large(variance, engine.quad_error_bound, prior_var)
             variance = variance.to(test_x.dtype)
             # The variances do not depend on the targets or the prior mean: expanded (a view)
             # over their batch, so that they index as the means do.

@@ -73,7 +73,8 @@ class DataCentricGPR(SpectralGPR):
     :param covar_module: the prior covariance :math:`k` (a GPyTorch kernel, trained or not).
     :param noise: the noise schedule :math:`\gamma_1, \dots, \gamma_T`: one value (repeated
         ``num_steps`` times, or one step), a list, or a tensor of shape ``(*s, T)`` holding a
-        batch of schedules.
+        batch of schedules; each value > 0. Assigning ``model.noise`` later is checked the same
+        way and keeps :math:`T` (one value is every step's).
     :param num_steps: the number of steps :math:`T` (default: the length of ``noise``; with a
         schedule, they must agree).
     :param mean_module: the prior mean :math:`m` (default: zero).

@@ -68,7 +68,8 @@ class DistributionCentricGPR(SpectralGPR):
     :param train_y: training targets, shape ``(*b, N)``.
     :param covar_module: the prior covariance :math:`k`.
     :param noise: the schedule :math:`\gamma_1, \dots, \gamma_T`: one value (repeated
-        ``num_steps`` times, or one step), a list, or a ``(*s, T)`` tensor.
+        ``num_steps`` times, or one step), a list, or a ``(*s, T)`` tensor; each value > 0.
+        Assigning ``model.noise`` later is checked the same way and keeps :math:`T`.
     :param num_steps: the number of steps :math:`T` (default: the length of ``noise``).
     :param mean_module: the prior mean :math:`m` (default zero).
     :param method: ``"collapsed"`` or ``"iterated"``.

@@ -9,14 +9,11 @@ from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from gpsd._internal.distances import same_inputs
-
-
-class NonFiniteEmbeddingsError(ValueError):
-    """The feature extractor produced NaN or infinite embeddings (a ``ValueError``)."""
+from gpsd.exceptions import NonFiniteEmbeddingsError
 
 
 def check_embeddings(z: Tensor) -> Tensor:
-    """Raise a :class:`NonFiniteEmbeddingsError` naming the feature extractor if the embeddings
+    """Raise a :class:`~gpsd.NonFiniteEmbeddingsError` naming the feature extractor if the embeddings
     ``z`` (``(m, *batch, n, d)``: one row per particle and input) hold NaN or inf; else ``z``."""
     finite = torch.isfinite(z).all(-1)  # shape: (m, *batch, n)
     if not bool(finite.all()):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from typing import Literal
 
 import gpytorch
@@ -14,7 +13,8 @@ from torch import Tensor, nn
 
 from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.module_state import checked_setting
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -22,14 +22,13 @@ from gpsd._internal.validation import (
     check_positive_float,
     replacement_data,
 )
-from gpsd.dpkl._feature_kernel import NonFiniteEmbeddingsError
 from gpsd.dpkl.svgd import (
     SteinVariationalGradient,
     check_bandwidth,
     check_repulsion,
     check_update,
 )
-from gpsd.exceptions import NotFittedError
+from gpsd.exceptions import NonFiniteEmbeddingsError, NotFittedError
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
 
@@ -275,6 +274,7 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         :raises ValueError: the feature extractor produced NaN or inf embeddings (the message
             names the iteration).
         """
+        check_progress(progress, callback)
         max_iter = check_int(max_iter, "max_iter", minimum=0)
         lr = check_positive_float(lr, "lr")
         if (val_x is None) != (val_y is None):
@@ -322,7 +322,9 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
                 try:
                     loss = self.training_loss()
                 except NonFiniteEmbeddingsError as err:
-                    raise ValueError(f"{err} (in fit, at iteration {iteration})") from err
+                    raise NonFiniteEmbeddingsError(
+                        f"{err} (in fit, at iteration {iteration})"
+                    ) from err
                 if not torch.isfinite(loss):
                     raise RuntimeError(
                         f"the training loss became {float(loss)} at iteration {iteration}; "
@@ -385,10 +387,9 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         if not (torch.isfinite(mean).all() and torch.isfinite(var).all()):
             raise RuntimeError("non-finite predictions; the model is numerically unstable")
         if (var <= 0).any():
-            warnings.warn(
+            warn(
                 "non-positive predictive variances were clamped to 1e-12",
                 NumericalWarning,
-                stacklevel=2,
             )
             var = var.clamp_min(1e-12)
         return Prediction(mean, var)

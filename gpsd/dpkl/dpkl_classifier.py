@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from gpsd import settings
 from gpsd._internal.module_state import checked_setting
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import as_float_tensor, check_finite, check_int, check_positive_float
 from gpsd.dpkl.particle_ensemble import ParticleEnsemble
 from gpsd.dpkl.svgd import SteinVariationalGradient, check_bandwidth, check_update
@@ -400,6 +400,7 @@ class DPKLClassifier(gpytorch.Module):
             ``info["val_nll"]`` on epochs with a check); returning ``True`` stops training.
         :returns: ``self``, fitted.
         """
+        check_progress(progress, callback)
         max_iter = check_int(max_iter, "max_iter", minimum=0)
         batch_size = check_int(batch_size, "batch_size")
         check_every = check_int(check_every, "check_every")

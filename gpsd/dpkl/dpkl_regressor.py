@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from gpsd._internal.negligible import drop_negligible
+from gpsd._internal.progress_reporter import check_progress
 from gpsd._internal.validation import check_int, check_positive_float
 from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs, check_targets
 from gpsd.dpkl.ard_gp_regressor import ARDGPRegressor
@@ -310,6 +311,7 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             inf embeddings.
         """
         # every argument is checked before the warm start trains anything
+        check_progress(progress, callback)
         max_iter = check_int(max_iter, "max_iter", minimum=0)
         warm_start_iter = check_int(warm_start_iter, "warm_start_iter", minimum=0)
         lr = check_positive_float(lr, "lr")

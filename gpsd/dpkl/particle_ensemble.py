@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import operator
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
+
+from gpsd._internal.user_warning import warn
 
 __all__ = ["ParticleEnsemble"]
 
@@ -121,13 +122,12 @@ class ParticleEnsemble(nn.Module):
         should_differ = reinitialise or not isinstance(module, nn.Module)
         if num_particles > 1 and should_differ and varied:
             if all(bool((v == v[:1]).all()) for v in varied):
-                warnings.warn(
+                warn(
                     f"all {num_particles} particles start with identical trainable parameters "
                     "(no submodule has reset_parameters(), or the factory returns the same "
                     "values); Stein repulsion cannot separate identical particles, so the "
                     "ensemble stays one network. Pass a factory that initialises fresh ones.",
                     UserWarning,
-                    stacklevel=2,
                 )
         self._param_names = list(params)
         self._buffer_names = list(buffers)

@@ -25,13 +25,14 @@ from gpsd._internal.collectives import (
     tensor_fingerprint,
     text_checksum,
 )
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.stationary_kernel import (
     check_lengthscale_count,
     evaluate_kernel,
     stationary_kernel_parameters,
 )
 from gpsd._internal.teacher import frozen_copy
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
     check_int,
@@ -294,7 +295,7 @@ class KernelDistillation:
     differs. :meth:`prepare`, :meth:`least_squares_weights`, :meth:`objective_and_gradient`,
     :meth:`frobenius_error`, :meth:`block_direction` and :meth:`fit` are collective too: every
     rank calls them in the same order with the same arguments (a
-    ``callback`` must stop the descent on every rank alike). A collective that fails or waits
+    ``callback`` must stop the preparation and the descent on every rank alike). A collective that fails or waits
     longer than the group's ``timeout`` raises a :class:`~gpsd.DistributedError`. Collectives
     run on the tensors' device with NCCL, on the CPU with gloo.
 
@@ -381,7 +382,7 @@ class KernelDistillation:
         if not _forward_matches_modules(
             teacher, self.covar_module, self.mean_constant, self.train_x
         ):
-            warnings.warn(
+            warn(
                 "teacher.forward differs from MultivariateNormal(mean_module(x), "
                 "covar_module(x)) on the teacher's training inputs (it transforms the inputs, "
                 "say): kernel distillation distils covar_module and mean_module applied to the "
@@ -389,7 +390,6 @@ class KernelDistillation:
                 "transformed inputs, pass them to KernelDistillation.from_data (and transform "
                 "test inputs alike)",
                 UserWarning,
-                stacklevel=2,
             )
 
     @classmethod
@@ -644,32 +644,77 @@ class KernelDistillation:
         return self._student
 
     # ------------------------------------------------------------------ building blocks
-    def prepare(self) -> None:
+    def prepare(self, *, progress: object = False, callback: Callback | None = None) -> None:
         """K-means (unless ``inducing_points`` was given), neighbours, :math:`K_{UU}`, initial W
-        (collective with a :attr:`process_group`: see :meth:`least_squares_weights`)."""
+        (collective with a :attr:`process_group`: see :meth:`least_squares_weights`).
+
+        Each phase reports its iterations as a phase of task ``"KernelDistillation.prepare"``
+        (see :meth:`fit`, which runs it where it has not run).
+
+        :param progress: ``False``, ``True`` (a ``tqdm`` bar per phase) or a ``tqdm`` bar to
+            advance.
+        :param callback: called after every iteration of a phase with an
+            :class:`~gpsd.IterationRecord` naming the phase; returning ``True`` ends the K-means
+            iterations with the centroids reached, and the later phases, which need every row,
+            run whole without calling it again.
+        """
+        check_progress(progress, callback)
+        self._prepare("KernelDistillation.prepare", progress, callback)
+
+    def _prepare(self, task: str, progress: object, callback: Callback | None) -> bool:
+        """:meth:`prepare`, reported as phases of ``task``; whether the callback asked to
+        stop."""
         t0 = time.perf_counter()
         x = self.train_x
         scale = self.neighbour_scale
+        stopped = False
         if self.inducing_points is None:
-            centres = kmeans(
-                x / scale, self.num_inducing, max_iter=self.kmeans_max_iter, seed=self.seed
-            )
+            with ProgressReporter(
+                task, self.kmeans_max_iter, progress, callback, phase="k-means"
+            ) as report:
+                centres = kmeans(
+                    x / scale,
+                    self.num_inducing,
+                    max_iter=self.kmeans_max_iter,
+                    seed=self.seed,
+                    callback=lambda r: report.update(r.iteration, loss=r.loss, **r.info),
+                )
+            stopped = report.stopped
+            if stopped:  # the later phases run whole, without further records
+                callback = None
             if self.process_group is not None:
                 # on GPUs, K-means adds with atomics whose order varies: rank 0's for all
                 what = "all_gather of the K-means centroids"
                 centres = all_gather(centres, self.process_group, what)[0]
             self.inducing_points = centres * scale
         t1 = time.perf_counter()
-        _, idx = nearest_inducing_points(x / scale, self.inducing_points / scale, self.sparsity)
+        with ProgressReporter(task, 1, progress, callback, phase="neighbours") as report:
+            _, idx = nearest_inducing_points(x / scale, self.inducing_points / scale, self.sparsity)
+            report.update(1)
+        if report.stopped:
+            stopped, callback = True, None
         self.neighbour_indices = idx.sort(dim=-1).values  # shape: (n, b)
         self._pattern = _SparseRows(self.neighbour_indices, self.num_inducing)
         self.inducing_covariance = evaluate_kernel(
             self.covar_module, self.inducing_points, self.inducing_points
         )
-        self.initial_weight_values = self.least_squares_weights()
+        blocks = len(self._least_squares_blocks())
+        with ProgressReporter(task, blocks, progress, callback, phase="least squares") as report:
+            self.initial_weight_values = self._least_squares_weights(report)
+        stopped = stopped or report.stopped
         self.weight_values = self.initial_weight_values.clone()
         t2 = time.perf_counter()
         self.timings.update(kmeans=t1 - t0, initialisation=t2 - t1)
+        return stopped
+
+    def _least_squares_blocks(self) -> list[slice]:
+        """The blocks of this rank's rows that :meth:`least_squares_weights` solves at once."""
+        rows = max(1, _CHUNK_ELEMENTS // (self.num_inducing * self.sparsity))
+        block = self._block  # all n rows without a process group
+        return [
+            slice(start, min(start + rows, block.stop))
+            for start in range(block.start, block.stop, rows)
+        ]
 
     def least_squares_weights(self) -> Tensor:
         r"""Initial W, rows :math:`\arg\min_\beta \|\beta K_{UU}(J_i,:) - k(x_i, U)\|_2` (n, b).
@@ -683,22 +728,25 @@ class KernelDistillation:
         :math:`K_{UU} K_{UU}^\top`, computed once. With a :attr:`process_group`, collective:
         each rank solves its block of rows, and the rows are gathered.
         """
-        idx, m, b = self.neighbour_indices, self.num_inducing, self.sparsity
+        return self._least_squares_weights()
+
+    def _least_squares_weights(self, report: ProgressReporter | None = None) -> Tensor:
+        """:meth:`least_squares_weights`, reporting each block of rows solved to ``report``."""
+        idx, b = self.neighbour_indices, self.sparsity
         dtype = self.inducing_covariance.dtype
         work = dtype if self.inducing_covariance.device.type == "mps" else torch.float64
         kuu = self.inducing_covariance.to(work)
         kuu_gram = kuu @ kuu.mT  # shape: (m, m)
-        rows = max(1, _CHUNK_ELEMENTS // (m * b))
-        block = self._block  # all n rows without a process group
         out = []
-        for start in range(block.start, block.stop, rows):
-            stop = min(start + rows, block.stop)
-            xr = self.train_x[start:stop]
+        for number, rows in enumerate(self._least_squares_blocks(), start=1):
+            xr = self.train_x[rows]
             rhs = evaluate_kernel(self.covar_module, xr, self.inducing_points).to(work)  # (c, m)
-            j = idx[start:stop]  # shape: (c, b)
+            j = idx[rows]  # shape: (c, b)
             design = kuu[j]  # K_UU(J_i, :), shape: (c, b, m)
             gram = kuu_gram[j.unsqueeze(-1), j.unsqueeze(-2)]  # shape: (c, b, b)
             out.append(_batched_least_squares(design, rhs, gram).to(dtype))
+            if report is not None:
+                report.update(number, rows=rows.stop - rows.start)
         mine = torch.cat(out) if out else kuu.new_zeros(0, b).to(dtype)  # (n_p, b)
         return self._gather_rows(mine, "all_gather of the least-squares start")
 
@@ -903,14 +951,27 @@ class KernelDistillation:
         iterations only. To start over from the least-squares :math:`W` instead, set
         ``weight_values = initial_weight_values.clone()`` first.
 
-        :param progress: ``False``, ``True`` (a ``tqdm`` bar) or a ``tqdm`` bar to advance.
-        :param callback: called after every iteration ``k`` with an
-            :class:`~gpsd.IterationRecord` whose ``iteration`` is ``k`` and whose ``loss`` is the
-            error after it (``frobenius_errors[k]``); returning ``True`` stops the descent.
+        Every phase reports its iterations, each record naming its ``phase``: where
+        :meth:`prepare` runs, ``"k-means"`` (one per Lloyd iteration, ``loss`` the mean squared
+        distance to the assigned centroid), ``"neighbours"`` (one, after the search) and
+        ``"least squares"`` (one per block of rows solved, ``info["rows"]`` its rows); then
+        ``"descent"``.
+
+        :param progress: ``False``, ``True`` (a ``tqdm`` bar per phase) or a ``tqdm`` bar to
+            advance.
+        :param callback: called after every iteration with an :class:`~gpsd.IterationRecord` of
+            task ``"KernelDistillation.fit"``; in the ``"descent"`` phase, after iteration ``k``
+            with ``iteration`` ``k`` and ``loss`` the error after it (``frobenius_errors[k]``).
+            Returning ``True`` stops the descent; in the preparation, it ends the K-means
+            iterations with the centroids reached, and the descent takes no iteration (the
+            student is built from the least-squares :math:`W`).
         :return: this distiller.
         """
+        check_progress(progress, callback)
+        prepared_stop = False
         if self.weight_values is None:
-            self.prepare()
+            prepared_stop = self._prepare("KernelDistillation.fit", progress, callback)
+        max_iter = 0 if prepared_stop else self.max_iter
         t0 = time.perf_counter()
         values = self.weight_values
         errors: list[float] = []
@@ -919,10 +980,10 @@ class KernelDistillation:
             param = torch.nn.Parameter(values.clone())
             opt = self.optimizer([param])
         with ProgressReporter(
-            "KernelDistillation.fit", self.max_iter, progress, callback
+            "KernelDistillation.fit", max_iter, progress, callback, phase="descent"
         ) as report:
             stopped = False
-            for step in range(self.max_iter):
+            for step in range(max_iter):
                 current = param.detach() if opt is not None else values
                 obj, grad = self.objective_and_gradient(current)
                 errors.append(float(obj.sqrt()))
@@ -956,19 +1017,18 @@ class KernelDistillation:
                     )
             if not stopped:
                 errors.append(self.frobenius_error(values))
-                if self.max_iter > 0:
-                    report.update(self.max_iter, loss=errors[-1])
+                if max_iter > 0:
+                    report.update(max_iter, loss=errors[-1])
         self.weight_values = values
         self.frobenius_errors = errors
         # the exact line search never raises the error (beyond rounding); fixed steps can
         grew = not self._uses_line_search and errors[-1] > 1.001 * errors[0]
         if grew:
-            warnings.warn(
+            warn(
                 f"kernel distillation ended with a larger error ||K - WKW^T||_F = {errors[-1]:.3e} "
                 f"than it started with ({errors[0]:.3e}): {self._step_rule()} is too large; "
                 "lower it, or use the exact line search (lr=None, the default)",
                 RuntimeWarning,
-                stacklevel=2,
             )
         t1 = time.perf_counter()
         try:

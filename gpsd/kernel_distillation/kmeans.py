@@ -10,8 +10,10 @@ import torch
 from torch import Tensor
 
 from gpsd._internal.distances import squared_distances
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import as_float_tensor, check_int, check_matrix, check_positive_float
 from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
+from gpsd.progress import Callback
 
 __all__ = ["kmeans", "kmeans_plus_plus"]
 
@@ -62,6 +64,8 @@ def kmeans(
     tol: float = 1e-6,
     seed: int = 0,
     chunk_size: int | None = None,
+    progress: object = False,
+    callback: Callback | None = None,
 ) -> Tensor:
     r"""Lloyd's K-means from a k-means++ start.
 
@@ -75,8 +79,16 @@ def kmeans(
     :param max_iter: the most Lloyd iterations (0: the k-means++ start).
     :param tol: relative shift below which the iterations stop, a non-negative float.
     :param seed: seed of the k-means++ seeding (a non-negative integer).
+    :param progress: ``False``, ``True`` (a ``tqdm`` bar) or a ``tqdm`` bar to advance, one
+        step per Lloyd iteration (see :mod:`gpsd.progress`).
+    :param callback: called after every Lloyd iteration with an :class:`~gpsd.IterationRecord`
+        of task ``"kmeans"``: ``loss`` the mean squared distance of the inputs to the centre they
+        were assigned to in the iteration, ``info["shift"]`` the largest move of a centre
+        relative to the inputs' scale. Returning ``True`` stops: the centroids reached are
+        returned.
     :return: the centroids, shape ``(k, d)``.
     """
+    check_progress(progress, callback)
     max_iter = check_int(max_iter, "max_iter", minimum=0)
     chunk_size = check_int(chunk_size, "chunk_size", optional=True)
     tol = check_positive_float(tol, "tol", allow_zero=True)
@@ -84,24 +96,37 @@ def kmeans(
     x = check_matrix(as_float_tensor(x, "x"), "x")
     # population variance: defined (no warning, no NaN) for a single input too
     scale = x.var(0, correction=0).sum().clamp_min(torch.finfo(x.dtype).tiny).sqrt()
-    k = num_clusters
-    for _ in range(max_iter):
-        d2, assign = nearest_inducing_points(x, centres, 1, chunk_size=chunk_size)
-        d2, assign = d2.squeeze(-1), assign.squeeze(-1)
-        # the mean of a cluster as its centre plus the mean offset of its inputs from it: sums of
-        # the inputs themselves lose about eps * |x| per input to rounding (float32 inputs near
-        # 2000 would move every centre by about 0.04), sums of the offsets eps * the cluster radius
-        offsets = torch.zeros_like(centres).index_add_(0, assign, x - centres[assign])
-        counts = torch.zeros(k, dtype=x.dtype, device=x.device).index_add_(
-            0, assign, torch.ones_like(d2)
-        )
-        new = centres + offsets / counts.clamp_min(1.0).unsqueeze(-1)
-        empty = counts == 0
-        if bool(empty.any()):
-            far = torch.topk(d2, int(empty.sum())).indices
-            new[empty] = x[far]
-        shift = (new - centres).norm(dim=-1).max()
-        centres = new
-        if shift <= tol * scale:
-            break
+    reporting = callback is not None or (progress is not False and progress is not None)
+    with ProgressReporter("kmeans", max_iter, progress, callback) as report:
+        for iteration in range(1, max_iter + 1):
+            centres, shift, objective = _lloyd_iteration(x, centres, chunk_size)
+            if reporting and report.update(iteration, loss=objective, shift=float(shift / scale)):
+                break
+            if shift <= tol * scale:
+                break
     return centres
+
+
+def _lloyd_iteration(
+    x: Tensor, centres: Tensor, chunk_size: int | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One Lloyd iteration from ``centres`` (``(k, d)``): the new centres, the largest move of a
+    centre, and the mean squared distance of the inputs ``x`` (``(n, d)``) to the centres they
+    were assigned to."""
+    k = centres.shape[0]
+    d2, assign = nearest_inducing_points(x, centres, 1, chunk_size=chunk_size)
+    d2, assign = d2.squeeze(-1), assign.squeeze(-1)  # shape: (n,)
+    # the mean of a cluster as its centre plus the mean offset of its inputs from it: sums of
+    # the inputs themselves lose about eps * |x| per input to rounding (float32 inputs near
+    # 2000 would move every centre by about 0.04), sums of the offsets eps * the cluster radius
+    offsets = torch.zeros_like(centres).index_add_(0, assign, x - centres[assign])
+    counts = torch.zeros(k, dtype=x.dtype, device=x.device).index_add_(
+        0, assign, torch.ones_like(d2)
+    )
+    new = centres + offsets / counts.clamp_min(1.0).unsqueeze(-1)
+    empty = counts == 0
+    if bool(empty.any()):
+        far = torch.topk(d2, int(empty.sum())).indices
+        new[empty] = x[far]
+    shift = (new - centres).norm(dim=-1).max()
+    return new, shift, d2.mean()

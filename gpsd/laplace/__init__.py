@@ -1,5 +1,6 @@
 """Laplace approximation for binary GP classification with any log-concave 1-D likelihood."""
 
+from gpsd.exceptions import LaplaceConvergenceError
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
@@ -7,7 +8,7 @@ from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
-from gpsd.laplace.newton import LaplaceConvergenceError, LaplaceMode, find_laplace_mode
+from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
     binary_class_probabilities,
     closed_form_probability,

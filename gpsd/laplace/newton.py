@@ -15,14 +15,11 @@ from gpsd._internal.validation import (
     check_positive_float,
     check_vector,
 )
+from gpsd.exceptions import LaplaceConvergenceError
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.resolve import resolve_likelihood_terms
 
-__all__ = ["LaplaceConvergenceError", "LaplaceMode", "find_laplace_mode"]
-
-
-class LaplaceConvergenceError(RuntimeError):
-    """Newton's method for the Laplace mode did not converge."""
+__all__ = ["LaplaceMode", "find_laplace_mode"]
 
 
 @dataclass

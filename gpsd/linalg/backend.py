@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 
 import numpy as np
 import torch
@@ -18,6 +17,8 @@ from gpsd._internal.collectives import check_group
 from gpsd._internal.keops import is_keops_kernel
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
+from gpsd._internal.progress_reporter import check_progress
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import check_int
 from gpsd.exceptions import InsufficientMemoryError
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
@@ -206,6 +207,7 @@ def make_engine(
     ``"cholesky"``, which would form the whole matrix on every rank and ignore the group, raise
     a ``ValueError`` naming the matrix-free backends.
     """
+    check_progress(progress, callback)
     n = x.shape[-2]
     if process_group is not None:
         check_group(process_group)
@@ -541,7 +543,7 @@ def _warn_if_cg_iterates_on_much(
     if not mean >= gamma_min:
         return
     kappa = 1.0 + mean / gamma_min
-    warnings.warn(
+    warn(
         f"backend='cg' on a slowly decaying spectrum: after deflating {k} Ritz pairs, the "
         f"{n - k} eigenvalues left to the iterations average {mean:.3g}, not below the smallest "
         f"noise {gamma_min:.3g}, so every CG solve iterates on them (with the smallest near "
@@ -550,7 +552,6 @@ def _warn_if_cg_iterates_on_much(
         f"memory: backend='auto' (here "
         f"{better!r}) factors it once and is faster on such spectra",
         NumericalWarning,
-        stacklevel=4,
     )
 
 
@@ -631,13 +632,12 @@ def _warn_if_hard_for_matrix_free(
             f"to {kappa:.3g} after deflating {deflated} pairs), each iteration a product with K "
             f"({seconds:.2g} s for one here)"
         )
-    warnings.warn(
+    warn(
         f"backend={backend!r} on a slowly decaying spectrum: the kernel matrix has at least "
         f"{count:.0f} eigenvalues above {tau:.3g}, the level the filters need resolved; {cost}. "
         f"The {n} x {n} matrix fits in memory: backend='auto' (here {better!r}) factors it "
         "once and is faster on such spectra",
         NumericalWarning,
-        stacklevel=4,
     )
     return True
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +12,8 @@ from linear_operator import to_dense
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import check_finite, check_int
 from gpsd.linalg._tridiagonal import tridiagonal_eigh
 from gpsd.linalg.spectral_engine import SpectralEngine, hutchinson, is_matrix_free
@@ -142,6 +142,8 @@ class KernelSpectrum(SpectralEngine):
         #: Which Ritz pairs meet ``residual_tol`` itself (:attr:`resolved` also counts pairs at
         #: the rounding level of the working dtype), ``None`` for other spectra.
         self.ritz_resolved: Tensor | None = None
+        #: Whether a callback of :meth:`from_lanczos` stopped the growth of the basis.
+        self.stopped_by_callback = False
         # shape: (*b, k): which columns hold a resolved eigenpair (all of them when dense)
         self.resolved = eigenvectors.abs().sum(-2) > 0 if resolved is None else resolved
         self.num_resolved = self.resolved.sum(-1)
@@ -296,10 +298,12 @@ class KernelSpectrum(SpectralEngine):
             the batch), ``complement_bound`` (the trace bound on
             :math:`\lVert \mathbf K_\perp \rVert_2`), ``residual_norm`` and, with
             ``gamma_min``, ``error_estimate``. Returning ``True`` stops the growth: the spectrum
-            of the basis so far is returned. With either, a Rayleigh-Ritz step follows every
+            of the basis so far is returned (:attr:`stopped_by_callback` set, so that
+            :meth:`check_accuracy` names the callback). With either, a Rayleigh-Ritz step follows every
             block (about :math:`N q^2` flops for a basis of :math:`q` columns); the spectrum
             returned is the same as without them.
         """
+        check_progress(progress, callback)
         if isinstance(kernel, (Tensor, LinearOperator)):
             size = kernel.shape[-1]
             batch_shape = kernel.shape[:-2]
@@ -345,7 +349,9 @@ class KernelSpectrum(SpectralEngine):
                     shown = spectrum if spectrum is not None else ritz(draw=False)
                     info = _progress_info(shown, krylov.num_columns, gamma_min)
                     if reporter.update(krylov.num_blocks, **info):
-                        return spectrum if spectrum is not None else ritz()
+                        spectrum = spectrum if spectrum is not None else ritz()
+                        spectrum.stopped_by_callback = True
+                        return spectrum
                 if spectrum is not None and stop_when(spectrum):
                     return spectrum
             return ritz()
@@ -685,12 +691,11 @@ class KernelSpectrum(SpectralEngine):
                 + self._way_out()
             )
         if err > rtol:
-            warnings.warn(
+            warn(
                 f"the truncated spectrum (rank {int(self.num_resolved.max())}, complement norm "
                 f"{self.complement_norm:.3g}) gives an estimated relative error of {err:.3g} for "
                 f"the smallest noise {gamma_min:.3g}; " + self._way_out(),
                 NumericalWarning,
-                stacklevel=3,
             )
 
     def _way_out(self) -> str:
@@ -699,7 +704,13 @@ class KernelSpectrum(SpectralEngine):
         computed = self.resolved.shape[-1]  # Ritz pairs computed
         resolved = int(self.num_resolved.min())
         low_precision = self.eigenvectors.dtype != torch.float64
-        if computed >= self.size:
+        if self.stopped_by_callback:
+            advice = (
+                f"the callback stopped the Lanczos growth at {computed} Krylov columns "
+                f"({resolved} Ritz pairs resolved): return True from it later to let the basis "
+                f"grow further, or {others}"
+            )
+        elif computed >= self.size:
             advice = (
                 f"the Krylov space already spans all N = {self.size} dimensions "
                 f"({resolved} of its {computed} Ritz pairs resolved), so a higher rank= cannot "
@@ -763,14 +774,13 @@ def _warn_if_indefinite(evals: Tensor, eps: float) -> None:
     excess = (-evals[..., 0] - tolerance).flatten()
     worst = int(excess.argmax())
     if float(excess[worst]) > 0:
-        warnings.warn(
+        warn(
             f"the kernel matrix is not positive semi-definite: its smallest eigenvalue is "
             f"{float(evals[..., 0].flatten()[worst]):.3g}, beyond rounding (-"
             f"{float(tolerance.flatten()[worst]):.3g}); the filters take negative eigenvalues "
             "as 0. Check the kernel (a covariance function gives positive semi-definite "
             "matrices)",
             NumericalWarning,
-            stacklevel=3,
         )
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, per_distinct_shift
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
@@ -240,11 +240,10 @@ class ShiftedCG(ShiftedSolveEngine):
                 if iterations >= self.max_iter
                 else "rounding in the kernel products limits it: run them in float64 or raise tol"
             )
-            warnings.warn(
+            warn(
                 f"conjugate gradients reached a relative residual of {worst:.3g} after "
                 f"{iterations} iterations, above tol={self.tol:.3g}; {advice}",
                 NumericalWarning,
-                stacklevel=4,
             )
         return x
 
@@ -366,12 +365,11 @@ class ShiftedCG(ShiftedSolveEngine):
         out, estimate = self._krylov_apply(filt, rhs, self.max_iter)
         self.krylov_error_estimate = max(self.krylov_error_estimate, estimate)
         if estimate > self.tol:
-            warnings.warn(
+            warn(
                 f"Lanczos for the data-centric chain reached an estimated relative error of "
                 f"{estimate:.3g} after {self.last_iterations} iterations, above "
                 f"tol={self.tol:.3g}; raise max_iter",
                 NumericalWarning,
-                stacklevel=2,
             )
         return out
 
@@ -712,12 +710,11 @@ class ShiftedCG(ShiftedSolveEngine):
         relative = (rr / norm2.clamp_min(torch.finfo(self.dtype).tiny)).sqrt()
         worst = float(relative.max()) if relative.numel() else 0.0
         if worst > self.tol:
-            warnings.warn(
+            warn(
                 f"multi-shift conjugate gradients reached a relative residual of {worst:.3g} "
                 f"after {self.last_iterations} iterations, above tol={self.tol:.3g}; raise "
                 "rank= or max_iter",
                 NumericalWarning,
-                stacklevel=4,
             )
 
     # ------------------------------------------------------------------ interface

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 
 import torch
@@ -12,6 +11,7 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.warnings import PerformanceWarning
 from torch import Tensor
 
+from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import check_int
 from gpsd.linalg._shifted_solve import ShiftedSolveEngine, carries_graph
 from gpsd.linalg.memory import free_memory_bytes
@@ -94,14 +94,13 @@ class ShiftedCholesky(ShiftedSolveEngine):
             return self._factors[key]
         if key in self._dropped and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"ShiftedCholesky factors a shift again that it dropped from its cache "
                 f"(max_cached_bytes={self.max_cached_bytes} holds {len(self._factors)} factors); "
                 "every later pass over the shifts (the variances of each chunk of test points) "
                 "refactors them all. Use backend='dense' (one eigendecomposition for any number "
                 "of steps) or a matrix-free backend ('lanczos', 'cg'), or raise max_cached_bytes",
                 PerformanceWarning,
-                stacklevel=2,
             )
         factor = psd_safe_cholesky(self._shifted(noise))
         if self.max_cached_bytes is None:

@@ -144,12 +144,32 @@ def standardise(y: np.ndarray, normalize_y: bool) -> tuple[np.ndarray, float, fl
     return (y - mean) / std, mean, std
 
 
+def check_numeric_targets(y: object) -> None:
+    """Refuse regression targets held as strings (labels, or numbers written out) with a
+    ``ValueError`` naming ``y``, before numpy's arithmetic meets them; numbers held as Python
+    objects pass, for scikit-learn's validation to convert."""
+    array = np.asarray(y)
+    if array.dtype.kind not in "USO":  # not strings: scikit-learn's validation judges the rest
+        return
+    if array.dtype.kind == "O":  # scikit-learn converts numbers held as objects
+        with contextlib.suppress(TypeError, ValueError):
+            array.astype(np.float64)
+            return
+    first = array.reshape(-1)[:1].tolist()
+    raise ValueError(
+        f"y must hold numbers (regression targets), got an array of dtype {array.dtype}"
+        + (f" starting {first[0]!r}" if first else "")
+        + "; convert the targets to floats, or use SelfDistilledGPClassifier for class labels"
+    )
+
+
 def regression_data(estimator: object, X: object, y: object) -> tuple[Tensor, Tensor]:
     """``X, y`` validated for ``estimator`` (setting ``n_features_in_``), the targets standardised
     where ``estimator.normalize_y`` (their mean and scale kept as ``_y_mean``, ``_y_std``), as
     tensors in ``estimator.dtype``: ``(N, d)`` and ``(N,)``."""
     from sklearn.utils.validation import validate_data
 
+    check_numeric_targets(y)
     X, y = validate_data(
         estimator, X, y, y_numeric=True, ensure_min_samples=2, dtype=numpy_dtype(estimator.dtype)
     )

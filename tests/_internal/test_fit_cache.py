@@ -64,15 +64,44 @@ def test_load_state_dict_and_a_dtype_change_rebuild():
     assert len(calls) == 3
 
 
-def test_the_grad_mode_matters_unless_switched_off():
+def test_a_value_without_a_graph_is_rebuilt_once_a_graph_is_needed_unless_switched_off():
+    kernel = gpytorch.kernels.RBFKernel()  # its lengthscale requires a gradient
+    cache = FitCache()
+    calls, build = build_counter()
+    with torch.no_grad():
+        cache.get(kernel, (), build)  # built without a graph
+    cache.get(kernel, (), build)  # a graph is needed now
+    assert len(calls) == 2
+    cache.clear()
+    with torch.no_grad():
+        cache.get(kernel, (), build)
+    cache.grad_matters = False
+    cache.get(kernel, (), build)
+    assert len(calls) == 3
+
+
+def test_a_value_built_with_a_graph_serves_under_no_grad():
     kernel = gpytorch.kernels.RBFKernel()
     cache = FitCache()
     calls, build = build_counter()
     cache.get(kernel, (), build)
     with torch.no_grad():
         cache.get(kernel, (), build)
-    assert len(calls) == 2
-    cache.grad_matters = False
+    cache.get(kernel, (), build)
+    assert len(calls) == 1
+
+
+def test_a_value_built_under_grad_mode_from_frozen_modules_serves_under_no_grad():
+    kernel = gpytorch.kernels.RBFKernel()
+    kernel.raw_lengthscale.requires_grad_(False)
+    cache = FitCache()
+    calls, build = build_counter()
+    cache.get(kernel, (), build)  # grad mode, but no graph: nothing requires a gradient
+    with torch.no_grad():
+        cache.get(kernel, (), build)
+    assert len(calls) == 1
+    # a parameter that comes to require a gradient needs the graph the value lacks
+    kernel.raw_lengthscale.requires_grad_(True)
     cache.get(kernel, (), build)
     assert len(calls) == 2
 

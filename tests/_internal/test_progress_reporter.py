@@ -4,7 +4,7 @@ import pytest
 from tqdm import tqdm
 
 from gpsd import IterationRecord
-from gpsd._internal.progress_reporter import ProgressReporter
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 
 
 def run_loop(reporter, iterations):
@@ -57,3 +57,16 @@ def test_a_bar_of_the_callers_is_advanced_and_left_open():
 def test_bad_progress_or_callback_arguments_are_named(kwargs, match):
     with pytest.raises(TypeError, match=match):
         ProgressReporter("Model.fit", 3, **kwargs)
+
+
+def test_check_progress_takes_the_documented_values_and_refuses_the_rest():
+    bar = tqdm(total=1, file=io.StringIO())
+    for progress in (True, False, None, bar):
+        check_progress(progress, None)
+        check_progress(progress, print)
+    bar.close()
+    for progress in ("yes", 1, object()):
+        with pytest.raises(TypeError, match="progress must be True, False or a tqdm"):
+            check_progress(progress, None)
+    with pytest.raises(TypeError, match="callback must be callable or None, got int"):
+        check_progress(False, 5)

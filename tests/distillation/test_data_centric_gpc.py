@@ -152,7 +152,7 @@ def test_bad_input(toy):
         DataCentricGPC(x, y[:5], _kernel())
     with pytest.raises(ValueError, match="num_steps"):
         DataCentricGPC(x, y, _kernel(), num_steps=0)
-    with pytest.raises(ValueError, match="noise must have num_steps=3 entries"):
+    with pytest.raises(ValueError, match="num_steps=3 does not match the 2 steps of the noise"):
         DataCentricGPC(x, y, _kernel(), num_steps=3, noise=[0.1, 0.2])
     with pytest.raises(ValueError, match="noise must hold finite numbers >= 0"):
         DataCentricGPC(x, y, _kernel(), num_steps=2, noise=[0.1, -0.2])
@@ -479,3 +479,22 @@ def test_refit_options_refuse_bad_values(toy):
     model.refit_hyperparameters = True
     with pytest.raises(ValueError, match="refit_hyperparameters=True needs"):
         model.fit()
+
+
+def test_a_fit_beyond_the_free_memory_is_refused_naming_num_steps(monkeypatch, count_calls, toy):
+    from gpsd._internal import memory_check
+    from gpsd.distillation import data_centric_gpc
+
+    x, y, test_x = toy
+    needed = (5 + 4) * 30 * 30 * 8  # 5 working matrices and one factor per step, float64
+    evaluations = count_calls(data_centric_gpc, "prior_at_training")
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed - 1)
+    model = DataCentricGPC(x, y, _kernel(), num_steps=4)
+    for attempt in (model.fit, lambda: model.predict_proba(test_x)):
+        with pytest.raises(gpsd.InsufficientMemoryError) as raised:
+            attempt()
+        assert f"DataCentricGPC.fit needs about {needed} bytes" in str(raised.value)
+        assert "fewer num_steps" in str(raised.value)
+    assert evaluations == [0]
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
+    model.fit()

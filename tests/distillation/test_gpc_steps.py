@@ -191,7 +191,7 @@ def test_data_centric_new_noise_schedule_refits(toy):
     ).fit()
     _close_gpc_settings_after_fit(model, fresh, test_x)
     assert model.noise.tolist() == [0.0, 0.3, 0.1]
-    with pytest.raises(ValueError, match="noise must have num_steps=3 entries"):
+    with pytest.raises(ValueError, match="num_steps=3 does not match the 2 steps of the noise"):
         model.noise = [0.1, 0.2]
     model.noise[1] = 0.5  # a write into the buffer refits too
     fresh = DataCentricGPC(

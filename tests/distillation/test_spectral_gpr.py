@@ -71,6 +71,46 @@ def test_fit_returns_the_model_and_factors_now(cls, count_factorisations):
 
 
 @pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen"])
+def test_a_fit_under_grad_mode_serves_predictions_under_no_grad(cls, trainable, count_calls):
+    x, y, test_x = _problem()
+    kernel = rbf_kernel()
+    kernel.requires_grad_(trainable)
+    factorisations = count_calls(gpsd.linalg, "make_engine")
+    model = cls(x, y, kernel, noise=NOISE, backend="dense").fit()  # grad mode
+    with torch.no_grad():
+        got = model.predict(test_x)
+    assert factorisations == [1]
+    assert not got.mean.requires_grad
+    with torch.no_grad():  # a model fitted under no_grad alone, as reference
+        reference = cls(x, y, rbf_kernel(), noise=NOISE, backend="dense").predict(test_x)
+    torch.testing.assert_close(got.mean, reference.mean, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.variance, reference.variance, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_fit_without_a_graph_refits_once_a_gradient_is_needed(cls, count_calls):
+    x, y, test_x = _problem()
+    kernel = rbf_kernel()
+    kernel.requires_grad_(False)
+    factorisations = count_calls(gpsd.linalg, "make_engine")
+    model = cls(x, y, kernel, noise=NOISE, backend="dense").fit()  # grad mode, but no graph
+    kernel.requires_grad_(True)
+    model.predict_mean(test_x).sum().backward()
+    assert factorisations == [2]
+    # the gradient through the refitted factorisation, against central differences
+    raw = kernel.base_kernel.raw_lengthscale
+    step = 1e-6
+    with torch.no_grad():
+        raw += step
+        up = cls(x, y, kernel, noise=NOISE, backend="dense").predict_mean(test_x).sum()
+        raw -= 2 * step
+        down = cls(x, y, kernel, noise=NOISE, backend="dense").predict_mean(test_x).sum()
+        raw += step
+    assert float(raw.grad.sum()) == pytest.approx(float(up - down) / (2 * step), rel=1e-5)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
 def test_the_constructor_takes_data_then_the_kernel_and_names_its_attributes(cls):
     x, y, _ = _problem()
     kernel, mean = rbf_kernel(), gpytorch.means.ConstantMean().to(DT)

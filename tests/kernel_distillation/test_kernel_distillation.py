@@ -381,7 +381,8 @@ def test_objective_decreases(kwargs):
     kd = reference_distiller(max_iter=6, **kwargs)
     assert kd.fit(callback=seen.append) is kd
     errs = kd.frobenius_errors
-    assert len(errs) == 7 and [r.iteration for r in seen] == list(range(1, 7))
+    descent = [r for r in seen if r.phase == "descent"]
+    assert len(errs) == 7 and [r.iteration for r in descent] == list(range(1, 7))
     assert errs[-1] < errs[0]
     if not kwargs:  # exact line search is monotone
         assert all(b <= a * (1 + 1e-12) for a, b in zip(errs, errs[1:], strict=False))
@@ -395,6 +396,7 @@ def test_callback_reports_the_error_after_each_iteration(kwargs):
         x, y, iso_kernel(), noise=0.05, num_inducing=10, sparsity=3, max_iter=3, **kwargs
     )
     kd.fit(callback=seen.append)
+    seen = [r for r in seen if r.phase == "descent"]
     assert [r.iteration for r in seen] == [1, 2, 3]
     assert all(r.task == "KernelDistillation.fit" and r.total == 3 for r in seen)
     assert [r.loss for r in seen] == kd.frobenius_errors[1:]
@@ -412,6 +414,7 @@ def test_callback_reports_the_error_after_each_iteration(kwargs):
 def test_a_callback_returning_true_stops_after_that_iteration_and_keeps_its_w(kwargs):
     seen = []
     kd = reference_distiller(max_iter=10, **kwargs)
+    kd.prepare()
     kd.fit(callback=lambda record: seen.append(record) or record.iteration == 2)
     assert [r.iteration for r in seen] == [1, 2]
     assert len(kd.frobenius_errors) == 3  # the start and iterations 1 and 2
@@ -426,6 +429,60 @@ def test_a_callback_returning_true_stops_after_that_iteration_and_keeps_its_w(kw
     )
 
 
+def test_fit_reports_every_phase_of_the_preparation_and_then_the_descent(monkeypatch):
+    from gpsd.kernel_distillation import kernel_distillation
+
+    # 120 rows of 20 x 5 in blocks of 50 rows: three blocks of least squares (50, 50, 20)
+    monkeypatch.setattr(kernel_distillation, "_CHUNK_ELEMENTS", 50 * 20 * 5)
+    records = []
+    kd = reference_distiller(max_iter=2, kmeans_max_iter=3).fit(callback=records.append)
+    assert {r.task for r in records} == {"KernelDistillation.fit"}
+    phases = [(r.phase, r.iteration, r.total) for r in records]
+    kmeans_records = [r for r in records if r.phase == "k-means"]
+    assert phases == [
+        *[("k-means", i, 3) for i in range(1, len(kmeans_records) + 1)],
+        ("neighbours", 1, 1),
+        ("least squares", 1, 3),
+        ("least squares", 2, 3),
+        ("least squares", 3, 3),
+        ("descent", 1, 2),
+        ("descent", 2, 2),
+    ]
+    assert 1 <= len(kmeans_records) <= 3
+    assert [r.info["rows"] for r in records if r.phase == "least squares"] == [50, 50, 20]
+    # the blocks change no row's solution: the start of a distiller solved in one block
+    monkeypatch.setattr(kernel_distillation, "_CHUNK_ELEMENTS", 2**22)
+    whole = reference_distiller(max_iter=2, kmeans_max_iter=3)
+    whole.prepare()
+    torch.testing.assert_close(kd.initial_weight_values, whole.initial_weight_values)
+
+
+def test_a_callback_stopping_the_preparation_leaves_the_least_squares_student():
+    records = []
+    kd = reference_distiller(max_iter=5, kmeans_max_iter=10).fit(
+        callback=lambda r: records.append(r) or r.phase == "k-means"
+    )
+    assert [(r.phase, r.iteration) for r in records] == [("k-means", 1)]
+    # one K-means iteration, no descent: the least-squares W of those centroids
+    reference = reference_distiller(max_iter=0, kmeans_max_iter=1).fit()
+    torch.testing.assert_close(kd.inducing_points, reference.inducing_points, rtol=0, atol=0)
+    torch.testing.assert_close(kd.weight_values, reference.weight_values, rtol=0, atol=0)
+    assert kd.frobenius_errors == reference.frobenius_errors
+    assert kd.student is not None
+
+
+def test_prepare_reports_its_phases_under_its_own_name():
+    records = []
+    kd = reference_distiller(max_iter=0, kmeans_max_iter=2)
+    kd.prepare(callback=records.append)
+    assert {r.task for r in records} == {"KernelDistillation.prepare"}
+    assert [r.phase for r in records][-2:] == ["neighbours", "least squares"]
+    given = reference_distiller(inducing_points=kd.inducing_points)
+    records.clear()
+    given.prepare(callback=records.append)  # no K-means for inducing points given
+    assert [r.phase for r in records] == ["neighbours", "least squares"]
+
+
 def test_progress_true_and_a_bar_of_ones_own_run_and_change_nothing():
     import io
 
@@ -435,8 +492,10 @@ def test_progress_true_and_a_bar_of_ones_own_run_and_change_nothing():
     with_bar = reference_distiller(max_iter=3).fit(progress=True)
     assert with_bar.frobenius_errors == quiet.frobenius_errors
     bar = tqdm(total=3, file=io.StringIO())
-    reference_distiller(max_iter=3).fit(progress=bar)
-    assert bar.n == 3
+    records = []
+    reference_distiller(max_iter=3).fit(progress=bar, callback=records.append)
+    assert bar.n == len(records)  # every phase's iterations, the descent's 3 last
+    assert [r.phase for r in records[-3:]] == ["descent"] * 3
     bar.close()
     with pytest.raises(TypeError, match="progress must be True, False or a tqdm"):
         reference_distiller(max_iter=1).fit(progress="yes")

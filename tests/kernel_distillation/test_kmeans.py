@@ -121,3 +121,26 @@ def test_numpy_and_tensor_integers_count_as_ints():
     want = kmeans_plus_plus(x, 5, seed=1)
     torch.testing.assert_close(kmeans_plus_plus(x, np.int64(5), seed=1), want)
     torch.testing.assert_close(kmeans_plus_plus(x, torch.tensor(5), seed=1), want)
+
+
+def test_the_callback_sees_each_lloyd_iteration_with_its_objective():
+    x = _blobs(n=200, seed=2)
+    records = []
+    centres = kmeans(x, 6, max_iter=4, tol=0.0, seed=1, callback=records.append)
+    assert [r.iteration for r in records] == [1, 2, 3, 4]
+    assert all(r.task == "kmeans" and r.total == 4 for r in records)
+    for record in records:
+        # the centres the iteration started from, and the mean squared distance to the nearest
+        before = kmeans(x, 6, max_iter=record.iteration - 1, tol=0.0, seed=1)
+        nearest = torch.cdist(x, before).min(-1).values.square().mean()
+        assert record.loss == pytest.approx(float(nearest), rel=1e-10)
+    # Lloyd's iterations never raise the objective
+    losses = [r.loss for r in records]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(losses, losses[1:], strict=False))
+    torch.testing.assert_close(centres, kmeans(x, 6, max_iter=4, tol=0.0, seed=1))
+
+
+def test_a_callback_returning_true_keeps_the_centroids_reached():
+    x = _blobs(n=200, seed=2)
+    stopped = kmeans(x, 6, max_iter=10, tol=0.0, seed=1, callback=lambda r: r.iteration == 2)
+    torch.testing.assert_close(stopped, kmeans(x, 6, max_iter=2, tol=0.0, seed=1), rtol=0, atol=0)

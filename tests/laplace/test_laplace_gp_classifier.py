@@ -716,7 +716,7 @@ def test_classifier_arguments_are_named(toy):
             cls(x, y, _kernel(), num_steps=2, max_iter=2.5, **kw)
     with pytest.raises(ValueError, match="temperature"):
         LaplaceGPClassifier(x, y, _kernel(), temperature=float("inf"))
-    with pytest.raises(TypeError, match="noise must be a number or a sequence"):
+    with pytest.raises(TypeError, match="noise must be a tensor or array-like of numbers"):
         DataCentricGPC(x, y, _kernel(), num_steps=2, noise="0.1")
     reference = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=0.1).fit()
     for noise in (torch.tensor(0.1, dtype=torch.float64), np.float64(0.1)):
@@ -794,3 +794,30 @@ def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
     y = (torch.sin(6 * x).squeeze(-1) > 0).double()
     with pytest.raises(ValueError, match="noise must be a finite float >= 0"):
         LaplaceGPClassifier(x, y, _kernel(), noise=noise)
+
+
+def _little_memory(monkeypatch, free):
+    from gpsd._internal import memory_check
+
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: free)
+
+
+def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
+    monkeypatch, count_calls
+):
+    from gpsd.laplace import laplace_gp_classifier
+
+    x, y, test_x = sine_classification(30, seed=3)
+    needed = 4 * 30 * 30 * 8  # four 30 x 30 float64 matrices
+    evaluations = count_calls(laplace_gp_classifier, "prior_at_training")
+    _little_memory(monkeypatch, needed - 1)
+    model = LaplaceGPClassifier(x, y, _kernel())
+    for attempt in (model.fit, lambda: model.predict_proba(test_x)):
+        with pytest.raises(gpsd.InsufficientMemoryError) as raised:
+            attempt()
+        message = str(raised.value)
+        assert f"LaplaceGPClassifier.fit needs about {needed} bytes" in message
+        assert "train on fewer points, or in float32" in message
+    assert evaluations == [0]
+    _little_memory(monkeypatch, needed)
+    model.fit()

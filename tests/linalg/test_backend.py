@@ -195,6 +195,15 @@ def test_auto_stopped_by_the_callback_goes_on_as_where_lanczos_falls_short(use_s
     assert isinstance(engine, ShiftedCG) and engine.ritz_values.shape[-1] == records[0].info["rank"]
 
 
+def test_a_forced_lanczos_stopped_by_the_callback_says_so_in_its_accuracy_check():
+    x = torch.linspace(0, 10, 300, dtype=DTYPE).unsqueeze(-1)
+    with torch.no_grad():
+        engine = _make(rbf_kernel(lengthscale=0.2), x, "lanczos", callback=lambda r: True)
+    with pytest.raises(ValueError, match="callback stopped the Lanczos growth") as raised:
+        engine.check_accuracy(1e-2, 1e-8)  # as the regression distillers check it
+    assert "rank=" not in str(raised.value)
+
+
 def test_the_engines_of_make_engine_say_whether_they_are_matrix_free():
     x = torch.linspace(0, 10, 100, dtype=DTYPE).unsqueeze(-1)
     kernel = rbf_kernel()

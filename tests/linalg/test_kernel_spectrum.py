@@ -491,6 +491,27 @@ def test_lanczos_callback_returning_true_stops_the_growth_with_the_basis_so_far(
     torch.testing.assert_close(spectrum.ritz_values, short.ritz_values, rtol=1e-12, atol=1e-12)
 
 
+def test_the_accuracy_check_of_a_growth_stopped_by_the_callback_names_the_callback():
+    k = _smooth_matrix()
+    spectrum = KernelSpectrum.from_lanczos(
+        k, rank=64, block_size=8, callback=lambda r: r.iteration == 2
+    )
+    assert spectrum.stopped_by_callback
+    # the complement (norm about 22) is above this noise: its series diverges
+    with pytest.raises(ValueError, match="the callback stopped the Lanczos growth") as raised:
+        spectrum.check_accuracy(1e-2, 1e-6)
+    assert "rank=" not in str(raised.value)
+    # below this one the series converges, but not to the tolerance asked for
+    with pytest.warns(NumericalWarning, match="the callback stopped the Lanczos growth") as caught:
+        spectrum.check_accuracy(30.0, 1e-12)
+    assert "rank=" not in str(caught[0].message)
+    # a basis that stopped at its rank still points at rank=
+    short = KernelSpectrum.from_lanczos(k, rank=16, block_size=8)
+    assert not short.stopped_by_callback
+    with pytest.raises(ValueError, match="raise rank="):
+        short.check_accuracy(1e-2, 1e-6)
+
+
 def test_lanczos_progress_advances_a_bar_once_per_block():
     class Bar:
         def __init__(self):

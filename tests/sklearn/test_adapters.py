@@ -155,6 +155,39 @@ def test_regressor_refuses_a_schedule_of_the_wrong_length():
         SelfDistilledGPRegressor(step=9, num_steps=3).fit(x, y)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        SelfDistilledGPRegressor,
+        KernelDistilledRegressor,
+        lambda: DeepProbabilisticKernelRegressor(max_iter=1),
+    ],
+    ids=["self-distilled", "kernel-distilled", "dpkl"],
+)
+@pytest.mark.parametrize(
+    "targets",
+    [
+        np.array(["low", "high"] * 10),
+        np.array(["1.5", "2"] * 10),  # numbers written as strings are not converted either
+        np.array(["low", 2.0] * 10, dtype=object),
+        ["low", "high"] * 10,
+    ],
+    ids=["str", "numeric-str", "object", "list"],
+)
+def test_regressors_refuse_string_targets_naming_y(make, targets):
+    x, _, _ = regression_data(n=20)
+    with pytest.raises(ValueError, match="y must hold numbers.*starting '(low|1.5)'"):
+        make().fit(x, targets)
+
+
+def test_regressors_take_numbers_held_as_objects_or_bools():
+    x, y, test_x = regression_data(n=20)
+    reference = SelfDistilledGPRegressor(**FIXED).fit(x, y).predict(test_x)
+    as_objects = SelfDistilledGPRegressor(**FIXED).fit(x, y.astype(object)).predict(test_x)
+    np.testing.assert_array_equal(as_objects, reference)
+    SelfDistilledGPRegressor(**FIXED).fit(x, y > 0)
+
+
 def test_classifier_maps_any_two_labels():
     x, y, test_x = classification_data()
     names = np.array(["no", "yes"])[y]
