@@ -279,8 +279,8 @@ def combined_effective_noise(noise: Tensor, inner_steps: int) -> Tensor:
     .. math::
         h_{o,i} = \Big(\sum_{p < o} \frac{1}{\gamma_{p,I}} + \frac{1}{\gamma_{o,i}}\Big)^{-1},
 
-    the precision of the prior of outer step :math:`o` (the posteriors of the last inner steps
-    before it) plus that of step :math:`(o, i)`'s own noise.
+    the inverse of the precision that the prior of outer step :math:`o` carries (from the last
+    inner step of every outer step before it) plus that of step :math:`(o, i)`'s own noise.
     """
     grid = noise.unflatten(-1, (-1, inner_steps))  # shape: (*s, O, I)
     prior = _prior_precision(grid).unsqueeze(-1)  # shape: (*s, O, 1)
