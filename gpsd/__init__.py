@@ -20,6 +20,7 @@ from gpsd import (
     settings,
 )
 from gpsd.distillation import (
+    CombinedGPR,
     DataCentricGPC,
     DataCentricGPR,
     DistributionCentricGPC,
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ARDGPRegressor",
     "BackendError",
+    "CombinedGPR",
     "DistributedError",
     "ContinuousBernoulliLikelihood",
     "DKLRegressor",

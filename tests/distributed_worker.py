@@ -43,13 +43,20 @@ def problem(n: int):
     return x, y, test_x, kernel
 
 
-#: (name, class, backend) of the models every scenario compares
+def _combined(x, y, kernel, *, noise, **kwargs) -> gpsd.CombinedGPR:
+    """The combined chain of two outer steps, each of the inner steps ``noise``."""
+    return gpsd.CombinedGPR(x, y, kernel, noise=[noise, noise], **kwargs)
+
+
+#: (name, class or factory, backend) of the models every scenario compares
 MODELS = [
     ("data_lanczos", gpsd.DataCentricGPR, "lanczos"),
     ("data_cg", gpsd.DataCentricGPR, "cg"),
     ("data_auto", gpsd.DataCentricGPR, "auto"),
     ("distribution_lanczos", gpsd.DistributionCentricGPR, "lanczos"),
     ("distribution_cg", gpsd.DistributionCentricGPR, "cg"),
+    ("combined_lanczos", _combined, "lanczos"),
+    ("combined_cg", _combined, "cg"),
 ]
 
 
@@ -72,7 +79,8 @@ def reference(n: int, process_group=None) -> dict:
                 "engine": type(model._state()["engine"]).__name__,
                 "split": _columns_are_local(model._state()["engine"]),
             }
-            if name in ("data_lanczos", "data_cg"):  # CG's from the same probes on every rank
+            if name in ("data_lanczos", "data_cg", "combined_lanczos", "combined_cg"):
+                # CG's from the same probes on every rank
                 out[name]["gcv"] = model.gcv()
                 out[name]["gcv_standard_error"] = model.gcv_standard_error()
             if name == "data_lanczos":

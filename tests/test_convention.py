@@ -17,6 +17,7 @@ from torch import nn
 import gpsd
 from gpsd import (
     ARDGPRegressor,
+    CombinedGPR,
     DataCentricGPC,
     DataCentricGPR,
     DistributionCentricGPC,
@@ -92,6 +93,10 @@ def _teacher(x, y):
 
 # kind: "distiller-regressor", "regressor", "classifier", "distiller-classifier", "distiller"
 FACTORIES = {
+    CombinedGPR: (
+        "distiller-regressor",
+        lambda x, y, lab: CombinedGPR(x, y, _kernel(), noise=[[0.1, 0.2, 0.3]]),
+    ),
     DataCentricGPR: (
         "distiller-regressor",
         lambda x, y, lab: DataCentricGPR(x, y, _kernel(), noise=[0.1, 0.2, 0.3]),
@@ -298,7 +303,7 @@ def test_models_that_train_refuse_to_predict_before_fit(cls):
 @ESTIMATORS
 def test_iterating_fits_take_progress_and_a_callback_that_stops_them(cls):
     kind, model, _ = _build(cls)
-    if cls in (DataCentricGPR, DistributionCentricGPR):
+    if cls in (CombinedGPR, DataCentricGPR, DistributionCentricGPR):
         # fit reports the growth of a Lanczos basis, where the backend grows one
         assert {"progress", "callback"} <= set(inspect.signature(model.fit).parameters)
         return

@@ -54,6 +54,10 @@ class EigenvalueAlgebra:
     def add_constant(self, a: Tensor, c: float) -> Tensor:
         return a + c
 
+    def scale(self, a: Tensor, s: Tensor) -> Tensor:
+        """``a`` times one number per schedule, ``s`` of shape ``(*s,)``."""
+        return a * s.unsqueeze(-1)
+
     def stack(self, items: list[Tensor]) -> Tensor:
         """Stack per-step elements ``(*, k)`` into ``(*, T, k)``."""
         return torch.stack(items, dim=-2)
@@ -110,6 +114,10 @@ class PowerSeriesAlgebra:
         out[..., 0] = out[..., 0] + c
         return out
 
+    def scale(self, a: Tensor, s: Tensor) -> Tensor:
+        """The series ``a`` times one number per schedule, ``s`` of shape ``(*s,)``."""
+        return a * s.unsqueeze(-1)
+
     def stack(self, items: list[Tensor]) -> Tensor:
         """Stack per-step series ``(*, J+1)`` into ``(*, T, J+1)``."""
         return torch.stack(items, dim=-2)
@@ -165,6 +173,10 @@ class ShiftedSolveAlgebra:
 
     def add_constant(self, a: Tensor, c: float) -> Tensor:
         return a + c * self.rhs
+
+    def scale(self, a: Tensor, s: Tensor) -> Tensor:
+        """The vectors ``a`` ``(*, N, r)`` times one number per schedule, ``s`` of shape ``(*s,)``."""
+        return a * s[..., None, None]
 
     def stack(self, items: list[Tensor]) -> Tensor:
         """Stack per-step vectors ``(*, N, r)`` into ``(*, T, N, r)``."""

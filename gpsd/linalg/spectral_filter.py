@@ -153,6 +153,53 @@ class SpectralFilter:
 
         return cls(evaluate, noise, is_resolvent=True, rebuild=cls.resolvent)
 
+    @classmethod
+    def combined_targets(
+        cls, noise: Tensor, inner_steps: int, alpha: float = 0.0
+    ) -> SpectralFilter:
+        r""":math:`F_{o,i}`, the training targets after each step of the combined chain, for the
+        schedule ``noise`` ``(*s, O * I)`` of ``O`` outer steps of ``inner_steps`` inner steps
+        (flat index :math:`(o - 1) I + i`; see :class:`~gpsd.CombinedGPR`)."""
+        return cls._combined(noise, inner_steps, alpha, "targets")
+
+    @classmethod
+    def combined_weights(
+        cls, noise: Tensor, inner_steps: int, alpha: float = 0.0
+    ) -> SpectralFilter:
+        r""":math:`G_{o,i} = S_{o,i} / (d + h_{o,i})`: the weights of the test mean of each step
+        of the combined chain."""
+        return cls._combined(noise, inner_steps, alpha, "weights")
+
+    @classmethod
+    def combined_student_targets(
+        cls, noise: Tensor, inner_steps: int, alpha: float = 0.0
+    ) -> SpectralFilter:
+        r""":math:`S_{o,i}`: the targets of the ordinary GP with noise :math:`h_{o,i}` that
+        equals each step of the combined chain."""
+        return cls._combined(noise, inner_steps, alpha, "students")
+
+    @classmethod
+    def combined_residuals(
+        cls, noise: Tensor, inner_steps: int, alpha: float = 0.0
+    ) -> SpectralFilter:
+        r""":math:`E_{o,i} = 1 - d\,G_{o,i}`: the residuals of each step's fit at the training
+        inputs, as a sum of non-negative terms,
+        :math:`E_{o,i} = S_{o,i}\,h_{o,i}/(d + h_{o,i}) + (1 - S_{o,i})`."""
+        return cls._combined(noise, inner_steps, alpha, "residuals")
+
+    @classmethod
+    def _combined(cls, noise: Tensor, inner_steps: int, alpha: float, kind: str) -> SpectralFilter:
+        """One output of :func:`_combined_chain` as a filter whose :attr:`noise` is the
+        effective noise :math:`h_{o,i}` (the shift of its solves)."""
+        noise, alpha = _check_schedule(noise), _check_alpha(alpha)
+        inner_steps = _check_inner_steps(inner_steps, noise)
+        effective = combined_effective_noise(noise, inner_steps)
+        return cls(
+            lambda alg: _combined_chain(alg, noise, effective, inner_steps, alpha, kind),
+            effective,
+            rebuild=lambda g: cls._combined(noise.to(g), inner_steps, alpha, kind),
+        )
+
 
 def _check_schedule(noise: object) -> Tensor:
     """``noise`` if it is a floating-point tensor of shape ``(*s, T)``, ``T >= 1``, of finite
@@ -211,3 +258,93 @@ def _data_centric(
         targets.append(f_next)
         f_prev = f_next
     return alg.stack(targets), alg.stack(weights), alg.stack(errors) if residuals else None
+
+
+def _check_inner_steps(inner_steps: object, noise: Tensor) -> int:
+    """``inner_steps`` as a positive int that divides the number of steps of ``noise``."""
+    if isinstance(inner_steps, bool) or not isinstance(inner_steps, numbers.Integral):
+        raise ValueError(f"inner_steps must be a positive integer, got {inner_steps!r}")
+    if inner_steps < 1 or noise.shape[-1] % inner_steps:
+        raise ValueError(
+            f"inner_steps must be a positive integer dividing the {noise.shape[-1]} steps of "
+            f"noise, got {inner_steps}"
+        )
+    return int(inner_steps)
+
+
+def combined_effective_noise(noise: Tensor, inner_steps: int) -> Tensor:
+    r"""The effective noise :math:`h_{o,i}` of every step of the combined chain, ``(*s, O * I)``
+    for a schedule ``noise`` ``(*s, O * I)`` laid out outer step by outer step:
+
+    .. math::
+        h_{o,i} = \Big(\sum_{p < o} \frac{1}{\gamma_{p,I}} + \frac{1}{\gamma_{o,i}}\Big)^{-1},
+
+    the inverse of the precision that the prior of outer step :math:`o` carries (from the last
+    inner step of every outer step before it) plus that of step :math:`(o, i)`'s own noise.
+    """
+    grid = noise.unflatten(-1, (-1, inner_steps))  # shape: (*s, O, I)
+    prior = _prior_precision(grid).unsqueeze(-1)  # shape: (*s, O, 1)
+    return (1.0 / (prior + 1.0 / grid)).flatten(-2)
+
+
+def _prior_precision(grid: Tensor) -> Tensor:
+    r""":math:`\sum_{p < o} 1/\gamma_{p,I}` for every outer step :math:`o`, ``(*s, O)``, from
+    the schedule ``grid`` ``(*s, O, I)``: an exclusive cumulative sum, without cancellation."""
+    last = 1.0 / grid[..., -1]  # shape: (*s, O)
+    return torch.cat([torch.zeros_like(last[..., :1]), last.cumsum(-1)[..., :-1]], dim=-1)
+
+
+def _combined_chain(
+    alg, noise: Tensor, effective: Tensor, inner_steps: int, alpha: float, kind: str
+) -> Tensor:
+    r"""Run the combined chain in ``alg`` and stack one of its filters over the steps:
+    ``"targets"`` :math:`F_{o,i}`, ``"weights"`` :math:`G_{o,i}`, ``"students"``
+    :math:`S_{o,i}` or ``"residuals"`` :math:`E_{o,i}`.
+
+    With :math:`\beta_{o,i} = h_{o,i}/\gamma_{o,i}` and :math:`1 - \beta_{o,i} = h_{o,i}
+    \sum_{p<o} 1/\gamma_{p,I}` (each formed as a product, not a difference):
+    :math:`F_{o,0} = 1`, :math:`S_{1,i} = F_{1,i-1}`,
+    :math:`S_{o,i} = (1 - \beta_{o,i}) S_{o-1,I} + \beta_{o,i} F_{o,i-1}`,
+    :math:`G_{o,i} = S_{o,i}/(d + h_{o,i})`,
+    :math:`F_{o,i} = \alpha + (1 - \alpha)\, d\,G_{o,i}`. The residual
+    :math:`E_{o,i} = S_{o,i}\, h_{o,i}/(d + h_{o,i}) + (1 - S_{o,i})` carries
+    :math:`1 - S` and :math:`1 - F = (1 - \alpha) E` by the same recurrences, as sums of
+    non-negative terms.
+    """
+    outer_steps = noise.shape[-1] // inner_steps
+    beta = effective / noise  # shape: (*s, O * I)
+    prior = _prior_precision(noise.unflatten(-1, (outer_steps, inner_steps)))  # shape: (*s, O)
+    # shape: (*s, O * I): 1 - beta, the weight of the previous outer step's student targets
+    keep = (effective.unflatten(-1, (outer_steps, inner_steps)) * prior.unsqueeze(-1)).flatten(-2)
+    residuals = kind == "residuals"
+    one = alg.one(noise[..., 0])
+    out = []
+    student_prev = residual_prev = None  # S_{o-1,I} and 1 - S_{o-1,I}
+    for o in range(outer_steps):
+        targets, targets_residual = one, 0.0 * one  # F_{o,0} = 1 and 1 - F_{o,0}
+        for i in range(inner_steps):
+            t = o * inner_steps + i
+            h = effective[..., t]
+            if o == 0:  # beta = 1: the prior is the original one
+                student, student_residual = targets, targets_residual
+            else:
+                b, k = beta[..., t], keep[..., t]
+                student = alg.scale(student_prev, k) + alg.scale(targets, b)
+                if residuals:
+                    student_residual = alg.scale(residual_prev, k) + alg.scale(targets_residual, b)
+            if kind == "students":
+                out.append(student)
+            elif kind == "weights":
+                out.append(alg.mul(student, alg.reciprocal(h)))
+            if residuals:
+                error = alg.mul(student, alg.complement(h)) + student_residual
+                out.append(error)
+                targets_residual = (1.0 - alpha) * error
+            fitted = alg.mul(student, alg.ratio(h))
+            targets = fitted if alpha == 0.0 else alg.add_constant((1.0 - alpha) * fitted, alpha)
+            if kind == "targets":
+                out.append(targets)
+        student_prev = student
+        if residuals:
+            residual_prev = student_residual
+    return alg.stack(out)

@@ -26,7 +26,15 @@ pytestmark = pytest.mark.skipif(
 
 DT = torch.float64
 SHORT_TIMEOUT = 3.0  # distributed_worker.SHORT_TIMEOUT
-MODELS = ["data_lanczos", "data_cg", "data_auto", "distribution_lanczos", "distribution_cg"]
+MODELS = [
+    "data_lanczos",
+    "data_cg",
+    "data_auto",
+    "distribution_lanczos",
+    "distribution_cg",
+    "combined_lanczos",
+    "combined_cg",
+]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks (uneven)"])

@@ -42,6 +42,66 @@ def test_series_are_the_taylor_coefficients(alpha):
                     derivative = torch.autograd.grad(derivative, d0, create_graph=True)[0]
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.4])
+def test_combined_chain_series_are_the_taylor_coefficients(alpha):
+    """The combined chain's filters (2 outer by 2 inner steps, a batch of two grids): their
+    coefficients at 0 against repeated autograd derivatives of their values."""
+    grids = torch.tensor([[0.3, 0.7, 1.1, 0.5], [0.2, 0.2, 0.2, 0.2]], dtype=DTYPE)
+    for make in (
+        SpectralFilter.combined_targets,
+        SpectralFilter.combined_weights,
+        SpectralFilter.combined_student_targets,
+        SpectralFilter.combined_residuals,
+    ):
+        filt = make(grids, 2, alpha)
+        series = filt.series(4)  # shape: (2, 4, 5)
+        for s in range(2):
+            for t in range(4):
+
+                def f(d, s=s, t=t, filt=filt):
+                    return filt.values(d.reshape(1))[s, t, 0]
+
+                d0 = torch.zeros((), dtype=DTYPE, requires_grad=True)
+                derivative = f(d0)
+                for j in range(5):
+                    assert float(derivative.detach()) == pytest.approx(
+                        float(series[s, t, j]) * math.factorial(j), rel=1e-10, abs=1e-12
+                    )
+                    if j < 4:
+                        derivative = torch.autograd.grad(derivative, d0, create_graph=True)[0]
+
+
+def test_combined_chain_by_shifted_solves_equals_its_values_at_the_eigenvalues():
+    """The combined filters applied by Cholesky solves (ShiftedSolveAlgebra, a batch of two
+    grids) against their values on a dense eigendecomposition."""
+    k = rbf_gram(torch.linspace(0, 5, 12, dtype=DTYPE).unsqueeze(-1))
+    rhs = torch.randn(12, 2, generator=torch.Generator().manual_seed(0), dtype=DTYPE)
+    grids = torch.tensor([[0.3, 0.7, 1.1, 0.5, 0.2, 0.9], [0.2] * 6], dtype=DTYPE)
+    d, v = torch.linalg.eigh(k)
+    engine = ShiftedCholesky(k)
+    for make in (
+        SpectralFilter.combined_targets,
+        SpectralFilter.combined_weights,
+        SpectralFilter.combined_residuals,
+    ):
+        filt = make(grids, 3, 0.25)
+        want = v @ (filt.values(d).unsqueeze(-1) * (v.mT @ rhs))  # shape: (2, 6, 12, 2)
+        torch.testing.assert_close(engine.apply(filt, rhs), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "inner_steps, error",
+    [
+        (4, "inner_steps must be a positive integer dividing the 6 steps"),
+        (0, "inner_steps"),
+        (1.0, "inner_steps"),
+    ],
+)
+def test_combined_chain_needs_inner_steps_dividing_the_schedule(inner_steps, error):
+    with pytest.raises(ValueError, match=error):
+        SpectralFilter.combined_weights(torch.full((6,), 0.1, dtype=DTYPE), inner_steps)
+
+
 def test_negative_rounding_eigenvalues_are_evaluated_as_zero():
     """d = -1e-17 next to noise = 1e-17 would give 1/(d + noise) = inf: a PSD kernel's negative
     eigenvalues are rounding, and the filters there must take their values at 0."""
