@@ -435,6 +435,7 @@ PROGRESS_METHODS = [
     "KernelSpectrum.from_lanczos",
     "DataCentricGPR.fit",  # the dense path here: no loop to report
     "DistributionCentricGPR.fit",
+    "CombinedGPR.fit",
     "LaplaceGPClassifier.optimize_hyperparameters",
     "DataCentricGPC.fit",
     "DistributionCentricGPC.fit",
