@@ -299,6 +299,11 @@ def test_iterating_fits_take_progress_and_a_callback_that_stops_them(cls):
     if cls in (DataCentricGPR, DistributionCentricGPR):
         # fit reports the growth of a Lanczos basis, where the backend grows one
         assert {"progress", "callback"} <= set(inspect.signature(model.fit).parameters)
+        params = inspect.signature(model.optimize_hyperparameters).parameters
+        assert {"progress", "callback", "max_iter", "lr"} <= set(params)
+        records = []
+        model.optimize_hyperparameters(max_iter=5, callback=lambda r: records.append(r) or True)
+        assert [r.iteration for r in records] == [1]
         return
     if cls in (LaplaceGPClassifier, SparseLowRankStudent):
         target = getattr(model, "optimize_hyperparameters", None)
