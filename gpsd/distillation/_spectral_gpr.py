@@ -54,6 +54,7 @@ from gpsd.distillation._teacher_likelihood import (
     seeded_probes,
 )
 from gpsd.exceptions import BackendError
+from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.linalg import BACKENDS, SpectralFilter
 from gpsd.linalg.backend import _agree as agree_on_backend
 from gpsd.prediction import Prediction
@@ -263,7 +264,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         The teacher's ``mean_module`` and ``covar_module`` are shared, not copied. ``noise``
         defaults to the teacher's noise repeated ``num_steps`` times (so the teacher itself is
-        step 1); with both given, they must agree as in the constructor.
+        step 1); with both given, they must agree as in the constructor. A teacher trained with
+        a :class:`~gpsd.ChunkedKernel` gives its ``base_kernel`` (the matrix-free backends
+        chunk the kernel rows themselves) and, unless ``process_group`` is given, its process
+        group.
 
         :param teacher: a trained ``gpytorch.models.ExactGP`` with a ``GaussianLikelihood``.
         :param num_steps: the number of steps :math:`T`.
@@ -278,10 +282,14 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 raise ValueError("give noise, or num_steps >= 1 to repeat the teacher's noise")
             # shape: (*b, T): a batched teacher's noise per member of its batch
             noise = teacher_noise.unsqueeze(-1).expand(*teacher_noise.shape, num_steps).clone()
+        covar_module = teacher.covar_module
+        if isinstance(covar_module, ChunkedKernel):
+            kwargs.setdefault("process_group", covar_module.process_group)
+            covar_module = covar_module.base_kernel
         return cls(
             train_x,
             train_y,
-            teacher.covar_module,
+            covar_module,
             noise=noise,
             num_steps=num_steps,
             mean_module=teacher.mean_module,

@@ -1275,3 +1275,29 @@ def test_training_arguments_are_checked():
     kernel.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable hyperparameters"):
         model.optimize_hyperparameters(learn_noise=False)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_from_teacher_with_a_chunked_kernel_shares_its_base_kernel(cls):
+    x, y, kernel = _training_problem(n=40)
+
+    class Teacher(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood())
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpsd.ChunkedKernel(kernel, chunk_size=8)
+
+        def forward(self, z):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(z), self.covar_module(z)
+            )
+
+    teacher = Teacher().to(DT)
+    teacher.likelihood.noise = 0.05
+    model = cls.from_teacher(teacher, num_steps=2, backend="dense")
+    assert model.covar_module is kernel and model.process_group is None
+    teacher.eval()
+    test_x = x[:6] + 0.05
+    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10_000):
+        expected = teacher(test_x).mean
+    torch.testing.assert_close(model.predict(test_x, step=1).mean, expected, rtol=1e-9, atol=1e-10)
