@@ -56,7 +56,8 @@ class ChunkedKernel(Kernel):
 
     whose bilinear forms in :math:`\partial\mathbf K/\partial\theta` the operator evaluates
     chunk by chunk in the backward pass (autograd through ``base_kernel`` on one
-    :math:`c \times N` block of rows at a time). Memory: :math:`\mathcal O(N c + N t)`, never
+    :math:`c \times N` block of rows at a time; for an RBF kernel, in closed form from its
+    entries). Memory: :math:`\mathcal O(N c + N t)`, never
     :math:`N^2`. ``gpytorch.settings`` (``cg_tolerance``, ``max_cg_iterations``,
     ``num_trace_samples``, ``max_preconditioner_size``, ``max_cholesky_size``) apply as to any
     GPyTorch kernel. Below ``max_cholesky_size`` (800 by default) GPyTorch forms the matrix

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from gpytorch.kernels import Kernel
+from gpytorch.kernels import Kernel, ScaleKernel
 from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
 from torch import Tensor
@@ -13,7 +13,10 @@ from torch import Tensor
 from gpsd import settings
 from gpsd._internal.module_state import ModuleState, write_count
 from gpsd._internal.negligible import DROP_MIN_COLUMNS, drop_negligible
-from gpsd._internal.stationary_kernel import stationary_kernel_block
+from gpsd._internal.stationary_kernel import (
+    stationary_kernel_block,
+    stationary_kernel_parameters,
+)
 from gpsd._internal.swapped_parameters import swapped_parameters
 from gpsd._internal.validation import check_finite, check_int
 
@@ -51,7 +54,10 @@ class ChunkedKernelOperator(LinearOperator):
     each row chunk evaluated afresh by ``covar_module`` with its autograd graph, differentiated
     and freed before the next: no kernel entry is kept beyond one chunk of
     :math:`c \times N` (:math:`c` = ``chunk_size``, fewer rows where
-    :math:`c N` would exceed :class:`gpsd.settings.max_chunk_elements`). Single entries
+    :math:`c N` would exceed :class:`gpsd.settings.max_chunk_elements`). For the RBF kernel
+    (alone or in a ``ScaleKernel``, unbatched, inputs without a gradient) the derivative is
+    taken in closed form from the kernel's entries, the fast or the kept rows, with no graph
+    of any block. Single entries
     (the rows a pivoted-Cholesky preconditioner takes) and the diagonal are evaluated by
     ``covar_module`` with their graph. Products themselves run without a graph, by the fast
     rows below.
@@ -256,6 +262,10 @@ class ChunkedKernelOperator(LinearOperator):
             return (None,) * len(args)
         x, *hyperparameters = args
         operator = self.representation_tree()(*args)
+        if not x.requires_grad:
+            rbf = operator._rbf_derivative(left_vecs, right_vecs, hyperparameters)
+            if rbf is not None:
+                return (None, *rbf)
         first, stop = self._row_range()
         step = self._grad_chunk_rows()
         totals: list[Tensor | None] = [None] * len(wanted)
@@ -272,6 +282,74 @@ class ChunkedKernelOperator(LinearOperator):
                 ]
         grads = iter(totals)
         return tuple(next(grads) if a.requires_grad else None for a in args)
+
+    def _rbf_derivative(
+        self, left_vecs: Tensor, right_vecs: Tensor, hyperparameters: list[Tensor]
+    ) -> tuple[Tensor | None, ...] | None:
+        r"""The bilinear derivative of an RBF kernel (alone or in a ``ScaleKernel``, one or ARD
+        lengthscales, unbatched) in closed form from the kernel's own entries, or ``None`` for
+        another kernel; one entry per tensor of ``hyperparameters`` (which the operator
+        evaluates with, requiring gradients or not).
+
+        With :math:`\mathbf A = (\mathbf U_I \mathbf V^\top) \circ \mathbf K_{I,:}` per row
+        chunk :math:`I` and :math:`K_{ij} = s \exp(-\tfrac12 \sum_k (x_{ik} - x_{jk})^2 /
+        \ell_k^2)`,
+
+        .. math::
+            \frac{\partial F}{\partial s} = \frac{1}{s}\sum_{ij} A_{ij}, \qquad
+            \frac{\partial F}{\partial \ell_k} = \frac{1}{\ell_k^3}\Big(
+            \sum_i a^{\text{row}}_i x_{ik}^2 + \sum_j a^{\text{col}}_j x_{jk}^2
+            - 2 \sum_i x_{ik} (\mathbf A \mathbf X)_{ik}\Big),
+
+        on inputs centred at their mean, accumulated in float64; then through the constraints
+        to the raw parameters by autograd on the two small tensors. The rows are the fast
+        ones, or the kept ones where the operator keeps them: no autograd graph of any block.
+        """
+        with self._evaluating():
+            params = stationary_kernel_parameters(self.covar_module)
+        if params is None or params[0] != "rbf" or self.x.dim() != 2:
+            return None
+        _, lengthscale, outputscale = params
+        wide = torch.float64
+        centred = self.x.detach().to(wide)
+        centred = centred - centred.mean(-2, keepdim=True)  # shape: (N, d)
+        squares = centred.square()
+        total = centred.new_zeros(())
+        distance_terms = centred.new_zeros(centred.shape[-1])  # shape: (d,)
+        first, stop = self._row_range()
+        kept = self.cache_bytes > 0 and self._rows.belongs_to(self.x, self.covar_module)
+        step = self.chunk_size if kept else self._grad_chunk_rows()
+        with torch.no_grad(), self._evaluating():
+            for start in range(first, stop, step):
+                end = min(start + step, stop)
+                block = self._rows.blocks.get(start) if kept else None
+                if block is None:
+                    block = self._row_block(start, end)  # shape: (c, N)
+                left = left_vecs[start - first : end - first].to(block)
+                weighted = (left @ right_vecs.to(block).mT).mul_(block).to(wide)  # A: (c, N)
+                rows = weighted.sum(-1)  # shape: (c,)
+                total += rows.sum()
+                distance_terms += rows @ squares[start:end] + weighted.sum(-2) @ squares
+                distance_terms -= 2 * (centred[start:end] * (weighted @ centred)).sum(-2)
+        lengthscale = lengthscale.to(wide)
+        grad_lengthscale = distance_terms / lengthscale**3  # shape: (d,)
+        if lengthscale.numel() == 1:
+            grad_lengthscale = grad_lengthscale.sum().reshape(1)
+        grad_scale = total / outputscale.to(wide)
+        scaled = isinstance(self.covar_module, ScaleKernel)  # else the RBF kernel alone
+        with torch.enable_grad(), self._evaluating():
+            base = self.covar_module.base_kernel if scaled else self.covar_module
+            pairs = [(base.lengthscale, grad_lengthscale)]
+            if scaled:
+                pairs.append((self.covar_module.outputscale, grad_scale))
+            pairs = [(out, g.reshape(out.shape).to(out)) for out, g in pairs if out.requires_grad]
+            wanted = [h for h in hyperparameters if h.requires_grad]
+            parts = [None] * len(wanted)
+            if pairs and wanted:
+                outputs, grads = zip(*pairs, strict=True)
+                parts = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
+        found = iter(parts)
+        return tuple(next(found) if h.requires_grad else None for h in hyperparameters)
 
     def _get_indices(self, row_index: Tensor, col_index: Tensor, *batch_indices: Tensor) -> Tensor:
         """Entries ``K[row_index, col_index]`` (broadcast index tensors), each evaluated by

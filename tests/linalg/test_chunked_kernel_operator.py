@@ -486,6 +486,51 @@ def test_bilinear_derivative_equals_autograd_of_the_dense_forms(kernel, rows):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "rbf alone"])
+@pytest.mark.parametrize("ard", [True, False], ids=["ard", "one lengthscale"])
+@pytest.mark.parametrize("cache_bytes", [0, 10**7], ids=["evaluated", "kept rows"])
+@pytest.mark.parametrize("rows", [None, slice(5, 50)])
+def test_rbf_bilinear_derivative_in_closed_form_equals_autograd(scaled, ard, cache_bytes, rows):
+    """The RBF kernel's derivative from its entries (inputs without a gradient), against
+    autograd through GPyTorch's dense evaluation; from kept rows too."""
+    gen = torch.Generator().manual_seed(5)
+    n = 60
+    x = 10 + 3 * torch.rand(n, 3, generator=gen, dtype=DTYPE)  # off-centre: the centring counts
+    rbf = RBFKernel(ard_num_dims=3 if ard else None).to(DTYPE)
+    rbf.lengthscale = torch.tensor([0.7, 1.1, 0.9] if ard else [0.8], dtype=DTYPE)
+    covar = ScaleKernel(rbf).to(DTYPE) if scaled else rbf
+    if scaled:
+        covar.outputscale = 1.7
+    first, stop = (0, n) if rows is None else (rows.start, rows.stop)
+    left = torch.randn(stop - first, 4, generator=gen, dtype=DTYPE)
+    right = torch.randn(n, 4, generator=gen, dtype=DTYPE)
+    op = ChunkedKernelOperator(
+        x, covar_module=covar, chunk_size=16, cache_bytes=cache_bytes, rows=rows
+    )
+    with torch.no_grad():
+        op @ right  # the first product keeps the rows, where the budget allows
+    assert (op.kept_bytes > 0) == (cache_bytes > 0)
+    grads = op._bilinear_derivative(left, right)
+    params = list(covar.parameters())
+    form = (left * (covar(x, x).to_dense()[first:stop] @ right)).sum()
+    expected = torch.autograd.grad(form, params)
+    assert grads[0] is None
+    for got, want in zip(grads[1:], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_rbf_closed_form_skips_a_frozen_lengthscale():
+    x, _, covar = gradient_problem(n=30)
+    covar.base_kernel.raw_lengthscale.requires_grad_(False)
+    vecs = torch.randn(30, 2, dtype=DTYPE)
+    grads = ChunkedKernelOperator(x, covar_module=covar)._bilinear_derivative(vecs, vecs)
+    (expected,) = torch.autograd.grad(
+        (vecs * (covar(x, x).to_dense() @ vecs)).sum(), [covar.raw_outputscale]
+    )
+    assert grads[2] is None
+    torch.testing.assert_close(grads[1], expected, rtol=1e-10, atol=1e-12)
+
+
 def test_bilinear_derivative_gives_none_where_nothing_requires_a_gradient():
     x, _, covar = gradient_problem()
     covar.requires_grad_(False)
@@ -565,12 +610,13 @@ def test_matrix_free_gradient_equals_central_finite_differences():
     torch.testing.assert_close(grad.reshape(()), finite, rtol=1e-6, atol=1e-7)
 
 
-def test_no_kernel_sized_tensor_is_kept_for_the_backward_pass():
+@pytest.mark.parametrize("kernel", ["rbf", "matern"], ids=["closed form", "autograd chunks"])
+def test_no_kernel_sized_tensor_is_kept_for_the_backward_pass(kernel):
     """A proxy for memory: every tensor the autograd graph saves, in the forward pass and in
-    the backward pass's chunk graphs, has at most N x max(chunk, probes + 1, d x preconditioner
+    the backward pass's graphs (the chunks', for a kernel without the closed form), has at most N x max(chunk, probes + 1, d x preconditioner
     rank) entries (the last: the input pairs of the preconditioner's rows), far below N^2."""
     n, chunk, probes, rank = 300, 20, 10, 15
-    x, y, covar = gradient_problem(n=n)
+    x, y, covar = gradient_problem(n=n, kernel=kernel)
     noise = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
     sizes = []
 
@@ -589,7 +635,7 @@ def test_no_kernel_sized_tensor_is_kept_for_the_backward_pass():
         loss = -operator_log_likelihood(op, y, noise)
         forward_sizes = list(sizes)
         loss.backward()
-    assert forward_sizes and len(sizes) > len(forward_sizes)  # the chunk graphs were seen
+    assert forward_sizes and len(sizes) > len(forward_sizes)  # the backward's graphs were seen
     assert max(sizes) <= n * max(chunk, probes + 1, x.shape[-1] * rank) < n * n / 4
     assert op.kept_bytes == 0
     assert all(p.grad is not None for p in covar.parameters()) and noise.grad is not None
