@@ -352,13 +352,16 @@ class ChunkedKernelOperator(LinearOperator):
         return tuple(next(found) if h.requires_grad else None for h in hyperparameters)
 
     def _get_indices(self, row_index: Tensor, col_index: Tensor, *batch_indices: Tensor) -> Tensor:
-        """Entries ``K[row_index, col_index]`` (broadcast index tensors), each evaluated by
-        ``covar_module`` with :attr:`hyperparameters` (and their graph), without a product."""
-        if batch_indices or self.x.dim() != 2 or len(self.covar_module.batch_shape):
+        """Entries ``K[*batch_indices, row_index, col_index]`` (broadcast index tensors), each
+        evaluated by ``covar_module`` with :attr:`hyperparameters` (and their graph), without a
+        product; a kernel with a batch shape goes through ``linear_operator``'s products."""
+        if len(self.covar_module.batch_shape) or len(batch_indices) != self.x.dim() - 2:
             return super()._get_indices(row_index, col_index, *batch_indices)
         first, _ = self._row_range()
         with self._evaluating():
-            return kernel_entries(self.covar_module, self.x, row_index + first, col_index)
+            return kernel_entries(
+                self.covar_module, self.x, row_index + first, col_index, batch_indices
+            )
 
     def to_dense(self) -> Tensor:
         r"""The rows of :math:`\mathbf K` the operator holds as one tensor ``(*b, n, N)``:
@@ -427,13 +430,23 @@ def kernel_diagonal(covar_module: Kernel, rows: Tensor, shape: torch.Size) -> Te
     return diag
 
 
-def kernel_entries(covar_module: Kernel, x: Tensor, row_index: Tensor, col_index: Tensor) -> Tensor:
-    """``k(x[i], x[j])`` for the pairs of the broadcast index tensors ``row_index`` and
-    ``col_index`` (into the rows of ``x``, ``(N, d)``), of their broadcast shape, with the
-    kernel's autograd graph: one evaluation of pairs (``diag=True``), no block."""
-    shape = torch.broadcast_shapes(row_index.shape, col_index.shape)
-    rows = x[row_index.expand(shape).reshape(-1)]  # shape: (P, d)
-    cols = x[col_index.expand(shape).reshape(-1)]
+def kernel_entries(
+    covar_module: Kernel,
+    x: Tensor,
+    row_index: Tensor,
+    col_index: Tensor,
+    batch_indices: tuple[Tensor, ...] = (),
+) -> Tensor:
+    """``k(x[*b, i], x[*b, j])`` for the entries of the broadcast index tensors
+    ``batch_indices``, ``row_index`` and ``col_index`` (into ``x``, ``(*b, N, d)``, one batch
+    index per batch dimension), of their broadcast shape, with the kernel's autograd graph:
+    one evaluation of pairs (``diag=True``), no block."""
+    shape = torch.broadcast_shapes(
+        row_index.shape, col_index.shape, *(b.shape for b in batch_indices)
+    )
+    batch = tuple(b.expand(shape).reshape(-1) for b in batch_indices)
+    rows = x[(*batch, row_index.expand(shape).reshape(-1))]  # shape: (P, d)
+    cols = x[(*batch, col_index.expand(shape).reshape(-1))]
     return to_dense(covar_module(rows, cols, diag=True)).reshape(shape)
 
 

@@ -232,12 +232,15 @@ class DistributedKernelOperator(LinearOperator):
     def _get_indices(self, row_index: Tensor, col_index: Tensor, *batch_indices: Tensor) -> Tensor:
         # every rank evaluates the entries itself: no collective
         local = self.local
-        if isinstance(local, _KeOpsRows) or batch_indices or self.x.dim() != 2:
-            return super()._get_indices(row_index, col_index, *batch_indices)
-        if len(self.covar_module.batch_shape):
+        batched_kernel = len(self.covar_module.batch_shape) > 0
+        if (
+            isinstance(local, _KeOpsRows)
+            or batched_kernel
+            or len(batch_indices) != self.x.dim() - 2
+        ):
             return super()._get_indices(row_index, col_index, *batch_indices)
         with local._evaluating():
-            return kernel_entries(self.covar_module, self.x, row_index, col_index)
+            return kernel_entries(self.covar_module, self.x, row_index, col_index, batch_indices)
 
     def _bilinear_derivative(
         self, left_vecs: Tensor, right_vecs: Tensor

@@ -1301,3 +1301,21 @@ def test_from_teacher_with_a_chunked_kernel_shares_its_base_kernel(cls):
     with torch.no_grad(), gpytorch.settings.max_cholesky_size(10_000):
         expected = teacher(test_x).mean
     torch.testing.assert_close(model.predict(test_x, step=1).mean, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_a_batch_of_schedules_has_one_teacher_likelihood_per_schedule_on_every_backend():
+    x, y, kernel = _training_problem(n=16)
+    noise = torch.tensor([[0.2, 0.1], [0.05, 0.05]], dtype=DT)
+    K = kernel(x).to_dense().detach()
+    eye = torch.eye(16, dtype=DT)
+    expected = torch.stack(
+        [
+            torch.distributions.MultivariateNormal(torch.zeros_like(y), K + g * eye).log_prob(y)
+            for g in (0.2, 0.05)
+        ]
+    )
+    for backend in ("dense", "cg"):
+        model = DataCentricGPR(x, y, kernel, noise=noise, backend=backend)
+        with _exact_cg():
+            got = model.log_marginal_likelihood()
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-8)
