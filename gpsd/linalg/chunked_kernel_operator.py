@@ -57,10 +57,9 @@ class ChunkedKernelOperator(LinearOperator):
     :math:`c N` would exceed :class:`gpsd.settings.max_chunk_elements`). For the RBF kernel
     (alone or in a ``ScaleKernel``, unbatched, inputs without a gradient) the derivative is
     taken in closed form from the kernel's entries, the fast or the kept rows, with no graph
-    of any block. Single entries
-    (the rows a pivoted-Cholesky preconditioner takes) and the diagonal are evaluated by
-    ``covar_module`` with their graph. Products themselves run without a graph, by the fast
-    rows below.
+    of any block. Single entries (the rows a pivoted-Cholesky preconditioner takes) and the
+    diagonal are evaluated by ``covar_module`` with their graph. Products themselves run
+    without a graph, by the fast rows below.
 
     **Stationary kernels.** For an ``RBFKernel`` (and a ``MaternKernel`` of :math:`\nu` 1/2,
     3/2 or 5/2 in float32), alone or in a ``ScaleKernel``, unbatched, on all input dimensions,
