@@ -113,6 +113,7 @@ class ChunkedKernel(Kernel):
 
     @property
     def is_stationary(self) -> bool:
+        """Whether the base kernel is stationary."""
         return self.base_kernel.is_stationary
 
     def forward(
