@@ -258,6 +258,7 @@ def scenario_main(rank: int, world: int) -> dict:
     )
     other_test = test_x + (1e-3 if rank == 0 else 0.0)
     out["different_test_x"] = _caught(lambda: model.predict(other_test))
+    out["mll"] = scenario_mll(rank, world)  # in the same processes: no second start
     return out
 
 
@@ -423,8 +424,6 @@ def main() -> None:
             result = scenario_kd(rank, world)
         elif scenario == "keops":
             result = scenario_keops(rank, world)
-        elif scenario == "mll":
-            result = scenario_mll(rank, world)
         else:
             result = scenario_fail(rank, world, scenario.removeprefix("fail_"), out_file)
     except Exception:

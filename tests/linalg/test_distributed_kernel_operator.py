@@ -32,7 +32,7 @@ MODELS = ["data_lanczos", "data_cg", "data_auto", "distribution_lanczos", "distr
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks (uneven)"])
 def main_run(request, tmp_path_factory):
     world = request.param
-    return world, launch("main", world, tmp_path_factory.mktemp(f"main{world}"))
+    return world, launch("main", world, tmp_path_factory.mktemp(f"main{world}"), limit=300.0)
 
 
 def test_each_rank_holds_a_contiguous_block_of_rows(main_run):
@@ -174,12 +174,6 @@ def test_a_keops_kernel_multiplies_each_ranks_rows_by_keops_reductions(tmp_path)
         assert torch.equal(result["mean"], results[0]["mean"])
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks (uneven)"])
-def mll_run(request, tmp_path_factory):
-    world = request.param
-    return world, launch("mll", world, tmp_path_factory.mktemp(f"mll{world}"), limit=300.0)
-
-
 def _close(got, expected):
     if isinstance(got, list):
         assert len(got) == len(expected)
@@ -204,11 +198,12 @@ def _close(got, expected):
         "history",
     ],
 )
-def test_gradients_and_training_through_the_group_equal_one_process(mll_run, what):
+def test_gradients_and_training_through_the_group_equal_one_process(main_run, what):
     """The bilinear derivative (summed over the ranks), GPyTorch's marginal likelihood and its
     gradient, an ExactGP with ChunkedKernel(process_group=...) and optimize_hyperparameters on
     the CG backend: on every rank, what one process computes, to 1e-8."""
-    world, results = mll_run
+    world, results = main_run
+    results = [r["mll"] for r in results]
     assert [r["rank"] for r in results] == list(range(world))
     for result in results:
         _close(result["group"][what], results[0]["single"][what])
