@@ -43,7 +43,7 @@ from gpsd.exceptions import (
     NotFittedError,
 )
 from gpsd.kernel_distillation import KernelDistillation, SparseLowRankStudent
-from gpsd.kernels import PosteriorKernel
+from gpsd.kernels import ChunkedKernel, PosteriorKernel
 from gpsd.laplace import LaplaceGPClassifier
 from gpsd.likelihoods import ContinuousBernoulliLikelihood
 from gpsd.means import PosteriorMean
@@ -55,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ARDGPRegressor",
     "BackendError",
+    "ChunkedKernel",
     "CombinedGPR",
     "DistributedError",
     "ContinuousBernoulliLikelihood",

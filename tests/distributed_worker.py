@@ -9,6 +9,7 @@ found to ``OUT_FILE`` (``torch.save``). :func:`problem` is shared with the tests
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -296,6 +297,7 @@ def scenario_main(rank: int, world: int) -> dict:
     )
     other_test = test_x + (1e-3 if rank == 0 else 0.0)
     out["different_test_x"] = _caught(lambda: model.predict(other_test))
+    out["mll"] = scenario_mll(rank, world)  # in the same processes: no second start
     return out
 
 
@@ -350,6 +352,95 @@ def scenario_fail(rank: int, world: int, how: str, out_file: str) -> dict:
     start = time.perf_counter()
     while rank == 1 and not os.path.exists(first) and _since(start) < SHORT_TIMEOUT + 30:
         time.sleep(0.1)  # stay until rank 0 has given up waiting
+    return out
+
+
+def tight_cg():
+    """GPyTorch's matrix-free route with preconditioned CG converged far below its default
+    tolerance: a loose one (or CG run past N iterations without converging) stops where
+    rounding, which depends on how the rows are split, moves the iterates."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(gpytorch.settings.max_cholesky_size(0))
+    stack.enter_context(gpytorch.settings.cg_tolerance(1e-7))
+    stack.enter_context(gpytorch.settings.max_cg_iterations(150))
+    stack.enter_context(gpytorch.settings.min_preconditioning_size(1))
+    stack.enter_context(gpytorch.settings.max_preconditioner_size(40))
+    return stack
+
+
+def mll_reference(n: int, process_group=None) -> dict:
+    """The differentiable kernel operators through the group (``None``: this process alone):
+    a bilinear derivative, GPyTorch's matrix-free marginal likelihood with its gradient (the
+    same seeded probes on every rank), an ExactGP with a ``ChunkedKernel`` under
+    ``ExactMarginalLogLikelihood``, and two iterations of ``optimize_hyperparameters`` on
+    the CG backend, on ``n`` points."""
+    from gpsd.distillation._teacher_likelihood import matrix_free_log_likelihood, seeded_probes
+
+    x, y, _, kernel = problem(n)
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    left, right = (
+        torch.randn(n, 3, generator=gen, dtype=DT),
+        torch.randn(n, 3, generator=gen, dtype=DT),
+    )
+    if process_group is None:
+        op = gpsd.linalg.ChunkedKernelOperator(x, covar_module=kernel, chunk_size=16)
+        grads = op._bilinear_derivative(left, right)[1:]
+    else:
+        op = gpsd.linalg.DistributedKernelOperator(
+            x, covar_module=kernel, process_group=process_group, chunk_size=16
+        )
+        grads = op._bilinear_derivative(left, right)[2:]
+    out["form_grads"] = [g.detach() for g in grads]
+    mean = gpytorch.means.ConstantMean().to(DT)
+    noise = torch.tensor(0.05, dtype=DT, requires_grad=True)
+    params = [*kernel.parameters(), *mean.parameters(), noise]
+    with tight_cg(), seeded_probes(1, torch.device("cpu")):
+        value = matrix_free_log_likelihood(kernel, mean, x, y, noise, process_group)
+        out["mll"] = value.detach()
+        out["mll_grads"] = [g.detach() for g in torch.autograd.grad(value, params)]
+
+    class GP(gpytorch.models.ExactGP):
+        def __init__(self):
+            likelihood = gpytorch.likelihoods.GaussianLikelihood()
+            super().__init__(x, y, likelihood)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = gpsd.kernels.ChunkedKernel(
+                gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()),
+                chunk_size=16,
+                process_group=process_group,
+            )
+
+        def forward(self, z):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(z), self.covar_module(z)
+            )
+
+    model = GP().to(DT)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with tight_cg(), seeded_probes(2, torch.device("cpu")):
+        loss = -mll(model(x), y)
+        out["exactgp_loss"] = loss.detach()
+        out["exactgp_grads"] = [
+            g.detach() for g in torch.autograd.grad(loss, list(model.parameters()))
+        ]
+    _, _, _, kernel = problem(n)
+    distiller = gpsd.DataCentricGPR(
+        x, y, kernel, noise=NOISE, backend="cg", process_group=process_group
+    )
+    with tight_cg():
+        distiller.optimize_hyperparameters(max_iter=2, lr=0.1)
+    out["trained"] = [p.detach().clone() for p in kernel.parameters()]
+    out["trained_noise"] = distiller.noise.clone()
+    out["history"] = list(distiller.history)
+    return out
+
+
+def scenario_mll(rank: int, world: int) -> dict:
+    n = 100 if world == 2 else 101  # 34, 34 and 33 rows on 3 ranks
+    out = {"group": mll_reference(n, dist.group.WORLD), "rank": rank}
+    if rank == 0:  # one process's answer, for every rank's to be compared with
+        out["single"] = mll_reference(n)
     return out
 
 

@@ -306,6 +306,11 @@ def test_iterating_fits_take_progress_and_a_callback_that_stops_them(cls):
     if cls in (CombinedGPR, DataCentricGPR, DistributionCentricGPR):
         # fit reports the growth of a Lanczos basis, where the backend grows one
         assert {"progress", "callback"} <= set(inspect.signature(model.fit).parameters)
+        params = inspect.signature(model.optimize_hyperparameters).parameters
+        assert {"progress", "callback", "max_iter", "lr"} <= set(params)
+        records = []
+        model.optimize_hyperparameters(max_iter=5, callback=lambda r: records.append(r) or True)
+        assert [r.iteration for r in records] == [1]
         return
     if cls in (LaplaceGPClassifier, SparseLowRankStudent):
         target = getattr(model, "optimize_hyperparameters", None)
@@ -436,6 +441,9 @@ PROGRESS_METHODS = [
     "DataCentricGPR.fit",  # the dense path here: no loop to report
     "DistributionCentricGPR.fit",
     "CombinedGPR.fit",
+    "DataCentricGPR.optimize_hyperparameters",
+    "DistributionCentricGPR.optimize_hyperparameters",
+    "CombinedGPR.optimize_hyperparameters",
     "LaplaceGPClassifier.optimize_hyperparameters",
     "DataCentricGPC.fit",
     "DistributionCentricGPC.fit",

@@ -37,6 +37,7 @@ EXECUTED_PAGES = [
     "guide_dpkl.rst",
     "tutorial_training_loop.rst",
     "tutorial_gpu_large_n.rst",
+    "tutorial_large_n_training.rst",
     "tutorial_distributed.rst",
     "tutorial_cb_svgp.rst",
 ]

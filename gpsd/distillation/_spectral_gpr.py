@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import itertools
 
 import gpytorch
@@ -30,7 +31,7 @@ from gpsd._internal.fit_cache import FitCache
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
 from gpsd._internal.negligible import kernel_matrix
-from gpsd._internal.progress_reporter import check_progress
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -48,8 +49,16 @@ from gpsd.distillation._common import (
     validate_training_data,
     warn_low_precision_factorisation,
 )
+from gpsd.distillation._teacher_likelihood import (
+    dense_log_likelihood,
+    log_prior,
+    matrix_free_log_likelihood,
+    seeded_probes,
+)
 from gpsd.exceptions import BackendError
+from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.linalg import BACKENDS, SpectralFilter
+from gpsd.linalg.backend import check_shareable
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
 
@@ -97,6 +106,11 @@ def _columns_are_local(engine: object) -> bool:
     if not isinstance(engine, linalg.KernelSpectrum):
         return False
     return not engine.is_truncated or (engine.series_order + 1) // 2 == 0
+
+
+def _tensors(*modules: nn.Module) -> list[Tensor]:
+    """The parameters of ``modules``, in order."""
+    return [p for m in modules for p in m.parameters()]
 
 
 def _check_linalg_dtype(value: object) -> torch.dtype | None:
@@ -275,7 +289,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
         The teacher's ``mean_module`` and ``covar_module`` are shared, not copied. ``noise``
         defaults to the teacher's noise repeated ``num_steps`` times (so the teacher itself is
-        step 1); with both given, they must agree as in the constructor.
+        step 1); with both given, they must agree as in the constructor. A teacher trained with
+        a :class:`~gpsd.ChunkedKernel` gives its ``base_kernel`` (the matrix-free backends
+        chunk the kernel rows themselves) and, unless ``process_group`` is given, its process
+        group.
 
         :param teacher: a trained ``gpytorch.models.ExactGP`` with a ``GaussianLikelihood``.
         :param num_steps: the number of steps :math:`T`.
@@ -290,10 +307,14 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                 raise ValueError("give noise, or num_steps >= 1 to repeat the teacher's noise")
             # shape: (*b, T): a batched teacher's noise per member of its batch
             noise = teacher_noise.unsqueeze(-1).expand(*teacher_noise.shape, num_steps).clone()
+        covar_module = teacher.covar_module
+        if isinstance(covar_module, ChunkedKernel):
+            kwargs.setdefault("process_group", covar_module.process_group)
+            covar_module = covar_module.base_kernel
         return cls(
             train_x,
             train_y,
-            teacher.covar_module,
+            covar_module,
             noise=noise,
             num_steps=num_steps,
             mean_module=teacher.mean_module,
@@ -358,6 +379,159 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self._factorisation(progress=progress, callback=callback)
         self._state()
         return self
+
+    # ------------------------------------------------------------------ hyperparameters
+    def log_marginal_likelihood(self) -> Tensor:
+        r"""The teacher's log marginal likelihood, shape ``(*batch,)``: step 1's exact GP, prior
+        :math:`\mathcal{GP}(m, k)` and noise :math:`\gamma_1` (the first entry of each
+        schedule),
+
+        .. math::
+            \log p(\mathbf y \mid \boldsymbol\theta, \gamma_1)
+            = -\tfrac12 (\mathbf y - \mathbf m)^\top (\mathbf K + \gamma_1\mathbf I)^{-1}
+            (\mathbf y - \mathbf m) - \tfrac12 \log\det(\mathbf K + \gamma_1\mathbf I)
+            - \tfrac N2 \log 2\pi ,
+
+        in the factorisation's dtype (``linalg_dtype``). ``backend="dense"`` and ``"cholesky"``
+        (and ``"auto"`` where it would pick one of them) factor the formed matrix by Cholesky;
+        ``"lanczos"`` and ``"cg"`` never form it: GPyTorch's ``MultivariateNormal.log_prob`` on
+        a :class:`~gpsd.linalg.ChunkedKernelOperator` (a
+        :class:`~gpsd.linalg.DistributedKernelOperator` with a ``process_group``), by
+        preconditioned CG and stochastic Lanczos quadrature as ``gpytorch.settings`` set them
+        (``cg_tolerance``, ``num_trace_samples``, ``max_preconditioner_size``; below
+        ``max_cholesky_size`` GPyTorch factors the matrix), with random probe vectors. The
+        result carries the autograd graph of ``covar_module`` and ``mean_module`` where their
+        tensors have the factorisation's dtype (else it is computed on copies, without one).
+        """
+        dtype = self.linalg_dtype or self.train_x.dtype
+        kernel, mean, _ = self._modules_in(dtype)
+        return self._teacher_log_likelihood(kernel, mean, self.noise[..., 0].to(dtype))
+
+    def optimize_hyperparameters(
+        self,
+        *,
+        max_iter: int = 50,
+        lr: float = 0.05,
+        learn_noise: bool = True,
+        progress: object = False,
+        callback: Callback | None = None,
+    ) -> SpectralGPR:
+        r"""Maximise the teacher's marginal likelihood (:meth:`log_marginal_likelihood`) over
+        the parameters of ``covar_module`` and ``mean_module`` that require gradients and the
+        teacher's noise :math:`\gamma_1`, with Adam (at most ``max_iter`` iterations, learning
+        rate ``lr``); returns ``self``, with the loss of every iteration in :attr:`history`.
+
+        The loss, as GPyTorch's ``ExactMarginalLogLikelihood`` has it, is
+
+        .. math::
+            -\frac1N \Big(\sum_b \log p(\mathbf y_b \mid \boldsymbol\theta, \gamma_1)
+            + \sum_j \log p_j(\theta_j)\Big),
+
+        summed over the batch, with the hyperpriors registered on the modules. **The noise.**
+        The schedule is a constant of the model; what is learnt is one positive factor
+        :math:`c` per schedule (``exp`` of a parameter starting at 0), by which the whole schedule
+        is multiplied: :math:`\gamma_1` becomes the teacher's learnt noise
+        :math:`c\gamma_1`, and the ratios :math:`\gamma_t / \gamma_1` of the later steps are
+        kept (a constant schedule stays constant, as :meth:`from_teacher` makes it). With
+        ``learn_noise=False`` the schedule is left as it is.
+
+        Every backend trains: ``dense`` and ``cholesky`` by the exact Cholesky likelihood,
+        ``lanczos`` and ``cg`` matrix-free (memory :math:`\mathcal O(N c + N t)` for row
+        chunks of :math:`c` and :math:`t` probe vectors, never :math:`N^2`). The probe vectors
+        of iteration :math:`i` are drawn with the global random state seeded by :math:`i` and
+        put back after: runs repeat, and every rank of a ``process_group`` draws the same. The
+        optimisation runs in the factorisation's dtype: where ``linalg_dtype`` differs from the
+        modules' dtype, on copies whose values are written back at the end. Modules shared
+        with a teacher (:meth:`from_teacher`) are trained with it. The cached factorisation
+        belongs to the old hyperparameters and is dropped; the next prediction (or
+        :meth:`fit`) refits.
+
+        :param max_iter: the most Adam iterations.
+        :param lr: Adam's learning rate.
+        :param learn_noise: learn the noise (the schedule's factor) as well.
+        :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
+        :param callback: called after each iteration with an :class:`~gpsd.IterationRecord`
+            (``loss`` the loss before the iteration's step; ``info["noise"]`` the teacher's
+            noise it used); returning ``True`` stops.
+        """
+        max_iter = check_int(max_iter, "max_iter", minimum=0)
+        lr = check_positive_float(lr, "lr")
+        if not isinstance(learn_noise, bool):
+            raise TypeError(f"learn_noise must be True or False, got {learn_noise!r}")
+        self._check_modules()
+        dtype = self.linalg_dtype or self.train_x.dtype
+        kernel, mean, copied = self._modules_in(dtype)
+        first = self.noise[..., :1].to(dtype)  # shape: (*s, 1)
+        log_factor = torch.zeros_like(first, requires_grad=learn_noise)
+        params = [p for m in (kernel, mean) for p in m.parameters() if p.requires_grad]
+        params += [log_factor] if learn_noise else []
+        if not params:
+            raise ValueError(
+                "the model has no trainable hyperparameters: no parameter of covar_module or "
+                "mean_module requires a gradient, and learn_noise is False"
+            )
+        optimizer = torch.optim.Adam(params, lr=lr)
+        n = self.train_x.shape[-2]
+        self.history: list[float] = []
+        task = f"{type(self).__name__}.optimize_hyperparameters"
+        with ProgressReporter(task, max_iter, progress, callback) as report:
+            for iteration in range(1, max_iter + 1):
+                optimizer.zero_grad()
+                with seeded_probes(iteration, self.train_x.device):
+                    noise = (first * log_factor.exp()).squeeze(-1)  # shape: (*s,)
+                    fit = self._teacher_log_likelihood(kernel, mean, noise).sum()
+                    loss = -(fit + log_prior((kernel, mean), fit)) / n
+                    loss.backward()
+                optimizer.step()
+                self.history.append(loss.item())
+                teacher_noise = float(noise.detach().reshape(-1)[0])
+                if report.update(iteration, loss=self.history[-1], noise=teacher_noise):
+                    break
+        with torch.no_grad():
+            if copied:
+                own = _tensors(self.covar_module, self.mean_module)
+                for value, trained in zip(own, _tensors(kernel, mean), strict=True):
+                    value.copy_(trained.to(value.dtype))
+            if learn_noise:
+                self.noise = self.noise * log_factor.exp().to(self.noise.dtype)
+        self._factor_cache.clear()
+        self._targets_cache.clear()
+        return self
+
+    def _modules_in(self, dtype: torch.dtype) -> tuple[Kernel, Mean, bool]:
+        """``covar_module`` and ``mean_module`` in ``dtype``: themselves where every
+        floating-point tensor of theirs has it, else copies (and ``True``)."""
+        modules = (self.covar_module, self.mean_module)
+        tensors = [t for m in modules for t in itertools.chain(m.parameters(), m.buffers())]
+        if all(t.dtype == dtype for t in tensors if t.is_floating_point()):
+            return self.covar_module, self.mean_module, False
+        kernel, mean = (copy.deepcopy(m).to(dtype) for m in modules)
+        return kernel, mean, True
+
+    def _teacher_log_likelihood(self, kernel: Kernel, mean: Mean, noise: Tensor) -> Tensor:
+        """:meth:`log_marginal_likelihood` with ``kernel``, ``mean`` and the teacher's noise
+        ``noise`` (``(*s,)``), all in the factorisation's dtype."""
+        dtype = self.linalg_dtype or self.train_x.dtype
+        x, y = self.train_x.to(dtype), self.train_y.to(dtype)
+        if self._dense_likelihood(dtype):
+            return dense_log_likelihood(kernel, mean, x, y, noise)
+        return matrix_free_log_likelihood(kernel, mean, x, y, noise, self.process_group)
+
+    def _dense_likelihood(self, dtype: torch.dtype) -> bool:
+        """Whether the backend forms the kernel matrix: ``dense``, ``cholesky``, or ``auto``
+        where :func:`~gpsd.linalg.choose_backend` picks one of them for one factorisation. With
+        a ``process_group``, ``auto`` goes matrix-free and ``dense`` or ``cholesky`` raise the
+        ``ValueError`` of :func:`~gpsd.linalg.make_engine`."""
+        backend = self.backend
+        if self.process_group is not None:
+            check_shareable(backend)
+            return False
+        if backend == "auto":
+            batch = torch.broadcast_shapes(self.train_x.shape[:-2], self.covar_module.batch_shape)
+            backend = linalg.choose_backend(
+                self.train_x.shape[-2], 1, self.train_x.device, dtype, batch.numel()
+            )
+        return backend in ("dense", "cholesky")
 
     def _factorisation(self, progress: object = False, callback: Callback | None = None) -> dict:
         """The backend engine of :math:`\\mathbf K` and the kernel for test covariances."""

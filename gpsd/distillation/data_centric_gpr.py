@@ -67,6 +67,9 @@ class DataCentricGPR(SpectralGPR):
     and a backward pass that reaches their results (computed with grad enabled and a
     hyperparameter requiring grad) raises a :class:`~gpsd.BackendError`. ``train_x``,
     ``train_y`` and ``noise`` are stored detached: constants to the model.
+    :meth:`~gpsd.DataCentricGPR.optimize_hyperparameters` learns the kernel, the prior mean and
+    the teacher's noise by the teacher's marginal likelihood on every backend (matrix-free on
+    ``"lanczos"`` and ``"cg"``).
 
     :param train_x: training inputs, shape ``(*b, N, d)`` (or ``(N,)``).
     :param train_y: training targets :math:`\mathbf y`, shape ``(*b, N)``.

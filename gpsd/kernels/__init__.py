@@ -1,5 +1,6 @@
 """GPyTorch kernels provided by gpsd."""
 
+from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.kernels.posterior_kernel import PosteriorKernel
 
-__all__ = ["PosteriorKernel"]
+__all__ = ["ChunkedKernel", "PosteriorKernel"]

@@ -46,6 +46,17 @@ _EIGH_MATRICES = 4
 _CHOLESKY_FACTOR_MATRICES = 2
 
 
+def check_shareable(backend: str) -> None:
+    """Refuse a backend that forms the whole kernel matrix (``"dense"``, ``"cholesky"``) for
+    a ``process_group``, naming the matrix-free ones; every other backend passes."""
+    if backend in ("dense", "cholesky"):
+        raise ValueError(
+            f"backend={backend!r} forms the whole kernel matrix on every rank and cannot "
+            "share it out over process_group; use backend='lanczos' or 'cg' (or 'auto', "
+            "which goes matrix-free with a process_group), or process_group=None"
+        )
+
+
 def choose_backend(
     n: int,
     num_factorisations: int,
@@ -211,12 +222,7 @@ def make_engine(
     n = x.shape[-2]
     if process_group is not None:
         check_group(process_group)
-        if backend in ("dense", "cholesky"):
-            raise ValueError(
-                f"backend={backend!r} forms the whole kernel matrix on every rank and cannot "
-                "share it out over process_group; use backend='lanczos' or 'cg' (or 'auto', "
-                "which goes matrix-free with a process_group), or process_group=None"
-            )
+        check_shareable(backend)
 
     def lanczos(operator, r: int, stop_when=None) -> KernelSpectrum:
         return KernelSpectrum.from_lanczos(

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from gpsd._internal.collectives import (
     all_gather,
+    all_reduce_sum,
     check_group,
     check_same,
     module_fingerprint,
@@ -17,10 +18,12 @@ from gpsd._internal.collectives import (
 )
 from gpsd._internal.keops import is_keops_kernel
 from gpsd._internal.validation import check_int
+from gpsd.exceptions import BackendError
 from gpsd.linalg.chunked_kernel_operator import (
     ChunkedKernelOperator,
     check_finite_rhs,
     kernel_diagonal,
+    kernel_entries,
 )
 
 __all__ = ["DistributedKernelOperator"]
@@ -78,10 +81,21 @@ class DistributedKernelOperator(LinearOperator):
     :class:`~gpsd.DistributedError` on the ranks that wait in it: a rank that fails or leaves
     mid-run ends the run with an error on every rank, not a hang.
 
+    **Gradients.** As for :class:`~gpsd.linalg.ChunkedKernelOperator`, the representation
+    carries the kernel's parameters, so GPyTorch's marginal likelihood differentiates through
+    the operator. The derivative of a bilinear form
+    :math:`\sum_i \mathbf u_i^\top \mathbf K \mathbf v_i` (the same vectors on every rank)
+    is a sum over the rows: each rank differentiates the forms of its rows,
+    :math:`\sum_i \mathbf u_{i,I_p}^\top k(\mathbf X_{I_p}, \mathbf X)\,\mathbf v_i`,
+    chunk by chunk, and the ranks' gradients are added in rank order on every rank (one
+    gather of the gradients' entries), so every rank holds the same gradient, that of one
+    process up to the order of the sums. Single entries and the diagonal (a pivoted-Cholesky
+    preconditioner's) are evaluated by every rank, without a collective. A KeOps kernel's rows
+    are not differentiated (a :class:`~gpsd.BackendError`).
+
     Collectives run where the group's backend takes them: on the tensors' device with NCCL
     (CUDA), on the CPU with gloo. A group of one rank is the plain
-    :class:`~gpsd.linalg.ChunkedKernelOperator`. No autograd graph is built (wrap the use in
-    ``torch.no_grad()``).
+    :class:`~gpsd.linalg.ChunkedKernelOperator`.
 
     :param x: inputs, shape ``(*b, N, d)``, finite, the same on every rank.
     :param covar_module: any GPyTorch kernel :math:`k`, the same on every rank.
@@ -213,8 +227,55 @@ class DistributedKernelOperator(LinearOperator):
 
     def _diagonal(self) -> Tensor:
         # every rank evaluates the whole diagonal: N kernel entries, no collective
-        with torch.no_grad():
-            return self.local._kernel_diagonal(self.x, self.shape[:-1])  # shape: (*b, N)
+        return self.local._kernel_diagonal(self.x, self.shape[:-1])  # shape: (*b, N)
+
+    def _get_indices(self, row_index: Tensor, col_index: Tensor, *batch_indices: Tensor) -> Tensor:
+        # every rank evaluates the entries itself: no collective
+        local = self.local
+        batched_kernel = len(self.covar_module.batch_shape) > 0
+        if (
+            isinstance(local, _KeOpsRows)
+            or batched_kernel
+            or len(batch_indices) != self.x.dim() - 2
+        ):
+            return super()._get_indices(row_index, col_index, *batch_indices)
+        with local._evaluating():
+            return kernel_entries(self.covar_module, self.x, row_index, col_index, batch_indices)
+
+    def _bilinear_derivative(
+        self, left_vecs: Tensor, right_vecs: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        """This rank's rows' derivative (:meth:`ChunkedKernelOperator._bilinear_derivative
+        <gpsd.linalg.ChunkedKernelOperator._bilinear_derivative>`), summed over the ranks in
+        rank order; one entry per tensor of the representation (the inputs, then this rank's
+        block's inputs and the kernel's parameters; the sum goes to the block's)."""
+        representation = self.representation()
+        if isinstance(self.local, _KeOpsRows):
+            if any(t.requires_grad for t in representation):
+                raise BackendError(
+                    "a DistributedKernelOperator of a KeOps kernel has no gradient; use the "
+                    "kernel's non-KeOps counterpart (gpytorch.kernels.RBFKernel for "
+                    "gpytorch.kernels.keops.RBFKernel) to differentiate through the group"
+                )
+            return (None,) * len(representation)
+        rows = self.local.rows
+        local = self.local._bilinear_derivative(left_vecs[..., rows, :], right_vecs)
+        needed = [t.requires_grad and t.is_floating_point() for t in self.local.representation()]
+        # every rank sends an entry for every tensor that needs one, a rank without rows zeros
+        parts = [
+            (g if g is not None else torch.zeros_like(t)) if need else None
+            for g, t, need in zip(local, self.local.representation(), needed, strict=True)
+        ]
+        present = [p for p in parts if p is not None]
+        if not present:
+            return (None,) * len(representation)
+        flat = torch.cat([p.reshape(-1).to(torch.float64) for p in present])
+        total = all_reduce_sum(flat, self.process_group, "all-reduce of a kernel gradient")
+        sums = iter(total.split([p.numel() for p in present]))
+        reduced = tuple(
+            None if p is None else next(sums).reshape(p.shape).to(p.dtype) for p in parts
+        )
+        return (None, *reduced)  # the top-level x: its gradient counts in the block's
 
     def _expand_batch(self, batch_shape: torch.Size) -> DistributedKernelOperator:
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])

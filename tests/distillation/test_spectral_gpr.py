@@ -1189,3 +1189,173 @@ def test_modules_of_another_dtype_than_the_data_are_named(cls):
     model.to(torch.float32)  # the whole model in one dtype: fine
     with torch.no_grad():
         assert model.predict(test_x).mean.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ hyperparameters
+def _training_problem(n=60, dtype=DT):
+    gen = torch.Generator().manual_seed(2)
+    x = 3 * torch.rand(n, 2, generator=gen, dtype=dtype)
+    y = torch.sin(2 * x).sum(-1) + 0.1 * torch.randn(n, generator=gen, dtype=dtype)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(dtype)
+    return x, y, kernel
+
+
+def _exact_cg():
+    """Forced CG with an exact preconditioner: the matrix-free likelihood and its gradient are
+    the dense ones to CG's tolerance (the probe terms cancel)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for setting in (
+        gpytorch.settings.max_cholesky_size(0),
+        gpytorch.settings.cg_tolerance(1e-12),
+        gpytorch.settings.max_cg_iterations(600),
+        gpytorch.settings.max_preconditioner_size(600),
+        gpytorch.settings.preconditioner_tolerance(1e-10),
+        gpytorch.settings.min_preconditioning_size(1),
+    ):
+        stack.enter_context(setting)
+    return stack
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_log_marginal_likelihood_is_the_teachers_gaussian_density(cls):
+    x, y, kernel = _training_problem()
+    model = cls(x, y, kernel, noise=[0.2, 0.1], backend="dense")
+    K = kernel(x).to_dense().detach()
+    cov = K + 0.2 * torch.eye(x.shape[0], dtype=DT)
+    expected = torch.distributions.MultivariateNormal(torch.zeros_like(y), cov).log_prob(y)
+    torch.testing.assert_close(model.log_marginal_likelihood(), expected, rtol=1e-11, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["lanczos", "cg"])
+def test_matrix_free_log_marginal_likelihood_and_gradient_equal_the_dense_ones(backend):
+    x, y, kernel = _training_problem()
+    dense = DataCentricGPR(x, y, kernel, noise=0.1, num_steps=2, backend="dense")
+    expected = dense.log_marginal_likelihood()
+    expected_grads = torch.autograd.grad(expected, list(kernel.parameters()))
+    model = DataCentricGPR(x, y, kernel, noise=0.1, num_steps=2, backend=backend)
+    with _exact_cg():
+        value = model.log_marginal_likelihood()
+        grads = torch.autograd.grad(value, list(kernel.parameters()))
+    torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-8)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_matrix_free_training_reaches_the_dense_hyperparameters(cls):
+    results = {}
+    for backend in ("dense", "cholesky", "lanczos", "cg"):
+        x, y, kernel = _training_problem(n=40)
+        model = cls(x, y, kernel, noise=[0.2, 0.2, 0.1], backend=backend)
+        with _exact_cg():
+            assert model.optimize_hyperparameters(max_iter=8, lr=0.1) is model
+        results[backend] = (
+            torch.cat([p.detach().reshape(-1) for p in kernel.parameters()]),
+            model.noise,
+        )
+    for backend in ("cholesky", "lanczos", "cg"):
+        torch.testing.assert_close(results[backend][0], results["dense"][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(results[backend][1], results["dense"][1], rtol=1e-6, atol=1e-9)
+
+
+def test_training_raises_the_likelihood_scales_the_schedule_and_refits():
+    x, y, kernel = _training_problem()
+    model = DataCentricGPR(x, y, kernel, noise=[0.2, 0.2, 0.1], backend="cholesky").fit()
+    before = model.log_marginal_likelihood().item()
+    old_engine = model._state()["engine"]
+    model.optimize_hyperparameters(max_iter=40, lr=0.1)
+    assert model.log_marginal_likelihood().item() > before + 1.0
+    assert len(model.history) == 40 and model.history[-1] < model.history[0]
+    ratios = model.noise / torch.tensor([0.2, 0.2, 0.1], dtype=DT)
+    torch.testing.assert_close(ratios, ratios[:1].expand(3), rtol=1e-12, atol=0)
+    assert not torch.allclose(ratios, torch.ones(3, dtype=DT))
+    # the next prediction refits: the same as a model built from the learnt values
+    test_x = x[:5] + 0.01
+    fresh = DataCentricGPR(x, y, kernel, noise=model.noise.clone(), backend="cholesky")
+    torch.testing.assert_close(model.predict(test_x).mean, fresh.predict(test_x).mean)
+    assert model._state()["engine"] is not old_engine
+
+
+def test_learn_noise_false_leaves_the_schedule_and_callback_stops_training():
+    x, y, kernel = _training_problem()
+    model = DataCentricGPR(x, y, kernel, noise=[0.2, 0.1], backend="dense")
+    records = []
+    model.optimize_hyperparameters(
+        max_iter=10, learn_noise=False, callback=lambda r: records.append(r) or r.iteration == 3
+    )
+    assert [r.iteration for r in records] == [1, 2, 3] and len(model.history) == 3
+    assert records[0].task == "DataCentricGPR.optimize_hyperparameters"
+    assert records[0].info["noise"] == pytest.approx(0.2)
+    assert records[0].loss == pytest.approx(model.history[0])
+    torch.testing.assert_close(model.noise, torch.tensor([0.2, 0.1], dtype=DT))
+
+
+def test_float32_modules_train_in_the_factorisation_dtype_and_keep_their_own():
+    x, y, kernel = _training_problem(dtype=torch.float32)
+    model = DataCentricGPR(x, y, kernel, noise=0.2, num_steps=2, backend="dense")
+    model.optimize_hyperparameters(max_iter=5, lr=0.1)
+    kernel64 = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(DT)
+    reference = DataCentricGPR(x.double(), y.double(), kernel64, noise=0.2, num_steps=2)
+    reference.optimize_hyperparameters(max_iter=5, lr=0.1)
+    assert all(p.dtype == torch.float32 for p in kernel.parameters())
+    for p, q in zip(kernel.parameters(), kernel64.parameters(), strict=True):
+        torch.testing.assert_close(p.double(), q, rtol=1e-5, atol=1e-6)
+    assert model.noise.dtype == torch.float32
+
+
+def test_training_arguments_are_checked():
+    x, y, kernel = _training_problem(n=10)
+    model = DataCentricGPR(x, y, kernel, noise=0.2, backend="dense")
+    with pytest.raises(ValueError, match="lr"):
+        model.optimize_hyperparameters(lr=0)
+    with pytest.raises(ValueError, match="max_iter"):
+        model.optimize_hyperparameters(max_iter=-1)
+    kernel.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable hyperparameters"):
+        model.optimize_hyperparameters(learn_noise=False)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_from_teacher_with_a_chunked_kernel_shares_its_base_kernel(cls):
+    x, y, kernel = _training_problem(n=40)
+
+    class Teacher(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood())
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpsd.ChunkedKernel(kernel, chunk_size=8)
+
+        def forward(self, z):
+            return gpytorch.distributions.MultivariateNormal(
+                self.mean_module(z), self.covar_module(z)
+            )
+
+    teacher = Teacher().to(DT)
+    teacher.likelihood.noise = 0.05
+    model = cls.from_teacher(teacher, num_steps=2, backend="dense")
+    assert model.covar_module is kernel and model.process_group is None
+    teacher.eval()
+    test_x = x[:6] + 0.05
+    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10_000):
+        expected = teacher(test_x).mean
+    torch.testing.assert_close(model.predict(test_x, step=1).mean, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_a_batch_of_schedules_has_one_teacher_likelihood_per_schedule_on_every_backend():
+    x, y, kernel = _training_problem(n=16)
+    noise = torch.tensor([[0.2, 0.1], [0.05, 0.05]], dtype=DT)
+    K = kernel(x).to_dense().detach()
+    eye = torch.eye(16, dtype=DT)
+    expected = torch.stack(
+        [
+            torch.distributions.MultivariateNormal(torch.zeros_like(y), K + g * eye).log_prob(y)
+            for g in (0.2, 0.05)
+        ]
+    )
+    for backend in ("dense", "cg"):
+        model = DataCentricGPR(x, y, kernel, noise=noise, backend=backend)
+        with _exact_cg():
+            got = model.log_marginal_likelihood()
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-8)

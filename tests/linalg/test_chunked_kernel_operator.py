@@ -414,3 +414,280 @@ def test_scaled_rbf_rows_are_multiplied_without_gpytorchs_forward(cache_bytes, o
     for product in products:
         torch.testing.assert_close(product, exact @ rhs, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(block_of_rows, exact[20:70] @ rhs, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ gradients
+def gradient_problem(n=60, dtype=DTYPE, kernel="rbf", seed=0):
+    """Inputs, targets and a kernel whose hyperparameters require gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 3 * torch.rand(n, 2, generator=gen, dtype=dtype)
+    y = torch.sin(2 * x).sum(-1) + 0.1 * torch.randn(n, generator=gen, dtype=dtype)
+    base = RBFKernel() if kernel == "rbf" else MaternKernel(nu=1.5, ard_num_dims=2)
+    covar = ScaleKernel(base).to(dtype)
+    covar.base_kernel.lengthscale = 0.6
+    covar.outputscale = 1.4
+    return x, y, covar
+
+
+def dense_log_likelihood(covar, x, y, noise):
+    """log N(y; 0, K + noise I) by Cholesky of the matrix from cdist-free GPyTorch-independent
+    pieces: the kernel's dense evaluation, torch.distributions."""
+    K = covar(x, x).to_dense()
+    eye = torch.eye(x.shape[-2], dtype=x.dtype)
+    return torch.distributions.MultivariateNormal(torch.zeros_like(y), K + noise * eye).log_prob(y)
+
+
+def operator_log_likelihood(op, y, noise):
+    """GPyTorch's log N(y; 0, op + noise I) through linear_operator (inv_quad_logdet)."""
+    from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator
+
+    cov = AddedDiagLinearOperator(op, DiagLinearOperator(noise.expand(y.shape[-1])))
+    return gpytorch.distributions.MultivariateNormal(torch.zeros_like(y), cov).log_prob(y)
+
+
+def exact_preconditioner(n):
+    """Settings for a forced CG/SLQ route whose pivoted-Cholesky preconditioner is exact: the
+    stochastic terms then cancel and value and gradient are those of the dense formula up to
+    CG's tolerance."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for setting in (
+        gpytorch.settings.max_cholesky_size(0),
+        gpytorch.settings.cg_tolerance(1e-12),
+        gpytorch.settings.max_cg_iterations(10 * n),
+        gpytorch.settings.max_preconditioner_size(n),
+        gpytorch.settings.preconditioner_tolerance(1e-15),
+        gpytorch.settings.min_preconditioning_size(1),
+    ):
+        stack.enter_context(setting)
+    return stack
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "matern"])
+@pytest.mark.parametrize("rows", [None, slice(13, 47)])
+def test_bilinear_derivative_equals_autograd_of_the_dense_forms(kernel, rows):
+    x, _, covar = gradient_problem(kernel=kernel)
+    x = x.clone().requires_grad_(True)
+    n = x.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    first, stop = (0, n) if rows is None else (rows.start, rows.stop)
+    left = torch.randn(stop - first, 4, generator=gen, dtype=DTYPE)
+    right = torch.randn(n, 4, generator=gen, dtype=DTYPE)
+    op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=7, rows=rows)
+    grads = op._bilinear_derivative(left, right)
+    params = list(covar.parameters())
+    assert len(grads) == 1 + len(params)
+    # the forms on the dense matrix, differentiated by autograd: sum_i u_i^T K v_i
+    dense = covar(x, x).to_dense()[first:stop]
+    form = (left * (dense @ right)).sum()
+    expected = torch.autograd.grad(form, [x, *params])
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "rbf alone"])
+@pytest.mark.parametrize("ard", [True, False], ids=["ard", "one lengthscale"])
+@pytest.mark.parametrize("cache_bytes", [0, 10**7], ids=["evaluated", "kept rows"])
+@pytest.mark.parametrize("rows", [None, slice(5, 50)])
+def test_rbf_bilinear_derivative_in_closed_form_equals_autograd(scaled, ard, cache_bytes, rows):
+    """The RBF kernel's derivative from its entries (inputs without a gradient), against
+    autograd through GPyTorch's dense evaluation; from kept rows too."""
+    gen = torch.Generator().manual_seed(5)
+    n = 60
+    x = 10 + 3 * torch.rand(n, 3, generator=gen, dtype=DTYPE)  # off-centre: the centring counts
+    rbf = RBFKernel(ard_num_dims=3 if ard else None).to(DTYPE)
+    rbf.lengthscale = torch.tensor([0.7, 1.1, 0.9] if ard else [0.8], dtype=DTYPE)
+    covar = ScaleKernel(rbf).to(DTYPE) if scaled else rbf
+    if scaled:
+        covar.outputscale = 1.7
+    first, stop = (0, n) if rows is None else (rows.start, rows.stop)
+    left = torch.randn(stop - first, 4, generator=gen, dtype=DTYPE)
+    right = torch.randn(n, 4, generator=gen, dtype=DTYPE)
+    op = ChunkedKernelOperator(
+        x, covar_module=covar, chunk_size=16, cache_bytes=cache_bytes, rows=rows
+    )
+    with torch.no_grad():
+        op @ right  # the first product keeps the rows, where the budget allows
+    assert (op.kept_bytes > 0) == (cache_bytes > 0)
+    grads = op._bilinear_derivative(left, right)
+    params = list(covar.parameters())
+    form = (left * (covar(x, x).to_dense()[first:stop] @ right)).sum()
+    expected = torch.autograd.grad(form, params)
+    assert grads[0] is None
+    for got, want in zip(grads[1:], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_rbf_closed_form_skips_a_frozen_lengthscale():
+    x, _, covar = gradient_problem(n=30)
+    covar.base_kernel.raw_lengthscale.requires_grad_(False)
+    vecs = torch.randn(30, 2, dtype=DTYPE)
+    grads = ChunkedKernelOperator(x, covar_module=covar)._bilinear_derivative(vecs, vecs)
+    (expected,) = torch.autograd.grad(
+        (vecs * (covar(x, x).to_dense() @ vecs)).sum(), [covar.raw_outputscale]
+    )
+    assert grads[2] is None
+    torch.testing.assert_close(grads[1], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_bilinear_derivative_gives_none_where_nothing_requires_a_gradient():
+    x, _, covar = gradient_problem()
+    covar.requires_grad_(False)
+    op = ChunkedKernelOperator(x, covar_module=covar)
+    vecs = torch.ones(x.shape[0], 2, dtype=DTYPE)
+    assert op._bilinear_derivative(vecs, vecs) == (None,) * 3
+
+
+def test_marginal_likelihood_and_gradient_by_cg_equal_the_dense_cholesky_ones():
+    x, y, covar = gradient_problem()
+    noise = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
+    params = [*covar.parameters(), noise]
+    expected = dense_log_likelihood(covar, x, y, noise)
+    expected_grads = torch.autograd.grad(expected, params)
+    op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=16)
+    with exact_preconditioner(x.shape[0]):
+        value = operator_log_likelihood(op, y, noise)
+        grads = torch.autograd.grad(value, params)
+    torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-9)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.filterwarnings("ignore:CG terminated")
+def test_stochastic_log_determinant_gradient_agrees_within_its_probe_error():
+    x, y, covar = gradient_problem()
+    noise = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
+    params = [*covar.parameters(), noise]
+    flat = lambda grads: torch.stack([g.reshape(()) for g in grads])  # noqa: E731
+    expected = flat(torch.autograd.grad(dense_log_likelihood(covar, x, y, noise), params))
+    op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=16)
+    settings = (
+        gpytorch.settings.max_cholesky_size(0),
+        gpytorch.settings.cg_tolerance(1e-6),
+        gpytorch.settings.max_cg_iterations(60),
+        gpytorch.settings.max_preconditioner_size(10),
+        gpytorch.settings.min_preconditioning_size(1),
+        gpytorch.settings.num_trace_samples(1000),
+    )
+    with settings[0], settings[1], settings[2], settings[3], settings[4], settings[5]:
+        got = flat(torch.autograd.grad(operator_log_likelihood(op, y, noise), params))
+    # 1000 probes: a relative error of a few percent of the trace term
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+
+
+def test_dense_route_below_max_cholesky_size_differentiates_the_formed_matrix():
+    x, y, covar = gradient_problem()
+    noise = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
+    params = [*covar.parameters(), noise]
+    expected = dense_log_likelihood(covar, x, y, noise)
+    expected_grads = torch.autograd.grad(expected, params)
+    op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=16)
+    with gpytorch.settings.max_cholesky_size(10_000):
+        value = operator_log_likelihood(op, y, noise)
+        grads = torch.autograd.grad(value, params)
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_matrix_free_gradient_equals_central_finite_differences():
+    x, y, covar = gradient_problem(n=40)
+    raw = covar.base_kernel.raw_lengthscale
+    op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=9)
+    noise = torch.tensor(0.05, dtype=DTYPE)
+    with exact_preconditioner(x.shape[0]):
+        (grad,) = torch.autograd.grad(operator_log_likelihood(op, y, noise), [raw])
+        h = 1e-5
+        values = []
+        for sign in (1, -1):
+            with torch.no_grad():
+                raw.add_(sign * h)
+            values.append(operator_log_likelihood(op, y, noise).detach())
+            with torch.no_grad():
+                raw.sub_(sign * h)
+    finite = (values[0] - values[1]) / (2 * h)
+    torch.testing.assert_close(grad.reshape(()), finite, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "matern"], ids=["closed form", "autograd chunks"])
+def test_no_kernel_sized_tensor_is_kept_for_the_backward_pass(kernel):
+    """A proxy for memory: every tensor the autograd graph saves, in the forward pass and in
+    the backward pass's graphs (the chunks', for a kernel without the closed form), has at most N x max(chunk, probes + 1, d x preconditioner
+    rank) entries (the last: the input pairs of the preconditioner's rows), far below N^2."""
+    n, chunk, probes, rank = 300, 20, 10, 15
+    x, y, covar = gradient_problem(n=n, kernel=kernel)
+    noise = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.numel())
+        return tensor
+
+    op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=chunk)
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        gpytorch.settings.max_cholesky_size(0),
+        gpytorch.settings.num_trace_samples(probes),
+        gpytorch.settings.max_preconditioner_size(rank),
+        gpytorch.settings.min_preconditioning_size(1),
+    ):
+        loss = -operator_log_likelihood(op, y, noise)
+        forward_sizes = list(sizes)
+        loss.backward()
+    assert forward_sizes and len(sizes) > len(forward_sizes)  # the backward's graphs were seen
+    assert max(sizes) <= n * max(chunk, probes + 1, x.shape[-1] * rank) < n * n / 4
+    assert op.kept_bytes == 0
+    assert all(p.grad is not None for p in covar.parameters()) and noise.grad is not None
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "matern"])
+def test_float32_bilinear_derivative_agrees_with_float64_autograd(kernel):
+    x, _, covar = gradient_problem(kernel=kernel)
+    gen = torch.Generator().manual_seed(4)
+    left = torch.randn(x.shape[0], 3, generator=gen, dtype=DTYPE)
+    right = torch.randn(x.shape[0], 3, generator=gen, dtype=DTYPE)
+    form = (left * (covar(x, x).to_dense() @ right)).sum()
+    expected = torch.autograd.grad(form, list(covar.parameters()))
+    covar32 = covar.float()
+    op = ChunkedKernelOperator(x.float(), covar_module=covar32, chunk_size=16)
+    got = op._bilinear_derivative(left.float(), right.float())[1:]
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-4 * e.abs().max().item())
+
+
+def test_entries_and_diagonal_carry_the_gradient_of_the_kernels_own_evaluation():
+    x, _, covar = gradient_problem(n=30)
+    op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=8)
+    rows = torch.tensor([[3], [7], [7]])
+    cols = torch.tensor([[0, 7, 29]])
+    entries = op[rows, cols]
+    dense = covar(x, x).to_dense()
+    torch.testing.assert_close(entries, dense[rows, cols], rtol=1e-12, atol=1e-12)
+    raw = covar.base_kernel.raw_lengthscale
+    (got,) = torch.autograd.grad(entries.sum() + op.diagonal().sum(), [raw])
+    (want,) = torch.autograd.grad(dense[rows, cols].sum() + dense.diagonal().sum(), [raw])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_wrong_number_of_hyperparameters_is_refused():
+    x, _, covar = gradient_problem(n=10)
+    with pytest.raises(ValueError, match="one tensor per parameter of covar_module"):
+        ChunkedKernelOperator(x, torch.ones(1), covar_module=covar)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_marginal_likelihood_gradient_on_cuda_equals_the_cpu_one():
+    x, y, covar = gradient_problem()
+    noise = torch.tensor(0.05, dtype=DTYPE)
+    with exact_preconditioner(x.shape[0]):
+        op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=16)
+        expected = torch.autograd.grad(operator_log_likelihood(op, y, noise), covar.parameters())
+        covar_gpu = covar.cuda()
+        op_gpu = ChunkedKernelOperator(x.cuda(), covar_module=covar_gpu, chunk_size=16)
+        got = torch.autograd.grad(
+            operator_log_likelihood(op_gpu, y.cuda(), noise.cuda()), covar_gpu.parameters()
+        )
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g.cpu(), e, rtol=1e-7, atol=1e-8)

@@ -40,7 +40,7 @@ MODELS = [
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks (uneven)"])
 def main_run(request, tmp_path_factory):
     world = request.param
-    return world, launch("main", world, tmp_path_factory.mktemp(f"main{world}"))
+    return world, launch("main", world, tmp_path_factory.mktemp(f"main{world}"), limit=300.0)
 
 
 def test_each_rank_holds_a_contiguous_block_of_rows(main_run):
@@ -218,3 +218,38 @@ def test_a_keops_kernel_multiplies_each_ranks_rows_by_keops_reductions(tmp_path)
         torch.testing.assert_close(result["mean"], result["plain_mean"], rtol=0, atol=1e-10)
         torch.testing.assert_close(result["variance"], result["plain_variance"], rtol=0, atol=1e-10)
         assert torch.equal(result["mean"], results[0]["mean"])
+
+
+def _close(got, expected):
+    if isinstance(got, list):
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected, strict=True):
+            _close(g, e)
+        return
+    torch.testing.assert_close(
+        torch.as_tensor(got), torch.as_tensor(expected), rtol=1e-8, atol=1e-10
+    )
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "form_grads",
+        "mll",
+        "mll_grads",
+        "exactgp_loss",
+        "exactgp_grads",
+        "trained",
+        "trained_noise",
+        "history",
+    ],
+)
+def test_gradients_and_training_through_the_group_equal_one_process(main_run, what):
+    """The bilinear derivative (summed over the ranks), GPyTorch's marginal likelihood and its
+    gradient, an ExactGP with ChunkedKernel(process_group=...) and optimize_hyperparameters on
+    the CG backend: on every rank, what one process computes, to 1e-8."""
+    world, results = main_run
+    results = [r["mll"] for r in results]
+    assert [r["rank"] for r in results] == list(range(world))
+    for result in results:
+        _close(result["group"][what], results[0]["single"][what])
