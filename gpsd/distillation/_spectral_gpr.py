@@ -58,7 +58,7 @@ from gpsd.distillation._teacher_likelihood import (
 from gpsd.exceptions import BackendError
 from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.linalg import BACKENDS, SpectralFilter
-from gpsd.linalg.backend import check_shareable
+from gpsd.linalg.backend import check_shareable, default_cache_bytes
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
 
@@ -436,8 +436,11 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         ``learn_noise=False`` the schedule is left as it is.
 
         Every backend trains: ``dense`` and ``cholesky`` by the exact Cholesky likelihood,
-        ``lanczos`` and ``cg`` matrix-free (memory :math:`\mathcal O(N c + N t)` for row
-        chunks of :math:`c` and :math:`t` probe vectors, never :math:`N^2`). The probe vectors
+        ``lanczos`` and ``cg`` matrix-free: memory :math:`\mathcal O(N c + N t)` for row
+        chunks of :math:`c` and :math:`t` probe vectors, plus the kernel rows each evaluation
+        keeps for its CG iterations and backward pass while they fit in ``kernel_cache_bytes``
+        (by default, as for the fit, a share of the free memory; ``kernel_cache_bytes=0``
+        keeps none and never holds :math:`N^2` values). The probe vectors
         of iteration :math:`i` are drawn with the global random state seeded by :math:`i` and
         put back after: runs repeat, and every rank of a ``process_group`` draws the same. The
         optimisation runs in the factorisation's dtype: where ``linalg_dtype`` differs from the
@@ -515,7 +518,12 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         x, y = self.train_x.to(dtype), self.train_y.to(dtype)
         if self._dense_likelihood(dtype):
             return dense_log_likelihood(kernel, mean, x, y, noise)
-        return matrix_free_log_likelihood(kernel, mean, x, y, noise, self.process_group)
+        cache_bytes = self.kernel_cache_bytes
+        if cache_bytes is None:  # rows kept within one evaluation, as the fit keeps them
+            cache_bytes = default_cache_bytes(x)
+        return matrix_free_log_likelihood(
+            kernel, mean, x, y, noise, self.process_group, cache_bytes=cache_bytes
+        )
 
     def _dense_likelihood(self, dtype: torch.dtype) -> bool:
         """Whether the backend forms the kernel matrix: ``dense``, ``cholesky``, or ``auto``

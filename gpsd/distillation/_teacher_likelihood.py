@@ -48,17 +48,22 @@ def matrix_free_log_likelihood(
     y: Tensor,
     noise: Tensor,
     process_group: object = None,
+    cache_bytes: int = 0,
 ) -> Tensor:
     r"""The same as :func:`dense_log_likelihood`, by GPyTorch's ``MultivariateNormal.log_prob``
     on :math:`\mathbf K + \gamma\mathbf I` with :math:`\mathbf K` a
     :class:`~gpsd.linalg.ChunkedKernelOperator` (a
     :class:`~gpsd.linalg.DistributedKernelOperator` with a ``process_group``): preconditioned
     CG and stochastic Lanczos quadrature as ``gpytorch.settings`` set them, the gradient by
-    the operator's chunked bilinear derivative. Shape ``(*batch,)``."""
+    the operator's chunked bilinear derivative. Shape ``(*batch,)``. ``cache_bytes`` is the
+    memory the operator may fill with the kernel rows of this one evaluation (read again by
+    every CG iteration and by the backward pass, then dropped with the operator)."""
     if process_group is None:
-        operator = ChunkedKernelOperator(x, covar_module=kernel)
+        operator = ChunkedKernelOperator(x, covar_module=kernel, cache_bytes=cache_bytes)
     else:
-        operator = DistributedKernelOperator(x, covar_module=kernel, process_group=process_group)
+        operator = DistributedKernelOperator(
+            x, covar_module=kernel, process_group=process_group, cache_bytes=cache_bytes
+        )
     prior_mean = mean(x)  # shape: (*bm, N)
     n = x.shape[-2]
     batch = torch.broadcast_shapes(

@@ -688,7 +688,7 @@ def _matrix_free(
     if is_keops_kernel(kernel) and process_group is None:
         return kernel(x)
     if cache_bytes is None:
-        cache_bytes = _default_cache_bytes(x)
+        cache_bytes = default_cache_bytes(x)
     if process_group is not None:
         return DistributedKernelOperator(
             x,
@@ -705,7 +705,7 @@ def _matrix_free(
     )
 
 
-def _default_cache_bytes(x: Tensor) -> int:
+def default_cache_bytes(x: Tensor) -> int:
     """Bytes of kernel rows to keep for the inputs ``x`` (``(*batch, N, d)``, in the dtype of the
     products): :class:`gpsd.settings.kernel_cache_fraction` of the free memory, less where the rest would not
     hold a prediction's working set. Where that cannot hold every row, the memory of models no

@@ -1260,6 +1260,26 @@ def test_matrix_free_training_reaches_the_dense_hyperparameters(cls):
         torch.testing.assert_close(results[backend][1], results["dense"][1], rtol=1e-6, atol=1e-9)
 
 
+def test_matrix_free_training_keeps_rows_within_an_evaluation_without_changing_the_result(
+    count_calls,
+):
+    import gpsd.linalg.chunked_kernel_operator as chunked
+
+    results, blocks = {}, {}
+    for cache_bytes in (0, 10**8):
+        x, y, kernel = _training_problem(n=40)
+        model = DataCentricGPR(
+            x, y, kernel, noise=[0.2, 0.1], backend="cg", kernel_cache_bytes=cache_bytes
+        )
+        with _exact_cg():
+            calls = count_calls(chunked.ChunkedKernelOperator, "_row_block")
+            model.optimize_hyperparameters(max_iter=3, lr=0.1)
+        blocks[cache_bytes] = calls[0]
+        results[cache_bytes] = torch.cat([p.detach().reshape(-1) for p in kernel.parameters()])
+    torch.testing.assert_close(results[10**8], results[0], rtol=1e-10, atol=1e-12)
+    assert blocks[10**8] < blocks[0]
+
+
 def test_training_raises_the_likelihood_scales_the_schedule_and_refits():
     x, y, kernel = _training_problem()
     model = DataCentricGPR(x, y, kernel, noise=[0.2, 0.2, 0.1], backend="cholesky").fit()
