@@ -162,6 +162,9 @@ def test_loo_loss_is_the_mean_log_density_of_each_left_out_target():
 
 def test_hyperprior_and_objective_switch():
     x, y = _data()
+    default = ARDGPRegressor(x, y)  # maximises the marginal likelihood alone
+    assert default.hyperprior is None and default.objective == "mll"
+    assert not list(default.named_priors())
     assert not list(ARDGPRegressor(x, y, hyperprior=None).named_priors())
     names = {name for name, *_ in ARDGPRegressor(x, y, hyperprior="dim_scaled").named_priors()}
     assert names == {
