@@ -36,8 +36,8 @@ def _dim_scaled_lengthscale_prior(num_dims: int, like: Tensor) -> gpytorch.prior
 
 
 def _noise_prior(like: Tensor) -> gpytorch.priors.LogNormalPrior:
-    r"""The prior of the noise variance :math:`\sigma^2` that keeps it off zero (BoTorch's
-    ``SingleTaskGP`` default): :math:`\log \sigma^2 \sim \mathcal N(-4,\ 1)`."""
+    r"""The prior of the noise variance :math:`\sigma^2` (BoTorch's ``SingleTaskGP`` default):
+    :math:`\log \sigma^2 \sim \mathcal N(-4,\ 1)`."""
     return gpytorch.priors.LogNormalPrior(loc=_tensor(-4.0, like), scale=_tensor(1.0, like))
 
 
@@ -62,11 +62,12 @@ class ARDGPRegressor(EmbeddingGPRegressorBase):
     :param hyperprior: ``"dim_scaled"`` registers GPyTorch priors on the default modules, so that
         training maximises the posterior (MAP) instead of the likelihood: on each lengthscale of
         the default kernel the dimension-scaled prior of Hvarfner, Hellsten & Nardi (2024),
-        :math:`\log h_j \sim \mathcal N(\sqrt2 + \tfrac12\log D,\ 3)` (made for standardised
-        inputs), and on the noise of the default likelihood :math:`\log \sigma^2 \sim
-        \mathcal N(-4,\ 1)` (BoTorch's ``SingleTaskGP`` default; the noise keeps GPyTorch's
-        lower bound :math:`10^{-4}`); no prior on the outputscale or the mean. A
-        ``covar_module`` or ``likelihood`` of your own keeps its own priors. ``None``: no priors.
+        :math:`\log h_j \sim \mathcal N(\sqrt2 + \tfrac12\log D,\ 3)` (on the inputs as
+        given: standardise them; BoTorch scales them to the unit cube), and on the noise of the
+        default likelihood :math:`\log \sigma^2 \sim \mathcal N(-4,\ 1)` (BoTorch's
+        ``SingleTaskGP`` default; the noise keeps GPyTorch's lower bound :math:`10^{-4}`); no
+        prior on the outputscale or the mean. A ``covar_module`` or ``likelihood`` of your own
+        keeps its own priors. ``None``: no priors.
     :param objective: the training objective (:meth:`training_loss`): ``"mll"`` (the log
         marginal likelihood) or ``"loo"`` (the leave-one-out predictive log likelihood).
     """
@@ -135,8 +136,8 @@ class ARDGPRegressor(EmbeddingGPRegressorBase):
         .. math::
 
             \sum_{i=1}^n \log \mathcal N\big(y_i \mid \mu_{-i}, \sigma^2_{-i}\big), \qquad
-            \mu_{-i} = y_i - \frac{[\mathbf K^{-1}(\mathbf y - \mathbf m)]_i}{[\mathbf K^{-1}]_{ii}},
-            \quad \sigma^2_{-i} = \frac{1}{[\mathbf K^{-1}]_{ii}},
+            \mu_{-i} = y_i - \frac{[\mathbf K^{-1}(\mathbf y - \mathbf m)]_i}
+                {[\mathbf K^{-1}]_{ii}}, \qquad \sigma^2_{-i} = \frac{1}{[\mathbf K^{-1}]_{ii}},
 
         with :math:`\mathbf K` the kernel matrix plus the noise; either plus the log density of
         every prior registered on the modules (``hyperprior``), all divided by :math:`n`.
