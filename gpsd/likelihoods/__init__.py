@@ -4,6 +4,7 @@ continuous categorical for soft targets on the simplex (K classes)."""
 from gpsd.likelihoods.cc_log_normalizer import cc_log_normalizer, cc_mean
 from gpsd.likelihoods.continuous_bernoulli import ContinuousBernoulli
 from gpsd.likelihoods.continuous_bernoulli_likelihood import ContinuousBernoulliLikelihood
+from gpsd.likelihoods.continuous_categorical import ContinuousCategorical
 from gpsd.likelihoods.log_normalizer import (
     cb_entropy,
     cb_log_density,
@@ -18,6 +19,7 @@ from gpsd.likelihoods.log_normalizer import (
 __all__ = [
     "ContinuousBernoulli",
     "ContinuousBernoulliLikelihood",
+    "ContinuousCategorical",
     "cb_entropy",
     "cb_log_density",
     "cb_log_normalizer",
