@@ -5,6 +5,7 @@ from gpsd.likelihoods.cc_log_normalizer import cc_log_normalizer, cc_mean
 from gpsd.likelihoods.continuous_bernoulli import ContinuousBernoulli
 from gpsd.likelihoods.continuous_bernoulli_likelihood import ContinuousBernoulliLikelihood
 from gpsd.likelihoods.continuous_categorical import ContinuousCategorical
+from gpsd.likelihoods.continuous_categorical_likelihood import ContinuousCategoricalLikelihood
 from gpsd.likelihoods.log_normalizer import (
     cb_entropy,
     cb_log_density,
@@ -20,6 +21,7 @@ __all__ = [
     "ContinuousBernoulli",
     "ContinuousBernoulliLikelihood",
     "ContinuousCategorical",
+    "ContinuousCategoricalLikelihood",
     "cb_entropy",
     "cb_log_density",
     "cb_log_normalizer",
