@@ -24,8 +24,9 @@ maximum (so :math:`A = d_1 + \log \exp[\mathbf d - d_1]` and nothing overflows).
 :math:`D_{ij} = \exp[d_i, \dots, d_j]` is filled by increasing :math:`j - i`:
 
 * where the nodes are far apart, :math:`d_i - d_j > 3 (j - i)`, by Newton's recurrence
-  :math:`D_{ij} = (D_{i,j-1} - D_{i+1,j}) / (d_i - d_j)`, whose two terms are then far enough
-  apart in size that the subtraction loses no accuracy;
+  :math:`D_{ij} = (D_{i,j-1} - D_{i+1,j}) / (d_i - d_j)`: moving one node from :math:`d_i`
+  down to :math:`d_j` then shrinks the divided difference enough that the subtraction cancels
+  little (the measured errors below include it);
 * elsewhere by the Taylor series about the smallest node, every term positive (the
   complete homogeneous symmetric polynomials :math:`h_m` of non-negative arguments):
 
@@ -34,23 +35,31 @@ maximum (so :math:`A = d_1 + \log \exp[\mathbf d - d_1]` and nothing overflows).
       D_{ij} = e^{d_j} \sum_{m \ge 0} \frac{h_m(d_i - d_j, \dots, d_{j-1} - d_j, 0)}{(m + j - i)!},
 
   summed for all such entries at once as the Taylor series of the exponential of the bidiagonal
-  matrix of Opitz's formula (diagonal :math:`\mathbf d - d_j \ge 0`, superdiagonal 1), with
-  enough terms that the Poisson tail of the series is below :math:`10^{-18}` of its sum.
+  matrix of Opitz's formula (diagonal :math:`\mathbf d - d_j \ge 0`, superdiagonal 1), to
+  ten standard deviations of the Poisson weights :math:`\tau^m e^{-\tau} / m!` beyond the
+  largest spread :math:`\tau` of a Taylor entry, plus :math:`K + 15` terms.
 
 :math:`K = 2` is :math:`A = \max(\boldsymbol\eta) + A_{\mathrm{CB}}(-|\eta_1 - \eta_2|)` with the
 continuous-Bernoulli log-normaliser (:func:`~gpsd.likelihoods.cb_log_normalizer`), whose
-logarithm near 1 needs its series. The computation runs in float64 whatever the input dtype and
-the result is rounded to it. Against mpmath at 50 digits, over sweeps of :math:`K \le 20` with
-ties, clusters within :math:`10^{-12}` to 1, gaps from 0.1 to :math:`3 \times 10^3`, parameters up
-to :math:`10^4` in magnitude and the configurations at the Taylor/Newton boundary, the absolute error of
-:math:`A` stays below :math:`2.5\,\epsilon \max(|A|, |A - \max_k \eta_k|)` in float64 (the second
-term matters only where :math:`A` itself is near 0, where :math:`\max_k \eta_k` and
-:math:`\log \exp[\mathbf d - d_1]` cancel in the final addition), and within one unit in the last
-place in float32. The gradient, the mean, is the derivative of this computation by autograd (in
-float64); it agrees with mpmath's to a relative :math:`10^{-13}` in every entry.
+logarithm near 1 needs its series. The computation runs in float64 whatever the input dtype, and
+the result is rounded to it.
 
-The cost is :math:`O(K^3)` operations per parameter vector (with about
-:math:`3K + 30\sqrt{K}` Taylor terms), for :math:`A` and again for its gradient.
+**Accuracy.** Against mpmath at 50 digits, over sweeps of :math:`K \le 20` with ties, clusters
+within :math:`10^{-12}` to 1, gaps from 0.1 to :math:`3 \times 10^3`, parameters up to
+:math:`10^4` in magnitude and configurations at the Taylor/Newton boundary, the absolute error of
+:math:`A` stays below :math:`2.5\,\epsilon \max(|A|, |A - \max_k \eta_k|)` in float64 (the
+second term matters only where :math:`A` itself is near 0, where :math:`\max_k \eta_k` and
+:math:`\log \exp[\mathbf d - d_1]` cancel in the final addition) and below one
+:math:`\epsilon` of the same scale in float32. The gradient, the mean, is the derivative of
+this computation by autograd (in float64); it agrees with mpmath's to a relative
+:math:`10^{-13}` in every entry.
+
+The cost is :math:`O(K^2)` operations per parameter vector and Taylor term, with
+:math:`\tau + 10\sqrt\tau + K + 15` terms for the largest spread :math:`\tau \le 3(K - 1)`
+of a Taylor entry in the batch, for :math:`A` and again for its gradient. Where
+:math:`\exp[\mathbf d - d_1]`, about :math:`(\max \boldsymbol\eta - \min \boldsymbol\eta)^{1-K}`,
+underflows float64 (a spread beyond about :math:`10^{14}` at :math:`K = 20`), a ``ValueError``
+says so.
 """
 
 from __future__ import annotations
@@ -89,7 +98,9 @@ def _divided_difference(d: Tensor) -> Tensor:
     r""":math:`\exp[d_1, \dots, d_K]` for rows ``d`` of shape ``(B, K)``, float64, sorted in
     decreasing order with :math:`d_1 = 0`."""
     K = d.shape[-1]
-    tau = _NEWTON_RATIO * (K - 1)  # the largest spread a Taylor entry has
+    # the largest spread a Taylor entry has: at most 3 (K - 1), and at most the widest row's
+    spread = float(-d[..., -1].detach().min()) if d.shape[0] else 0.0
+    tau = min(_NEWTON_RATIO * (K - 1), spread)
     num_terms = math.ceil(tau + 10.0 * math.sqrt(tau)) + K + 15
     # column j of the Taylor table: exp(Z_j) e_j / e^{d_j}, Z_j = diag(d - d_j) + superdiagonal,
     # summed as sum_n Z_j^n e_j / n!; rows i with d_i - d_j > tau are not used (clamped to
