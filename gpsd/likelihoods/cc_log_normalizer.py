@@ -44,15 +44,18 @@ continuous-Bernoulli log-normaliser (:func:`~gpsd.likelihoods.cb_log_normalizer`
 logarithm near 1 needs its series. The computation runs in float64 whatever the input dtype, and
 the result is rounded to it.
 
-**Accuracy.** Against mpmath at 50 digits, over sweeps of :math:`K \le 20` with ties, clusters
-within :math:`10^{-12}` to 1, gaps from 0.1 to :math:`3 \times 10^3`, parameters up to
-:math:`10^4` in magnitude and configurations at the Taylor/Newton boundary, the absolute error of
-:math:`A` stays below :math:`2.5\,\epsilon \max(|A|, |A - \max_k \eta_k|)` in float64 (the
+**Accuracy.** Against mpmath at 50 digits, over 26,000 random configurations of
+:math:`3 \le K \le 20` parameters in up to 8 clusters (spread within a cluster from 0, a tie, to
+6; gaps between clusters from 0.01 to :math:`6 \times 10^3`; parameters up to :math:`10^4` in
+magnitude) and the configurations at the Taylor/Newton boundary, the absolute error of
+:math:`A` stays below :math:`3\,\epsilon \max(|A|, |A - \max_k \eta_k|)` in float64 (largest
+seen: :math:`2.45\,\epsilon`, at :math:`K = 3`; the
 second term matters only where :math:`A` itself is near 0, where :math:`\max_k \eta_k` and
 :math:`\log \exp[\mathbf d - d_1]` cancel in the final addition) and below one
 :math:`\epsilon` of the same scale in float32. The gradient, the mean, is the derivative of
 this computation by autograd (in float64); it agrees with mpmath's to a relative
-:math:`10^{-13}` in every entry.
+:math:`10^{-13}` in every entry (largest seen: :math:`1.7 \times 10^{-14}`, over about 1,600 of
+those configurations with :math:`K \le 10`).
 
 The cost is :math:`O(K^2)` operations per parameter vector and Taylor term, with
 :math:`\tau + 10\sqrt\tau + K + 15` terms for the largest spread :math:`\tau \le 3(K - 1)`
