@@ -68,6 +68,7 @@ says so.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -128,7 +129,7 @@ def _divided_difference(d: Tensor) -> Tensor:
     return table[..., 0, K - 1]
 
 
-def _chunked(function, rows: Tensor) -> Tensor:
+def _chunked(function: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
     """``function`` applied to row chunks of ``rows`` (shape ``(B, K)``), concatenated."""
     K = rows.shape[-1]
     size = max(1, _CHUNK_ELEMENTS // (K * K))
@@ -139,10 +140,11 @@ def _chunked(function, rows: Tensor) -> Tensor:
 
 def _check_positive(values: Tensor, eta: Tensor) -> None:
     if not bool((values > 0).all()):
-        spread = float((eta.amax(-1) - eta.amin(-1)).max())
+        spread = float((eta.amax(-1) - eta.amin(-1)).max().detach())
         raise ValueError(
-            f"eta spans {spread:.3g} within one parameter vector: exp[eta] underflows in float64 "
-            f"there; keep max(eta) - min(eta) below about 1e14"
+            f"eta spans {spread:.3g} within one parameter vector, where exp[eta - max(eta)], "
+            f"about spread^(1 - K) / (K - 1)!, underflows float64; use parameters of a smaller "
+            f"spread"
         )
 
 
