@@ -42,6 +42,9 @@ def _sweep() -> list[list[float]]:
         for o in sorted({1, K // 2, K - 1}):
             for factor in (0.999, 1.001):
                 cases.append([0.0] * (K - o) + [-3.0 * o * factor] * o)
+        # a Taylor entry at the largest spread 3 (K - 1), its series' slowest tail
+        tau = 3.0 * (K - 1) * 0.9999
+        cases += [[0.0] * (K - 1) + [-tau], [tau * k / (K - 1) for k in range(K)]]
     return cases
 
 
