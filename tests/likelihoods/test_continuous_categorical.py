@@ -6,6 +6,7 @@ import mpmath
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from gpsd.likelihoods import ContinuousBernoulli, ContinuousCategorical
 
@@ -99,3 +100,65 @@ def test_rejects_bad_values_and_parameters():
         ContinuousCategorical(torch.zeros(4, 1))
     with pytest.raises(ValueError, match="logits must be finite"):
         ContinuousCategorical(torch.tensor([0.0, float("inf")]))
+
+
+def _standard_errors(samples: torch.Tensor) -> torch.Tensor:
+    return samples.std(0) / len(samples) ** 0.5
+
+
+@pytest.mark.parametrize(
+    "eta",
+    [
+        [0.0, 0.0, 0.0, 0.0],
+        [0.0, -0.5, -100.0, -100.0],
+        [1.0, 2.0, 3.0, 4.0],
+        [1e4, -1e4, 0.0, 5.0],
+    ],
+)
+def test_sample_mean_agrees_with_the_mean(eta):
+    torch.manual_seed(5)
+    dist = ContinuousCategorical(torch.tensor(eta, dtype=torch.float64))
+    samples = dist.sample((20000,))
+    assert samples.shape == (20000, 4)
+    assert (samples >= 0).all()
+    torch.testing.assert_close(samples.sum(-1), torch.ones(20000, dtype=torch.float64))
+    error = (samples.mean(0) - dist.mean).abs()
+    assert (error <= 5 * _standard_errors(samples) + 1e-12).all(), error
+
+
+def test_sample_second_moments_agree_with_quadrature():
+    # E[x_k x_l] for K = 3 by the Gauss-Legendre rule on the triangle of the density test
+    torch.manual_seed(6)
+    eta = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64)
+    dist = ContinuousCategorical(eta)
+    nodes, weights = np.polynomial.legendre.leggauss(60)
+    nodes, weights = torch.tensor((nodes + 1) / 2), torch.tensor(weights / 2)
+    u, v = nodes.unsqueeze(-1), nodes.unsqueeze(0)
+    x1, x2 = u.expand(60, 60), (1 - u) * v
+    x = torch.stack([x1, x2, 1 - x1 - x2], dim=-1)
+    w = weights.unsqueeze(-1) * weights.unsqueeze(0) * (1 - u) * dist.log_prob(x).exp()
+    exact = torch.einsum("ij,ijk,ijl->kl", w, x, x)
+    samples = dist.sample((40000,))
+    products = samples.unsqueeze(-1) * samples.unsqueeze(-2)
+    error = (products.mean(0) - exact).abs()
+    assert (error <= 5 * _standard_errors(products)).all(), error
+
+
+@pytest.mark.parametrize("f", [0.0, 1e-4, 3.0, -40.0])
+def test_samples_of_two_categories_follow_the_continuous_bernoulli(f):
+    # Kolmogorov-Smirnov against the continuous Bernoulli's CDF, at a fixed seed
+    torch.manual_seed(7)
+    logits = torch.tensor([0.25, 0.25 + f], dtype=torch.float64)
+    y = ContinuousCategorical(logits).sample((4000,))[:, 1]
+    cdf = ContinuousBernoulli(logits=torch.tensor(f, dtype=torch.float64)).cdf
+    result = stats.kstest(y.numpy(), lambda z: cdf(torch.as_tensor(z)).numpy())
+    assert result.pvalue > 1e-3
+
+
+def test_sample_shapes_and_dtype():
+    torch.manual_seed(8)
+    dist = ContinuousCategorical(torch.randn(2, 3, 5))
+    samples = dist.sample((4, 6))
+    assert samples.shape == (4, 6, 2, 3, 5) and samples.dtype == torch.float32
+    assert dist.support.check(samples).all()
+    assert dist.sample().shape == (2, 3, 5)
