@@ -45,7 +45,7 @@ from gpsd.exceptions import (
 from gpsd.kernel_distillation import KernelDistillation, SparseLowRankStudent
 from gpsd.kernels import ChunkedKernel, PosteriorKernel
 from gpsd.laplace import LaplaceGPClassifier
-from gpsd.likelihoods import ContinuousBernoulliLikelihood
+from gpsd.likelihoods import ContinuousBernoulliLikelihood, ContinuousCategoricalLikelihood
 from gpsd.means import PosteriorMean
 from gpsd.prediction import Prediction
 from gpsd.progress import IterationRecord
@@ -59,6 +59,7 @@ __all__ = [
     "CombinedGPR",
     "DistributedError",
     "ContinuousBernoulliLikelihood",
+    "ContinuousCategoricalLikelihood",
     "DKLRegressor",
     "DPKLClassifier",
     "DPKLRegressor",
