@@ -1,0 +1,288 @@
+"""The whole large-N workflow on the flights data: learn the hyperparameters, fit every step,
+choose the step by GCV, predict; with GPyTorch's ``ExactGP`` beside it.
+
+gpsd's side, on ``--n`` training flights (:func:`gpsd.data.load_dataset` ``"flights"``, six
+standardised inputs, air time as target) and ``--m`` test flights:
+
+1. **learn**: :meth:`DataCentricGPR.optimize_hyperparameters` (Adam, ``--iters`` iterations,
+   learning rate ``--lr``) of an ARD RBF kernel and the teacher's noise, matrix-free on
+   ``--backend`` (``cg`` or ``lanczos``: preconditioned CG and stochastic Lanczos quadrature
+   through GPyTorch's ``MultivariateNormal.log_prob`` on a :class:`ChunkedKernelOperator`);
+2. **fit**: all ``--steps`` data-centric steps at the learnt noise (one factorisation);
+3. **gcv**: the step with the smallest GCV score, by stochastic trace estimation;
+4. **predict**: the latent means and variances of every step at the test flights, and each
+   step's test RMSE (minutes) and NLL (with the observation noise).
+
+GPyTorch's side (``--gpytorch``): an ``ExactGP`` with the same kernel, initial values,
+optimiser and iterations on GPyTorch's default settings (CG and SLQ above 800 points, the
+kernel matrix formed and kept), then its predictive means and variances at the test flights.
+
+Each side runs in a process of its own, so that its peak resident memory (``VmHWM``) is its
+own. Both final hyperparameters are then scored by the same exact float64 Cholesky marginal
+likelihood (``--exact-mll``), which is what "the MLL reached" compares.
+
+Usage (from the repository root)::
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_large_n_workflow.py --n 20000 --iters 10 \\
+        --gpytorch --exact-mll --out benchmarks/results/large_n_workflow_cpu.md
+    # gpsd alone at an N where GPyTorch's kernel matrix does not fit
+    python benchmarks/bench_large_n_workflow.py --n 40000 --iters 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import gpytorch
+import torch
+from _timing import Report, cpu_name, peak_gib, reset_peak, sync
+from tqdm import tqdm
+
+import gpsd
+from gpsd import DataCentricGPR
+from gpsd.data import load_dataset
+
+
+def _kernel(d: int, dtype: torch.dtype, device: torch.device) -> gpytorch.kernels.Kernel:
+    """ARD RBF with unit lengthscales and outputscale (standardised inputs and targets)."""
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d))
+    kernel.base_kernel.lengthscale = 1.0
+    kernel.outputscale = 1.0
+    return kernel.to(device=device, dtype=dtype)
+
+
+def _data(args: argparse.Namespace, device: torch.device):
+    return load_dataset(
+        "flights", n_train=args.n, n_test=args.m, seed=args.seed, dtype=torch.float64, device=device
+    )
+
+
+def _hyperparameters(kernel: gpytorch.kernels.Kernel, noise: float) -> dict:
+    return {
+        "lengthscale": kernel.base_kernel.lengthscale.detach().reshape(-1).tolist(),
+        "outputscale": float(kernel.outputscale.detach()),
+        "noise": noise,
+    }
+
+
+def _nll(mean: torch.Tensor, variance: torch.Tensor, y: torch.Tensor, y_std: float) -> float:
+    """Mean Gaussian negative log predictive density in the original units (minutes)."""
+    var = variance * y_std**2
+    err = (mean - y) * y_std
+    return float((0.5 * (torch.log(2 * math.pi * var) + err**2 / var)).mean())
+
+
+def run_gpsd(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    data = _data(args, device)
+    x, y = data.train_x, data.train_y
+    kernel = _kernel(x.shape[-1], x.dtype, device)
+    noise = torch.full((args.steps,), args.noise, dtype=x.dtype, device=device)
+    model = DataCentricGPR(x, y, kernel, noise=noise, backend=args.backend)
+    out: dict = {"side": "gpsd", "phases": {}, "cpu": {}}
+    reset_peak(device)
+    phases = tqdm(["learn", "fit", "gcv", "predict"], desc="gpsd workflow", disable=args.quiet)
+    for phase in phases:
+        phases.set_postfix_str(phase)
+        sync(device)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        if phase == "learn":
+            model.optimize_hyperparameters(max_iter=args.iters, lr=args.lr)
+            out["loss"] = model.history
+        elif phase == "fit":
+            model.fit()
+        elif phase == "gcv":
+            best = model.best_step("gcv")
+            out["best_step"] = best
+            out["gcv_se"] = float(model.gcv_standard_error()[best - 1])
+        else:
+            pred = model.predict(data.test_x, include_noise=True)
+        sync(device)
+        out["phases"][phase] = time.perf_counter() - start
+        out["cpu"][phase] = time.process_time() - start_cpu
+    out["peak_gib"] = peak_gib(device)
+    out["hyperparameters"] = _hyperparameters(kernel, float(model.noise[0]))
+    out["rmse"] = [data.rmse(mean) for mean in pred.mean]
+    out["nll"] = [
+        _nll(mean, var, data.test_y, data.y_std)
+        for mean, var in zip(pred.mean, pred.variance, strict=True)
+    ]
+    return out
+
+
+class _ExactGP(gpytorch.models.ExactGP):
+    def __init__(self, x, y, likelihood, kernel):
+        super().__init__(x, y, likelihood)
+        self.mean_module = gpytorch.means.ZeroMean()
+        self.covar_module = kernel
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def run_gpytorch(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    data = _data(args, device)
+    x, y = data.train_x, data.train_y
+    kernel = _kernel(x.shape[-1], x.dtype, device)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
+    likelihood.noise = args.noise
+    model = _ExactGP(x, y, likelihood, kernel)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    out: dict = {"side": "gpytorch", "phases": {}, "cpu": {}, "loss": []}
+    reset_peak(device)
+    model.train()
+    sync(device)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for _ in tqdm(range(args.iters), desc="GPyTorch ExactGP", disable=args.quiet):
+        optimizer.zero_grad()
+        loss = -mll(model(x), y)
+        loss.backward()
+        optimizer.step()
+        out["loss"].append(loss.item())
+    sync(device)
+    out["phases"]["learn"] = time.perf_counter() - start
+    out["cpu"]["learn"] = time.process_time() - start_cpu
+    model.eval()
+    start = time.perf_counter()
+    with torch.no_grad():
+        pred = likelihood(model(data.test_x))
+        mean, variance = pred.mean, pred.variance
+    sync(device)
+    out["phases"]["predict"] = time.perf_counter() - start
+    out["peak_gib"] = peak_gib(device)
+    out["hyperparameters"] = _hyperparameters(kernel, float(likelihood.noise.detach()))
+    out["rmse"] = [data.rmse(mean)]
+    out["nll"] = [_nll(mean, variance, data.test_y, data.y_std)]
+    return out
+
+
+def exact_mll(args: argparse.Namespace, hyper: dict) -> float:
+    """log p(y | θ) / N by a float64 Cholesky of the formed matrix (the common yardstick)."""
+    data = _data(args, torch.device("cpu"))
+    kernel = _kernel(data.train_x.shape[-1], torch.float64, torch.device("cpu"))
+    kernel.base_kernel.lengthscale = torch.tensor(hyper["lengthscale"], dtype=torch.float64)
+    kernel.outputscale = hyper["outputscale"]
+    with torch.no_grad():
+        k = kernel(data.train_x).to_dense()
+        k.diagonal().add_(hyper["noise"])
+        chol = torch.linalg.cholesky(k)
+        del k
+        alpha = torch.cholesky_solve(data.train_y.unsqueeze(-1), chol).squeeze(-1)
+        n = data.train_y.shape[0]
+        value = -0.5 * (data.train_y @ alpha) - chol.diagonal().log().sum()
+        return float(value - 0.5 * n * math.log(2 * math.pi)) / n
+
+
+def _seconds(phases: dict, key: str) -> str:
+    return f"{phases[key]:.2f}" if key in phases else "–"
+
+
+def _in_subprocess(side: str, argv: list[str]) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--side", side, *argv]
+    done = subprocess.run(command, capture_output=True, text=True)
+    sys.stderr.write(done.stderr[-2000:])
+    if done.returncode != 0:
+        return {"side": side, "failed": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=20_000, help="training flights")
+    parser.add_argument("--m", type=int, default=5_000, help="test flights")
+    parser.add_argument("--iters", type=int, default=10, help="Adam iterations")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--noise", type=float, default=0.1, help="initial noise (standardised)")
+    parser.add_argument("--steps", type=int, default=10, help="data-centric steps")
+    parser.add_argument("--backend", default="cg", choices=["cg", "lanczos"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpytorch", action="store_true", help="run GPyTorch's ExactGP too")
+    parser.add_argument("--exact-mll", action="store_true", help="score both by exact Cholesky")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--out", default=None, help="also write the Markdown report here")
+    parser.add_argument(
+        "--side", default=None, choices=["gpsd", "gpytorch"], help=argparse.SUPPRESS
+    )
+    args, _ = parser.parse_known_args()
+    torch.manual_seed(args.seed)
+    if args.side is not None:
+        result = run_gpsd(args) if args.side == "gpsd" else run_gpytorch(args)
+        print(json.dumps(result))
+        return
+    argv = [a for a in sys.argv[1:] if a not in ("--gpytorch", "--exact-mll")]
+    if "--out" in argv:
+        i = argv.index("--out")
+        del argv[i : i + 2]
+    results = [_in_subprocess("gpsd", argv)]
+    if args.gpytorch:
+        results.append(_in_subprocess("gpytorch", argv))
+    report = Report(args.out)
+    report.add(
+        f"# The large-N workflow on flights: N = {args.n:,} training, M = {args.m:,} test",
+        "",
+        f"{cpu_name() if args.device == 'cpu' else args.device}, "
+        f"{torch.get_num_threads()} threads, float64, ARD RBF on 6 inputs, Adam lr {args.lr}, "
+        f"{args.iters} iterations from lengthscales 1, outputscale 1, noise {args.noise}; "
+        f"gpsd backend `{args.backend}`, {args.steps} steps. torch {torch.__version__}, "
+        f"gpytorch {gpytorch.__version__}, gpsd {gpsd.__version__}, Python "
+        f"{platform.python_version()}. Each side in its own process.",
+        "",
+        "| side | learn (s) | s / iteration | CPU s / iteration | fit (s) | gcv (s) | predict (s) | peak RSS (GiB) "
+        "| final loss | exact MLL / N | RMSE (min) | NLL |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    )
+    for r in results:
+        if "failed" in r:
+            report.add(f"| {r['side']} | failed: {' '.join(r['failed'])} |" + " |" * 11)
+            continue
+        p = r["phases"]
+        mll = exact_mll(args, r["hyperparameters"]) if args.exact_mll else float("nan")
+        r["exact_mll"] = mll
+        best = r.get("best_step", 1)
+        report.add(
+            f"| {r['side']} | {p['learn']:.1f} | {p['learn'] / args.iters:.2f} "
+            f"| {r['cpu']['learn'] / args.iters:.2f} | {_seconds(p, 'fit')} "
+            f"| {_seconds(p, 'gcv')} | {_seconds(p, 'predict')} | {r['peak_gib']:.2f} | {r['loss'][-1]:.5f} "
+            f"| {mll:.5f} | {r['rmse'][best - 1]:.3f} | {r['nll'][best - 1]:.3f} |"
+        )
+    gp = next((r for r in results if r["side"] == "gpsd" and "failed" not in r), None)
+    if gp is not None:
+        report.add(
+            "",
+            f"gpsd's GCV chose step {gp['best_step']} (its score's standard error "
+            f"{gp['gcv_se']:.2e}); the table's RMSE and NLL are that step's. Learnt: "
+            f"noise {gp['hyperparameters']['noise']:.4f}, outputscale "
+            f"{gp['hyperparameters']['outputscale']:.3f}.",
+            "",
+            "| step | " + " | ".join(str(t + 1) for t in range(len(gp["rmse"]))) + " |",
+            "|---|" + "---:|" * len(gp["rmse"]),
+            "| RMSE (min) | " + " | ".join(f"{v:.3f}" for v in gp["rmse"]) + " |",
+            "| NLL | " + " | ".join(f"{v:.3f}" for v in gp["nll"]) + " |",
+        )
+    other = next((r for r in results if r["side"] == "gpytorch" and "failed" not in r), None)
+    if gp is not None and other is not None:
+        ratio_t = gp["phases"]["learn"] / other["phases"]["learn"]
+        ratio_c = gp["cpu"]["learn"] / other["cpu"]["learn"]
+        ratio_m = gp["peak_gib"] / other["peak_gib"]
+        rel = abs(gp["exact_mll"] - other["exact_mll"]) / abs(other["exact_mll"])
+        report.add(
+            "",
+            f"gpsd / GPyTorch: time per iteration {ratio_t:.2f}x (CPU time {ratio_c:.2f}x), "
+            f"peak memory {ratio_m:.2f}x; "
+            f"exact MLL reached differs by {rel:.1e} relative.",
+        )
+    report.close()
+
+
+if __name__ == "__main__":
+    main()
