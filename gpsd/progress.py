@@ -9,6 +9,8 @@ distillers, ``optimize_hyperparameters``, growing a Lanczos basis) takes two key
 
 ``callback``
     ``None``, or a function called after every iteration with one :class:`IterationRecord`.
+    A fit with several phases (``DPKLRegressor.fit``: the ARD warm start, then the training)
+    reports the iterations of every phase, each record naming its phase.
     **It stops the loop early by returning** ``True``; any other return value (``None``
     included) lets it go on. The estimator then keeps what the loop reached, as after its last
     iteration.
@@ -34,6 +36,9 @@ class IterationRecord:
     :param total: The most iterations the loop will run (``None`` where unknown).
     :param loss: The objective after the iteration, where the loop has one (else ``None``).
     :param info: Other numbers of the iteration (a validation loss, a step size, a rank).
+    :param phase: The phase of the fit the iteration belongs to, for fits with several
+        (``"warm start"``, ``"training"``); ``None`` for one-phase loops. ``iteration`` and
+        ``total`` count within the phase.
     """
 
     task: str
@@ -41,6 +46,7 @@ class IterationRecord:
     total: int | None = None
     loss: float | None = None
     info: Mapping[str, float] = field(default_factory=dict)
+    phase: str | None = None
 
 
 #: A callback's type: called with each record; returning ``True`` stops the loop.

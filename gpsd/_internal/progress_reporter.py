@@ -22,6 +22,7 @@ class ProgressReporter:
     :param total: The most iterations (``None`` where unknown).
     :param progress: ``False``, ``True`` or a ``tqdm`` instance (see the module docs).
     :param callback: ``None`` or a function of an :class:`IterationRecord`.
+    :param phase: The phase of a fit with several, named in every record and on the bar.
     """
 
     def __init__(
@@ -30,18 +31,21 @@ class ProgressReporter:
         total: int | None,
         progress: object = False,
         callback: Callback | None = None,
+        phase: str | None = None,
     ) -> None:
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
         self.task = task
         self.total = total
+        self.phase = phase
         self.callback = callback
         self._owns_bar = False
         self._bar = None
         if progress is True:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=task, leave=False)
+            desc = task if phase is None else f"{task} ({phase})"
+            self._bar = tqdm(total=total, desc=desc, leave=False)
             self._owns_bar = True
         elif progress is not False and progress is not None:
             if not (hasattr(progress, "update") and hasattr(progress, "set_postfix")):
@@ -65,7 +69,7 @@ class ProgressReporter:
     def update(self, iteration: int, loss: float | None = None, **info: float) -> bool:
         """Report iteration ``iteration`` (1-based); ``True`` if the callback asks to stop."""
         loss = None if loss is None else float(loss)
-        record = IterationRecord(self.task, iteration, self.total, loss, dict(info))
+        record = IterationRecord(self.task, iteration, self.total, loss, dict(info), self.phase)
         self.last = record
         if self._bar is not None:
             self._bar.update(1)

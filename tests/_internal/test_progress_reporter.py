@@ -57,3 +57,13 @@ def test_a_bar_of_the_callers_is_advanced_and_left_open():
 def test_bad_progress_or_callback_arguments_are_named(kwargs, match):
     with pytest.raises(TypeError, match=match):
         ProgressReporter("Model.fit", 3, **kwargs)
+
+
+def test_a_phase_is_named_in_every_record_and_on_the_bar(capsys):
+    records = []
+    run_loop(ProgressReporter("Model.fit", 2, True, records.append, phase="warm start"), 2)
+    assert records[0] == IterationRecord("Model.fit", 1, 2, 1.0, {"rank": 2}, "warm start")
+    assert [r.phase for r in records] == ["warm start"] * 2
+    assert "Model.fit (warm start)" in capsys.readouterr().err
+    run_loop(ProgressReporter("Model.fit", 1, callback=records.append), 1)
+    assert records[-1].phase is None
