@@ -11,6 +11,7 @@ import gpsd  # noqa: E402
 
 project = "gpsd"
 author = "the gpsd developers"
+copyright = "2026, the gpsd developers"
 release = gpsd.__version__
 version = release
 
@@ -18,6 +19,8 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.mathjax",
+    # MathJax copied into the build (_static/mathjax): the pages render their maths offline
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
 ]
 

@@ -2,7 +2,9 @@
 complete.
 
 - ``test_sphinx_build``: ``python -m sphinx -W -b html docs <tmp>`` succeeds (skipped without
-  sphinx or furo, the ``docs`` extra).
+  sphinx, furo or sphinx-mathjax-offline, the ``docs`` extra).
+- ``test_built_pages_load_nothing_from_another_host``: the built pages load their scripts,
+  stylesheets and fonts (MathJax included) from the build, so they render offline.
 - ``test_code_blocks``: every ``.. code-block:: python`` of the guides and tutorials runs, the
   blocks of one page in order in one namespace, as the page says.
 - ``test_api_reference_covers_every_public_name``: ``docs/api.rst`` names every public name of
@@ -164,18 +166,86 @@ def test_api_reference_covers_every_public_name():
             assert name in module.__all__, f"{module_name}.{name} is not public"
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("furo") is None,
-    reason="the docs build needs sphinx and furo (the docs extra)",
+_DOCS_EXTRA = ("sphinx", "furo", "sphinx-mathjax-offline")
+requires_docs_extra = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in _DOCS_EXTRA),
+    reason="the docs build needs sphinx, furo and sphinx-mathjax-offline (the docs extra)",
 )
-def test_sphinx_build(tmp_path):
+
+# what a page loads: scripts, stylesheets, fonts and other <link>ed resources; CSS url()s
+_LOADED = re.compile(
+    r"<script\b[^>]*\bsrc=\"([^\"]*)\"|<link\b(?=[^>]*\brel=\"(?:stylesheet|preload|"
+    r"modulepreload|icon|shortcut icon|manifest)\")[^>]*\bhref=\"([^\"]*)\"",
+)
+_CSS_URL = re.compile(r"url\(\s*['\"]?([^'\")]+)|@import\s+['\"]([^'\"]+)")
+
+
+def loaded_resources(html: str) -> list[str]:
+    """The addresses an HTML page loads when opened: ``<script src>`` and the ``href`` of
+    ``<link>`` elements that fetch (stylesheets, preloads, icons)."""
+    return [a or b for a, b in _LOADED.findall(html)]
+
+
+def is_remote(address: str) -> bool:
+    return re.match(r"^(?:[a-z][a-z0-9+.-]*:)?//", address, flags=re.I) is not None
+
+
+def test_resource_parser_finds_what_a_page_loads():
+    page = (
+        '<script src="_static/a.js?v=1"></script><script>inline()</script>'
+        '<link rel="stylesheet" type="text/css" href="https://cdn.example/x.css" />'
+        '<link rel="next" href="next.html"><a href="https://example.org">x</a>'
+        '<link rel="preload" href="//fonts.example/f.woff2" as="font">'
+    )
+    assert loaded_resources(page) == [
+        "_static/a.js?v=1",
+        "https://cdn.example/x.css",
+        "//fonts.example/f.woff2",
+    ]
+    assert [is_remote(a) for a in loaded_resources(page)] == [False, True, True]
+    assert not is_remote("_static/mathjax/tex-chtml.js") and not is_remote("data:font/woff2,")
+
+
+@pytest.fixture(scope="module")
+def built_docs(tmp_path_factory):
+    """``python -m sphinx -W -b html docs <tmp>``, once for the tests that read the site."""
+    out = tmp_path_factory.mktemp("docs_html")
     result = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", str(DOCS), str(tmp_path)],
+        [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", str(DOCS), str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-5000:]
-    assert (tmp_path / "index.html").exists()
-    assert (tmp_path / "generated" / "gpsd.DataCentricGPR.html").exists()
+    return out
+
+
+@requires_docs_extra
+def test_sphinx_build(built_docs):
+    assert (built_docs / "index.html").exists()
+    assert (built_docs / "generated" / "gpsd.DataCentricGPR.html").exists()
+
+
+@requires_docs_extra
+def test_built_pages_load_nothing_from_another_host(built_docs):
+    """Offline, every page renders: its scripts, stylesheets and fonts are files of the build,
+    MathJax (``_static/mathjax``) included."""
+    pages = sorted(built_docs.rglob("*.html"))
+    remote = set()
+    for page in pages:
+        for address in loaded_resources(page.read_text(encoding="utf-8")):
+            if is_remote(address):
+                remote.add((page.relative_to(built_docs).as_posix(), address))
+            else:
+                path = (page.parent / address.split("?")[0].split("#")[0]).resolve()
+                assert path.is_file(), f"{page.name} loads {address}, which the build lacks"
+    for sheet in (built_docs / "_static").rglob("*.css"):
+        for a, b in _CSS_URL.findall(sheet.read_text(encoding="utf-8", errors="replace")):
+            if is_remote(a or b):
+                remote.add((sheet.relative_to(built_docs).as_posix(), a or b))
+    assert not remote, f"loaded from another host: {sorted(remote)[:10]}"
+    # the maths is typeset by the bundled MathJax, with its fonts
+    index = (built_docs / "index.html").read_text(encoding="utf-8")
+    assert "_static/mathjax/tex-chtml.js" in loaded_resources(index)
+    assert any((built_docs / "_static/mathjax/output/chtml/fonts/woff-v2").glob("*.woff"))
