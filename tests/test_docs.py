@@ -6,7 +6,8 @@ complete.
 - ``test_built_pages_load_nothing_from_another_host``: the built pages load their scripts,
   stylesheets and fonts (MathJax included) from the build, so they render offline.
 - ``test_code_blocks``: every ``.. code-block:: python`` of the guides and tutorials runs, the
-  blocks of one page in order in one namespace, as the page says.
+  blocks of one page in order in one namespace, as the page says, and prints the output the
+  page shows; the figures it saves exist.
 - ``test_api_reference_covers_every_public_name``: ``docs/api.rst`` names every public name of
   ``gpsd`` and of each subpackage once.
 """
@@ -37,6 +38,7 @@ EXECUTED_PAGES = [
     "guide_classification.rst",
     "guide_kernel_distillation.rst",
     "guide_dpkl.rst",
+    "guide_sklearn.rst",
     "tutorial_training_loop.rst",
     "tutorial_gpu_large_n.rst",
     "tutorial_distributed.rst",
@@ -63,13 +65,13 @@ API_MODULES = [
 ]
 
 
-def python_blocks(text: str) -> list[str]:
-    """The bodies of the ``.. code-block:: python`` directives of a reST page, dedented."""
+def python_blocks(text: str, language: str = "python") -> list[str]:
+    """The bodies of the ``.. code-block:: <language>`` directives of a reST page, dedented."""
     blocks = []
     lines = text.splitlines()
     i = 0
     while i < len(lines):
-        if re.match(r"^\s*\.\. code-block:: python\s*$", lines[i]):
+        if re.match(rf"^\s*\.\. code-block:: {language}\s*$", lines[i]):
             indent = len(lines[i]) - len(lines[i].lstrip())
             i += 1
             while i < len(lines) and re.match(r"^\s+:\w[\w-]*:", lines[i]):  # options
@@ -93,15 +95,24 @@ def test_python_blocks_parser():
 
 
 @pytest.mark.parametrize("page", EXECUTED_PAGES)
-def test_code_blocks(page):
-    blocks = python_blocks((DOCS / page).read_text())
+def test_code_blocks(page, tmp_path, monkeypatch, capsys):
+    """The blocks run in a fresh directory (where they save their figures); what a page shows
+    as output (its ``.. code-block:: text`` blocks) is what its code prints."""
+    text = (DOCS / page).read_text()
+    blocks = python_blocks(text)
     assert blocks, f"{page} has no python code block"
+    monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page[:-4]}"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for number, block in enumerate(blocks, start=1):
             code = compile(block, f"{page} (block {number})", "exec")
             exec(code, namespace)  # noqa: S102 - the documentation's own code
+    printed = capsys.readouterr().out
+    for shown in python_blocks(text, "text"):
+        assert shown in printed, f"{page} shows output its code does not print:\n{shown}"
+    for saved in re.findall(r"savefig\(\"([^\"]+)\"", text):
+        assert (tmp_path / saved).is_file(), f"{page} does not save {saved}"
 
 
 def _autosummary_sections(text: str) -> dict[str, list[str]]:
@@ -249,3 +260,19 @@ def test_built_pages_load_nothing_from_another_host(built_docs):
     index = (built_docs / "index.html").read_text(encoding="utf-8")
     assert "_static/mathjax/tex-chtml.js" in loaded_resources(index)
     assert any((built_docs / "_static/mathjax/output/chtml/fonts/woff-v2").glob("*.woff"))
+
+
+@requires_docs_extra
+def test_fit_shows_the_class_it_documents_as_its_return_type(built_docs):
+    """``fit`` returns ``self``: where a class inherits it (from a private base, say), its page
+    names the class itself as the return type."""
+    shown = {}
+    for page in (built_docs / "generated").glob("gpsd.*.html"):
+        text = page.read_text(encoding="utf-8")
+        found = re.search(
+            rf'id="{re.escape(page.stem)}\.fit".*?Return type.*?<dd[^>]*>(.*?)</dd>', text, re.S
+        )
+        if found:
+            shown[page.stem] = re.sub(r"<[^>]+>", "", found.group(1)).strip()
+    assert {"gpsd.DataCentricGPR", "gpsd.DKLRegressor", "gpsd.ARDGPRegressor"} <= set(shown)
+    assert {name: name.rpartition(".")[2] for name in shown} == shown
