@@ -184,8 +184,9 @@ def toy_figures(n: int, seed: int) -> list[str]:
         for j, (what, colour) in enumerate(quantities):
             values = [e[j] for e in errors[key][1:]]
             axes[1].semilogy(
-                steps, values, style, color=colour, marker=marker, ms=5, label=f"{key}: {what}"
-            )
+                steps, values, style, color=colour, marker=marker, ms=5,
+                label=f"{key.replace('_', ' ')}: {what}",
+            )  # fmt: skip
     axes[1].set_title(
         f"Fig. 6b: mean squared difference to the iterated solution\n{data_name}, "
         f"{len(test_x)} test points",

@@ -9,6 +9,8 @@ distillers, ``optimize_hyperparameters``, growing a Lanczos basis) takes two key
 
 ``callback``
     ``None``, or a function called after every iteration with one :class:`IterationRecord`.
+    A fit with several phases (``DPKLRegressor.fit``: the ARD warm start, then the training)
+    reports the iterations of every phase, each record naming its phase.
     **It stops the loop early by returning** ``True``; any other return value (``None``
     included) lets it go on. The estimator then keeps what the loop reached, as after its last
     iteration.

@@ -3,10 +3,17 @@ import contextlib
 import pytest
 import torch
 
-# On the 2-core CI machine, with torch 2.13's CPU build and two intra-op threads, the first
-# torch.exp of a process was seen to return float64 values with relative errors of about 3e-9
-# (about 1 process in 5; later calls are exact to 2e-16). A first call here keeps that out of the
-# tests, which compare at tolerances near 1e-10.
+# One intra-op thread per test process: the tests' problems are small, and on a shared machine
+# (the 2-core CI, a laptop running other jobs) torch's default of one thread per core spends
+# more time in contention than it saves: 811 of the tests took 3.8 times as long with torch's
+# default two threads on a loaded 2-core machine, and twice as long on an idle one
+# (benchmarks/results/test_suite_threads_cpu.md).
+torch.set_num_threads(1)
+
+# With torch 2.13's CPU build and two intra-op threads, the first torch.exp of a process was seen
+# to return float64 values with relative errors of about 3e-9 (about 1 process in 5; later calls
+# are exact to 2e-16). A first call here keeps that out of the tests, which compare at
+# tolerances near 1e-10.
 torch.exp(torch.zeros(1, dtype=torch.float64))
 
 

@@ -2,9 +2,12 @@
 complete.
 
 - ``test_sphinx_build``: ``python -m sphinx -W -b html docs <tmp>`` succeeds (skipped without
-  sphinx or furo, the ``docs`` extra).
+  sphinx, furo or sphinx-mathjax-offline, the ``docs`` extra).
+- ``test_built_pages_load_nothing_from_another_host``: the built pages load their scripts,
+  stylesheets and fonts (MathJax included) from the build, so they render offline.
 - ``test_code_blocks``: every ``.. code-block:: python`` of the guides and tutorials runs, the
-  blocks of one page in order in one namespace, as the page says.
+  blocks of one page in order in one namespace, as the page says, and prints the output the
+  page shows; the figures it saves exist.
 - ``test_api_reference_covers_every_public_name``: ``docs/api.rst`` names every public name of
   ``gpsd`` and of each subpackage once.
 """
@@ -35,6 +38,7 @@ EXECUTED_PAGES = [
     "guide_classification.rst",
     "guide_kernel_distillation.rst",
     "guide_dpkl.rst",
+    "guide_sklearn.rst",
     "tutorial_training_loop.rst",
     "tutorial_gpu_large_n.rst",
     "tutorial_large_n_training.rst",
@@ -62,13 +66,13 @@ API_MODULES = [
 ]
 
 
-def python_blocks(text: str) -> list[str]:
-    """The bodies of the ``.. code-block:: python`` directives of a reST page, dedented."""
+def python_blocks(text: str, language: str = "python") -> list[str]:
+    """The bodies of the ``.. code-block:: <language>`` directives of a reST page, dedented."""
     blocks = []
     lines = text.splitlines()
     i = 0
     while i < len(lines):
-        if re.match(r"^\s*\.\. code-block:: python\s*$", lines[i]):
+        if re.match(rf"^\s*\.\. code-block:: {language}\s*$", lines[i]):
             indent = len(lines[i]) - len(lines[i].lstrip())
             i += 1
             while i < len(lines) and re.match(r"^\s+:\w[\w-]*:", lines[i]):  # options
@@ -92,15 +96,24 @@ def test_python_blocks_parser():
 
 
 @pytest.mark.parametrize("page", EXECUTED_PAGES)
-def test_code_blocks(page):
-    blocks = python_blocks((DOCS / page).read_text())
+def test_code_blocks(page, tmp_path, monkeypatch, capsys):
+    """The blocks run in a fresh directory (where they save their figures); what a page shows
+    as output (its ``.. code-block:: text`` blocks) is what its code prints."""
+    text = (DOCS / page).read_text()
+    blocks = python_blocks(text)
     assert blocks, f"{page} has no python code block"
+    monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page[:-4]}"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for number, block in enumerate(blocks, start=1):
             code = compile(block, f"{page} (block {number})", "exec")
             exec(code, namespace)  # noqa: S102 - the documentation's own code
+    printed = capsys.readouterr().out
+    for shown in python_blocks(text, "text"):
+        assert shown in printed, f"{page} shows output its code does not print:\n{shown}"
+    for saved in re.findall(r"savefig\(\"([^\"]+)\"", text):
+        assert (tmp_path / saved).is_file(), f"{page} does not save {saved}"
 
 
 def _autosummary_sections(text: str) -> dict[str, list[str]]:
@@ -165,18 +178,102 @@ def test_api_reference_covers_every_public_name():
             assert name in module.__all__, f"{module_name}.{name} is not public"
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("furo") is None,
-    reason="the docs build needs sphinx and furo (the docs extra)",
+_DOCS_EXTRA = ("sphinx", "furo", "sphinx-mathjax-offline")
+requires_docs_extra = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in _DOCS_EXTRA),
+    reason="the docs build needs sphinx, furo and sphinx-mathjax-offline (the docs extra)",
 )
-def test_sphinx_build(tmp_path):
+
+# what a page loads: scripts, stylesheets, fonts and other <link>ed resources; CSS url()s
+_LOADED = re.compile(
+    r"<script\b[^>]*\bsrc=\"([^\"]*)\"|<link\b(?=[^>]*\brel=\"(?:stylesheet|preload|"
+    r"modulepreload|icon|shortcut icon|manifest)\")[^>]*\bhref=\"([^\"]*)\"",
+)
+_CSS_URL = re.compile(r"url\(\s*['\"]?([^'\")]+)|@import\s+['\"]([^'\"]+)")
+
+
+def loaded_resources(html: str) -> list[str]:
+    """The addresses an HTML page loads when opened: ``<script src>`` and the ``href`` of
+    ``<link>`` elements that fetch (stylesheets, preloads, icons)."""
+    return [a or b for a, b in _LOADED.findall(html)]
+
+
+def is_remote(address: str) -> bool:
+    return re.match(r"^(?:[a-z][a-z0-9+.-]*:)?//", address, flags=re.I) is not None
+
+
+def test_resource_parser_finds_what_a_page_loads():
+    page = (
+        '<script src="_static/a.js?v=1"></script><script>inline()</script>'
+        '<link rel="stylesheet" type="text/css" href="https://cdn.example/x.css" />'
+        '<link rel="next" href="next.html"><a href="https://example.org">x</a>'
+        '<link rel="preload" href="//fonts.example/f.woff2" as="font">'
+    )
+    assert loaded_resources(page) == [
+        "_static/a.js?v=1",
+        "https://cdn.example/x.css",
+        "//fonts.example/f.woff2",
+    ]
+    assert [is_remote(a) for a in loaded_resources(page)] == [False, True, True]
+    assert not is_remote("_static/mathjax/tex-chtml.js") and not is_remote("data:font/woff2,")
+
+
+@pytest.fixture(scope="module")
+def built_docs(tmp_path_factory):
+    """``python -m sphinx -W -b html docs <tmp>``, once for the tests that read the site."""
+    out = tmp_path_factory.mktemp("docs_html")
     result = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", str(DOCS), str(tmp_path)],
+        [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", str(DOCS), str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-5000:]
-    assert (tmp_path / "index.html").exists()
-    assert (tmp_path / "generated" / "gpsd.DataCentricGPR.html").exists()
+    return out
+
+
+@requires_docs_extra
+def test_sphinx_build(built_docs):
+    assert (built_docs / "index.html").exists()
+    assert (built_docs / "generated" / "gpsd.DataCentricGPR.html").exists()
+
+
+@requires_docs_extra
+def test_built_pages_load_nothing_from_another_host(built_docs):
+    """Offline, every page renders: its scripts, stylesheets and fonts are files of the build,
+    MathJax (``_static/mathjax``) included."""
+    pages = sorted(built_docs.rglob("*.html"))
+    remote = set()
+    for page in pages:
+        for address in loaded_resources(page.read_text(encoding="utf-8")):
+            if is_remote(address):
+                remote.add((page.relative_to(built_docs).as_posix(), address))
+            else:
+                path = (page.parent / address.split("?")[0].split("#")[0]).resolve()
+                assert path.is_file(), f"{page.name} loads {address}, which the build lacks"
+    for sheet in (built_docs / "_static").rglob("*.css"):
+        for a, b in _CSS_URL.findall(sheet.read_text(encoding="utf-8", errors="replace")):
+            if is_remote(a or b):
+                remote.add((sheet.relative_to(built_docs).as_posix(), a or b))
+    assert not remote, f"loaded from another host: {sorted(remote)[:10]}"
+    # the maths is typeset by the bundled MathJax, with its fonts
+    index = (built_docs / "index.html").read_text(encoding="utf-8")
+    assert "_static/mathjax/tex-chtml.js" in loaded_resources(index)
+    assert any((built_docs / "_static/mathjax/output/chtml/fonts/woff-v2").glob("*.woff"))
+
+
+@requires_docs_extra
+def test_fit_shows_the_class_it_documents_as_its_return_type(built_docs):
+    """``fit`` returns ``self``: where a class inherits it (from a private base, say), its page
+    names the class itself as the return type."""
+    shown = {}
+    for page in (built_docs / "generated").glob("gpsd.*.html"):
+        text = page.read_text(encoding="utf-8")
+        found = re.search(
+            rf'id="{re.escape(page.stem)}\.fit".*?Return type.*?<dd[^>]*>(.*?)</dd>', text, re.S
+        )
+        if found:
+            shown[page.stem] = re.sub(r"<[^>]+>", "", found.group(1)).strip()
+    assert {"gpsd.DataCentricGPR", "gpsd.DKLRegressor", "gpsd.ARDGPRegressor"} <= set(shown)
+    assert {name: name.rpartition(".")[2] for name in shown} == shown

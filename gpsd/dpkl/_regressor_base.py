@@ -287,6 +287,20 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         if optimizer is None:
             optimizer = torch.optim.Adam(self.parameters(), lr=lr)
         reporter = ProgressReporter(f"{type(self).__name__}.fit", max_iter, progress, callback)
+        return self._fit_loop(max_iter, val_x, val_y, check_every, optimizer, reporter)
+
+    def _fit_loop(
+        self,
+        max_iter: int,
+        val_x: Tensor | None,
+        val_y: Tensor | None,
+        check_every: int,
+        optimizer: torch.optim.Optimizer,
+        reporter: ProgressReporter,
+    ) -> EmbeddingGPRegressorBase:
+        """The loop of :meth:`fit` on checked arguments, reporting each iteration to
+        ``reporter``."""
+        train_x = self.train_inputs[0]
         particles = self.particle_parameters()
         transform = None
         if particles:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from gpsd._internal.negligible import drop_negligible
-from gpsd._internal.progress_reporter import check_progress
+from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import check_int, check_positive_float
 from gpsd.dpkl._regressor_base import EmbeddingGPRegressorBase, check_inputs, check_targets
 from gpsd.dpkl.ard_gp_regressor import ARDGPRegressor
@@ -303,9 +303,13 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         :param check_every: Iterations between validation checks.
         :param optimizer: An optimiser over the parameters to train (default: Adam over those
             that require a gradient).
-        :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
-        :param callback: Called after each training iteration with an
-            :class:`~gpsd.IterationRecord`; returning ``True`` stops training.
+        :param progress: ``True`` for a ``tqdm`` bar per phase (the warm start, the training),
+            or a bar of your own, advanced by both (:mod:`gpsd.progress`).
+        :param callback: Called after each step of the warm start and each training iteration
+            with an :class:`~gpsd.IterationRecord` whose ``phase`` is ``"warm start"`` or
+            ``"training"`` (``iteration`` and ``total`` count within the phase); returning
+            ``True`` stops the fit: in the warm start, the model is the warm-started ARD GP
+            (plus the small embedding kernel), without training.
         :returns: ``self``, fitted and in evaluation mode.
         :raises ValueError: a bad argument (named), or a feature extractor that produced NaN or
             inf embeddings.
@@ -333,9 +337,16 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
         n = x.shape[0]
         self.history = {"loss": [], "val_nll": [], "val_iteration": [], "warm_start_loss": []}
+        task = f"{type(self).__name__}.fit"
         warm_loss = []
         if self.input_kernel is not None and warm_start_iter > 0:
-            warm_loss = self._warm_start(warm_start_iter)
+            # checks progress and callback before anything trains
+            with ProgressReporter(
+                task, warm_start_iter, progress, callback, phase="warm start"
+            ) as reporter:
+                warm_loss = self._warm_start(warm_start_iter, reporter)
+            if reporter.stopped:
+                max_iter = 0
         full = None
         if val_fraction > 0 and n >= _MIN_ROWS_TO_SPLIT:
             n_val = min(n - 1, max(1, round(val_fraction * n)))
@@ -348,26 +359,19 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
                 optimizer = torch.optim.Adam(
                     [p for p in self.parameters() if p.requires_grad], lr=lr
                 )
-            super().fit(
-                max_iter=max_iter,
-                lr=lr,
-                val_x=val_x,
-                val_y=val_y,
-                check_every=check_every,
-                optimizer=optimizer,
-                progress=progress,
-                callback=callback,
-            )
+            reporter = ProgressReporter(task, max_iter, progress, callback, phase="training")
+            self._fit_loop(max_iter, val_x, val_y, check_every, optimizer, reporter)
         finally:
             if full is not None:
                 self.set_train_data(*full, strict=False)
         self.history["warm_start_loss"] = warm_loss
         return self
 
-    def _warm_start(self, max_iter: int) -> list[float]:
+    def _warm_start(self, max_iter: int, reporter: ProgressReporter) -> list[float]:
         """Fit the input kernel, the noise and the mean alone on all training rows (an ARD GP
-        sharing these modules), then set the embedding kernel's outputscale to
-        :attr:`embedding_scale_ratio` times the input kernel's; returns the loss per step."""
+        sharing these modules; each step reported to ``reporter``), then set the embedding
+        kernel's outputscale to :attr:`embedding_scale_ratio` times the input kernel's; returns
+        the loss per step."""
         gp = ARDGPRegressor(
             self.train_inputs[0],
             self.train_targets,
@@ -375,7 +379,8 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             mean_module=self.mean_module,
             likelihood=self.likelihood,
         )
-        gp.fit(max_iter=max_iter, lr=0.1)
+        optimizer = torch.optim.Adam(gp.parameters(), lr=0.1)
+        gp._fit_loop(max_iter, None, None, 10, optimizer, reporter)
         scale = getattr(self.input_kernel, "outputscale", None)
         scale = 1.0 if scale is None else scale.detach()
         emb = self.embedding_kernel

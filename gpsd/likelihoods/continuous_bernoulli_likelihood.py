@@ -11,7 +11,9 @@ from torch import Tensor
 from torch.distributions import Distribution
 
 from gpsd.likelihoods import _cb_quadrature
+from gpsd.likelihoods._cb_predictive import predictive_moments
 from gpsd.likelihoods.continuous_bernoulli import ContinuousBernoulli
+from gpsd.prediction import Prediction
 
 __all__ = ["ContinuousBernoulliLikelihood"]
 
@@ -60,6 +62,12 @@ class ContinuousBernoulliLikelihood(_OneDimensionalLikelihood):
         >>> likelihood = ContinuousBernoulliLikelihood()
         >>> mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=soft_y.numel())
         >>> loss = -mll(model(x), soft_y)
+        >>> soft = likelihood.predictive_moments(model(test_x)).mean  # E[y], shape (M,)
+
+    ``likelihood(model(test_x))``, GPyTorch's marginal, is a batch of
+    :class:`~gpsd.likelihoods.ContinuousBernoulli` over latent samples (its ``mean`` has shape
+    ``(samples, M)``); :meth:`predictive_moments` gives the predictive mean and variance of
+    :math:`y` themselves, by quadrature.
     """
 
     def __init__(self) -> None:
@@ -134,6 +142,44 @@ class ContinuousBernoulliLikelihood(_OneDimensionalLikelihood):
         num_locs = self.quadrature.num_locs
         out = _cb_quadrature.log_marginal(y, mean, variance, num_locs).reshape(shape)
         return _sum_tasks(out, function_dist)
+
+    def predictive_moments(self, function_dist: Distribution) -> Prediction:
+        r"""The predictive mean and variance of the target :math:`y` at each latent marginal.
+
+        .. math::
+
+            \mathbb E[y] = \mathbb E_{q(f)}[A'(f)], \qquad
+            \operatorname{Var}[y] = \mathbb E_{q(f)}[A''(f)] + \operatorname{Var}_{q(f)}[A'(f)],
+
+        for :math:`q(f) = \mathcal N(\mu, s^2)` at each point. The mean is the predicted soft
+        label, the probability of class 1 that the soft targets encode. It is neither
+        :math:`\sigma(\mu)` (the Bernoulli's mean at the latent mean) nor :math:`A'(\mu)`:
+        :math:`A'(f) \ne \sigma(f)`, and the latent's variance pulls :math:`\mathbb E[y]` towards
+        1/2. Unlike ``likelihood(function_dist).mean`` (GPyTorch's marginal by sampling, shape
+        ``(samples, M)``), it is deterministic, of the latent's shape, and accurate at any latent
+        variance: composite Gauss-Legendre rules over :math:`\mu \pm 8.5 s`, with a panel on the
+        bend of :math:`A'` at :math:`f = 0` (to about :math:`10^{-12}` in float64 against adaptive
+        quadrature). Differentiable in :math:`\mu` and :math:`s^2`.
+
+        :param function_dist: :math:`q(f)` with ``mean`` and ``variance`` (a ``MultivariateNormal``,
+            whose marginal variances are used, or a ``torch.distributions.Normal``), shape
+            ``(*batch, M)``.
+        :return: A :class:`~gpsd.Prediction` with ``mean`` :math:`\mathbb E[y] \in (0, 1)` and
+            ``variance`` :math:`\operatorname{Var}[y]`, shape ``(*batch, M)``.
+        :raises TypeError: ``function_dist`` has no ``mean`` and ``variance``.
+        :raises ValueError: a mean or variance is not finite, or a variance is negative.
+        """
+        if not (hasattr(function_dist, "mean") and hasattr(function_dist, "variance")):
+            raise TypeError(
+                "function_dist must be a distribution with mean and variance (a "
+                f"MultivariateNormal), got {type(function_dist).__name__}"
+            )
+        mean, variance = function_dist.mean, function_dist.variance
+        if not (torch.isfinite(mean).all() and torch.isfinite(variance).all()):
+            raise ValueError("function_dist has a non-finite mean or variance")
+        if (variance < 0).any():
+            raise ValueError("function_dist has a negative variance")
+        return Prediction(*predictive_moments(mean, variance))
 
 
 def _sum_tasks(values: Tensor, function_dist: Distribution) -> Tensor:

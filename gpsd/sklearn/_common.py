@@ -31,9 +31,24 @@ def numpy_dtype(dtype: str) -> type:
     return np.float64 if dtype == "float64" else np.float32
 
 
-def to_tensor(array: np.ndarray, dtype: str) -> Tensor:
-    """A tensor owning a copy of ``array`` (a read-only or memory-mapped array stays untouched)."""
-    return torch.from_numpy(np.array(array, dtype=numpy_dtype(dtype), copy=True))
+def torch_device(device: object) -> torch.device:
+    """The torch device named by an estimator's ``device`` hyperparameter (``"cpu"``,
+    ``"cuda"``, ``"cuda:1"``, a ``torch.device``), checked to be available."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"device must name a torch device ('cpu', 'cuda'), got {device!r}"
+        ) from err
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device is {device!r}, but torch sees no CUDA device here")
+    return resolved
+
+
+def to_tensor(array: np.ndarray, dtype: str, device: object = "cpu") -> Tensor:
+    """A tensor owning a copy of ``array`` (a read-only or memory-mapped array stays untouched),
+    on ``device``."""
+    return torch.from_numpy(np.array(array, dtype=numpy_dtype(dtype), copy=True)).to(device)
 
 
 def to_numpy(tensor: Tensor) -> np.ndarray:
@@ -41,18 +56,24 @@ def to_numpy(tensor: Tensor) -> np.ndarray:
 
 
 def make_kernel(
-    kernel: str, lengthscale: float, outputscale: float, dtype: torch.dtype
+    kernel: str,
+    lengthscale: float,
+    outputscale: float,
+    dtype: torch.dtype,
+    ard_num_dims: int | None = None,
 ) -> gpytorch.kernels.ScaleKernel:
     r""":math:`s\,k_\ell`: a ``ScaleKernel`` over an RBF or Matérn kernel with the given
-    lengthscale :math:`\ell` and outputscale :math:`s`."""
+    lengthscale :math:`\ell` and outputscale :math:`s`; with ``ard_num_dims``, one lengthscale
+    per input feature, each started at :math:`\ell`."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     check_positive(lengthscale, "lengthscale")
     check_positive(outputscale, "outputscale")
     if kernel == "rbf":
-        base = gpytorch.kernels.RBFKernel()
+        base = gpytorch.kernels.RBFKernel(ard_num_dims=ard_num_dims)
     else:
-        base = gpytorch.kernels.MaternKernel(nu={"12": 0.5, "32": 1.5, "52": 2.5}[kernel[-2:]])
+        nu = {"12": 0.5, "32": 1.5, "52": 2.5}[kernel[-2:]]
+        base = gpytorch.kernels.MaternKernel(nu=nu, ard_num_dims=ard_num_dims)
     covar_module = gpytorch.kernels.ScaleKernel(base).to(dtype)
     covar_module.base_kernel.lengthscale = float(lengthscale)
     covar_module.outputscale = float(outputscale)
@@ -96,14 +117,14 @@ def fit_exact_gp(
     its noise variance :math:`\sigma^2` (``TEACHER_NOISE_INIT`` without ``optimize``)."""
     likelihood = gpytorch.likelihoods.GaussianLikelihood(
         noise_constraint=gpytorch.constraints.GreaterThan(1e-6)
-    ).to(train_x.dtype)
+    ).to(train_x)
     likelihood.noise = TEACHER_NOISE_INIT
     teacher = _Teacher(train_x, train_y, covar_module, likelihood)
     if optimize and max_iter > 0:
         # the exact negative log marginal likelihood (per point) from one dense Cholesky
         # factorisation: GPyTorch's ExactMarginalLogLikelihood, without its operator overhead
         optimizer = torch.optim.Adam(teacher.parameters(), lr=lr)
-        eye = torch.eye(train_x.shape[-2], dtype=train_x.dtype)
+        eye = torch.eye(train_x.shape[-2], dtype=train_x.dtype, device=train_x.device)
         for _ in range(max_iter):
             optimizer.zero_grad()
             gram = covar_module(train_x).to_dense() + likelihood.noise * eye
@@ -163,10 +184,12 @@ def check_numeric_targets(y: object) -> None:
     )
 
 
-def regression_data(estimator: object, X: object, y: object) -> tuple[Tensor, Tensor]:
+def regression_data(
+    estimator: object, X: object, y: object, device: object = "cpu"
+) -> tuple[Tensor, Tensor]:
     """``X, y`` validated for ``estimator`` (setting ``n_features_in_``), the targets standardised
     where ``estimator.normalize_y`` (their mean and scale kept as ``_y_mean``, ``_y_std``), as
-    tensors in ``estimator.dtype``: ``(N, d)`` and ``(N,)``."""
+    tensors in ``estimator.dtype`` on ``device``: ``(N, d)`` and ``(N,)``."""
     from sklearn.utils.validation import validate_data
 
     check_numeric_targets(y)
@@ -174,18 +197,23 @@ def regression_data(estimator: object, X: object, y: object) -> tuple[Tensor, Te
         estimator, X, y, y_numeric=True, ensure_min_samples=2, dtype=numpy_dtype(estimator.dtype)
     )
     y, estimator._y_mean, estimator._y_std = standardise(y, estimator.normalize_y)
-    return to_tensor(X, estimator.dtype), to_tensor(y, estimator.dtype)
+    return to_tensor(X, estimator.dtype, device), to_tensor(y, estimator.dtype, device)
 
 
 def teacher_kernel(
-    estimator: object, train_x: Tensor, train_y: Tensor, max_iter: int
+    estimator: object, train_x: Tensor, train_y: Tensor, max_iter: int, ard: bool = False
 ) -> tuple[gpytorch.kernels.Kernel, float]:
-    """The kernel of ``estimator``'s hyperparameters, fitted with the exact-GP teacher
-    (:func:`fit_exact_gp`, where ``estimator.optimize_hyperparameters``), and the teacher's noise.
-    The kernel's parameters are frozen: constants to the distiller, which then builds no graph."""
+    """The kernel of ``estimator``'s hyperparameters (with ``ard``, one lengthscale per input
+    feature), on ``train_x``'s device, fitted with the exact-GP teacher (:func:`fit_exact_gp`,
+    where ``estimator.optimize_hyperparameters``), and the teacher's noise. The kernel's
+    parameters are frozen: constants to the distiller, which then builds no graph."""
     covar_module = make_kernel(
-        estimator.kernel, estimator.lengthscale, estimator.outputscale, train_x.dtype
-    )
+        estimator.kernel,
+        estimator.lengthscale,
+        estimator.outputscale,
+        train_x.dtype,
+        ard_num_dims=train_x.shape[-1] if ard else None,
+    ).to(train_x.device)
     _, noise = fit_exact_gp(
         train_x,
         train_y,

@@ -19,6 +19,7 @@ from gpsd.sklearn._common import (
     teacher_kernel,
     to_numpy,
     to_tensor,
+    torch_device,
     torch_dtype,
 )
 
@@ -61,6 +62,10 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         ``"lanczos"``, ``"cg"``); the matrix-free ones estimate the GCV scores (see
         :meth:`~gpsd.DataCentricGPR.gcv`).
     :param dtype: ``"float64"`` or ``"float32"``, the dtype of the model and of the predictions.
+    :param ard: one lengthscale per input feature (automatic relevance determination), each
+        started at ``lengthscale``; ``False``: one for all features.
+    :param device: where the model is fitted and predicts (``"cpu"``, ``"cuda"``, ``"cuda:1"``);
+        :meth:`predict` returns NumPy arrays wherever it runs.
 
     :ivar model_: the fitted :class:`~gpsd.DataCentricGPR` or :class:`~gpsd.DistributionCentricGPR`
         (on standardised targets with ``normalize_y``).
@@ -95,6 +100,8 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         lr: float = 0.1,
         backend: str = "auto",
         dtype: str = "float64",
+        ard: bool = False,
+        device: str = "cpu",
     ) -> None:
         self.kernel = kernel
         self.lengthscale = lengthscale
@@ -110,6 +117,8 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         self.lr = lr
         self.backend = backend
         self.dtype = dtype
+        self.ard = ard
+        self.device = device
 
     def _noise_schedule(self, teacher_noise: float, num_steps: int) -> list[float]:
         if self.noise is None:
@@ -140,16 +149,21 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         ):
             raise ValueError(f"step must be 'gcv' or an int in 1..{num_steps}, got {self.step!r}")
         dtype = torch_dtype(self.dtype)
-        train_x, train_y = regression_data(self, X, y)
+        device = torch_device(self.device)
+        if not isinstance(self.ard, (bool, np.bool_)):
+            raise ValueError(f"ard must be True or False, got {self.ard!r}")
+        train_x, train_y = regression_data(self, X, y, device)
         max_iter = check_count(self.max_iter, "max_iter", minimum=0)
-        covar_module, teacher_noise = teacher_kernel(self, train_x, train_y, max_iter)
+        covar_module, teacher_noise = teacher_kernel(
+            self, train_x, train_y, max_iter, ard=bool(self.ard)
+        )
         schedule = self._noise_schedule(teacher_noise, num_steps)
         options = {"alpha": self.alpha} if self.method == "data_centric" else {}
         model = METHODS[self.method](
             train_x,
             train_y,
             covar_module,
-            noise=torch.tensor(schedule, dtype=dtype),
+            noise=torch.tensor(schedule, dtype=dtype, device=device),
             num_steps=num_steps,
             backend=self.backend,
             **options,
@@ -171,7 +185,9 @@ class SelfDistilledGPRegressor(RegressorMixin, BaseEstimator):
         check_is_fitted(self, "model_")
         X = validate_data(self, X, reset=False, dtype=numpy_dtype(self.dtype))
         with torch.no_grad():
-            prediction = self.model_.predict(to_tensor(X, self.dtype), step=self.step_)
+            prediction = self.model_.predict(
+                to_tensor(X, self.dtype, self.model_.train_x.device), step=self.step_
+            )
         mean = to_numpy(prediction.mean) * self._y_std + self._y_mean
         if not return_std:
             return mean

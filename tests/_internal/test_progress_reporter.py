@@ -70,3 +70,13 @@ def test_check_progress_takes_the_documented_values_and_refuses_the_rest():
             check_progress(progress, None)
     with pytest.raises(TypeError, match="callback must be callable or None, got int"):
         check_progress(False, 5)
+
+
+def test_a_phase_is_named_in_every_record_and_on_the_bar(capsys):
+    records = []
+    run_loop(ProgressReporter("Model.fit", 2, True, records.append, phase="warm start"), 2)
+    assert records[0] == IterationRecord("Model.fit", 1, 2, 1.0, {"rank": 2}, "warm start")
+    assert [r.phase for r in records] == ["warm start"] * 2
+    assert "Model.fit (warm start)" in capsys.readouterr().err
+    run_loop(ProgressReporter("Model.fit", 1, callback=records.append), 1)
+    assert records[-1].phase is None

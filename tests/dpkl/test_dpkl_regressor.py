@@ -1,6 +1,7 @@
 """Tests of DPKLRegressor: its loss, gradients and predictions against dense formulas over
 stand-alone particles, its checks, and its rough edges (1-D inputs, a network giving NaN)."""
 
+import io
 import math
 
 import gpytorch
@@ -483,3 +484,55 @@ def test_fit_names_a_bad_validation_or_warm_start_argument(kwargs, match):
     model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=5)
     with pytest.raises((ValueError, TypeError), match=match):
         model.fit(max_iter=1, **kwargs)
+
+
+def test_the_callback_sees_every_warm_start_step_first_then_every_training_iteration():
+    x, y = noisy_sine_data(n=30, d=3)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=6)
+    records = []
+    model.fit(max_iter=4, warm_start_iter=5, check_every=2, callback=records.append)
+    # the first record is the first warm-start step, not the end of the warm start
+    assert [(r.phase, r.iteration, r.total) for r in records] == [
+        ("warm start", i, 5) for i in range(1, 6)
+    ] + [("training", i, 4) for i in range(1, 5)]
+    assert all(r.task == "DPKLRegressor.fit" for r in records)
+    assert [r.loss for r in records[:5]] == model.history["warm_start_loss"]
+    assert [r.loss for r in records[5:]] == model.history["loss"]
+    assert [("val_nll" in r.info) for r in records[5:]] == [False, True, False, True]
+
+
+def test_a_callback_stopping_the_warm_start_leaves_the_ard_gp_it_reached_untrained():
+    x, y = noisy_sine_data(n=30, d=3)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=6)
+    records = []
+    model.fit(
+        max_iter=10, warm_start_iter=50, callback=lambda r: records.append(r) or r.iteration == 3
+    )
+    assert [(r.phase, r.iteration) for r in records] == [("warm start", i) for i in (1, 2, 3)]
+    assert len(model.history["warm_start_loss"]) == 3 and model.history["loss"] == []
+    assert model.history["val_iteration"] == [0]  # the warm-started state, checked and kept
+    # an ARD GP fitted for the same three steps, independently
+    gp = gpsd.ARDGPRegressor(x, y).fit(max_iter=3, lr=0.1)
+    torch.testing.assert_close(
+        model.input_kernel.base_kernel.lengthscale, gp.covar_module.base_kernel.lengthscale
+    )
+    torch.testing.assert_close(model.likelihood.noise, gp.likelihood.noise)
+    assert model.predict(x[:4]).mean.shape == (4,)
+
+
+def test_progress_shows_a_bar_per_phase_and_advances_a_bar_of_ones_own_through_both(capsys):
+    tqdm = pytest.importorskip("tqdm")
+    x, y = noisy_sine_data(n=20, d=3)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=6)
+    model.fit(max_iter=2, warm_start_iter=3, progress=True)
+    err = capsys.readouterr().err
+    assert "DPKLRegressor.fit (warm start)" in err and "DPKLRegressor.fit (training)" in err
+    bar = tqdm.tqdm(total=5, file=io.StringIO())
+    model.fit(max_iter=2, warm_start_iter=3, progress=bar)
+    assert bar.n == 5
+    bar.close()
+    lengthscale = model.input_kernel.base_kernel.lengthscale.clone()
+    with pytest.raises(TypeError, match="progress"):
+        model.fit(max_iter=1, warm_start_iter=3, progress="yes")
+    # refused before the warm start trained
+    assert torch.equal(model.input_kernel.base_kernel.lengthscale, lengthscale)

@@ -558,3 +558,80 @@ def test_svgp_with_continuous_bernoulli_recovers_probabilities_better():
         results[name] = (prob - torch.sigmoid(g[test])).square().mean().sqrt().item()
     print(results)
     assert results["cb"] < 0.8 * results["bern"], results
+
+
+def _cb_mean_numpy(f: float) -> float:
+    """A'(f) = 1 / (1 - e^{-f}) - 1 / f, with its series near 0 (float64)."""
+    if abs(f) < 1e-3:
+        return 0.5 + f / 12.0
+    if f < 0:
+        return 1.0 - _cb_mean_numpy(-f)  # the symmetry A'(-f) = 1 - A'(f); no overflow
+    return 1.0 / -math.expm1(-f) - 1.0 / f
+
+
+@pytest.mark.parametrize(
+    ("mu", "s"),
+    [(2.0, 1.0), (0.3, 30.0), (5.0, 100.0), (-40.0, 3.0), (25.0, 10.0), (0.0, 1e4), (3.0, 1e-3)],
+)
+def test_predictive_mean_is_the_gaussian_integral_of_the_cb_mean(mu, s):
+    """E[y] = int A'(f) N(f; mu, s^2) df, by scipy's adaptive quadrature, split at the bend."""
+    likelihood = ContinuousBernoulliLikelihood()
+    latent = torch.distributions.Normal(
+        torch.tensor([mu], dtype=torch.float64), torch.tensor([s], dtype=torch.float64)
+    )
+    got = likelihood.predictive_moments(latent).mean
+
+    def integrand(f):
+        return (
+            _cb_mean_numpy(f) * math.exp(-0.5 * ((f - mu) / s) ** 2) / (s * math.sqrt(2 * math.pi))
+        )
+
+    lo, hi = mu - 12 * s, mu + 12 * s
+    points = [0.0] if lo < 0.0 < hi else None
+    expected, _ = integrate.quad(integrand, lo, hi, points=points, limit=500, epsabs=1e-14)
+    assert float(got) == pytest.approx(expected, abs=1e-12)
+
+
+def test_predictive_moments_are_those_of_sampled_soft_targets():
+    """Monte Carlo with torch's own continuous Bernoulli: f ~ N(mu, s^2), then y | f."""
+    torch.set_default_dtype(torch.float64)
+    mu, var = torch.tensor([-1.5, 0.4, 2.0]), torch.tensor([0.5, 9.0, 2.0])
+    likelihood = ContinuousBernoulliLikelihood()
+    moments = likelihood.predictive_moments(torch.distributions.Normal(mu, var.sqrt()))
+    gen = torch.Generator().manual_seed(0)
+    f = mu + var.sqrt() * torch.randn(400_000, 3, generator=gen)
+    u = torch.rand(400_000, 3, generator=gen)
+    # y | f by its inverse CDF, y = log(1 + u (e^f - 1)) / f (torch's ContinuousBernoulli clamps)
+    y = torch.log1p(u * torch.expm1(f)) / f
+    torch.testing.assert_close(moments.mean, y.mean(0), rtol=0, atol=2e-3)
+    torch.testing.assert_close(moments.variance, y.var(0), rtol=0, atol=2e-3)
+    # neither the Bernoulli's mean at the latent mean nor A' there
+    assert (moments.mean - torch.sigmoid(mu)).abs().min() > 0.05
+
+
+def test_predictive_moments_keep_the_latent_shape_and_are_differentiable():
+    torch.set_default_dtype(torch.float64)
+    likelihood = ContinuousBernoulliLikelihood()
+    mean, covar = torch.randn(2, 6), torch.eye(6).expand(2, 6, 6) * 4.0
+    moments = likelihood.predictive_moments(gpytorch.distributions.MultivariateNormal(mean, covar))
+    assert moments.mean.shape == moments.variance.shape == (2, 6)
+    assert bool(((moments.mean > 0) & (moments.mean < 1)).all())
+    mu = torch.tensor([0.7, -3.0], requires_grad=True)
+    var = torch.tensor([2.0, 40.0], requires_grad=True)
+
+    def moments_of(m, v):
+        out = likelihood.predictive_moments(torch.distributions.Normal(m, v.sqrt()))
+        return out.mean, out.variance
+
+    assert torch.autograd.gradcheck(moments_of, (mu, var))
+
+
+def test_predictive_moments_refuse_what_is_not_a_finite_gaussian():
+    likelihood = ContinuousBernoulliLikelihood()
+    with pytest.raises(TypeError, match="function_dist"):
+        likelihood.predictive_moments(torch.zeros(3))
+    bad = torch.distributions.Normal(
+        torch.tensor([float("nan")]), torch.tensor([1.0]), validate_args=False
+    )
+    with pytest.raises(ValueError, match="non-finite"):
+        likelihood.predictive_moments(bad)

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("sklearn")
 
 import gpytorch  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
 from sklearn.base import clone  # noqa: E402
 from sklearn.gaussian_process import GaussianProcessRegressor  # noqa: E402
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel  # noqa: E402
@@ -145,6 +146,89 @@ def test_teacher_hyperparameters_maximise_the_marginal_likelihood():
     assert reference.log_marginal_likelihood(theta) == pytest.approx(
         reference.log_marginal_likelihood_value_, abs=1e-3
     )
+
+
+def test_ard_regressor_fits_one_lengthscale_per_feature_and_predicts_with_them():
+    """With ``ard=True`` the teacher's Adam steps are those of a GPyTorch ExactGP with an ARD RBF
+    kernel trained on GPyTorch's own marginal likelihood, and step 1 predicts as scikit-learn's
+    GP with the lengthscales learnt."""
+    x, y, test_x = regression_data(n=50)
+    estimator = SelfDistilledGPRegressor(ard=True, max_iter=30, num_steps=2, step=1).fit(x, y)
+    covar_module = estimator.model_.covar_module
+    lengthscales = covar_module.base_kernel.lengthscale.detach().numpy().reshape(-1)
+    outputscale, noise = covar_module.outputscale.item(), estimator.noise_[0]
+    assert lengthscales.shape == (2,) and abs(lengthscales[0] - lengthscales[1]) > 0.1
+
+    class ExactGP(gpytorch.models.ExactGP):
+        def __init__(self, tx, ty, likelihood):
+            super().__init__(tx, ty, likelihood)
+            self.covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.RBFKernel(ard_num_dims=2)
+            )
+
+        def forward(self, tx):
+            return gpytorch.distributions.MultivariateNormal(
+                torch.zeros_like(tx[:, 0]), self.covar_module(tx)
+            )
+
+    tx, ty = torch.from_numpy(x), torch.from_numpy((y - y.mean()) / y.std())
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(
+        noise_constraint=gpytorch.constraints.GreaterThan(1e-6)
+    ).double()
+    likelihood.noise = 0.1
+    model = ExactGP(tx, ty, likelihood).double()
+    model.covar_module.base_kernel.lengthscale = 1.0  # the estimator's defaults
+    model.covar_module.outputscale = 1.0
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.train()
+    for _ in range(30):
+        optimizer.zero_grad()
+        (-mll(model(tx), ty)).backward()
+        optimizer.step()
+    np.testing.assert_allclose(
+        lengthscales, model.covar_module.base_kernel.lengthscale.detach().numpy().reshape(-1),
+        rtol=1e-6,
+    )  # fmt: skip
+    assert noise == pytest.approx(likelihood.noise.item(), rel=1e-6)
+    fixed = GaussianProcessRegressor(
+        ConstantKernel(outputscale, "fixed") * RBF(lengthscales, "fixed"),
+        alpha=noise,
+        optimizer=None,
+        normalize_y=False,
+    ).fit(x, (y - y.mean()) / y.std())
+    np.testing.assert_allclose(
+        (estimator.predict(test_x) - y.mean()) / y.std(),
+        fixed.predict(test_x),
+        rtol=1e-6,
+        atol=1e-8,
+    )
+
+
+def test_regressor_device_is_where_it_fits_and_a_bad_device_is_named():
+    x, y, test_x = regression_data()
+    estimator = SelfDistilledGPRegressor(device="cpu", noise=0.1, **FIXED).fit(x, y)
+    assert estimator.model_.train_x.device.type == "cpu"
+    assert isinstance(estimator.predict(test_x), np.ndarray)
+    with pytest.raises(ValueError, match="device"):
+        SelfDistilledGPRegressor(device="gpu").fit(x, y)
+    with pytest.raises(ValueError, match="ard"):
+        SelfDistilledGPRegressor(ard="yes").fit(x, y)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device is 'cuda'"):
+            SelfDistilledGPRegressor(device="cuda").fit(x, y)
+
+
+@requires_cuda
+def test_regressor_on_cuda_predicts_as_on_the_cpu():
+    x, y, test_x = regression_data()
+    on_cpu = SelfDistilledGPRegressor(ard=True, max_iter=20).fit(x, y)
+    on_gpu = SelfDistilledGPRegressor(ard=True, max_iter=20, device="cuda").fit(x, y)
+    assert on_gpu.model_.train_x.device.type == "cuda"
+    mean, std = on_gpu.predict(test_x, return_std=True)
+    expected_mean, expected_std = on_cpu.predict(test_x, return_std=True)
+    np.testing.assert_allclose(mean, expected_mean, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(std, expected_std, rtol=1e-6, atol=1e-8)
 
 
 def test_regressor_refuses_a_schedule_of_the_wrong_length():
