@@ -29,6 +29,12 @@ CLASSES = [DataCentricGPR, DistributionCentricGPR]
 
 NOISE = [0.1, 0.3, 0.05]
 
+#: Tests that force ``backend="cg"`` on a few points, where its warning about a slowly decaying
+#: spectrum is expected (the warning itself is tested in tests/linalg/test_backend.py).
+_CG_ON_A_SMALL_PROBLEM = pytest.mark.filterwarnings(
+    "ignore:backend='cg' on a slowly decaying spectrum"
+)
+
 
 def _problem(n=30, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -258,6 +264,7 @@ def test_data_centric_step_targets_are_the_previous_steps_fit_at_the_training_in
             torch.testing.assert_close(targets[step - 1], 0.3 * y + 0.7 * fit)
 
 
+@_CG_ON_A_SMALL_PROBLEM
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("backend", ["lanczos", "cg"])
 def test_a_backward_pass_through_a_matrix_free_backend_names_the_backends_that_can(cls, backend):
@@ -627,6 +634,7 @@ def test_gradients_of_float32_hyperparameters_equal_the_float64_models():
     )
 
 
+@pytest.mark.filterwarnings("ignore:A not p.d., added jitter")  # GPyTorch's float32 Cholesky
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_float32_factorisation_warns_where_its_rounding_matters(cls):
     model = cls(X32, Y32, _kernel32(), noise=[1e-6], backend="cholesky", linalg_dtype=None)
@@ -775,6 +783,7 @@ def _set_train_data_problem(n, seed):
     return x, torch.sin(6 * x) + 0.1 * torch.randn(n, generator=gen, dtype=DT)
 
 
+@_CG_ON_A_SMALL_PROBLEM
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 @pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos", "cg"])
 def test_new_data_with_another_n_give_the_fresh_model(cls, backend):
@@ -1021,6 +1030,7 @@ def test_auto_backend_on_three_points():
     torch.testing.assert_close(got.mean, ref.mean, rtol=1e-10, atol=1e-12)
 
 
+@_CG_ON_A_SMALL_PROBLEM
 def test_changing_alpha_or_backend_after_a_prediction_takes_effect():
     x, y, test_x = _student_data()
     model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1, 0.2])
@@ -1109,6 +1119,7 @@ def _inference_data():
     return x, torch.sin(x[:, 0]), torch.linspace(0, 10, 9, dtype=DT).unsqueeze(-1)
 
 
+@_CG_ON_A_SMALL_PROBLEM
 @pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos", "cg", "auto"])
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_predictions_under_inference_mode_equal_those_under_no_grad(cls, backend):
@@ -1125,6 +1136,7 @@ def test_predictions_under_inference_mode_equal_those_under_no_grad(cls, backend
         torch.testing.assert_close(got.variance, expected.variance, rtol=1e-9, atol=1e-11)
 
 
+@_CG_ON_A_SMALL_PROBLEM
 def test_a_model_built_and_used_under_inference_mode():
     x, y, test_x = _inference_data()
     with torch.no_grad():
