@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpsd.progress import Callback, IterationRecord
 
 
@@ -92,6 +94,22 @@ class ProgressReporter:
         if self.callback is not None and self.callback(record) is True:
             self.stopped = True
         return self.stopped
+
+    def forward(self, phase: str) -> Callback | None:
+        """A callback for an inner loop (a step's hyperparameter refit) that hands each of its
+        records to this reporter's callback as this task's, in ``phase``; the callback's
+        ``True`` stops the inner loop and marks this one :attr:`stopped`. ``None`` where this
+        reporter has no callback."""
+        if self.callback is None:
+            return None
+
+        def forward(record: IterationRecord) -> bool:
+            record = dataclasses.replace(record, task=self.task, phase=phase)
+            if self.callback(record) is True:
+                self.stopped = True
+            return self.stopped
+
+        return forward
 
     def close(self) -> None:
         """Close the bar if this reporter made it."""

@@ -25,6 +25,7 @@ from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode
 from gpsd.laplace.predictive import binary_class_probabilities
 from gpsd.prediction import Prediction
+from gpsd.progress import Callback
 
 __all__ = [
     "FittedModules",
@@ -99,6 +100,7 @@ def refit_step_modules(
     max_iter: int = 100,
     refit_max_iter: int = 50,
     refit_lr: float = 0.05,
+    callback: Callback | None = None,
 ) -> tuple[FittedModules, LaplaceMode]:
     r"""Copies of ``covar_module`` and ``mean_module`` whose hyperparameters maximise the Laplace
     marginal likelihood of one step's model on its targets, and that model's mode there.
@@ -112,6 +114,8 @@ def refit_step_modules(
 
     :param train_x: Training inputs ``(*b, n, d)``.
     :param targets: The step's targets ``(*batch, n)``.
+    :param callback: Called after every Adam iteration of the refit (:mod:`gpsd.progress`);
+        returning ``True`` ends the refit there.
     :return: The fitted modules (with the loss of every Adam iteration) and the mode of the
         step's model at them.
     """
@@ -133,7 +137,7 @@ def refit_step_modules(
             temperature=temperature,
             max_iter=max_iter,
         )
-        model.optimize_hyperparameters(max_iter=refit_max_iter, lr=refit_lr)
+        model.optimize_hyperparameters(max_iter=refit_max_iter, lr=refit_lr, callback=callback)
     for p in [*kernel.parameters(), *mean.parameters()]:
         p.requires_grad_(False)
     return FittedModules(kernel, mean, list(model.history)), model.mode

@@ -313,6 +313,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                             max_iter=self.max_iter,
                             refit_max_iter=self.refit_max_iter,
                             refit_lr=self.refit_lr,
+                            callback=report.forward(f"refit of step {step}"),
                         )
                         m, K = prior_at_training(
                             modules.covar_module, modules.mean_module, self.train_inputs, targets
@@ -348,7 +349,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     info = {"newton_iterations": mode.iterations}
                     if refit:
                         info["refit_iterations"] = len(modules.history)
-                    if report.update(step, loss=loss, **info):
+                    if report.stopped or report.update(step, loss=loss, **info):
                         break
             self.is_fitted.fill_(True)
         return steps
@@ -366,7 +367,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         Each step is one iteration for ``progress`` and ``callback`` (the record's ``loss`` is the
         step's negative Laplace log marginal likelihood, summed over the batch); a callback that
         returns ``True`` after step ``k`` leaves steps ``1..k`` fitted, and predictions then hold
-        those steps alone until the next fit.
+        those steps alone until the next fit. With ``refit_hyperparameters`` the callback also
+        sees every Adam iteration of step ``t``'s refit, as this task's records in the phase
+        ``"refit of step t"`` (``True`` there ends the fit after step ``t``).
 
         :param use_stored_modes: Start each step from the stored mode (after ``load_state_dict``;
             with ``refit_hyperparameters`` each refit starts its Newton runs afresh).

@@ -336,10 +336,17 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         nearest = min(done, key=lambda s: abs(s - step))
         return self.latent_modes[self._slot(nearest)]
 
-    def _refit(self, step: int, temperature: float = 1.0, scale: float = 1.0) -> LaplaceMode:
+    def _refit(
+        self,
+        step: int,
+        temperature: float = 1.0,
+        scale: float = 1.0,
+        callback: Callback | None = None,
+    ) -> LaplaceMode:
         r"""Refit step ``step``'s kernel and prior mean (:func:`refit_step_modules`) for the
         likelihood raised to ``temperature`` under :math:`\mathcal{GP}(m, s k)`, ``s = scale``;
-        keeps them and returns the mode there (for the kernel ``scale`` times the refitted one)."""
+        keeps them and returns the mode there (for the kernel ``scale`` times the refitted one).
+        ``callback`` sees every Adam iteration of the refit."""
         check_trainable(self.covar_module, self.mean_module)
         kernel = self.covar_module
         if scale != 1.0:  # s k: a ScaleKernel whose fixed output scale is s
@@ -359,6 +366,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             max_iter=self.max_iter,
             refit_max_iter=self.refit_max_iter,
             refit_lr=self.refit_lr,
+            callback=callback,
         )
         if scale != 1.0:
             modules.covar_module = modules.covar_module.base_kernel
@@ -393,12 +401,12 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         steps = range(1, self._fitted_steps() + 1)
         return tuple(self._step_modules_at(t).mean_module for t in steps)
 
-    def _fit_approximation(self, step: int) -> None:
+    def _fit_approximation(self, step: int, callback: Callback | None = None) -> None:
         t = float(step)
         scale = t if self.method == "scaled_kernel" else 1.0
         temperature = 1.0 if self.method == "scaled_kernel" else t
         if self.refit_hyperparameters:
-            mode = self._refit(step, temperature, scale)
+            mode = self._refit(step, temperature, scale, callback)
         else:
             m, K = self._prior()
             mode = find_laplace_mode(
@@ -427,7 +435,9 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     def _fit_iterated(self, report: ProgressReporter) -> None:
         if self.refit_hyperparameters:
             for step in range(1, self.num_steps + 1):
-                self._refit(step, temperature=float(step))
+                self._refit(
+                    step, temperature=float(step), callback=report.forward(f"refit of step {step}")
+                )
                 modules = self._step_modules[step]
                 m0, K0 = prior_at_training(
                     modules.covar_module,
@@ -441,7 +451,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
                 loss = -float(mode.log_marginal_likelihood.sum())
                 info = {"newton_iterations": mode.iterations}
                 info["refit_iterations"] = len(modules.history)
-                if report.update(step, loss=loss, **info):
+                if report.stopped or report.update(step, loss=loss, **info):
                     break
             return
         m0, K0 = self._prior()
@@ -490,7 +500,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         iteration for ``progress`` and ``callback`` (the record's ``loss`` is the step's negative
         Laplace log marginal likelihood, summed over the batch), and a callback that returns
         ``True`` after step ``k`` leaves steps ``1..k`` fitted (predictions then hold those steps
-        alone until the next fit); the approximations report their one Laplace fit.
+        alone until the next fit); the approximations report their one Laplace fit. With
+        ``refit_hyperparameters`` the callback also sees every Adam iteration of the refits, as
+        this task's records in the phase ``"refit of step t"`` (the approximations: ``"refit"``);
+        ``True`` there ends the fit after that step.
 
         :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
         :param callback: Called after each iteration with an :class:`~gpsd.IterationRecord`.
@@ -508,9 +521,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             if self.method == "iterated":
                 self._fit_iterated(report)
             else:
-                self._fit_approximation(self.num_steps)
+                self._fit_approximation(self.num_steps, report.forward("refit"))
                 step = self.num_steps
-                report.update(1, newton_iterations=self.newton_iterations[step])
+                if not report.stopped:
+                    report.update(1, newton_iterations=self.newton_iterations[step])
         self._adopt_fit()
         return self
 

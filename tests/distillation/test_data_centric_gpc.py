@@ -244,7 +244,13 @@ def test_fit_reports_each_step_and_a_callback_stops_it(toy):
     x, y, test_x = toy
     model = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1)
     records = []
-    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+
+    def stop_after_step_two(record):  # the steps' records; the refits' have a phase
+        if record.phase is None:
+            records.append(record)
+            return record.iteration == 2
+
+    model.fit(callback=stop_after_step_two)
     assert [r.iteration for r in records] == [1, 2]
     assert records[0].task == "DataCentricGPC.fit" and records[0].total == 4
     assert len(model.newton_iterations) == 2
@@ -403,7 +409,13 @@ def test_refits_report_each_step_and_a_callback_stops_them(toy):
     x, y, test_x = toy
     model = DataCentricGPC(x, y, _refit_kernel(), num_steps=3, refit_hyperparameters=True, **REFIT)
     records = []
-    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+
+    def stop_after_step_two(record):  # the steps' records; the refits' have a phase
+        if record.phase is None:
+            records.append(record)
+            return record.iteration == 2
+
+    model.fit(callback=stop_after_step_two)
     assert [r.iteration for r in records] == [1, 2]
     assert records[0].info["refit_iterations"] == REFIT["refit_max_iter"]
     assert len(model.step_covar_modules) == 2
@@ -498,3 +510,38 @@ def test_a_fit_beyond_the_free_memory_is_refused_naming_num_steps(monkeypatch, c
     assert evaluations == [0]
     monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
     model.fit()
+
+
+def test_a_refit_reports_every_adam_iteration_before_its_step(toy_for_refits):
+    x, y, _ = toy_for_refits
+    records = []
+    model = DataCentricGPC(x, y, _refit_kernel(), num_steps=2, refit_hyperparameters=True, **REFIT)
+    model.fit(callback=records.append)
+    phases = [(r.phase, r.iteration) for r in records]
+    refit = REFIT["refit_max_iter"]
+    assert phases == (
+        [("refit of step 1", i) for i in range(1, refit + 1)]
+        + [(None, 1)]
+        + [("refit of step 2", i) for i in range(1, refit + 1)]
+        + [(None, 2)]
+    )
+    assert {r.task for r in records} == {"DataCentricGPC.fit"}
+    # the refit's losses are the ones its history keeps
+    torch.testing.assert_close(
+        torch.tensor([r.loss for r in records[:refit]]),
+        torch.tensor(model.refit_history[0], dtype=torch.float32),
+    )
+
+
+def test_a_callback_stopping_a_refit_ends_the_fit_after_that_step(toy_for_refits):
+    x, y, _ = toy_for_refits
+    records = []
+
+    def stop_at_third(record):
+        records.append(record)
+        return record.phase == "refit of step 1" and record.iteration == 3
+
+    model = DataCentricGPC(x, y, _refit_kernel(), num_steps=3, refit_hyperparameters=True, **REFIT)
+    model.fit(callback=stop_at_third)
+    assert [r.iteration for r in records] == [1, 2, 3]
+    assert len(model.refit_history) == 1 and len(model.refit_history[0]) == 3

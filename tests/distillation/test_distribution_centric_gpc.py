@@ -237,7 +237,13 @@ def test_fit_reports_each_iterated_step_and_a_callback_stops_it(toy):
     x, y, test_x = toy
     model = DistributionCentricGPC(x, y, _kernel(), num_steps=4)
     records = []
-    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+
+    def stop_after_step_two(record):  # the steps' records; the refits' have a phase
+        if record.phase is None:
+            records.append(record)
+            return record.iteration == 2
+
+    model.fit(callback=stop_after_step_two)
     assert [r.iteration for r in records] == [1, 2]
     assert records[0].task == "DistributionCentricGPC.fit" and records[0].total == 4
     assert model.predict_proba(test_x).shape[0] == 2  # the steps the fit reached
@@ -414,7 +420,13 @@ def test_refits_report_each_iterated_step_and_a_callback_stops_them(toy):
         x, y, _start_kernel(), num_steps=3, refit_hyperparameters=True, **REFIT
     )
     records = []
-    model.fit(callback=lambda r: records.append(r) or r.iteration == 2)
+
+    def stop_after_step_two(record):  # the steps' records; the refits' have a phase
+        if record.phase is None:
+            records.append(record)
+            return record.iteration == 2
+
+    model.fit(callback=stop_after_step_two)
     assert [r.iteration for r in records] == [1, 2]
     assert records[1].info["refit_iterations"] == REFIT["refit_max_iter"]
     assert model.predict_proba(test_x).shape[0] == 2
@@ -475,3 +487,20 @@ def test_a_model_beyond_the_free_memory_is_refused_before_its_buffers_are_alloca
     model.set_train_data(torch.cat([x, x]), torch.cat([y, y]), strict=False)
     with pytest.raises(gpsd.InsufficientMemoryError, match="DistributionCentricGPC.fit needs"):
         model.predict_proba(test_x)
+
+
+@pytest.mark.parametrize(("method", "phases"), [("iterated", 2), ("tempered", 1)])
+def test_refits_report_their_adam_iterations_in_named_phases(toy_for_refits, method, phases):
+    x, y, _ = toy_for_refits
+    records = []
+    model = DistributionCentricGPC(
+        x, y, _start_kernel(), num_steps=2, method=method, refit_hyperparameters=True, **REFIT
+    )
+    model.fit(callback=records.append)
+    refit = REFIT["refit_max_iter"]
+    names = ["refit of step 1", "refit of step 2"] if method == "iterated" else ["refit"]
+    expected = []
+    for k, name in enumerate(names[:phases], start=1):
+        expected += [(name, i) for i in range(1, refit + 1)] + [(None, k)]
+    assert [(r.phase, r.iteration) for r in records] == expected
+    assert {r.task for r in records} == {"DistributionCentricGPC.fit"}
