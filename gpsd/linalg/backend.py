@@ -545,7 +545,7 @@ def _warn_if_cg_iterates_on_much(
     k = theta.shape[-1]
     if trace is None or k >= n:
         return
-    mean = float(((trace.to(theta) - theta.clamp_min(0).sum(-1)) / (n - k)).max())
+    mean = float(((trace.detach().to(theta) - theta.clamp_min(0).sum(-1)) / (n - k)).max())
     if not mean >= gamma_min:
         return
     kappa = 1.0 + mean / gamma_min
