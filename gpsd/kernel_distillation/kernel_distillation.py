@@ -476,9 +476,11 @@ class KernelDistillation:
             \mathbf K_{XX} \approx \mathbf W\, k_\theta(U, U)\, \mathbf W^\top,
 
         with :math:`U` the SGPR's inducing points (``num_inducing`` = :math:`m`, no K-means).
-        Hyperparameters fitted by the bound suit :math:`m` inducing points; whether the student
-        of such a teacher predicts better than that of the exact GP's own hyperparameters at
-        K-means points depends on the data (``docs/guide_kernel_distillation.rst``).
+        Hyperparameters fitted by the bound suit :math:`m` inducing points: at small :math:`m`
+        this student predicts markedly better than the exact GP's own at K-means points
+        (deliveries, n = 2,000, m = 100, b = 20: test SMSE 0.189 against 0.253); near
+        :math:`m = n` the exact GP's kernel does as well or better
+        (``benchmarks/results/kernel_distillation_frontier_cpu.md``).
 
         Usage::
 

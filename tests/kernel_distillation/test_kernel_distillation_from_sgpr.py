@@ -166,6 +166,8 @@ def test_from_sgpr_names_the_bad_model():
     with pytest.raises(ValueError, match="untrained"):
         KernelDistillation.from_sgpr(untrained, sparsity=2)
     KernelDistillation.from_sgpr(untrained, sparsity=2, require_trained=False)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed"):
+        KernelDistillation.from_sgpr(model, sparsity=4, process_group="world")
     bernoulli = trained_sgpr()
     bernoulli.likelihood = gpytorch.likelihoods.BernoulliLikelihood()
     with pytest.raises(TypeError, match="GaussianLikelihood"):
