@@ -96,14 +96,17 @@ def run_gpsd(args: argparse.Namespace) -> dict:
         if phase == "learn":
             model.optimize_hyperparameters(max_iter=args.iters, lr=args.lr)
             out["loss"] = model.history
-        elif phase == "fit":
-            model.fit()
+        elif phase == "fit":  # no gradients from here on, as a user predicting would
+            with torch.no_grad():
+                model.fit()
         elif phase == "gcv":
-            best = model.best_step("gcv")
-            out["best_step"] = best
-            out["gcv_se"] = float(model.gcv_standard_error()[best - 1])
+            with torch.no_grad():
+                best = model.best_step("gcv")
+                out["best_step"] = best
+                out["gcv_se"] = float(model.gcv_standard_error()[best - 1])
         else:
-            pred = model.predict(data.test_x, include_noise=True)
+            with torch.no_grad():
+                pred = model.predict(data.test_x, include_noise=True)
         sync(device)
         out["phases"][phase] = time.perf_counter() - start
         out["cpu"][phase] = time.process_time() - start_cpu
