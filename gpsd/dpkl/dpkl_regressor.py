@@ -76,8 +76,9 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
     holds out 20 % of the rows, fits the ARD GP alone on the other 80 %, trains the network
     from there with early stopping on the held-out rows, where the check before the first step
     is the ARD GP itself, and refits the chosen model (:attr:`network_kept_`) on all the rows:
-    the network is kept only where rows that no fit saw say that it helps
-    (``benchmarks/results/dpkl_defaults.md``).
+    the network is kept only where rows that neither the warm start nor the training saw say
+    that it helps
+    (``benchmarks/results/dpkl_default_choice.md``).
     The paper's model and training, which overfit on small data, are
     :meth:`paper_setting` (or ``input_kernel=None``).
 
