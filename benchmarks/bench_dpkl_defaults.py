@@ -14,12 +14,16 @@ Methods:
 - ``DPKL paper``: ``DPKLRegressor.paper_setting(x, y, net).fit()``;
 - ``DKL``: ``DKLRegressor(x, y, net).fit(val_fraction=0.1)``;
 
-with ``net`` the paper's D-100-50-50-2 ReLU network. ``--diagnose`` also records, for the paper
+with ``net`` the paper's D-100-50-50-2 ReLU network. With both ``ARD GP`` and ``DPKL default``
+a table per data set says in how many trials the default kept the network
+(``network_kept_``) and its test RMSE and NLL minus the ARD GP's, over all trials and over
+those where the network was kept. ``--diagnose`` also records, for the paper
 setting trained without early stopping, the training loss, validation and test error and the
 parameters over the iterations ("why DPKL overfits").
 
     python benchmarks/bench_dpkl_defaults.py --quick             # 2 trials, deliveries n=100
     python benchmarks/bench_dpkl_defaults.py --trials 10 --diagnose --out benchmarks/results/dpkl_defaults.md
+    python benchmarks/bench_dpkl_defaults.py --trials 3 --methods "ARD GP" "DPKL default"  # the choice
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ def accuracy(args, report: Report) -> None:
                     except (RuntimeError, ValueError) as err:  # reported, not hidden
                         print(f"  {name} n={n} trial {trial} {method}: {err}", flush=True)
                         rmse = nll = math.nan
-                    res[n][method].append((rmse, nll, time.perf_counter() - start))
+                    kept = getattr(model, "network_kept_", None) if math.isfinite(rmse) else None
+                    res[n][method].append((rmse, nll, time.perf_counter() - start, kept))
             print(f"  {name} n={n}: {time.perf_counter() - t0:.0f} s", flush=True)
         d = load_arrays(name)[0].shape[1]
         for k, label in ((0, "test RMSE"), (1, "test NLL per point")):
@@ -139,6 +144,8 @@ def accuracy(args, report: Report) -> None:
                         )
                     )
                 report.add(f"| {n} | " + " | ".join(cells) + " |")
+        if "DPKL default" in args.methods and "ARD GP" in args.methods:
+            choice_table(name, res, args.trials, report)
         report.add(f"\n### {name}: mean fit time in seconds (shared machine: indicative only)\n")
         report.add(
             "| n | " + " | ".join(args.methods) + " |", "|---" * (len(args.methods) + 1) + "|"
@@ -146,6 +153,25 @@ def accuracy(args, report: Report) -> None:
         for n, by_method in res.items():
             cells = [f"{statistics.fmean(v[2] for v in by_method[m]):.1f}" for m in args.methods]
             report.add(f"| {n} | " + " | ".join(cells) + " |")
+
+
+def choice_table(name: str, res: dict, trials: int, report: Report) -> None:
+    """How often the default kept the network, and its test RMSE and NLL minus the ARD GP's
+    in the same trials (all trials; those where the network was kept)."""
+    report.add(
+        f"\n### {name}: DPKL default's choice (`network_kept_`) over {trials} trials; "
+        "default minus ARD GP, mean ± s.e.\n",
+        "| n | network kept | Δ RMSE, all trials | Δ NLL, all trials | Δ RMSE, kept | Δ NLL, kept |",
+        "|---" * 6 + "|",
+    )
+    for n, by_method in res.items():
+        pairs = list(zip(by_method["DPKL default"], by_method["ARD GP"], strict=True))
+        kept = [(a, b) for a, b in pairs if a[3]]
+        cells = [f"{len(kept)} of {len(pairs)}"]
+        for group in (pairs, kept):
+            for k in (0, 1):
+                cells.append(mean_se([a[k] - b[k] for a, b in group]) if group else "-")
+        report.add(f"| {n} | " + " | ".join(cells) + " |")
 
 
 def diagnose(args, report: Report) -> None:
@@ -272,7 +298,9 @@ def main() -> None:
         "line above), 1 torch thread; device: cpu; dtype: float64",
         f"- torch {torch.__version__}, gpytorch {gpytorch.__version__}",
         f"- command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",
-        "- methods: " + "; ".join(METHODS) + " (see the script's docstring for their exact calls)",
+        "- methods: "
+        + "; ".join(args.methods)
+        + " (see the script's docstring for their exact calls)",
     )
     t0 = time.perf_counter()
     if args.diagnose:

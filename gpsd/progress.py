@@ -9,8 +9,8 @@ distillers, ``optimize_hyperparameters``, growing a Lanczos basis) takes two key
 
 ``callback``
     ``None``, or a function called after every iteration with one :class:`IterationRecord`.
-    A fit with several phases (``DPKLRegressor.fit``: the ARD warm start, then the training)
-    reports the iterations of every phase, each record naming its phase.
+    A fit with several phases (``DPKLRegressor.fit``: the ARD warm start, the training, then
+    the refit on all rows) reports the iterations of every phase, each record naming its phase.
     **It stops the loop early by returning** ``True``; any other return value (``None``
     included) lets it go on. The estimator then keeps what the loop reached, as after its last
     iteration.
@@ -37,7 +37,7 @@ class IterationRecord:
     :param loss: The objective after the iteration, where the loop has one (else ``None``).
     :param info: Other numbers of the iteration (a validation loss, a step size, a rank).
     :param phase: The phase of the fit the iteration belongs to, for fits with several
-        (``"warm start"``, ``"training"``); ``None`` for one-phase loops. ``iteration`` and
+        (``"warm start"``, ``"training"``, ``"refit warm start"``, ``"refit training"``); ``None`` for one-phase loops. ``iteration`` and
         ``total`` count within the phase.
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from numbers import Real
@@ -72,10 +73,12 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
             \frac{(x_j - x'_j)^2}{h_j^2}\Big) + \hat{K}(\mathbf{x}, \mathbf{x}')
 
     (:class:`~gpsd.dpkl.InputPlusEmbeddingKernel`, dense, :math:`O(n^3)`), and :meth:`fit`
-    starts from the ARD GP fitted alone, then trains the network on 80 % of the rows with early
-    stopping on the other 20 %, where the check before the first step is the ARD GP itself: the
-    network is kept only where the held-out rows say that it helps, so on small data the model
-    does not lose to :class:`~gpsd.ARDGPRegressor` (``benchmarks/results/dpkl_defaults.md``).
+    holds out 20 % of the rows, fits the ARD GP alone on the other 80 %, trains the network
+    from there with early stopping on the held-out rows, where the check before the first step
+    is the ARD GP itself, and refits the chosen model (:attr:`network_kept_`) on all the rows:
+    the network is kept only where rows that neither the warm start nor the training saw say
+    that it helps
+    (``benchmarks/results/dpkl_default_choice.md``).
     The paper's model and training, which overfit on small data, are
     :meth:`paper_setting` (or ``input_kernel=None``).
 
@@ -197,6 +200,10 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
     #: kernel's (the network starts as a small correction to the ARD GP).
     embedding_scale_ratio: float = 0.01
 
+    #: Whether the last :meth:`fit` kept a trained network (``True``) or chose the warm-started
+    #: ARD GP plus the small embedding kernel (``False``); see :meth:`fit`. ``None`` before it.
+    network_kept_: bool | None = None
+
     @classmethod
     def paper_setting(
         cls,
@@ -259,22 +266,27 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
 
         With an :attr:`input_kernel` (the default):
 
-        1. **Warm start**: the input kernel, the noise and the mean are fitted alone on all
-           training rows, as :class:`~gpsd.ARDGPRegressor` (``warm_start_iter`` Adam steps at
-           lr 0.1); the embedding kernel's outputscale is then set to
-           :attr:`embedding_scale_ratio` times the input kernel's.
-        2. **Validation rows**: without ``val_x``/``val_y``, a random ``val_fraction`` of the
+        1. **Validation rows**: without ``val_x``/``val_y``, a random ``val_fraction`` of the
            training rows (default 0.2, at least one; ``torch.randperm``, so
-           ``torch.manual_seed`` fixes it) is held out, if there are at least 10 rows.
+           ``torch.manual_seed`` fixes it) is held out, if there are at least 10 rows. Steps 2
+           and 3 see only the other rows.
+        2. **Warm start**: the input kernel, the noise and the mean are fitted alone, as
+           :class:`~gpsd.ARDGPRegressor` (``warm_start_iter`` Adam steps at lr 0.1); the
+           embedding kernel's outputscale is then set to :attr:`embedding_scale_ratio` times
+           the input kernel's.
         3. **Training**: every parameter (the particles by the functional gradient, the
            kernels' hyperparameters, the noise and the mean by their ordinary gradient) follows
-           the loop of the paper's training (below) on the other rows; the validation NLL is
-           checked before the first iteration and every ``check_every`` iterations, and the
-           best checked state is restored (early stopping). The check before the first
-           iteration is the warm-started ARD GP (plus the small embedding kernel), so the
-           network is kept only if it lowers the validation NLL. The warm start saw the
-           validation rows, which favours that first check: the rule errs towards the ARD GP.
-        4. The model then conditions on all the rows it was given (``train_inputs`` are the
+           the loop of the paper's training (below); the validation NLL is checked before the
+           first iteration and every ``check_every`` iterations, and the best checked state is
+           restored (early stopping). The check before the first iteration is the
+           warm-started ARD GP (plus the small embedding kernel), the check after iteration
+           :math:`k > 0` the network trained for :math:`k` iterations: the network is kept
+           (:attr:`network_kept_`) only if it lowers the NLL of rows that neither the warm
+           start nor the training saw.
+        4. **Refit** (when step 1 held rows out): the model goes back to the state it had when
+           ``fit`` was called and steps 2 and 3 run again on all the rows, without validation,
+           for the chosen number :math:`k` of training iterations (0 where the ARD GP was
+           chosen). The model conditions on all the rows it was given (``train_inputs`` are the
            rows given to the constructor again).
 
         The training loop is that of Algorithm 1: every iteration, ``loss =
@@ -286,11 +298,16 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
 
         Without an input kernel (``input_kernel=None``, :meth:`paper_setting`) there is no warm
         start and every parameter trains from its initial value, as in the paper; rows are held
-        out only with ``val_fraction`` (:meth:`paper_setting`: 0.1) or ``val_x``/``val_y``, and
-        step 4 holds as above.
+        out only with ``val_fraction`` (:meth:`paper_setting`: 0.1) or ``val_x``/``val_y``,
+        early stopping picks the state, and the model then conditions on all the rows without
+        a refit. With ``val_x``/``val_y`` there is no refit either: the training rows are
+        already all the rows.
 
-        What was recorded is in :attr:`history` (``"loss"``, ``"val_nll"``,
-        ``"val_iteration"``, and ``"warm_start_loss"``, the warm start's loss per step).
+        What was recorded is in :attr:`history`: of steps 2 and 3, ``"loss"``, ``"val_nll"``,
+        ``"val_iteration"`` and ``"warm_start_loss"`` (the warm start's loss per step); of
+        the refit, ``"refit_warm_start_loss"`` and ``"refit_loss"`` (empty without one). The
+        choice is :attr:`network_kept_`: ``True`` where the best check came after the first
+        training iteration (without validation rows: where training ran at all).
 
         :param max_iter: Training iterations after the warm start, ``>= 0``.
         :param lr: Adam's learning rate in training (unused with ``optimizer``).
@@ -303,13 +320,14 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         :param check_every: Iterations between validation checks.
         :param optimizer: An optimiser over the parameters to train (default: Adam over those
             that require a gradient).
-        :param progress: ``True`` for a ``tqdm`` bar per phase (the warm start, the training),
-            or a bar of your own, advanced by both (:mod:`gpsd.progress`).
+        :param progress: ``True`` for a ``tqdm`` bar per phase (the warm start, the training,
+            the refit's two), or a bar of your own, advanced by all (:mod:`gpsd.progress`).
         :param callback: Called after each step of the warm start and each training iteration
-            with an :class:`~gpsd.IterationRecord` whose ``phase`` is ``"warm start"`` or
-            ``"training"`` (``iteration`` and ``total`` count within the phase); returning
-            ``True`` stops the fit: in the warm start, the model is the warm-started ARD GP
-            (plus the small embedding kernel), without training.
+            with an :class:`~gpsd.IterationRecord` whose ``phase`` is ``"warm start"``,
+            ``"training"``, ``"refit warm start"`` or ``"refit training"`` (``iteration`` and
+            ``total`` count within the phase); returning ``True`` stops the fit, without a
+            refit: in the warm start, the model is the warm-started ARD GP (plus the small
+            embedding kernel), without training.
         :returns: ``self``, fitted and in evaluation mode.
         :raises ValueError: a bad argument (named), or a feature extractor that produced NaN or
             inf embeddings.
@@ -336,39 +354,94 @@ class DPKLRegressor(EmbeddingGPRegressorBase):
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
         n = x.shape[0]
-        self.history = {"loss": [], "val_nll": [], "val_iteration": [], "warm_start_loss": []}
         task = f"{type(self).__name__}.fit"
-        warm_loss = []
-        if self.input_kernel is not None and warm_start_iter > 0:
-            # checks progress and callback before anything trains
-            with ProgressReporter(
-                task, warm_start_iter, progress, callback, phase="warm start"
-            ) as reporter:
-                warm_loss = self._warm_start(warm_start_iter, reporter)
-            if reporter.stopped:
-                max_iter = 0
-        full = None
-        if val_fraction > 0 and n >= _MIN_ROWS_TO_SPLIT:
+        if optimizer is None:
+            optimizer = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=lr)
+        held_out = val_fraction > 0 and n >= _MIN_ROWS_TO_SPLIT
+        refit = held_out and self.input_kernel is not None
+        if refit:  # the refit starts where this fit starts
+            start = copy.deepcopy(self.state_dict()), copy.deepcopy(optimizer.state_dict())
+        if held_out:
             n_val = min(n - 1, max(1, round(val_fraction * n)))
             perm = torch.randperm(n, device=x.device)
-            full = (x, y)
             val_x, val_y = x[perm[:n_val]], y[perm[:n_val]]
             self.set_train_data(x[perm[n_val:]], y[perm[n_val:]], strict=False)
         try:
-            if optimizer is None:
-                optimizer = torch.optim.Adam(
-                    [p for p in self.parameters() if p.requires_grad], lr=lr
-                )
-            reporter = ProgressReporter(task, max_iter, progress, callback, phase="training")
-            self._fit_loop(max_iter, val_x, val_y, check_every, optimizer, reporter)
+            warm_loss, stopped = self._train(
+                task,
+                max_iter,
+                val_x,
+                val_y,
+                warm_start_iter,
+                check_every,
+                optimizer,
+                progress,
+                callback,
+                ("warm start", "training"),
+            )
         finally:
-            if full is not None:
-                self.set_train_data(*full, strict=False)
-        self.history["warm_start_loss"] = warm_loss
+            if held_out:
+                self.set_train_data(x, y, strict=False)
+        history = {**self.history, "warm_start_loss": warm_loss}
+        checked = history["val_iteration"]
+        best = (
+            checked[min(range(len(checked)), key=history["val_nll"].__getitem__)]
+            if checked
+            else len(history["loss"])
+        )
+        self.network_kept_ = best > 0
+        history["refit_warm_start_loss"], history["refit_loss"] = [], []
+        if refit and not stopped:
+            self.load_state_dict(start[0])
+            optimizer.load_state_dict(start[1])
+            history["refit_warm_start_loss"], _ = self._train(
+                task,
+                best,
+                None,
+                None,
+                warm_start_iter,
+                check_every,
+                optimizer,
+                progress,
+                callback,
+                ("refit warm start", "refit training"),
+            )
+            history["refit_loss"] = self.history["loss"]
+        self.history = history
         return self
 
+    def _train(
+        self,
+        task: str,
+        max_iter: int,
+        val_x: Tensor | None,
+        val_y: Tensor | None,
+        warm_start_iter: int,
+        check_every: int,
+        optimizer: torch.optim.Optimizer,
+        progress: object,
+        callback: Callback | None,
+        phases: tuple[str, str],
+    ) -> tuple[list[float], bool]:
+        """The warm start (with an input kernel) and the training on the current training rows,
+        reported in ``phases`` (the warm start's, the training's); returns the warm start's loss
+        per step and whether the callback stopped either."""
+        warm_loss: list[float] = []
+        stopped = False
+        if self.input_kernel is not None and warm_start_iter > 0:
+            with ProgressReporter(
+                task, warm_start_iter, progress, callback, phase=phases[0]
+            ) as reporter:
+                warm_loss = self._warm_start(warm_start_iter, reporter)
+            stopped = reporter.stopped
+        reporter = ProgressReporter(
+            task, 0 if stopped else max_iter, progress, callback, phase=phases[1]
+        )
+        self._fit_loop(0 if stopped else max_iter, val_x, val_y, check_every, optimizer, reporter)
+        return warm_loss, stopped or reporter.stopped
+
     def _warm_start(self, max_iter: int, reporter: ProgressReporter) -> list[float]:
-        """Fit the input kernel, the noise and the mean alone on all training rows (an ARD GP
+        """Fit the input kernel, the noise and the mean alone on the current training rows (an ARD GP
         sharing these modules; each step reported to ``reporter``), then set the embedding
         kernel's outputscale to :attr:`embedding_scale_ratio` times the input kernel's; returns
         the loss per step."""

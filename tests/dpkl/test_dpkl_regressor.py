@@ -1,6 +1,7 @@
 """Tests of DPKLRegressor: its loss, gradients and predictions against dense formulas over
 stand-alone particles, its checks, and its rough edges (1-D inputs, a network giving NaN)."""
 
+import copy
 import io
 import math
 
@@ -394,29 +395,70 @@ def _dense_validation_nll(model, x, y, xv, yv):
         return float((0.5 * (yv - mean) ** 2 / var + 0.5 * torch.log(2 * math.pi * var)).mean())
 
 
-def test_default_fit_holds_out_validation_rows_and_restores_the_best_checked_state():
+def test_default_fit_checks_held_out_rows_with_the_model_fitted_on_the_others():
     x, y = noisy_sine_data(n=50, d=3)
     model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=3, num_random_features=10)
+    states = {}
+
+    def snapshot(record):
+        if record.phase == "training" and "val_nll" in record.info:
+            states[record.iteration] = (record.info["val_nll"], copy.deepcopy(model.state_dict()))
+
     torch.manual_seed(5)
-    model.fit(max_iter=30, lr=0.05, check_every=5, warm_start_iter=50)
+    model.fit(max_iter=30, lr=0.05, check_every=5, warm_start_iter=50, callback=snapshot)
     # the same draw of the 10 validation rows (20 % of 50), made again
     torch.manual_seed(5)
     perm = torch.randperm(50)
     val, tr = perm[:10], perm[10:]
     hist = model.history
     assert hist["val_iteration"] == [0, 5, 10, 15, 20, 25, 30]
-    best = min(hist["val_nll"])
-    ref = _dense_validation_nll(model, x[tr], y[tr], x[val], y[val])
-    assert math.isclose(ref, best, rel_tol=1e-8)
+    assert sorted(states) == [5, 10, 15, 20, 25, 30]
+    for val_nll, state in states.values():
+        model.load_state_dict(state)
+        ref = _dense_validation_nll(model, x[tr], y[tr], x[val], y[val])
+        assert math.isclose(ref, val_nll, rel_tol=1e-8)
+    assert len(hist["warm_start_loss"]) == 50 and len(hist["refit_warm_start_loss"]) == 50
     # after fit the model conditions on every row it was given
     assert torch.equal(model.train_inputs[0], x) and torch.equal(model.train_targets, y)
-    assert len(hist["warm_start_loss"]) == 50
 
 
-def test_the_warm_start_fits_the_input_kernel_as_an_ard_gp_on_all_rows():
+def _parameters_seen_before_the_choice(x, y):
+    """Every parameter of a default fit after each step of its warm start and its training
+    (the phases before the choice), and the fitted model."""
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=8)
+    seen = []
+
+    def snapshot(record):
+        if record.phase in ("warm start", "training"):
+            seen.append([p.detach().clone() for p in model.parameters()])
+
+    torch.manual_seed(3)
+    model.fit(max_iter=12, lr=0.05, check_every=4, warm_start_iter=20, callback=snapshot)
+    return seen, model
+
+
+def test_the_validation_rows_cannot_influence_the_candidates_before_the_choice():
+    x, y = noisy_sine_data(n=30, d=3)
+    torch.manual_seed(3)
+    val = torch.randperm(30)[:6]  # the rows the fit holds out under the same seed
+    wild = y.clone()
+    wild[val] += 100.0 * torch.randn(6, generator=torch.Generator().manual_seed(0))
+    seen, model = _parameters_seen_before_the_choice(x, y)
+    seen_wild, model_wild = _parameters_seen_before_the_choice(x, wild)
+    assert len(seen) == len(seen_wild) == 20 + 12
+    for step, step_wild in zip(seen, seen_wild, strict=True):
+        for p, p_wild in zip(step, step_wild, strict=True):
+            assert torch.equal(p, p_wild)
+    # the perturbed rows were the validation rows: their NLL differs
+    for nll, nll_wild in zip(model.history["val_nll"], model_wild.history["val_nll"], strict=True):
+        assert nll_wild > nll + 10.0
+
+
+def test_a_rejected_network_leaves_the_ard_gp_refitted_on_all_rows():
     x, y = noisy_sine_data(n=40, d=3)
     model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=8)
     model.fit(max_iter=0, warm_start_iter=40)
+    assert model.network_kept_ is False
     gp = gpsd.ARDGPRegressor(x, y).fit(max_iter=40, lr=0.1)
     torch.testing.assert_close(
         model.input_kernel.base_kernel.lengthscale, gp.covar_module.base_kernel.lengthscale
@@ -426,6 +468,32 @@ def test_the_warm_start_fits_the_input_kernel_as_an_ard_gp_on_all_rows():
     torch.testing.assert_close(
         emb, model.embedding_scale_ratio * gp.covar_module.outputscale.detach()
     )
+    assert model.history["refit_warm_start_loss"] == gp.history["loss"]
+    assert model.history["refit_loss"] == []
+
+
+def test_a_kept_network_is_refitted_on_all_rows_for_the_chosen_iterations(monkeypatch):
+    x, y = noisy_sine_data(n=30, d=3)
+    # validation NLLs that fall until the check after iteration 8 and rise after it
+    nlls = iter([5.0, 4.0, 3.0, 6.0, 7.0])
+    monkeypatch.setattr(DPKLRegressor, "nll", lambda self, vx, vy: next(nlls))
+    torch.manual_seed(0)
+    model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=8)
+    records = []
+    model.fit(max_iter=16, lr=0.05, check_every=4, warm_start_iter=10, callback=records.append)
+    assert model.history["val_iteration"] == [0, 4, 8, 12, 16]
+    assert model.network_kept_ is True
+    assert [(r.phase, r.total) for r in records if r.phase.startswith("refit")] == [
+        ("refit warm start", 10)
+    ] * 10 + [("refit training", 8)] * 8
+    # independently: the same model trained on all rows for 8 iterations, with no rows held out
+    torch.manual_seed(0)
+    ref = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=8)
+    ref.fit(max_iter=8, lr=0.05, warm_start_iter=10, val_fraction=0.0)
+    assert model.history["refit_loss"] == ref.history["loss"]
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, msg=name)
+    assert torch.equal(model.train_inputs[0], x)
 
 
 def test_default_is_not_worse_than_the_ard_gp_where_that_gp_is_right():
@@ -494,25 +562,36 @@ def test_the_callback_sees_every_warm_start_step_first_then_every_training_itera
     # the first record is the first warm-start step, not the end of the warm start
     assert [(r.phase, r.iteration, r.total) for r in records] == [
         ("warm start", i, 5) for i in range(1, 6)
-    ] + [("training", i, 4) for i in range(1, 5)]
+    ] + [("training", i, 4) for i in range(1, 5)] + [
+        ("refit warm start", i, 5) for i in range(1, 6)
+    ] + [
+        ("refit training", i, k)
+        for k in [len(model.history["refit_loss"])]
+        for i in range(1, k + 1)
+    ]
     assert all(r.task == "DPKLRegressor.fit" for r in records)
     assert [r.loss for r in records[:5]] == model.history["warm_start_loss"]
-    assert [r.loss for r in records[5:]] == model.history["loss"]
-    assert [("val_nll" in r.info) for r in records[5:]] == [False, True, False, True]
+    assert [r.loss for r in records[5:9]] == model.history["loss"]
+    assert [("val_nll" in r.info) for r in records[5:9]] == [False, True, False, True]
+    assert [r.loss for r in records[9:14]] == model.history["refit_warm_start_loss"]
 
 
 def test_a_callback_stopping_the_warm_start_leaves_the_ard_gp_it_reached_untrained():
     x, y = noisy_sine_data(n=30, d=3)
     model = DPKLRegressor(x, y, lambda: tanh_net(3), num_particles=2, num_random_features=6)
     records = []
+    torch.manual_seed(2)
     model.fit(
         max_iter=10, warm_start_iter=50, callback=lambda r: records.append(r) or r.iteration == 3
     )
     assert [(r.phase, r.iteration) for r in records] == [("warm start", i) for i in (1, 2, 3)]
     assert len(model.history["warm_start_loss"]) == 3 and model.history["loss"] == []
     assert model.history["val_iteration"] == [0]  # the warm-started state, checked and kept
-    # an ARD GP fitted for the same three steps, independently
-    gp = gpsd.ARDGPRegressor(x, y).fit(max_iter=3, lr=0.1)
+    assert model.history["refit_warm_start_loss"] == [] and model.network_kept_ is False
+    # an ARD GP fitted for the same three steps on the 24 rows not held out, independently
+    torch.manual_seed(2)
+    tr = torch.randperm(30)[6:]
+    gp = gpsd.ARDGPRegressor(x[tr], y[tr]).fit(max_iter=3, lr=0.1)
     torch.testing.assert_close(
         model.input_kernel.base_kernel.lengthscale, gp.covar_module.base_kernel.lengthscale
     )
@@ -527,9 +606,11 @@ def test_progress_shows_a_bar_per_phase_and_advances_a_bar_of_ones_own_through_b
     model.fit(max_iter=2, warm_start_iter=3, progress=True)
     err = capsys.readouterr().err
     assert "DPKLRegressor.fit (warm start)" in err and "DPKLRegressor.fit (training)" in err
-    bar = tqdm.tqdm(total=5, file=io.StringIO())
+    assert "DPKLRegressor.fit (refit warm start)" in err
+    bar = tqdm.tqdm(total=10, file=io.StringIO())
     model.fit(max_iter=2, warm_start_iter=3, progress=bar)
-    assert bar.n == 5
+    refit = len(model.history["refit_warm_start_loss"]) + len(model.history["refit_loss"])
+    assert refit >= 3 and bar.n == 5 + refit
     bar.close()
     lengthscale = model.input_kernel.base_kernel.lengthscale.clone()
     with pytest.raises(TypeError, match="progress"):
