@@ -17,6 +17,7 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator import to_dense
 from torch import Tensor
 
+from gpsd._internal.module_state import checked_setting
 from gpsd._internal.teacher import validate_teacher
 from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
@@ -86,6 +87,23 @@ def check_noise(
             f"schedule of {num_steps} steps{fixed}"
         )
     return tensor
+
+
+def check_alpha(value: object) -> float:
+    r"""The weight :math:`\alpha \in [0, 1)` of the original targets in a data-centric step's
+    targets, as a float; a ``ValueError`` naming ``alpha`` otherwise."""
+    alpha = float(value)
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"alpha must lie in [0, 1), got {alpha}")
+    return alpha
+
+
+#: the ``alpha`` of the distillers with data-centric steps, checked when set
+alpha_setting = checked_setting(
+    "alpha",
+    check_alpha,
+    r"The weight :math:`\alpha \in [0, 1)` of the original targets, checked when set.",
+)
 
 
 def validate_training_data(train_x: object, train_y: object) -> tuple[Tensor, Tensor]:

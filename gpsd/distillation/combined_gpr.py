@@ -13,6 +13,7 @@ from torch import Tensor
 
 from gpsd._internal.validation import as_float_tensor, check_int
 from gpsd.distillation._common import (
+    alpha_setting,
     schedule_index,
     student_batch,
     student_gp,
@@ -197,17 +198,7 @@ class CombinedGPR(SpectralGPR):
             **kwargs,
         )
 
-    @property
-    def alpha(self) -> float:
-        r"""The weight :math:`\alpha \in [0, 1)` of the original targets, checked when set."""
-        return self._alpha
-
-    @alpha.setter
-    def alpha(self, value: float) -> None:
-        value = float(value)
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"alpha must lie in [0, 1), got {value}")
-        self._alpha = value
+    alpha = alpha_setting
 
     @property
     def outer_steps(self) -> int:

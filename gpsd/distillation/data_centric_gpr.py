@@ -9,6 +9,7 @@ from gpytorch.models import ExactGP
 from torch import Tensor
 
 from gpsd.distillation._common import (
+    alpha_setting,
     schedule_index,
     student_batch,
     student_gp,
@@ -154,17 +155,7 @@ class DataCentricGPR(SpectralGPR):
         )
         self.alpha = alpha
 
-    @property
-    def alpha(self) -> float:
-        r"""The weight :math:`\alpha \in [0, 1)` of the original targets, checked when set."""
-        return self._alpha
-
-    @alpha.setter
-    def alpha(self, value: float) -> None:
-        value = float(value)
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"alpha must lie in [0, 1), got {value}")
-        self._alpha = value
+    alpha = alpha_setting
 
     def _targets_config(self) -> tuple:
         return (self.alpha,)
