@@ -22,7 +22,6 @@ import torch.distributed as dist
 from kd_reference import Teacher
 
 import gpsd
-from gpsd.distillation._spectral_gpr import _columns_are_local
 
 DT = torch.float64
 T = 3
@@ -78,7 +77,7 @@ def reference(n: int, process_group=None) -> dict:
                 "variance": prediction.variance,
                 "predict_mean": model.predict_mean(test_x),
                 "engine": type(model._state()["engine"]).__name__,
-                "split": _columns_are_local(model._state()["engine"]),
+                "split": model._state()["engine"].columns_are_local,
             }
             if name in ("data_lanczos", "data_cg", "combined_lanczos", "combined_cg"):
                 # CG's from the same probes on every rank

@@ -99,15 +99,6 @@ class _NoBackwardThroughMatrixFree(torch.autograd.Function):
         )
 
 
-def _columns_are_local(engine: object) -> bool:
-    r"""Whether the engine's quadratic forms with test columns need no product with
-    :math:`\mathbf K`: a spectrum with no complement series, whose forms are projections on
-    its (replicated) eigenvectors. Deflated CG and a series of order 1 or more multiply."""
-    if not isinstance(engine, linalg.KernelSpectrum):
-        return False
-    return not engine.is_truncated or (engine.series_order + 1) // 2 == 0
-
-
 def _tensors(*modules: nn.Module) -> list[Tensor]:
     """The parameters of ``modules``, in order."""
     return [p for m in modules for p in m.parameters()]
@@ -638,14 +629,6 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                         "the dtype of the factorisation)"
                     )
 
-    def _backend_in_use(self, engine: object) -> str:
-        """The name of the backend the engine implements."""
-        if isinstance(engine, linalg.ShiftedCG):
-            return "cg"
-        if isinstance(engine, linalg.ShiftedCholesky):
-            return "cholesky"
-        return "lanczos" if getattr(engine, "is_truncated", False) else "dense"
-
     def _guard(self, state: dict, value: Tensor, *inputs: Tensor) -> Tensor:
         """``value``, linked where it would need an autograd graph that the engine does not
         build (grad enabled, and a parameter of ``covar_module`` or ``mean_module``, or one of
@@ -658,7 +641,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         leaves += [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
         if not leaves:
             return value
-        backend = self._backend_in_use(state["engine"])
+        backend = state["engine"].name
         return _NoBackwardThroughMatrixFree.apply(value, backend, *leaves)
 
     @property
@@ -736,7 +719,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         if self.process_group is None or not self._distributed(self._state()):
             return False
         self._check_same_test_x(test_x)
-        return not full_cov and _columns_are_local(self._state()["engine"])
+        return not full_cov and self._state()["engine"].columns_are_local
 
     def _predict_split(self, test_x: Tensor) -> Prediction:
         """:meth:`_predict_all` on this rank's share of the test points, gathered."""

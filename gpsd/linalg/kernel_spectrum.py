@@ -165,6 +165,17 @@ class KernelSpectrum(SpectralEngine):
         self._complement_norm = value
 
     @property
+    def name(self) -> str:
+        """``"lanczos"`` for a truncated spectrum, ``"dense"`` for a full one."""
+        return "lanczos" if self.is_truncated else "dense"
+
+    @property
+    def columns_are_local(self) -> bool:
+        """Whether forms with test columns are projections on the eigenvectors alone: a full
+        spectrum, or a truncated one with no complement series that multiplies by K."""
+        return not self.is_truncated or (self.series_order + 1) // 2 == 0
+
+    @property
     def supports_autograd(self) -> bool:
         """Whether results carry an autograd graph (only a full :meth:`from_dense` spectrum)."""
         return not self.is_truncated and self._differentiable

@@ -90,6 +90,7 @@ class ShiftedCG(ShiftedSolveEngine):
     :param dtype: dtype of the iterations (default: the Ritz vectors').
     """
 
+    name = "cg"
     supports_autograd = False
     exact_trace = False
 

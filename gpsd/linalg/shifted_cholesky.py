@@ -47,6 +47,8 @@ class ShiftedCholesky(ShiftedSolveEngine):
         first factor is made.
     """
 
+    name = "cholesky"
+
     def __init__(
         self,
         kernel: Tensor | LinearOperator,

@@ -35,8 +35,14 @@ class SpectralEngine(abc.ABC):
         means = engine.apply(filt, coords)
     """
 
+    #: The backend the engine implements (``"dense"``, ``"cholesky"``, ``"lanczos"``, ``"cg"``).
+    name: str
     #: Whether results carry an autograd graph to the kernel's hyperparameters (and shifts).
     supports_autograd: bool
+    #: Whether quadratic forms with test columns need no product with :math:`\mathbf K` (the
+    #: forms are projections on eigenvectors every rank holds), so that the ranks of a process
+    #: group can share test points out without multiplying together.
+    columns_are_local: bool = False
     #: Whether the engine multiplies by :math:`\mathbf K` through an operator that never holds
     #: it whole (a :class:`~gpsd.linalg.ChunkedKernelOperator` or a KeOps kernel), as the
     #: ``"lanczos"`` and ``"cg"`` backends do. Such an engine builds no autograd graph, and

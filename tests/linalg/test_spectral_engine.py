@@ -118,6 +118,26 @@ def _every_engine():
     }
 
 
+def test_engines_name_their_backend_and_whether_test_columns_are_local():
+    x = torch.linspace(0, 10, 60, dtype=DTYPE).unsqueeze(-1)
+    kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
+    k = kernel(x).to_dense().detach()
+    truncated = KernelSpectrum.from_lanczos(k, rank=8)
+    assert truncated.is_truncated
+    engines = {
+        "dense": KernelSpectrum.from_dense(k),
+        "lanczos": truncated,
+        "cholesky": ShiftedCholesky(k),
+        "cg": ShiftedCG.from_spectrum(k, truncated, tol=1e-10),
+    }
+    for name, engine in engines.items():
+        assert engine.name == name
+    # the full spectrum's forms are projections; CG and Cholesky multiply by or solve with K
+    assert engines["dense"].columns_are_local
+    assert not engines["cg"].columns_are_local and not engines["cholesky"].columns_are_local
+    assert truncated.columns_are_local == ((truncated.series_order + 1) // 2 == 0)
+
+
 def test_every_engine_implements_the_whole_interface():
     _, engines = _every_engine()
     methods = [
@@ -134,8 +154,15 @@ def test_every_engine_implements_the_whole_interface():
         assert isinstance(engine, SpectralEngine), name
         for method in methods:
             assert callable(getattr(engine, method)), (name, method)
-        for attribute in ("supports_autograd", "matrix_free", "is_truncated", "exact_trace"):
+        for attribute in (
+            "supports_autograd",
+            "matrix_free",
+            "is_truncated",
+            "exact_trace",
+            "columns_are_local",
+        ):
             assert isinstance(getattr(engine, attribute), bool), (name, attribute)
+        assert engine.name in ("dense", "cholesky", "lanczos", "cg"), name
         assert engine.size == 60
         assert engine.quad_error_bound is None or isinstance(engine.quad_error_bound, torch.Tensor)
     assert not SpectralEngine.__abstractmethods__ - {
