@@ -41,9 +41,9 @@ _METHODS = ("iterated", "tempered", "scaled_kernel")
 #: N x N matrices a fit holds at its peak besides the steps' posteriors it keeps (T, or one
 #: without ``store_all_steps``), per problem of the batch: the recursion's prior, correction and
 #: products, and Newton's factorisation (``"iterated"``), or Newton's factorisation and the step's
-#: posterior (the approximations). Measured at N = 2500 to 4000 on the CPU for T = 1, 2, 4: the
-#: peak resident memory over one float64 matrix was 11 to 13 (``"iterated"``) and 7
-#: (``"tempered"``) plus the posteriors kept.
+#: posterior (the approximations). At N = 2500 to 4000 on the CPU for T = 1, 2, 4, a fit's peak
+#: resident memory over one float64 matrix is 11 to 13 (``"iterated"``) and 7 (``"tempered"``)
+#: plus the posteriors kept.
 _WORKING_MATRICES = {"iterated": 11, "tempered": 7, "scaled_kernel": 7}
 
 
