@@ -168,24 +168,6 @@ def test_gradient_equals_autograd_on_the_pattern():
     )
 
 
-def test_sparse_pattern_products_match_dense_scatter():
-    # column 3 of W has no non-zero and column 0 several: the CSR row pointers of W^T must say so
-    from gpsd.kernel_distillation.kernel_distillation import _SparseRows
-
-    indices = torch.tensor([[0, 2], [0, 4], [1, 4], [0, 5], [2, 5]])
-    values = torch.arange(1.0, 11.0, dtype=DT).reshape(5, 2)
-    pattern = _SparseRows(indices, 6)
-    dense = torch.zeros(5, 6, dtype=DT)
-    for i in range(5):
-        for j in range(2):
-            dense[i, indices[i, j]] = values[i, j]
-    rhs = torch.randn(6, 3, dtype=DT)
-    torch.testing.assert_close(pattern.matrix(values) @ rhs, dense @ rhs, rtol=0, atol=0)
-    rhs_t = torch.randn(5, 4, dtype=DT)
-    torch.testing.assert_close(pattern.transpose(values) @ rhs_t, dense.T @ rhs_t)
-    torch.testing.assert_close(pattern.dense(values), dense, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_short_lengthscale_objective_and_gradient_match_a_float64_reference(dtype):
     # lengthscale 0.1 on [0, 10]^2: most kernel entries lie below the smallest normal number,
@@ -267,8 +249,8 @@ def test_chunked_and_unchunked_paths_agree(chunk_size):
     torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
     d = torch.randn_like(values)
-    t1, f1 = ref._line_search(values, d)
-    t2, f2 = kd._line_search(values, d)
+    t1, f1 = ref._objective().line_search(values, d)
+    t2, f2 = kd._objective().line_search(values, d)
     assert t1 == pytest.approx(t2, rel=1e-8) and f1 == pytest.approx(f2, rel=1e-8)
     assert ref.frobenius_error(values) == pytest.approx(
         float(_dense_objective(ref, values).sqrt()), rel=1e-10
@@ -279,7 +261,7 @@ def test_line_search_minimises_the_quartic():
     kd = reference_distiller()
     kd.prepare()
     _, grad = kd.objective_and_gradient(kd.weight_values)
-    t, f_t = kd._line_search(kd.weight_values, grad)
+    t, f_t = kd._objective().line_search(kd.weight_values, grad)
     f = lambda s: float(_dense_objective(kd, kd.weight_values - s * grad))  # noqa: E731
     assert t > 0
     assert f_t == pytest.approx(f(t), rel=1e-8)
@@ -431,10 +413,10 @@ def test_a_callback_returning_true_stops_after_that_iteration_and_keeps_its_w(kw
 
 
 def test_fit_reports_every_phase_of_the_preparation_and_then_the_descent(monkeypatch):
-    from gpsd.kernel_distillation import kernel_distillation
+    from gpsd.kernel_distillation import _objective
 
     # 120 rows of 20 x 5 in blocks of 50 rows: three blocks of least squares (50, 50, 20)
-    monkeypatch.setattr(kernel_distillation, "_CHUNK_ELEMENTS", 50 * 20 * 5)
+    monkeypatch.setattr(_objective, "_CHUNK_ELEMENTS", 50 * 20 * 5)
     records = []
     kd = reference_distiller(max_iter=2, kmeans_max_iter=3).fit(callback=records.append)
     assert {r.task for r in records} == {"KernelDistillation.fit"}
@@ -455,7 +437,7 @@ def test_fit_reports_every_phase_of_the_preparation_and_then_the_descent(monkeyp
     assert [r.loss for r in kmeans_records] == [r.loss for r in direct]
     assert [r.info["rows"] for r in records if r.phase == "least squares"] == [50, 50, 20]
     # the blocks change no row's solution: the start of a distiller solved in one block
-    monkeypatch.setattr(kernel_distillation, "_CHUNK_ELEMENTS", 2**22)
+    monkeypatch.setattr(_objective, "_CHUNK_ELEMENTS", 2**22)
     whole = reference_distiller(max_iter=2, kmeans_max_iter=3)
     whole.prepare()
     torch.testing.assert_close(kd.initial_weight_values, whole.initial_weight_values)
