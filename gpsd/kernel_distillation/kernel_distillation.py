@@ -238,7 +238,7 @@ def _refuse(options: dict[str, Any], names: tuple[str, ...], method: str) -> Non
 def _rebuild_student(module: KernelDistillation, incompatible_keys: object) -> None:
     """After ``load_state_dict``: the student of a loaded fitted distiller, from its buffers."""
     if module._fitted and module._student is None:
-        module._student = module._build_student()
+        module._set_student(module._build_student())
 
 
 class KernelDistillation(gpytorch.Module):
@@ -928,7 +928,7 @@ class KernelDistillation(gpytorch.Module):
             )
         t1 = time.perf_counter()
         try:
-            self._student = self._build_student()
+            self._set_student(self._build_student())
         except RuntimeError as err:
             if not grew:
                 raise
@@ -941,6 +941,11 @@ class KernelDistillation(gpytorch.Module):
         self._fitted = True
         self.timings.update(optimisation=t1 - t0, student=time.perf_counter() - t1)
         return self
+
+    def _set_student(self, student: SparseLowRankStudent) -> None:
+        # outside the module tree: the state_dict holds what the student is built from, so that
+        # it loads into a distiller that has none yet; _apply moves it with the distiller
+        object.__setattr__(self, "_student", student)
 
     def _build_student(self) -> SparseLowRankStudent:
         """The student of the current :math:`W`."""

@@ -1071,3 +1071,117 @@ def test_unsupported_teachers_are_named(build, error, match):
     teacher = build(x, y)
     with pytest.raises(error, match=match):
         KernelDistillation(teacher, num_inducing=5, sparsity=2)
+
+
+def _saved_and_reloaded(state):
+    """``state`` through ``torch.save`` and ``torch.load``."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_the_distiller_is_a_gpytorch_module_whose_state_holds_what_it_learns():
+    kd = reference_distiller(n=60, m=10, b=3, max_iter=2).fit()
+    assert isinstance(kd, gpytorch.Module)
+    state = kd.state_dict()
+    for name in (
+        "train_x", "train_y", "noise", "neighbour_scale", "inducing_points", "neighbour_indices",
+        "inducing_covariance", "initial_weight_values", "weight_values",
+        "covar_module.base_kernel.raw_lengthscale",
+    ):  # fmt: skip
+        assert name in state, name
+    torch.testing.assert_close(state["weight_values"], kd.weight_values, rtol=0, atol=0)
+    assert state["_extra_state"]["frobenius_errors"] == kd.frobenius_errors
+    assert not any(t.requires_grad for t in kd.parameters())
+
+
+@pytest.mark.parametrize("max_iter", [0, 3])
+def test_a_state_dict_loaded_into_a_new_distiller_predicts_as_the_saved_one(max_iter):
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=max_iter).fit()
+    state = _saved_and_reloaded(kd.state_dict())
+    # built alike but with another K-means seed: everything learnt comes from the state
+    fresh = reference_distiller(n=80, m=12, b=4, max_iter=max_iter, seed=7)
+    with pytest.raises(gpsd.NotFittedError):
+        _ = fresh.student
+    fresh.load_state_dict(state)
+    test_x = torch.randn(11, 2, generator=torch.Generator().manual_seed(2), dtype=DT)
+    for got, want in zip(
+        mean_and_variance(fresh.student.predict(test_x)),
+        mean_and_variance(kd.student.predict(test_x)),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert fresh.frobenius_errors == kd.frobenius_errors
+    assert fresh.mean_constant == kd.mean_constant
+    torch.testing.assert_close(fresh.inducing_points, kd.inducing_points, rtol=0, atol=0)
+    assert torch.equal(fresh.neighbour_indices, kd.neighbour_indices)
+    # independently: the loaded W's error from a dense residual
+    assert fresh.frobenius_error() ** 2 == pytest.approx(
+        float(_dense_objective(fresh, fresh.weight_values)), rel=1e-10
+    )
+
+
+def test_a_prepared_state_loads_unfitted_and_an_unprepared_one_clears_what_was_learnt():
+    prepared = reference_distiller(n=60, m=10, b=3)
+    prepared.prepare()
+    fitted = reference_distiller(n=60, m=10, b=3, seed=5).fit()
+    fitted.load_state_dict(prepared.state_dict())
+    with pytest.raises(gpsd.NotFittedError):
+        _ = fitted.student
+    torch.testing.assert_close(fitted.weight_values, prepared.weight_values, rtol=0, atol=0)
+    # fitting the loaded start gives the student of the prepared distiller's own fit
+    test_x = torch.randn(5, 2, dtype=DT)
+    torch.testing.assert_close(
+        fitted.fit().student.predict(test_x).mean,
+        prepared.fit().student.predict(test_x).mean,
+        rtol=0,
+        atol=1e-12,
+    )
+    fitted.load_state_dict(reference_distiller(n=60, m=10, b=3).state_dict())
+    assert fitted.weight_values is None and fitted.inducing_points is None
+    with pytest.raises(gpsd.NotFittedError):
+        _ = fitted.student
+
+
+def test_to_float32_and_back_moves_the_distiller_and_its_student():
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=2).fit()
+    test_x = torch.randn(9, 2, generator=torch.Generator().manual_seed(3), dtype=DT)
+    want = kd.student.predict(test_x)
+    moved = copy.deepcopy(kd).to(torch.float32)
+    floats = [moved.train_x, moved.weight_values, moved.inducing_covariance, moved.noise]
+    assert all(t.dtype == torch.float32 for t in floats)
+    assert moved.neighbour_indices.dtype == torch.long
+    assert moved.covar_module.base_kernel.raw_lengthscale.dtype == torch.float32
+    got = moved.student.predict(test_x)
+    assert got.mean.dtype == got.variance.dtype == torch.float32
+    # the float64 prediction rounded through float32 buffers: about 1e-6 relative
+    torch.testing.assert_close(got.mean.double(), want.mean, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.variance.double(), want.variance, rtol=0, atol=1e-5)
+    back = moved.to(torch.float64)
+    again = back.student.predict(test_x)
+    assert again.mean.dtype == torch.float64
+    torch.testing.assert_close(again.mean, want.mean, rtol=0, atol=1e-5)
+    # a float64 distiller moved to float64 is unchanged, bit for bit
+    same = kd.to(torch.float64).student.predict(test_x)
+    torch.testing.assert_close(same.mean, want.mean, rtol=0, atol=0)
+
+
+def test_a_distiller_moved_to_float32_descends_in_float32():
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=2)
+    kd.prepare()
+    moved = copy.deepcopy(kd).to(torch.float32).fit()
+    assert moved.weight_values.dtype == torch.float32
+    assert moved.student.predict(torch.zeros(2, 2)).mean.dtype == torch.float32
+    reference = kd.fit()
+    assert moved.frobenius_errors == pytest.approx(reference.frobenius_errors, rel=1e-4)
+
+
+def test_from_data_and_from_sgpr_refuse_the_settings_they_fix():
+    x, y = reference_data(30)
+    with pytest.raises(TypeError, match="require_trained"):
+        KernelDistillation.from_data(
+            x, y, ard_kernel(), noise=0.1, num_inducing=5, sparsity=2, require_trained=False
+        )

@@ -194,3 +194,12 @@ def test_a_users_inducing_points_of_the_wrong_shape_are_named(inducing_points, m
         KernelDistillation.from_data(
             x, y, kernel, noise=0.1, num_inducing=15, sparsity=3, inducing_points=inducing_points
         )
+
+
+@pytest.mark.parametrize(
+    "setting", [{"num_inducing": 5}, {"inducing_points": None}, {"kmeans_max_iter": 3}, {"seed": 1}]
+)
+def test_from_sgpr_refuses_the_settings_the_sgpr_fixes(setting):
+    model = trained_sgpr(steps=2)
+    with pytest.raises(TypeError, match=f"from_sgpr.*{next(iter(setting))}"):
+        KernelDistillation.from_sgpr(model, sparsity=4, **setting)
