@@ -227,6 +227,61 @@ class _Problem:
         return cls.checked(covar_module, x, y, noise_t, mean_constant)
 
 
+def _descent_rule(
+    lr: float | None, optimizer: object, descent: str | None
+) -> tuple[float | None, str]:
+    """``lr`` checked and the descent direction: ``descent``, or by default ``"block"`` with
+    the exact line search and ``"gradient"`` with ``lr`` or ``optimizer``."""
+    if lr is not None:
+        lr = check_positive_float(lr, "lr")
+    if lr is not None and optimizer is not None:
+        raise ValueError("give either lr or optimizer, not both")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(f"optimizer must be callable or None, got {type(optimizer).__name__}")
+    if descent not in (None, "block", "gradient"):
+        raise ValueError(f"descent must be None, 'block' or 'gradient', got {descent!r}")
+    if descent == "block" and (lr is not None or optimizer is not None):
+        raise ValueError(
+            "descent='block' takes the exact line search: give no lr or optimizer with it "
+            "(or descent='gradient')"
+        )
+    if descent is None:
+        descent = "gradient" if lr is not None or optimizer is not None else "block"
+    return lr, descent
+
+
+def _given_inducing_points(inducing_points: object, x: Tensor, num_inducing: int) -> Tensor | None:
+    """A copy of the user's inducing points, checked to be ``(num_inducing, d)`` and finite in
+    the dtype and on the device of ``x`` (``None`` for K-means)."""
+    if inducing_points is None:
+        return None
+    u = check_matrix(
+        as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype).detach(),
+        "inducing_points",
+    )
+    check_same_device(x, u, "inducing_points", "train_x")
+    if u.shape != (num_inducing, x.shape[-1]):
+        raise ValueError(
+            f"inducing_points must have shape (num_inducing={num_inducing}, "
+            f"d={x.shape[-1]}), got {tuple(u.shape)}"
+        )
+    return u.clone()  # a copy: the caller's tensor is no state of the distiller
+
+
+def _neighbour_scale(covar_module: gpytorch.kernels.Kernel, x: Tensor, metric: str) -> Tensor:
+    """The scale :math:`s` of the neighbour metric :math:`x / s`, shape ``(d,)``: the
+    (ARD) lengthscales of an RBF or Matérn kernel for ``"lengthscale"``, else ones."""
+    if metric not in ("lengthscale", "euclidean"):
+        raise ValueError(f"neighbour_metric must be 'lengthscale' or 'euclidean', got {metric!r}")
+    scale = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    params = stationary_kernel_parameters(covar_module)
+    if params is not None:
+        check_lengthscale_count(params[1], x.shape[-1], "train_x")
+    if metric == "lengthscale" and params is not None:
+        scale = (scale * params[1].to(scale)).contiguous()
+    return scale
+
+
 def _refuse(options: dict[str, Any], names: tuple[str, ...], method: str) -> None:
     """A ``TypeError`` naming the first of ``names`` in ``options``, which ``method`` sets
     itself."""
@@ -457,47 +512,13 @@ class KernelDistillation(gpytorch.Module):
         kmeans_max_iter = check_int(kmeans_max_iter, "kmeans_max_iter", minimum=0)
         chunk_size = check_int(chunk_size, "chunk_size", optional=True)
         seed = check_int(seed, "seed", minimum=0)
-        if lr is not None:
-            lr = check_positive_float(lr, "lr")
-        if lr is not None and optimizer is not None:
-            raise ValueError("give either lr or optimizer, not both")
+        lr, descent = _descent_rule(lr, optimizer, descent)
         if jitter is not None:
             jitter = check_positive_float(jitter, "jitter", allow_zero=True)
-        if optimizer is not None and not callable(optimizer):
-            raise TypeError(f"optimizer must be callable or None, got {type(optimizer).__name__}")
-        if descent not in (None, "block", "gradient"):
-            raise ValueError(f"descent must be None, 'block' or 'gradient', got {descent!r}")
-        if descent == "block" and (lr is not None or optimizer is not None):
-            raise ValueError(
-                "descent='block' takes the exact line search: give no lr or optimizer with it "
-                "(or descent='gradient')"
-            )
-        if descent is None:
-            descent = "gradient" if lr is not None or optimizer is not None else "block"
-        if inducing_points is not None:
-            u = check_matrix(
-                as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype).detach(),
-                "inducing_points",
-            )
-            check_same_device(x, u, "inducing_points", "train_x")
-            if u.shape != (num_inducing, x.shape[-1]):
-                raise ValueError(
-                    f"inducing_points must have shape (num_inducing={num_inducing}, "
-                    f"d={x.shape[-1]}), got {tuple(u.shape)}"
-                )
-            inducing_points = u.clone()  # a copy: the caller's tensor is no state of this object
+        inducing_points = _given_inducing_points(inducing_points, x, num_inducing)
         for p in problem.covar_module.parameters():
             check_same_device(x, p, "covar_module's parameters", "train_x")
-        if neighbour_metric not in ("lengthscale", "euclidean"):
-            raise ValueError(
-                f"neighbour_metric must be 'lengthscale' or 'euclidean', got {neighbour_metric!r}"
-            )
-        scale = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-        params = stationary_kernel_parameters(problem.covar_module)
-        if params is not None:
-            check_lengthscale_count(params[1], x.shape[-1], "train_x")
-        if neighbour_metric == "lengthscale" and params is not None:
-            scale = (scale * params[1].to(scale)).contiguous()
+        scale = _neighbour_scale(problem.covar_module, x, neighbour_metric)
         self.covar_module = problem.covar_module
         self.register_buffer("train_x", x)  # shape: (n, d)
         self.register_buffer("train_y", problem.train_y)  # shape: (n,)
