@@ -652,6 +652,20 @@ def test_cuda_matches_cpu():
     )
 
 
+@requires_cuda
+def test_to_cuda_moves_the_distiller_and_its_student():
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=2).fit()
+    test_x = torch.randn(7, 2, dtype=DT)
+    want = kd.student.predict(test_x)
+    moved = copy.deepcopy(kd).to("cuda")
+    assert moved.weight_values.is_cuda and moved.neighbour_indices.is_cuda
+    assert moved.student.inducing_points.is_cuda
+    got = moved.student.predict(test_x.cuda())
+    torch.testing.assert_close(got.mean.cpu(), want.mean)
+    torch.testing.assert_close(got.variance.cpu(), want.variance)
+    assert moved.fit().weight_values.is_cuda  # a further fit descends on the GPU
+
+
 @pytest.mark.parametrize("metric", ["lengthscale", "euclidean"])
 def test_neighbour_metric(metric):
     x, y = reference_data(80)
