@@ -22,6 +22,7 @@ import torch.distributed as dist
 from kd_reference import Teacher
 
 import gpsd
+from gpsd.kernel_distillation._objective import SparseKernelObjective
 
 DT = torch.float64
 T = 3
@@ -125,7 +126,8 @@ def kd_reference(process_group=None) -> dict:
             ).fit()
         out[name] = _kd_result(distiller, test_x)
         out[name]["columns"] = columns
-        out[name]["block"] = (distiller._block.start, distiller._block.stop)
+        block = distiller._objective().block
+        out[name]["block"] = (block.start, block.stop)
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(DT)
     likelihood.noise = KD_NOISE
     teacher = Teacher(x, y, likelihood)
@@ -144,21 +146,21 @@ class _recording_columns:
         self.columns = columns
 
     def __enter__(self):
-        cls = gpsd.KernelDistillation
-        self.original = original = cls._columns
+        cls = SparseKernelObjective
+        self.original = original = cls.columns
         columns = self.columns
 
-        def recorded(distiller, start):
-            cols, k_cols = original(distiller, start)
+        def recorded(objective, start):
+            cols, k_cols = original(objective, start)
             columns.append((cols.start, cols.stop))
-            assert k_cols.shape == (distiller.train_x.shape[0], cols.stop - cols.start)
+            assert k_cols.shape == (objective.train_x.shape[0], cols.stop - cols.start)
             return cols, k_cols
 
-        cls._columns = recorded
+        cls.columns = recorded
         return self
 
     def __exit__(self, *exc) -> None:
-        gpsd.KernelDistillation._columns = self.original
+        SparseKernelObjective.columns = self.original
 
 
 def _kd_result(distiller, test_x) -> dict:

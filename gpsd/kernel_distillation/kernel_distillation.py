@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
-import warnings
 from collections.abc import Callable
+from typing import Any
 
 import gpytorch
 import numpy as np
@@ -15,20 +16,16 @@ from gpytorch.models import ExactGP
 from torch import Tensor
 
 from gpsd._internal.collectives import (
-    all_gather,
-    all_gather_cat,
-    all_reduce_sum,
     check_group,
     check_same,
     module_fingerprint,
-    split_sizes,
     tensor_fingerprint,
     text_checksum,
 )
+from gpsd._internal.module_state import adopt_buffer_shapes
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.stationary_kernel import (
     check_lengthscale_count,
-    evaluate_kernel,
     stationary_kernel_parameters,
 )
 from gpsd._internal.teacher import frozen_copy
@@ -42,17 +39,27 @@ from gpsd._internal.validation import (
     check_vector,
 )
 from gpsd.exceptions import NotFittedError
-from gpsd.kernel_distillation.kmeans import kmeans
-from gpsd.kernel_distillation.nearest_inducing import nearest_inducing_points
+from gpsd.kernel_distillation._inducing_selection import select_inducing_points
+from gpsd.kernel_distillation._objective import (
+    SparseKernelObjective,
+    default_chunk_size,
+    step_rule,
+)
 from gpsd.kernel_distillation.sparse_low_rank_student import SparseLowRankStudent
 from gpsd.progress import Callback
 
 __all__ = ["KernelDistillation"]
 
-#: Elements of the temporaries of one block of K_XX columns or of least-squares rows.
-_CHUNK_ELEMENTS = 2**22
 #: Training inputs on which a teacher's ``forward`` is compared with its modules.
 _FORWARD_CHECK_POINTS = 8
+#: The buffers a distiller learns (``None`` until :meth:`KernelDistillation.prepare`).
+_LEARNT_BUFFERS = (
+    "inducing_points",
+    "neighbour_indices",
+    "inducing_covariance",
+    "initial_weight_values",
+    "weight_values",
+)
 
 
 def _mean_constant(mean_module: object, name: str) -> float:
@@ -105,101 +112,191 @@ def _forward_matches_modules(
     )
 
 
-def _batched_least_squares(design: Tensor, rhs: Tensor, gram: Tensor) -> Tensor:
-    r"""``argmin_beta ||design^T beta - rhs||`` for a batch of wide ``(b, m)`` designs, ``b <= m``.
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """The GP a distiller distils, checked: a frozen copy of its kernel without batch shape,
+    inputs ``(n, d)``, targets ``(n,)``, one positive noise variance (0-d, the inputs' dtype)
+    and the constant prior mean; no tensor carries an autograd graph."""
 
-    Normal equations with a batched Cholesky factor of the Gram matrix :math:`G = D D^\top`
-    (``gram``, passed in because the caller gathers it from a precomputed matrix) and six steps of
-    iterative refinement on the directly computed residual (batched QR of tall matrices is very
-    slow on CPUs). A refinement step multiplies the error by about :math:`\rho \approx
-    \kappa(G)\, \epsilon`, so a row whose last correction :math:`\delta` is at most
-    :math:`\sqrt\epsilon\, \|\beta\|` has converged (its error is about
-    :math:`\rho \|\delta\| / (1 - \rho)`). The other rows, and those whose Cholesky
-    factorisation fails or whose Cholesky diagonal spans more than :math:`\sqrt\epsilon`, are
-    re-solved by an SVD-based least squares (minimum-norm solution).
+    covar_module: gpytorch.kernels.Kernel
+    train_x: Tensor
+    train_y: Tensor
+    noise: Tensor
+    mean_constant: float
 
-    A test on the conditioning alone does not do: the spread of the Cholesky diagonal only bounds
-    :math:`\kappa(G)^{1/2}` from below, and rows with :math:`\kappa(D) \approx 8 \times 10^9`
-    passed it with residuals :math:`10^6` times the least squares'; a test on ``eigvalsh`` of
-    :math:`G` (:math:`\lambda_{\min} \le 1000 \epsilon \lambda_{\max}`) sends rows to the SVD
-    that refinement solves: at n = 16,384, m = 1000, b = 30, RBF lengthscale 1.5 it took 10.2 s
-    where this takes 3.7 s, for the same start (the diagonal test with two refinement steps
-    alone: 2.2 s, and a start 0.5 % farther from :math:`K_{XX}`).
+    @classmethod
+    def checked(
+        cls,
+        covar_module: gpytorch.kernels.Kernel,
+        train_x: Tensor,
+        train_y: Tensor,
+        noise: Tensor,
+        mean_constant: float,
+    ) -> _Problem:
+        # the distillation and its student are no functions of these: keep no autograd graph
+        # (a noise such as likelihood.noise would otherwise leave the student's buffers attached
+        # to it, and the student could not be deep-copied)
+        x = check_matrix(train_x.detach(), "train_x")
+        if x.dim() != 2:
+            raise ValueError(f"train_x must have shape (n, d), got {tuple(x.shape)}")
+        if covar_module.batch_shape != torch.Size():
+            raise ValueError(
+                "covar_module must have no batch shape (the student distils one kernel), got "
+                f"batch shape {tuple(covar_module.batch_shape)}"
+            )
+        n = x.shape[0]
+        if train_y.dim() != 1:
+            raise ValueError(f"train_y must have shape (n={n},), got {tuple(train_y.shape)}")
+        y = check_vector(train_y.detach().to(x), "train_y", n)
+        noise = noise.detach()
+        if noise.numel() != 1 or not bool(noise > 0) or not bool(torch.isfinite(noise).all()):
+            raise ValueError(f"noise must be one positive finite variance, got {noise.tolist()}")
+        # a frozen copy, like the noise and the mean: K_UU, the neighbour metric and the student
+        # describe the kernel as given, even if the teacher goes on training before fit()
+        return cls(
+            frozen_copy(covar_module),
+            x,
+            y,
+            noise.to(x, copy=True).reshape(()),
+            float(mean_constant),
+        )
 
-    :param design: shape ``(c, b, m)``; :param rhs: shape ``(c, m)``; :param gram: shape
-        ``(c, b, b)``; returns shape ``(c, b)``.
-    """
-    eps = torch.finfo(design.dtype).eps
-    chol, info = torch.linalg.cholesky_ex(gram)
-    diag = chol.diagonal(dim1=-2, dim2=-1).abs()
-    bad = (info != 0) | (diag.min(-1).values <= 10 * eps**0.5 * diag.max(-1).values)
-    chol = torch.where(
-        bad[:, None, None], torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device), chol
+    @classmethod
+    def from_teacher(cls, teacher: ExactGP, require_trained: bool) -> _Problem:
+        """The problem of a trained ``ExactGP`` with a ``GaussianLikelihood``."""
+        if not isinstance(teacher, ExactGP):
+            raise TypeError(
+                f"teacher must be a trained gpytorch.models.ExactGP, got {type(teacher).__name__}; "
+                "use KernelDistillation.from_data(train_x, train_y, covar_module, noise=...) "
+                "otherwise"
+            )
+        if not isinstance(teacher.likelihood, GaussianLikelihood):
+            raise TypeError(
+                "teacher.likelihood must be a gpytorch.likelihoods.GaussianLikelihood (kernel "
+                "distillation needs one homoscedastic Gaussian noise variance), got "
+                f"{type(teacher.likelihood).__name__}"
+            )
+        if teacher.train_inputs is None or teacher.train_targets is None:
+            raise ValueError("teacher is untrained: it has no training data (train_inputs is None)")
+        if len(teacher.train_inputs) != 1:
+            raise ValueError("teacher must have exactly one training input tensor")
+        if require_trained:
+            raw = [p for n, p in teacher.named_parameters() if "raw_" in n or "constant" in n]
+            if raw and all(bool((p == 0).all()) for p in raw):
+                raise ValueError(
+                    "teacher looks untrained: every raw hyperparameter is still at GPyTorch's "
+                    "initial value 0; train it first (or pass require_trained=False)"
+                )
+        x = teacher.train_inputs[0]
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
+        y = teacher.train_targets
+        if x.dim() != 2 or y.dim() != 1:
+            raise ValueError(
+                "teacher must have no batch shape: train_inputs (n, d) and train_targets (n,), got "
+                f"{tuple(x.shape)} and {tuple(y.shape)}"
+            )
+        mean = teacher.mean_module if hasattr(teacher, "mean_module") else None
+        mean_constant = _mean_constant(mean, "teacher.mean_module")
+        covar_module = getattr(teacher, "covar_module", None)
+        if not isinstance(covar_module, gpytorch.kernels.Kernel):
+            raise TypeError("teacher must keep its kernel in teacher.covar_module")
+        noise = teacher.likelihood.noise.detach().reshape(-1)
+        return cls.checked(covar_module, x, y, noise, mean_constant)
+
+    @classmethod
+    def from_data(
+        cls,
+        train_x: Tensor,
+        train_y: Tensor,
+        covar_module: gpytorch.kernels.Kernel,
+        noise: float | Tensor,
+        mean_module: gpytorch.means.Mean | None,
+    ) -> _Problem:
+        """The problem given by data, a kernel, a noise variance and a prior mean."""
+        if not isinstance(covar_module, gpytorch.kernels.Kernel):
+            raise TypeError(
+                f"covar_module must be a gpytorch.kernels.Kernel, got {type(covar_module)}"
+            )
+        x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
+        y = as_float_tensor(train_y, "train_y", dtype=x.dtype, device=x.device)
+        noise_t = as_float_tensor(noise, "noise", dtype=x.dtype, device=x.device).reshape(-1)
+        mean_constant = _mean_constant(mean_module, "mean_module")
+        return cls.checked(covar_module, x, y, noise_t, mean_constant)
+
+
+def _descent_rule(
+    lr: float | None, optimizer: object, descent: str | None
+) -> tuple[float | None, str]:
+    """``lr`` checked and the descent direction: ``descent``, or by default ``"block"`` with
+    the exact line search and ``"gradient"`` with ``lr`` or ``optimizer``."""
+    if lr is not None:
+        lr = check_positive_float(lr, "lr")
+    if lr is not None and optimizer is not None:
+        raise ValueError("give either lr or optimizer, not both")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(f"optimizer must be callable or None, got {type(optimizer).__name__}")
+    if descent not in (None, "block", "gradient"):
+        raise ValueError(f"descent must be None, 'block' or 'gradient', got {descent!r}")
+    if descent == "block" and (lr is not None or optimizer is not None):
+        raise ValueError(
+            "descent='block' takes the exact line search: give no lr or optimizer with it "
+            "(or descent='gradient')"
+        )
+    if descent is None:
+        descent = "gradient" if lr is not None or optimizer is not None else "block"
+    return lr, descent
+
+
+def _given_inducing_points(inducing_points: object, x: Tensor, num_inducing: int) -> Tensor | None:
+    """A copy of the user's inducing points, checked to be ``(num_inducing, d)`` and finite in
+    the dtype and on the device of ``x`` (``None`` for K-means)."""
+    if inducing_points is None:
+        return None
+    u = check_matrix(
+        as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype).detach(),
+        "inducing_points",
     )
-    sol = torch.cholesky_solve((design @ rhs.unsqueeze(-1)), chol)  # shape: (c, b, 1)
-    for _ in range(6):
-        resid = rhs.unsqueeze(-1) - design.transpose(-1, -2) @ sol  # shape: (c, m, 1)
-        correction = torch.cholesky_solve(design @ resid, chol)
-        sol = sol + correction
-    sol, correction = sol.squeeze(-1), correction.squeeze(-1)
-    bad = bad | ~(correction.norm(dim=-1) <= eps**0.5 * sol.norm(dim=-1))  # NaN: not converged
-    if bool(bad.any()):
-        tall, target = design[bad].transpose(-1, -2), rhs[bad].unsqueeze(-1)
-        if design.device.type == "cpu":
-            sol[bad] = torch.linalg.lstsq(tall, target, driver="gelsd").solution.squeeze(-1)
-        else:
-            sol[bad] = (torch.linalg.pinv(tall) @ target).squeeze(-1)
-    return sol
+    check_same_device(x, u, "inducing_points", "train_x")
+    if u.shape != (num_inducing, x.shape[-1]):
+        raise ValueError(
+            f"inducing_points must have shape (num_inducing={num_inducing}, "
+            f"d={x.shape[-1]}), got {tuple(u.shape)}"
+        )
+    return u.clone()  # a copy: the caller's tensor is no state of the distiller
 
 
-class _SparseRows:
-    """``W`` with ``b`` non-zeros per row: ``values (n, b)`` at columns ``indices (n, b)``.
-
-    ``W`` and ``W^T`` are built as compressed-row (CSR) tensors, whose products with dense
-    matrices run about twice as fast as the coordinate (COO) layout's on a CPU (n = 8192,
-    m = 1000, b = 30, 2048 columns: 0.14 s against 0.26 s in float32). Indices are sorted within
-    each row; the permutation to column-major order (the rows of ``W^T``) is computed once.
-    """
-
-    def __init__(self, indices: Tensor, num_columns: int) -> None:
-        self.indices = indices
-        self.n, self.b = indices.shape
-        self.m = num_columns
-        device = indices.device
-        self.crow = torch.arange(0, self.n * self.b + 1, self.b, device=device)
-        self.col = indices.reshape(-1)
-        rows = torch.arange(self.n, device=device).repeat_interleave(self.b)
-        self.t_order = torch.argsort(self.col * self.n + rows)
-        self.t_col = rows[self.t_order]
-        counts = torch.bincount(self.col, minlength=self.m)
-        self.t_crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-
-    @staticmethod
-    def _csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
-        with warnings.catch_warnings():  # torch calls its CSR support "beta" on first use
-            warnings.filterwarnings("ignore", message="Sparse CSR tensor support")
-            return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
-
-    def matrix(self, values: Tensor) -> Tensor:
-        return self._csr(self.crow, self.col, values.reshape(-1), (self.n, self.m))
-
-    def rows(self, values: Tensor, rows: slice) -> Tensor:
-        """Rows ``rows`` (a slice with step 1) of ``W``."""
-        start, stop, _ = rows.indices(self.n)
-        crow = self.crow[: stop - start + 1]
-        col = self.col[start * self.b : stop * self.b]
-        return self._csr(crow, col, values[rows].reshape(-1), (stop - start, self.m))
-
-    def transpose(self, values: Tensor) -> Tensor:
-        values = values.reshape(-1)[self.t_order]
-        return self._csr(self.t_crow, self.t_col, values, (self.m, self.n))
-
-    def dense(self, values: Tensor) -> Tensor:
-        out = values.new_zeros(self.n, self.m)
-        return out.scatter_(-1, self.indices, values)
+def _neighbour_scale(covar_module: gpytorch.kernels.Kernel, x: Tensor, metric: str) -> Tensor:
+    """The scale :math:`s` of the neighbour metric :math:`x / s`, shape ``(d,)``: the
+    (ARD) lengthscales of an RBF or Matérn kernel for ``"lengthscale"``, else ones."""
+    if metric not in ("lengthscale", "euclidean"):
+        raise ValueError(f"neighbour_metric must be 'lengthscale' or 'euclidean', got {metric!r}")
+    scale = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    params = stationary_kernel_parameters(covar_module)
+    if params is not None:
+        check_lengthscale_count(params[1], x.shape[-1], "train_x")
+    if metric == "lengthscale" and params is not None:
+        scale = (scale * params[1].to(scale)).contiguous()
+    return scale
 
 
-class KernelDistillation:
+def _refuse(options: dict[str, Any], names: tuple[str, ...], method: str) -> None:
+    """A ``TypeError`` naming the first of ``names`` in ``options``, which ``method`` sets
+    itself."""
+    for name in names:
+        if name in options:
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}")
+
+
+def _rebuild_student(module: KernelDistillation, incompatible_keys: object) -> None:
+    """After ``load_state_dict``: the student of a loaded fitted distiller, from its buffers."""
+    if module._fitted and module._student is None:
+        module._set_student(module._build_student())
+
+
+class KernelDistillation(gpytorch.Module):
     r"""Distil a trained exact GP into a :class:`~gpsd.SparseLowRankStudent` (Song & Sun, Alg. 1).
 
     The teacher's kernel matrix :math:`K_{XX}` is approximated by :math:`W K_{UU} W^\top`, with
@@ -294,10 +391,27 @@ class KernelDistillation:
     other rank's, and where any differ every rank raises the same ``ValueError`` naming what
     differs. :meth:`prepare`, :meth:`least_squares_weights`, :meth:`objective_and_gradient`,
     :meth:`frobenius_error`, :meth:`block_direction` and :meth:`fit` are collective too: every
-    rank calls them in the same order with the same arguments (a
-    ``callback`` must stop the preparation and the descent on every rank alike). A collective that fails or waits
-    longer than the group's ``timeout`` raises a :class:`~gpsd.DistributedError`. Collectives
-    run on the tensors' device with NCCL, on the CPU with gloo.
+    rank calls them in the same order with the same arguments (a ``callback`` must stop the
+    preparation and the descent on every rank alike). A collective that fails or waits longer
+    than the group's ``timeout`` raises a :class:`~gpsd.DistributedError`. Collectives run on the
+    tensors' device with NCCL, on the CPU with gloo.
+
+    **Parts.** The distiller composes three pieces: the inducing-point selection (K-means and
+    the nearest-inducing neighbourhoods :math:`J_i`), the objective on the pattern they fix (the
+    blocks of :math:`K_{XX}`, the least-squares start, the gradient, the block direction, the
+    line search, the descent and the sums over ranks), and this estimator, which holds the
+    problem, the settings and the result.
+
+    **Saving and moving.** The distiller is a ``gpytorch.Module``. Its data (``train_x``,
+    ``train_y``, ``noise``, ``neighbour_scale``), the frozen ``covar_module`` and what it learns
+    (``inducing_points``, ``neighbour_indices``, ``inducing_covariance``,
+    ``initial_weight_values``, ``weight_values``) are buffers and parameters, and the mean
+    constant and ``frobenius_errors`` its extra state: ``state_dict()`` saves them, and
+    ``load_state_dict`` into a distiller built alike (the same constructor arguments, fitted or
+    not) restores them and rebuilds the student of a fitted one, which then predicts as the
+    saved one. ``.to(device, dtype)`` moves and casts all of them, the student included, so a
+    distiller moved with ``.to(torch.float32)`` predicts in float32 (and a further :meth:`fit`
+    descends in float32).
 
     Usage::
 
@@ -345,6 +459,12 @@ class KernelDistillation:
         same arguments (as under ``torchrun``); see *Across processes* above.
 
     :ivar covar_module: a frozen copy of the teacher's kernel.
+    :ivar inducing_points: :math:`U`, shape ``(m, d)`` (``None`` before :meth:`prepare`, unless
+        given).
+    :ivar neighbour_indices: :math:`J`, shape ``(n, b)``, sorted within each row.
+    :ivar inducing_covariance: :math:`K_{UU}`, shape ``(m, m)``.
+    :ivar initial_weight_values: the non-zeros of the least-squares :math:`W`, shape ``(n, b)``.
+    :ivar weight_values: the non-zeros of the current :math:`W`, shape ``(n, b)``.
     :ivar frobenius_errors: :math:`\|K_{XX} - W K_{UU} W^\top\|_F` of the last :meth:`fit`,
         indexed by iteration (see :meth:`fit`).
     :ivar student: the :class:`~gpsd.SparseLowRankStudent` of the last :meth:`fit` (reading it
@@ -370,17 +490,60 @@ class KernelDistillation:
         require_trained: bool = True,
         process_group: object = None,
     ) -> None:
+        super().__init__()
         if process_group is not None:
             check_group(process_group)
-        covar_module, train_x, train_y, noise, mean_constant = self._unpack_teacher(
-            teacher, require_trained
-        )
-        self._setup(
-            covar_module, train_x, train_y, noise, mean_constant, num_inducing, sparsity,
-            max_iter, lr, optimizer, descent, inducing_points, kmeans_max_iter, seed, chunk_size,
-            jitter, neighbour_metric, process_group,
-        )  # fmt: skip
-        if not _forward_matches_modules(
+        # from_data and from_sgpr pass the problem they built
+        given = isinstance(teacher, _Problem)
+        problem = teacher if given else _Problem.from_teacher(teacher, require_trained)
+        x = problem.train_x
+        n = x.shape[0]
+        num_inducing = check_int(num_inducing, "num_inducing")
+        sparsity = check_int(sparsity, "sparsity")
+        if num_inducing > n:
+            raise ValueError(
+                f"num_inducing (m={num_inducing}) must not exceed n={n} training inputs"
+            )
+        if sparsity > num_inducing:
+            raise ValueError(
+                f"sparsity (b={sparsity}) must not exceed num_inducing (m={num_inducing})"
+            )
+        max_iter = check_int(max_iter, "max_iter", minimum=0)
+        kmeans_max_iter = check_int(kmeans_max_iter, "kmeans_max_iter", minimum=0)
+        chunk_size = check_int(chunk_size, "chunk_size", optional=True)
+        seed = check_int(seed, "seed", minimum=0)
+        lr, descent = _descent_rule(lr, optimizer, descent)
+        if jitter is not None:
+            jitter = check_positive_float(jitter, "jitter", allow_zero=True)
+        inducing_points = _given_inducing_points(inducing_points, x, num_inducing)
+        for p in problem.covar_module.parameters():
+            check_same_device(x, p, "covar_module's parameters", "train_x")
+        scale = _neighbour_scale(problem.covar_module, x, neighbour_metric)
+        self.covar_module = problem.covar_module
+        self.register_buffer("train_x", x)  # shape: (n, d)
+        self.register_buffer("train_y", problem.train_y)  # shape: (n,)
+        self.register_buffer("noise", problem.noise)  # shape: ()
+        self.register_buffer("neighbour_scale", scale)  # shape: (d,)
+        self.mean_constant = problem.mean_constant
+        self.num_inducing, self.sparsity, self.max_iter = num_inducing, sparsity, max_iter
+        self.lr, self.optimizer, self.descent = lr, optimizer, descent
+        self.kmeans_max_iter, self.seed = kmeans_max_iter, seed
+        self.chunk_size = chunk_size or default_chunk_size(n, num_inducing, sparsity)
+        self.jitter = jitter
+        for name in _LEARNT_BUFFERS:
+            self.register_buffer(name, None)
+        self.inducing_points = inducing_points
+        self.frobenius_errors: list[float] = []
+        self.timings: dict[str, float] = {}
+        self._student: SparseLowRankStudent | None = None
+        self._fitted = False
+        #: The ``torch.distributed.ProcessGroup`` whose ranks share the passes over
+        #: :math:`K_{XX}` (``None``: this process alone).
+        self.process_group = process_group
+        self.register_load_state_dict_post_hook(_rebuild_student)
+        if process_group is not None:
+            self._check_same_problem()
+        if not given and not _forward_matches_modules(
             teacher, self.covar_module, self.mean_constant, self.train_x
         ):
             warn(
@@ -401,67 +564,34 @@ class KernelDistillation:
         covar_module: gpytorch.kernels.Kernel,
         *,
         noise: float | Tensor,
-        num_inducing: int,
-        sparsity: int,
         mean_module: gpytorch.means.Mean | None = None,
-        max_iter: int = 0,
-        lr: float | None = None,
-        optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
-        descent: str | None = None,
-        inducing_points: Tensor | None = None,
-        kmeans_max_iter: int = 50,
-        seed: int = 0,
-        chunk_size: int | None = None,
-        jitter: float | None = None,
-        neighbour_metric: str = "lengthscale",
-        process_group: object = None,
+        **options: Any,
     ) -> KernelDistillation:
         r"""Distil the GP given by its training data, kernel and noise variance (no teacher model).
+
+        Usage::
+
+            distiller = KernelDistillation.from_data(
+                train_x, train_y, covar_module, noise=0.01, num_inducing=100, sparsity=10
+            ).fit()
 
         :param train_x: training inputs, shape ``(n, d)`` or ``(n,)``.
         :param train_y: training targets, shape ``(n,)``.
         :param covar_module: the GP's (trained) kernel, without batch shape; copied.
         :param noise: the observation noise variance :math:`\sigma^2`, one positive value.
         :param mean_module: ``None`` or a ``ZeroMean`` (prior mean 0) or a ``ConstantMean``.
-
-        The other arguments are the constructor's.
+        :param options: the constructor's keyword arguments (``num_inducing``, ``sparsity``,
+            ``max_iter``, ...), except ``require_trained``.
         """
-        obj = cls.__new__(cls)
-        if process_group is not None:
-            check_group(process_group)
-        if not isinstance(covar_module, gpytorch.kernels.Kernel):
-            raise TypeError(
-                f"covar_module must be a gpytorch.kernels.Kernel, got {type(covar_module)}"
-            )
-        x = check_matrix(as_float_tensor(train_x, "train_x"), "train_x")
-        if x.dim() == 1:
-            x = x.unsqueeze(-1)
-        y = as_float_tensor(train_y, "train_y", dtype=x.dtype, device=x.device)
-        noise_t = as_float_tensor(noise, "noise", dtype=x.dtype, device=x.device).reshape(-1)
-        mean_constant = _mean_constant(mean_module, "mean_module")
-        obj._setup(
-            covar_module, x, y, noise_t, mean_constant, num_inducing, sparsity, max_iter, lr,
-            optimizer, descent, inducing_points, kmeans_max_iter, seed, chunk_size, jitter,
-            neighbour_metric, process_group,
-        )  # fmt: skip
-        return obj
+        _refuse(options, ("require_trained",), "from_data")
+        if options.get("process_group") is not None:
+            check_group(options["process_group"])
+        return cls(
+            _Problem.from_data(train_x, train_y, covar_module, noise, mean_module), **options
+        )
 
     @classmethod
-    def from_sgpr(
-        cls,
-        model: ExactGP,
-        *,
-        sparsity: int,
-        max_iter: int = 0,
-        lr: float | None = None,
-        optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
-        descent: str | None = None,
-        chunk_size: int | None = None,
-        jitter: float | None = None,
-        neighbour_metric: str = "lengthscale",
-        require_trained: bool = True,
-        process_group: object = None,
-    ) -> KernelDistillation:
+    def from_sgpr(cls, model: ExactGP, *, sparsity: int, **options: Any) -> KernelDistillation:
         r"""Distil the exact GP of a trained sparse GP (SGPR) at the SGPR's inducing points.
 
         ``model`` is a GPyTorch SGPR: an ``ExactGP`` whose ``covar_module`` is a
@@ -493,13 +623,15 @@ class KernelDistillation:
             should be ``MultivariateNormal(mean_module(x), covar_module(x))`` (a warning
             otherwise).
         :param sparsity: ``b <= m``, non-zeros per row of :math:`W`.
-        :param require_trained: refuse a model whose raw hyperparameters are all still 0.
-
-        The other arguments are the constructor's.
+        :param options: the constructor's other keyword arguments (``max_iter``, ``descent``,
+            ``require_trained``, ...), except those the SGPR fixes: ``num_inducing``,
+            ``inducing_points``, ``kmeans_max_iter`` and ``seed``.
         """
-        obj = cls.__new__(cls)
-        if process_group is not None:
-            check_group(process_group)
+        _refuse(
+            options, ("num_inducing", "inducing_points", "kmeans_max_iter", "seed"), "from_sgpr"
+        )
+        if options.get("process_group") is not None:
+            check_group(options["process_group"])
         if not isinstance(model, ExactGP):
             raise TypeError(
                 "model must be a trained GPyTorch SGPR (a gpytorch.models.ExactGP whose "
@@ -512,18 +644,22 @@ class KernelDistillation:
                 f"got {type(inducing_kernel).__name__}; distil an exact GP with "
                 "KernelDistillation(teacher, ...) instead"
             )
-        _, train_x, train_y, noise, mean_constant = cls._unpack_teacher(model, require_trained)
+        problem = _Problem.from_teacher(model, options.get("require_trained", True))
         u = inducing_kernel.inducing_points.detach()
-        if u.dim() != 2 or u.shape[-1] != train_x.shape[-1]:
+        d = problem.train_x.shape[-1]
+        if u.dim() != 2 or u.shape[-1] != d:
             raise ValueError(
                 "model.covar_module.inducing_points must have shape (m, "
-                f"d={train_x.shape[-1]}) like the training inputs, got {tuple(u.shape)}"
+                f"d={d}) like the training inputs, got {tuple(u.shape)}"
             )
-        obj._setup(
-            inducing_kernel.base_kernel, train_x, train_y, noise, mean_constant, u.shape[0],
-            sparsity, max_iter, lr, optimizer, descent, u, 0, 0, chunk_size, jitter,
-            neighbour_metric, process_group,
-        )  # fmt: skip
+        problem = _Problem.checked(
+            inducing_kernel.base_kernel,
+            problem.train_x,
+            problem.train_y,
+            problem.noise,
+            problem.mean_constant,
+        )
+        obj = cls(problem, num_inducing=u.shape[0], sparsity=sparsity, inducing_points=u, **options)
         if not _forward_matches_modules(
             model, frozen_copy(inducing_kernel), obj.mean_constant, obj.train_x
         ):
@@ -535,161 +671,6 @@ class KernelDistillation:
                 UserWarning,
             )
         return obj
-
-    @staticmethod
-    def _unpack_teacher(teacher: ExactGP, require_trained: bool):
-        if not isinstance(teacher, ExactGP):
-            raise TypeError(
-                f"teacher must be a trained gpytorch.models.ExactGP, got {type(teacher).__name__}; "
-                "use KernelDistillation.from_data(train_x, train_y, covar_module, noise=...) "
-                "otherwise"
-            )
-        if not isinstance(teacher.likelihood, GaussianLikelihood):
-            raise TypeError(
-                "teacher.likelihood must be a gpytorch.likelihoods.GaussianLikelihood (kernel "
-                "distillation needs one homoscedastic Gaussian noise variance), got "
-                f"{type(teacher.likelihood).__name__}"
-            )
-        if teacher.train_inputs is None or teacher.train_targets is None:
-            raise ValueError("teacher is untrained: it has no training data (train_inputs is None)")
-        if len(teacher.train_inputs) != 1:
-            raise ValueError("teacher must have exactly one training input tensor")
-        if require_trained:
-            raw = [p for n, p in teacher.named_parameters() if "raw_" in n or "constant" in n]
-            if raw and all(bool((p == 0).all()) for p in raw):
-                raise ValueError(
-                    "teacher looks untrained: every raw hyperparameter is still at GPyTorch's "
-                    "initial value 0; train it first (or pass require_trained=False)"
-                )
-        x = teacher.train_inputs[0]
-        if x.dim() == 1:
-            x = x.unsqueeze(-1)
-        y = teacher.train_targets
-        if x.dim() != 2 or y.dim() != 1:
-            raise ValueError(
-                "teacher must have no batch shape: train_inputs (n, d) and train_targets (n,), got "
-                f"{tuple(x.shape)} and {tuple(y.shape)}"
-            )
-        mean = teacher.mean_module if hasattr(teacher, "mean_module") else None
-        mean_constant = _mean_constant(mean, "teacher.mean_module")
-        covar_module = getattr(teacher, "covar_module", None)
-        if not isinstance(covar_module, gpytorch.kernels.Kernel):
-            raise TypeError("teacher must keep its kernel in teacher.covar_module")
-        noise = teacher.likelihood.noise.detach().reshape(-1)
-        return covar_module, x.detach(), y.detach(), noise, mean_constant
-
-    def _setup(
-        self, covar_module, train_x, train_y, noise, mean_constant, num_inducing, sparsity,
-        max_iter, lr, optimizer, descent, inducing_points, kmeans_max_iter, seed, chunk_size,
-        jitter, neighbour_metric, process_group=None,
-    ) -> None:  # fmt: skip
-        # the distillation and its student are no functions of these: keep no autograd graph
-        # (a noise such as likelihood.noise would otherwise leave the student's buffers attached
-        # to it, and the student could not be deep-copied)
-        x = check_matrix(train_x.detach(), "train_x")
-        if x.dim() != 2:
-            raise ValueError(f"train_x must have shape (n, d), got {tuple(x.shape)}")
-        if covar_module.batch_shape != torch.Size():
-            raise ValueError(
-                "covar_module must have no batch shape (the student distils one kernel), got "
-                f"batch shape {tuple(covar_module.batch_shape)}"
-            )
-        # a frozen copy, like the noise and the mean: K_UU, the neighbour metric and the student
-        # describe the kernel as given, even if the teacher goes on training before fit()
-        covar_module = frozen_copy(covar_module)
-        n = x.shape[0]
-        if train_y.dim() != 1:
-            raise ValueError(f"train_y must have shape (n={n},), got {tuple(train_y.shape)}")
-        y = check_vector(train_y.detach().to(x), "train_y", n)
-        noise = noise.detach()
-        if noise.numel() != 1 or not bool(noise > 0) or not bool(torch.isfinite(noise).all()):
-            raise ValueError(f"noise must be one positive finite variance, got {noise.tolist()}")
-        num_inducing = check_int(num_inducing, "num_inducing")
-        sparsity = check_int(sparsity, "sparsity")
-        if num_inducing > n:
-            raise ValueError(
-                f"num_inducing (m={num_inducing}) must not exceed n={n} training inputs"
-            )
-        if sparsity > num_inducing:
-            raise ValueError(
-                f"sparsity (b={sparsity}) must not exceed num_inducing (m={num_inducing})"
-            )
-        max_iter = check_int(max_iter, "max_iter", minimum=0)
-        kmeans_max_iter = check_int(kmeans_max_iter, "kmeans_max_iter", minimum=0)
-        chunk_size = check_int(chunk_size, "chunk_size", optional=True)
-        seed = check_int(seed, "seed", minimum=0)
-        if lr is not None:
-            lr = check_positive_float(lr, "lr")
-        if lr is not None and optimizer is not None:
-            raise ValueError("give either lr or optimizer, not both")
-        if jitter is not None:
-            jitter = check_positive_float(jitter, "jitter", allow_zero=True)
-        if optimizer is not None and not callable(optimizer):
-            raise TypeError(f"optimizer must be callable or None, got {type(optimizer).__name__}")
-        if descent not in (None, "block", "gradient"):
-            raise ValueError(f"descent must be None, 'block' or 'gradient', got {descent!r}")
-        if descent == "block" and (lr is not None or optimizer is not None):
-            raise ValueError(
-                "descent='block' takes the exact line search: give no lr or optimizer with it "
-                "(or descent='gradient')"
-            )
-        if descent is None:
-            descent = "gradient" if lr is not None or optimizer is not None else "block"
-        if inducing_points is not None:
-            u = check_matrix(
-                as_float_tensor(inducing_points, "inducing_points", dtype=x.dtype).detach(),
-                "inducing_points",
-            )
-            check_same_device(x, u, "inducing_points", "train_x")
-            if u.shape != (num_inducing, x.shape[-1]):
-                raise ValueError(
-                    f"inducing_points must have shape (num_inducing={num_inducing}, "
-                    f"d={x.shape[-1]}), "
-                    f"got {tuple(u.shape)}"
-                )
-            inducing_points = u.clone()  # a copy: the caller's tensor is no state of this object
-        for p in covar_module.parameters():
-            check_same_device(x, p, "covar_module's parameters", "train_x")
-        if neighbour_metric not in ("lengthscale", "euclidean"):
-            raise ValueError(
-                f"neighbour_metric must be 'lengthscale' or 'euclidean', got {neighbour_metric!r}"
-            )
-        scale = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-        params = stationary_kernel_parameters(covar_module)
-        if params is not None:
-            check_lengthscale_count(params[1], x.shape[-1], "train_x")
-        if neighbour_metric == "lengthscale" and params is not None:
-            scale = (scale * params[1].to(scale)).contiguous()
-        self.neighbour_scale = scale  # shape: (d,)
-        self.covar_module = covar_module
-        self.train_x, self.train_y = x, y
-        self.noise = noise.to(x, copy=True).reshape(())
-        self.mean_constant = float(mean_constant)
-        self.num_inducing, self.sparsity, self.max_iter = num_inducing, sparsity, max_iter
-        self.lr, self.optimizer, self.descent = lr, optimizer, descent
-        self.kmeans_max_iter, self.seed = kmeans_max_iter, seed
-        self.chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(n, num_inducing * sparsity))
-        self.jitter = jitter
-        self.inducing_points: Tensor | None = inducing_points
-        self.neighbour_indices: Tensor | None = None
-        self.weight_values: Tensor | None = None
-        self.initial_weight_values: Tensor | None = None
-        self.inducing_covariance: Tensor | None = None
-        self.frobenius_errors: list[float] = []
-        self.timings: dict[str, float] = {}
-        self._student: SparseLowRankStudent | None = None
-        #: The ``torch.distributed.ProcessGroup`` whose ranks share the passes over
-        #: :math:`K_{XX}` (``None``: this process alone).
-        self.process_group = process_group
-        #: The columns of :math:`K_{XX}` (and rows of :math:`W`) this rank evaluates, and the
-        #: number of them every rank holds, in rank order.
-        self._block, self._block_sizes = slice(0, n), [n]
-        if process_group is not None:
-            rank, size = check_group(process_group)
-            self._block_sizes = split_sizes(n, size)
-            start = sum(self._block_sizes[:rank])
-            self._block = slice(start, start + self._block_sizes[rank])
-            self._check_same_problem()
 
     def _check_same_problem(self) -> None:
         """The same ``ValueError`` on every rank of :attr:`process_group` unless all hold the
@@ -734,7 +715,56 @@ class KernelDistillation:
             )
         return self._student
 
+    # ------------------------------------------------------------------ saved state and moves
+    def get_extra_state(self) -> dict:
+        """The mean constant, ``frobenius_errors`` and whether the distiller is fitted, saved
+        in ``state_dict`` (the student is rebuilt from the buffers on loading)."""
+        return {
+            "mean_constant": self.mean_constant,
+            "frobenius_errors": list(self.frobenius_errors),
+            "fitted": self._fitted,
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        self.mean_constant = float(state["mean_constant"])
+        self.frobenius_errors = [float(e) for e in state["frobenius_errors"]]
+        self._fitted = bool(state["fitted"])
+        self._student = None  # rebuilt from the loaded buffers once they are loaded
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # the learnt buffers take the saved ones' presence and shapes (a new distiller has none)
+        for name in _LEARNT_BUFFERS:
+            saved = state_dict.get(prefix + name)
+            if not isinstance(saved, Tensor):
+                setattr(self, name, None)
+            elif getattr(self, name) is None:
+                dtype = saved.dtype if not saved.is_floating_point() else self.train_x.dtype
+                setattr(self, name, torch.empty(0, dtype=dtype, device=self.train_x.device))
+        adopt_buffer_shapes(self, state_dict, prefix, ("train_x", "train_y", *_LEARNT_BUFFERS))
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self._student is not None:
+            self._student._apply(fn, recurse)
+        return self
+
     # ------------------------------------------------------------------ building blocks
+    def _objective(self) -> SparseKernelObjective:
+        """The objective on the current pattern (preparing first where :meth:`prepare` has
+        not run)."""
+        if self.neighbour_indices is None:
+            self.prepare()
+        return SparseKernelObjective(
+            self.covar_module,
+            self.train_x,
+            self.inducing_points,
+            self.neighbour_indices,
+            chunk_size=self.chunk_size,
+            inducing_covariance=self.inducing_covariance,
+            process_group=self.process_group,
+        )
+
     def prepare(self, *, progress: object = False, callback: Callback | None = None) -> None:
         """K-means (unless ``inducing_points`` was given), neighbours, :math:`K_{UU}`, initial W
         (collective with a :attr:`process_group`: see :meth:`least_squares_weights`).
@@ -756,56 +786,41 @@ class KernelDistillation:
         """:meth:`prepare`, reported as phases of ``task``; whether the callback asked to
         stop."""
         t0 = time.perf_counter()
-        x = self.train_x
-        scale = self.neighbour_scale
-        stopped = False
-        if self.inducing_points is None:
-            with ProgressReporter(
-                task, self.kmeans_max_iter, progress, callback, phase="k-means"
-            ) as report:
-                centres = kmeans(
-                    x / scale,
-                    self.num_inducing,
-                    max_iter=self.kmeans_max_iter,
-                    seed=self.seed,
-                    callback=lambda r: report.update(r.iteration, loss=r.loss, **r.info),
-                )
-            stopped = report.stopped
-            if stopped:  # the later phases run whole, without further records
-                callback = None
-            if self.process_group is not None:
-                # on GPUs, K-means adds with atomics whose order varies: rank 0's for all
-                what = "all_gather of the K-means centroids"
-                centres = all_gather(centres, self.process_group, what)[0]
-            self.inducing_points = centres * scale
-        t1 = time.perf_counter()
-        with ProgressReporter(task, 1, progress, callback, phase="neighbours") as report:
-            _, idx = nearest_inducing_points(x / scale, self.inducing_points / scale, self.sparsity)
-            report.update(1)
-        if report.stopped:
-            stopped, callback = True, None
-        self.neighbour_indices = idx.sort(dim=-1).values  # shape: (n, b)
-        self._pattern = _SparseRows(self.neighbour_indices, self.num_inducing)
-        self.inducing_covariance = evaluate_kernel(
-            self.covar_module, self.inducing_points, self.inducing_points
+        selection = select_inducing_points(
+            self.train_x,
+            self.num_inducing,
+            self.sparsity,
+            scale=self.neighbour_scale,
+            inducing_points=self.inducing_points,
+            kmeans_max_iter=self.kmeans_max_iter,
+            seed=self.seed,
+            process_group=self.process_group,
+            task=task,
+            progress=progress,
+            callback=callback,
         )
-        blocks = len(self._least_squares_blocks())
+        self.inducing_points = selection.inducing_points
+        self.neighbour_indices = selection.neighbour_indices  # shape: (n, b)
+        objective = SparseKernelObjective(
+            self.covar_module,
+            self.train_x,
+            self.inducing_points,
+            self.neighbour_indices,
+            chunk_size=self.chunk_size,
+            process_group=self.process_group,
+        )
+        self.inducing_covariance = objective.inducing_covariance
+        blocks = len(objective.least_squares_blocks())
+        if selection.stopped:  # the later phases run whole, without further records
+            callback = None
         with ProgressReporter(task, blocks, progress, callback, phase="least squares") as report:
-            self.initial_weight_values = self._least_squares_weights(report)
-        stopped = stopped or report.stopped
+            self.initial_weight_values = objective.least_squares_weights(report)
         self.weight_values = self.initial_weight_values.clone()
-        t2 = time.perf_counter()
-        self.timings.update(kmeans=t1 - t0, initialisation=t2 - t1)
-        return stopped
-
-    def _least_squares_blocks(self) -> list[slice]:
-        """The blocks of this rank's rows that :meth:`least_squares_weights` solves at once."""
-        rows = max(1, _CHUNK_ELEMENTS // (self.num_inducing * self.sparsity))
-        block = self._block  # all n rows without a process group
-        return [
-            slice(start, min(start + rows, block.stop))
-            for start in range(block.start, block.stop, rows)
-        ]
+        self.timings.update(
+            kmeans=selection.kmeans_seconds,
+            initialisation=time.perf_counter() - t0 - selection.kmeans_seconds,
+        )
+        return selection.stopped or report.stopped
 
     def least_squares_weights(self) -> Tensor:
         r"""Initial W, rows :math:`\arg\min_\beta \|\beta K_{UU}(J_i,:) - k(x_i, U)\|_2` (n, b).
@@ -819,51 +834,7 @@ class KernelDistillation:
         :math:`K_{UU} K_{UU}^\top`, computed once. With a :attr:`process_group`, collective:
         each rank solves its block of rows, and the rows are gathered.
         """
-        return self._least_squares_weights()
-
-    def _least_squares_weights(self, report: ProgressReporter | None = None) -> Tensor:
-        """:meth:`least_squares_weights`, reporting each block of rows solved to ``report``."""
-        idx, b = self.neighbour_indices, self.sparsity
-        dtype = self.inducing_covariance.dtype
-        work = dtype if self.inducing_covariance.device.type == "mps" else torch.float64
-        kuu = self.inducing_covariance.to(work)
-        kuu_gram = kuu @ kuu.mT  # shape: (m, m)
-        out = []
-        for number, rows in enumerate(self._least_squares_blocks(), start=1):
-            xr = self.train_x[rows]
-            rhs = evaluate_kernel(self.covar_module, xr, self.inducing_points).to(work)  # (c, m)
-            j = idx[rows]  # shape: (c, b)
-            design = kuu[j]  # K_UU(J_i, :), shape: (c, b, m)
-            gram = kuu_gram[j.unsqueeze(-1), j.unsqueeze(-2)]  # shape: (c, b, b)
-            out.append(_batched_least_squares(design, rhs, gram).to(dtype))
-            if report is not None:
-                report.update(number, rows=rows.stop - rows.start)
-        mine = torch.cat(out) if out else kuu.new_zeros(0, b).to(dtype)  # (n_p, b)
-        return self._gather_rows(mine, "all_gather of the least-squares start")
-
-    def _gather_rows(self, mine: Tensor, what: str) -> Tensor:
-        """This rank's rows :attr:`_block` of an ``(n, b)`` matrix, with every other rank's,
-        ``(n, b)`` on every rank (``mine`` itself without a process group)."""
-        if self.process_group is None:
-            return mine
-        return all_gather_cat(mine, 0, self._block_sizes, self.process_group, what)
-
-    def _sum_over_ranks(self, mine: Tensor, what: str) -> Tensor:
-        """This rank's partial sums plus every other rank's (``mine`` itself without a
-        process group)."""
-        if self.process_group is None:
-            return mine
-        return all_reduce_sum(mine, self.process_group, what)
-
-    def _columns(self, start: int) -> tuple[slice, Tensor]:
-        """Columns ``start ..`` of :math:`K_{XX}`, at most ``chunk_size`` of them and none
-        beyond this rank's block :attr:`_block`."""
-        cols = slice(start, min(start + self.chunk_size, self._block.stop))
-        return cols, evaluate_kernel(self.covar_module, self.train_x, self.train_x[cols])  # (n, c)
-
-    def _times_kuu(self, values: Tensor, cols: slice) -> Tensor:
-        """Rows ``cols`` of :math:`W K_{UU}`, shape ``(c, m)``."""
-        return self._pattern.rows(values, cols) @ self.inducing_covariance
+        return self._objective().least_squares_weights()
 
     def objective_and_gradient(
         self, values: Tensor, *, gradient: bool = True
@@ -877,36 +848,13 @@ class KernelDistillation:
         :param gradient: also return the gradient (``False``: the objective alone, cheaper).
         :return: ``(objective (), gradient (n, b) or None)``.
         """
-        w = self._pattern.matrix(values)
-        wt = self._pattern.transpose(values) if gradient else None
-        total = values.new_zeros(())
-        block = self._block  # all n columns without a process group
-        rows = slice(0, block.stop - block.start)
-        grad = torch.empty_like(values[rows]) if gradient else None  # rows of this block
-        with torch.no_grad():
-            for start in range(block.start, block.stop, self.chunk_size):
-                cols, k_cols = self._columns(start)
-                a_rows = self._times_kuu(values, cols)  # (W K_UU)[cols], shape: (c, m)
-                resid = w @ a_rows.transpose(-1, -2) - k_cols  # E[:, cols] (n, c)
-                total = total + resid.pow(2).sum()
-                if gradient:
-                    ew = (wt @ resid).transpose(-1, -2)  # (E W)[cols], shape: (c, m)
-                    # (E W K_UU)[cols] on the pattern, shape: (c, b)
-                    ewk = ew @ self.inducing_covariance.mT
-                    local = slice(cols.start - block.start, cols.stop - block.start)
-                    grad[local] = 4.0 * ewk.gather(-1, self.neighbour_indices[cols])
-        total = self._sum_over_ranks(total, "all_reduce of the objective")
-        if gradient:
-            grad = self._gather_rows(grad, "all_gather of the gradient")
-        return total, grad
+        return self._objective().objective_and_gradient(values, gradient=gradient)
 
     def frobenius_error(self, values: Tensor | None = None) -> float:
         r""":math:`\|K_{XX} - W K_{UU} W^\top\|_F` (chunked), at ``values`` or the current ``W``
         (collective with a :attr:`process_group`)."""
-        if self.weight_values is None:
-            self.prepare()
-        values = self.weight_values if values is None else values
-        return float(self.objective_and_gradient(values, gradient=False)[0].sqrt())
+        objective = self._objective()
+        return objective.frobenius_error(self.weight_values if values is None else values)
 
     def block_direction(self, values: Tensor, gradient: Tensor) -> Tensor:
         r"""The block least-squares direction :math:`D` (``W - D`` is one alternating step).
@@ -935,95 +883,7 @@ class KernelDistillation:
             shape ``(n, b)``.
         :return: :math:`D`, shape ``(n, b)``.
         """
-        if self.neighbour_indices is None:
-            self.prepare()
-        idx, m = self.neighbour_indices, self.num_inducing
-        for name, tensor in (("values", values), ("gradient", gradient)):
-            if not isinstance(tensor, Tensor) or tensor.shape != idx.shape:
-                shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-                raise ValueError(
-                    f"{name} must be a tensor of shape {tuple(idx.shape)}, got {shape}"
-                )
-        dtype = values.dtype
-        work = dtype if values.device.type == "mps" else torch.float64
-        vals = values.to(work)
-        outer = vals.unsqueeze(-1) * vals.unsqueeze(-2)  # shape: (n, b, b)
-        flat = (idx.unsqueeze(-1) * m + idx.unsqueeze(-2)).reshape(-1)
-        gram = torch.zeros(m * m, dtype=work, device=values.device)
-        gram = gram.index_add_(0, flat, outer.reshape(-1)).reshape(m, m)  # W^T W
-        kuu = self.inducing_covariance.to(work)
-        g = kuu @ gram @ kuu  # shape: (m, m)
-        g = 0.5 * (g + g.mT)
-        b = self.sparsity
-        eye = torch.eye(b, dtype=work, device=values.device)
-        rows = max(1, _CHUNK_ELEMENTS // (b * b))
-        owned = self._block  # all n rows without a process group
-        out = []
-        for start in range(owned.start, owned.stop, rows):
-            stop = min(start + rows, owned.stop)
-            j = idx[start:stop]  # shape: (c, b)
-            block = g[j.unsqueeze(-1), j.unsqueeze(-2)]  # shape: (c, b, b)
-            scale = block.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(work).tiny)
-            block = block + 1e-12 * scale[:, None, None] * eye
-            rhs = 0.25 * gradient[start:stop].to(work).unsqueeze(-1)  # (c, b, 1)
-            chol, info = torch.linalg.cholesky_ex(block)
-            sol = torch.cholesky_solve(rhs, chol)
-            bad = (info != 0) | ~torch.isfinite(sol).all(dim=(-2, -1))
-            if bool(bad.any()):
-                sol[bad] = torch.linalg.pinv(block[bad], hermitian=True) @ rhs[bad]
-            out.append(sol.squeeze(-1))
-        mine = torch.cat(out) if out else g.new_zeros(0, b)  # shape: (n_p, b)
-        return self._gather_rows(mine.to(dtype), "all_gather of the block direction")
-
-    def _line_search(self, values: Tensor, direction: Tensor) -> tuple[float, float]:
-        """The first local minimiser ``t >= 0`` of ``f(values - t * direction)`` and ``f`` there.
-
-        Not the global minimiser of the quartic: the objective is even in ``W``, so a farther
-        minimum can be (nearly) ``-W``, beyond the barrier at ``W = 0``, whose student predicts
-        the negated mean (every input equal, say, where the fit is exact).
-        """
-        w = self._pattern.matrix(values)
-        dmat = self._pattern.matrix(direction)
-        c = torch.zeros(6, dtype=values.dtype, device=values.device)
-        block = self._block  # all n columns without a process group
-        with torch.no_grad():
-            for start in range(block.start, block.stop, self.chunk_size):
-                cols, k_cols = self._columns(start)
-                a = self._times_kuu(values, cols).transpose(-1, -2)  # (m, c)
-                bmat = self._times_kuu(direction, cols).transpose(-1, -2)
-                both = torch.cat([a, bmat], dim=-1)  # shape: (m, 2c)
-                w_both, d_both = w @ both, dmat @ both
-                width = a.shape[-1]
-                e0 = w_both[:, :width] - k_cols  # E_0[:, cols]
-                s = d_both[:, :width] + w_both[:, width:]  # (D K W^T + W K D^T)[:, cols]
-                q = d_both[:, width:]  # (D K D^T)[:, cols]
-                c += torch.stack(
-                    [
-                        (e0 * e0).sum(),
-                        (e0 * s).sum(),
-                        (s * s).sum(),
-                        (e0 * q).sum(),
-                        (s * q).sum(),
-                        (q * q).sum(),
-                    ]
-                )
-        c = self._sum_over_ranks(c, "all_reduce of the line search's coefficients")
-        ee, es, ss, eq, sq, qq = c.tolist()
-        # f(t) = ee - 2 es t + (ss + 2 eq) t^2 - 2 sq t^3 + qq t^4
-        coeffs = [qq, -2.0 * sq, ss + 2.0 * eq, -2.0 * es, ee]
-        poly = np.polynomial.Polynomial(coeffs[::-1])
-        # f decreases from t = 0 (a descent direction) up to its first critical point
-        t = min(
-            (
-                r.real
-                for r in poly.deriv().roots()
-                if abs(r.imag) < 1e-12 * (1 + abs(r)) and r.real > 0
-            ),
-            default=0.0,
-        )
-        if poly(t) > ee:  # not a descent direction, or no step beyond rounding
-            t = 0.0
-        return t, max(poly(t), 0.0)
+        return self._objective().block_direction(values, gradient)
 
     def fit(
         self, *, progress: object = False, callback: Callback | None = None
@@ -1064,102 +924,66 @@ class KernelDistillation:
             prepared_stop = self._prepare("KernelDistillation.fit", progress, callback)
         max_iter = 0 if prepared_stop else self.max_iter
         t0 = time.perf_counter()
-        values = self.weight_values
-        errors: list[float] = []
-        opt = None
-        if self.optimizer is not None:
-            param = torch.nn.Parameter(values.clone())
-            opt = self.optimizer([param])
         with ProgressReporter(
             "KernelDistillation.fit", max_iter, progress, callback, phase="descent"
         ) as report:
-            stopped = False
-            for step in range(max_iter):
-                current = param.detach() if opt is not None else values
-                obj, grad = self.objective_and_gradient(current)
-                errors.append(float(obj.sqrt()))
-                # the error after iteration `step` is known now, with the gradient there
-                if step > 0 and report.update(step, loss=errors[-1]):
-                    stopped = True
-                    break
-                if opt is not None:
-                    opt.zero_grad()
-                    param.grad = grad
-                    opt.step()
-                    values = param.detach().clone()
-                elif self.lr is not None:
-                    values = values - self.lr * grad
-                else:
-                    direction = (
-                        self.block_direction(values, grad) if self.descent == "block" else grad
-                    )
-                    t, _ = self._line_search(values, direction)
-                    values = values - t * direction
-                if not bool(torch.isfinite(values).all()):
-                    advice = (
-                        "the exact line search took a non-finite step (an ill-conditioned "
-                        "K_UU: use float64, or fewer or more spread-out inducing points)"
-                        if self._uses_line_search
-                        else f"{self._step_rule()} is too large; lower it, or use the exact line "
-                        "search (lr=None, the default)"
-                    )
-                    raise RuntimeError(
-                        f"kernel distillation diverged at iteration {step + 1}: {advice}"
-                    )
-            if not stopped:
-                errors.append(self.frobenius_error(values))
-                if max_iter > 0:
-                    report.update(max_iter, loss=errors[-1])
+            values, errors = self._objective().descend(
+                self.weight_values,
+                max_iter,
+                lr=self.lr,
+                optimizer=self.optimizer,
+                descent=self.descent,
+                report=report,
+            )
         self.weight_values = values
         self.frobenius_errors = errors
         # the exact line search never raises the error (beyond rounding); fixed steps can
-        grew = not self._uses_line_search and errors[-1] > 1.001 * errors[0]
+        line_search = self.lr is None and self.optimizer is None
+        grew = not line_search and errors[-1] > 1.001 * errors[0]
         if grew:
             warn(
                 f"kernel distillation ended with a larger error ||K - WKW^T||_F = {errors[-1]:.3e} "
-                f"than it started with ({errors[0]:.3e}): {self._step_rule()} is too large; "
-                "lower it, or use the exact line search (lr=None, the default)",
+                f"than it started with ({errors[0]:.3e}): {step_rule(self.lr, self.optimizer)} "
+                "is too large; lower it, or use the exact line search (lr=None, the default)",
                 RuntimeWarning,
             )
         t1 = time.perf_counter()
         try:
-            self._student = SparseLowRankStudent.from_sparse_weights(
-                self.covar_module,
-                self.inducing_points,
-                values,
-                self.neighbour_indices,
-                self.train_y,
-                self.noise,
-                mean_constant=self.mean_constant,
-                inducing_covariance=self.inducing_covariance,
-                jitter=self.jitter,
-                neighbour_scale=self.neighbour_scale,
-            )
+            self._set_student(self._build_student())
         except RuntimeError as err:
             if not grew:
                 raise
             raise RuntimeError(
                 f"kernel distillation diverged (||K - WKW^T||_F grew from {errors[0]:.3e} to "
                 f"{errors[-1]:.3e}), and the student cannot be built from its weights: "
-                f"{self._step_rule()} is too large; lower it, or use the exact line search "
-                "(lr=None, the default)"
+                f"{step_rule(self.lr, self.optimizer)} is too large; lower it, or use the exact "
+                "line search (lr=None, the default)"
             ) from err
+        self._fitted = True
         self.timings.update(optimisation=t1 - t0, student=time.perf_counter() - t1)
         return self
 
-    @property
-    def _uses_line_search(self) -> bool:
-        """Whether the steps come from the exact line search (no fixed step, no optimiser)."""
-        return self.lr is None and self.optimizer is None
+    def _set_student(self, student: SparseLowRankStudent) -> None:
+        # outside the module tree: the state_dict holds what the student is built from, so that
+        # it loads into a distiller that has none yet; _apply moves it with the distiller
+        object.__setattr__(self, "_student", student)
 
-    def _step_rule(self) -> str:
-        """The fixed-step setting that chose the steps, for messages about them."""
-        if self.optimizer is not None:
-            return "the optimizer's learning rate"
-        return f"lr={self.lr:g}"
+    def _build_student(self) -> SparseLowRankStudent:
+        """The student of the current :math:`W`."""
+        return SparseLowRankStudent.from_sparse_weights(
+            self.covar_module,
+            self.inducing_points,
+            self.weight_values,
+            self.neighbour_indices,
+            self.train_y,
+            self.noise,
+            mean_constant=self.mean_constant,
+            inducing_covariance=self.inducing_covariance,
+            jitter=self.jitter,
+            neighbour_scale=self.neighbour_scale,
+        )
 
     def dense_weights(self, values: Tensor | None = None) -> Tensor:
         """:math:`W` as a dense ``(n, m)`` matrix (for inspection of small problems)."""
-        if self.weight_values is None:
-            self.prepare()
-        return self._pattern.dense(self.weight_values if values is None else values)
+        objective = self._objective()
+        return objective.dense_weights(self.weight_values if values is None else values)

@@ -1,6 +1,6 @@
 """Tests of KernelDistillation: the least-squares start, the objective, its gradient and the
 line search against dense references, the descent with fit, progress and callbacks, the
-teachers it accepts and the arguments it checks."""
+teachers it accepts, the arguments it checks, and its state_dict and .to() round trips."""
 
 import copy
 import warnings
@@ -168,24 +168,6 @@ def test_gradient_equals_autograd_on_the_pattern():
     )
 
 
-def test_sparse_pattern_products_match_dense_scatter():
-    # column 3 of W has no non-zero and column 0 several: the CSR row pointers of W^T must say so
-    from gpsd.kernel_distillation.kernel_distillation import _SparseRows
-
-    indices = torch.tensor([[0, 2], [0, 4], [1, 4], [0, 5], [2, 5]])
-    values = torch.arange(1.0, 11.0, dtype=DT).reshape(5, 2)
-    pattern = _SparseRows(indices, 6)
-    dense = torch.zeros(5, 6, dtype=DT)
-    for i in range(5):
-        for j in range(2):
-            dense[i, indices[i, j]] = values[i, j]
-    rhs = torch.randn(6, 3, dtype=DT)
-    torch.testing.assert_close(pattern.matrix(values) @ rhs, dense @ rhs, rtol=0, atol=0)
-    rhs_t = torch.randn(5, 4, dtype=DT)
-    torch.testing.assert_close(pattern.transpose(values) @ rhs_t, dense.T @ rhs_t)
-    torch.testing.assert_close(pattern.dense(values), dense, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_short_lengthscale_objective_and_gradient_match_a_float64_reference(dtype):
     # lengthscale 0.1 on [0, 10]^2: most kernel entries lie below the smallest normal number,
@@ -267,8 +249,8 @@ def test_chunked_and_unchunked_paths_agree(chunk_size):
     torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
     d = torch.randn_like(values)
-    t1, f1 = ref._line_search(values, d)
-    t2, f2 = kd._line_search(values, d)
+    t1, f1 = ref._objective().line_search(values, d)
+    t2, f2 = kd._objective().line_search(values, d)
     assert t1 == pytest.approx(t2, rel=1e-8) and f1 == pytest.approx(f2, rel=1e-8)
     assert ref.frobenius_error(values) == pytest.approx(
         float(_dense_objective(ref, values).sqrt()), rel=1e-10
@@ -279,7 +261,7 @@ def test_line_search_minimises_the_quartic():
     kd = reference_distiller()
     kd.prepare()
     _, grad = kd.objective_and_gradient(kd.weight_values)
-    t, f_t = kd._line_search(kd.weight_values, grad)
+    t, f_t = kd._objective().line_search(kd.weight_values, grad)
     f = lambda s: float(_dense_objective(kd, kd.weight_values - s * grad))  # noqa: E731
     assert t > 0
     assert f_t == pytest.approx(f(t), rel=1e-8)
@@ -431,10 +413,10 @@ def test_a_callback_returning_true_stops_after_that_iteration_and_keeps_its_w(kw
 
 
 def test_fit_reports_every_phase_of_the_preparation_and_then_the_descent(monkeypatch):
-    from gpsd.kernel_distillation import kernel_distillation
+    from gpsd.kernel_distillation import _objective
 
     # 120 rows of 20 x 5 in blocks of 50 rows: three blocks of least squares (50, 50, 20)
-    monkeypatch.setattr(kernel_distillation, "_CHUNK_ELEMENTS", 50 * 20 * 5)
+    monkeypatch.setattr(_objective, "_CHUNK_ELEMENTS", 50 * 20 * 5)
     records = []
     kd = reference_distiller(max_iter=2, kmeans_max_iter=3).fit(callback=records.append)
     assert {r.task for r in records} == {"KernelDistillation.fit"}
@@ -455,7 +437,7 @@ def test_fit_reports_every_phase_of_the_preparation_and_then_the_descent(monkeyp
     assert [r.loss for r in kmeans_records] == [r.loss for r in direct]
     assert [r.info["rows"] for r in records if r.phase == "least squares"] == [50, 50, 20]
     # the blocks change no row's solution: the start of a distiller solved in one block
-    monkeypatch.setattr(kernel_distillation, "_CHUNK_ELEMENTS", 2**22)
+    monkeypatch.setattr(_objective, "_CHUNK_ELEMENTS", 2**22)
     whole = reference_distiller(max_iter=2, kmeans_max_iter=3)
     whole.prepare()
     torch.testing.assert_close(kd.initial_weight_values, whole.initial_weight_values)
@@ -668,6 +650,20 @@ def test_cuda_matches_cpu():
     torch.testing.assert_close(
         s_moved.predict(test_x.cuda()).variance.cpu(), s_cpu.predict(test_x).variance
     )
+
+
+@requires_cuda
+def test_to_cuda_moves_the_distiller_and_its_student():
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=2).fit()
+    test_x = torch.randn(7, 2, dtype=DT)
+    want = kd.student.predict(test_x)
+    moved = copy.deepcopy(kd).to("cuda")
+    assert moved.weight_values.is_cuda and moved.neighbour_indices.is_cuda
+    assert moved.student.inducing_points.is_cuda
+    got = moved.student.predict(test_x.cuda())
+    torch.testing.assert_close(got.mean.cpu(), want.mean)
+    torch.testing.assert_close(got.variance.cpu(), want.variance)
+    assert moved.fit().weight_values.is_cuda  # a further fit descends on the GPU
 
 
 @pytest.mark.parametrize("metric", ["lengthscale", "euclidean"])
@@ -1089,3 +1085,117 @@ def test_unsupported_teachers_are_named(build, error, match):
     teacher = build(x, y)
     with pytest.raises(error, match=match):
         KernelDistillation(teacher, num_inducing=5, sparsity=2)
+
+
+def _saved_and_reloaded(state):
+    """``state`` through ``torch.save`` and ``torch.load``."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def test_the_distiller_is_a_gpytorch_module_whose_state_holds_what_it_learns():
+    kd = reference_distiller(n=60, m=10, b=3, max_iter=2).fit()
+    assert isinstance(kd, gpytorch.Module)
+    state = kd.state_dict()
+    for name in (
+        "train_x", "train_y", "noise", "neighbour_scale", "inducing_points", "neighbour_indices",
+        "inducing_covariance", "initial_weight_values", "weight_values",
+        "covar_module.base_kernel.raw_lengthscale",
+    ):  # fmt: skip
+        assert name in state, name
+    torch.testing.assert_close(state["weight_values"], kd.weight_values, rtol=0, atol=0)
+    assert state["_extra_state"]["frobenius_errors"] == kd.frobenius_errors
+    assert not any(t.requires_grad for t in kd.parameters())
+
+
+@pytest.mark.parametrize("max_iter", [0, 3])
+def test_a_state_dict_loaded_into_a_new_distiller_predicts_as_the_saved_one(max_iter):
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=max_iter).fit()
+    state = _saved_and_reloaded(kd.state_dict())
+    # built alike but with another K-means seed: everything learnt comes from the state
+    fresh = reference_distiller(n=80, m=12, b=4, max_iter=max_iter, seed=7)
+    with pytest.raises(gpsd.NotFittedError):
+        _ = fresh.student
+    fresh.load_state_dict(state)
+    test_x = torch.randn(11, 2, generator=torch.Generator().manual_seed(2), dtype=DT)
+    for got, want in zip(
+        mean_and_variance(fresh.student.predict(test_x)),
+        mean_and_variance(kd.student.predict(test_x)),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert fresh.frobenius_errors == kd.frobenius_errors
+    assert fresh.mean_constant == kd.mean_constant
+    torch.testing.assert_close(fresh.inducing_points, kd.inducing_points, rtol=0, atol=0)
+    assert torch.equal(fresh.neighbour_indices, kd.neighbour_indices)
+    # independently: the loaded W's error from a dense residual
+    assert fresh.frobenius_error() ** 2 == pytest.approx(
+        float(_dense_objective(fresh, fresh.weight_values)), rel=1e-10
+    )
+
+
+def test_a_prepared_state_loads_unfitted_and_an_unprepared_one_clears_what_was_learnt():
+    prepared = reference_distiller(n=60, m=10, b=3)
+    prepared.prepare()
+    fitted = reference_distiller(n=60, m=10, b=3, seed=5).fit()
+    fitted.load_state_dict(prepared.state_dict())
+    with pytest.raises(gpsd.NotFittedError):
+        _ = fitted.student
+    torch.testing.assert_close(fitted.weight_values, prepared.weight_values, rtol=0, atol=0)
+    # fitting the loaded start gives the student of the prepared distiller's own fit
+    test_x = torch.randn(5, 2, dtype=DT)
+    torch.testing.assert_close(
+        fitted.fit().student.predict(test_x).mean,
+        prepared.fit().student.predict(test_x).mean,
+        rtol=0,
+        atol=1e-12,
+    )
+    fitted.load_state_dict(reference_distiller(n=60, m=10, b=3).state_dict())
+    assert fitted.weight_values is None and fitted.inducing_points is None
+    with pytest.raises(gpsd.NotFittedError):
+        _ = fitted.student
+
+
+def test_to_float32_and_back_moves_the_distiller_and_its_student():
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=2).fit()
+    test_x = torch.randn(9, 2, generator=torch.Generator().manual_seed(3), dtype=DT)
+    want = kd.student.predict(test_x)
+    moved = copy.deepcopy(kd).to(torch.float32)
+    floats = [moved.train_x, moved.weight_values, moved.inducing_covariance, moved.noise]
+    assert all(t.dtype == torch.float32 for t in floats)
+    assert moved.neighbour_indices.dtype == torch.long
+    assert moved.covar_module.base_kernel.raw_lengthscale.dtype == torch.float32
+    got = moved.student.predict(test_x)
+    assert got.mean.dtype == got.variance.dtype == torch.float32
+    # the float64 prediction rounded through float32 buffers: about 1e-6 relative
+    torch.testing.assert_close(got.mean.double(), want.mean, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.variance.double(), want.variance, rtol=0, atol=1e-5)
+    back = moved.to(torch.float64)
+    again = back.student.predict(test_x)
+    assert again.mean.dtype == torch.float64
+    torch.testing.assert_close(again.mean, want.mean, rtol=0, atol=1e-5)
+    # a float64 distiller moved to float64 is unchanged, bit for bit
+    same = kd.to(torch.float64).student.predict(test_x)
+    torch.testing.assert_close(same.mean, want.mean, rtol=0, atol=0)
+
+
+def test_a_distiller_moved_to_float32_descends_in_float32():
+    kd = reference_distiller(n=80, m=12, b=4, max_iter=2)
+    kd.prepare()
+    moved = copy.deepcopy(kd).to(torch.float32).fit()
+    assert moved.weight_values.dtype == torch.float32
+    assert moved.student.predict(torch.zeros(2, 2)).mean.dtype == torch.float32
+    reference = kd.fit()
+    assert moved.frobenius_errors == pytest.approx(reference.frobenius_errors, rel=1e-4)
+
+
+def test_from_data_and_from_sgpr_refuse_the_settings_they_fix():
+    x, y = reference_data(30)
+    with pytest.raises(TypeError, match="require_trained"):
+        KernelDistillation.from_data(
+            x, y, ard_kernel(), noise=0.1, num_inducing=5, sparsity=2, require_trained=False
+        )

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kd_reference import DT, dense_unit_rbf, reference_data
 
-from gpsd.kernel_distillation import KernelDistillation, kernel_distillation, kmeans
+from gpsd.kernel_distillation import KernelDistillation, _inducing_selection, kmeans
 
 
 class SGPR(gpytorch.models.ExactGP):
@@ -98,7 +98,7 @@ def test_a_users_inducing_points_give_the_student_kmeans_would_give_with_them(mo
     def no_kmeans(*args, **kwargs):
         raise AssertionError("K-means ran although inducing points were given")
 
-    monkeypatch.setattr(kernel_distillation, "kmeans", no_kmeans)
+    monkeypatch.setattr(_inducing_selection, "kmeans", no_kmeans)
     user = KernelDistillation.from_data(x, y, kernel, inducing_points=given, **settings).fit()
     torch.testing.assert_close(user.inducing_points, given, rtol=0, atol=0)
 
@@ -108,7 +108,7 @@ def test_a_users_inducing_points_give_the_student_kmeans_would_give_with_them(mo
         calls.append(num_clusters)
         return given / user.neighbour_scale
 
-    monkeypatch.setattr(kernel_distillation, "kmeans", fixed_kmeans)
+    monkeypatch.setattr(_inducing_selection, "kmeans", fixed_kmeans)
     clustered = KernelDistillation.from_data(x, y, kernel, **settings).fit()
     assert calls == [15]
     exact = dict(rtol=0, atol=0) if metric == "euclidean" else dict(rtol=1e-12, atol=1e-12)
@@ -194,3 +194,12 @@ def test_a_users_inducing_points_of_the_wrong_shape_are_named(inducing_points, m
         KernelDistillation.from_data(
             x, y, kernel, noise=0.1, num_inducing=15, sparsity=3, inducing_points=inducing_points
         )
+
+
+@pytest.mark.parametrize(
+    "setting", [{"num_inducing": 5}, {"inducing_points": None}, {"kmeans_max_iter": 3}, {"seed": 1}]
+)
+def test_from_sgpr_refuses_the_settings_the_sgpr_fixes(setting):
+    model = trained_sgpr(steps=2)
+    with pytest.raises(TypeError, match=f"from_sgpr.*{next(iter(setting))}"):
+        KernelDistillation.from_sgpr(model, sparsity=4, **setting)
