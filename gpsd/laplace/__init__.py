@@ -6,6 +6,7 @@ from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
+from gpsd.laplace.laplace_posterior import LaplacePosterior
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -29,6 +30,7 @@ __all__ = [
     "LaplaceGPClassifier",
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
+    "LaplacePosterior",
     "binary_class_probabilities",
     "closed_form_probability",
     "differentiable_mode",
