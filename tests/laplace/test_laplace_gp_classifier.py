@@ -415,7 +415,7 @@ def test_data_of_a_low_precision_dtype_are_refused_before_fitting(toy, dtype):
 
 
 def test_a_prediction_under_a_result_changing_setting_refits_and_memory_does_not(toy, monkeypatch):
-    import gpsd.laplace.laplace_gp_classifier as module
+    import gpsd.laplace.laplace_posterior as module  # the classifier's Newton runs there
 
     x, y, test_x = toy
     model = LaplaceGPClassifier(x, y, _kernel()).fit()
