@@ -19,12 +19,15 @@ from gpsd.laplace.predictive import (
     probit_approximation,
     symmetric_response_expectation,
 )
-from gpsd.laplace.resolve import resolve_likelihood_terms
+from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
+from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 
 __all__ = [
     "AutogradLikelihoodTerms",
     "BernoulliLogitTerms",
     "BernoulliProbitTerms",
+    "ClassificationTrainingData",
     "ContinuousBernoulliTerms",
     "LaplaceConvergenceError",
     "LaplaceGPClassifier",
@@ -32,13 +35,18 @@ __all__ = [
     "LaplaceMode",
     "LaplacePosterior",
     "binary_class_probabilities",
+    "checked_classification_data",
     "closed_form_probability",
+    "constant_parameters",
     "differentiable_mode",
     "find_laplace_mode",
     "expected_response",
     "gauss_hermite_expectation",
     "laplace_latent_predictive",
     "laplace_log_marginal_likelihood",
+    "likelihood_module",
+    "prior_at_test",
+    "prior_at_training",
     "probit_approximation",
     "resolve_likelihood_terms",
     "symmetric_response_expectation",
