@@ -7,7 +7,12 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from gpsd._internal.validation import as_float_tensor, check_finite, check_positive_float
+from gpsd._internal.validation import (
+    as_float_tensor,
+    check_finite,
+    check_positive_float,
+    check_same_device,
+)
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import (
     _check_stationary,
@@ -132,6 +137,10 @@ class LaplacePosterior:
             self.terms.check_targets(self.train_y, "train_y")
         if init_f is not None:
             init_f = _checked_vector(as_float_tensor(init_f, "init_f", dtype=dtype), "init_f", n)
+        for tensor, name in ((self.prior_mean, "prior_mean"), (self.train_y, "train_y")):
+            check_same_device(self.prior_covariance, tensor, name, "prior_covariance")
+        if init_f is not None:
+            check_same_device(self.prior_covariance, init_f, "init_f", "prior_covariance")
         _check_batch(self.prior_mean, self.prior_covariance, self.train_y, init_f)
         if mode is None:
             mode = find_laplace_mode(
