@@ -105,7 +105,8 @@ def refit_step_modules(
     callback: Callback | None = None,
 ) -> tuple[FittedModules, LaplacePosterior]:
     r"""Copies of ``covar_module`` and ``mean_module`` whose hyperparameters maximise the Laplace
-    marginal likelihood of one step's model on its targets, and that model's mode there.
+    marginal likelihood of one step's model on its targets, and that model's Laplace posterior
+    there.
 
     The step's model is the :class:`~gpsd.LaplaceGPClassifier` of ``targets`` with the likelihood
     ``terms`` raised to ``temperature`` and the noise ``noise`` on the kernel diagonal; its

@@ -333,7 +333,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                             init = None
                         posterior = LaplacePosterior(
                             m,
-                            K + noise * eye,
+                            K if noise == 0.0 else K + noise * eye,  # no copy without noise
                             self._terms(step),
                             targets,
                             init_f=init,
@@ -351,6 +351,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     self.latent_modes[step - 1] = mode.f
                     init = mode.f
                     soft = self._soft_predictions(posterior, K, m)
+                    del posterior  # its prior covariance K + noise I is not kept past the step
                     targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
                     loss = -float(mode.log_marginal_likelihood.sum())
                     info = {"newton_iterations": mode.iterations}

@@ -417,9 +417,11 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             posterior = self._refit(step, temperature, scale, callback)
         else:
             m, K = self._prior()
+            if scale != 1.0:
+                K = scale * K  # the posterior keeps it: the unscaled matrix is freed
             posterior = LaplacePosterior(
                 m,
-                scale * K,
+                K,
                 self.terms,
                 self.train_targets,
                 init_f=self._nearest_mode(step),
