@@ -19,11 +19,13 @@ from gpsd._internal.validation import (
     check_test_inputs,
     check_vector,
 )
-from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
-from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
-from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
-from gpsd.laplace.newton import LaplaceMode
-from gpsd.laplace.predictive import binary_class_probabilities
+from gpsd.laplace import (
+    BernoulliLogitTerms,
+    LaplaceGPClassifier,
+    LaplaceLikelihoodTerms,
+    LaplacePosterior,
+    binary_class_probabilities,
+)
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
 
@@ -101,9 +103,10 @@ def refit_step_modules(
     refit_max_iter: int = 50,
     refit_lr: float = 0.05,
     callback: Callback | None = None,
-) -> tuple[FittedModules, LaplaceMode]:
+) -> tuple[FittedModules, LaplacePosterior]:
     r"""Copies of ``covar_module`` and ``mean_module`` whose hyperparameters maximise the Laplace
-    marginal likelihood of one step's model on its targets, and that model's mode there.
+    marginal likelihood of one step's model on its targets, and that model's Laplace posterior
+    there.
 
     The step's model is the :class:`~gpsd.LaplaceGPClassifier` of ``targets`` with the likelihood
     ``terms`` raised to ``temperature`` and the noise ``noise`` on the kernel diagonal; its
@@ -116,8 +119,8 @@ def refit_step_modules(
     :param targets: The step's targets ``(*batch, n)``.
     :param callback: Called after every Adam iteration of the refit (:mod:`gpsd.progress`);
         returning ``True`` ends the refit there.
-    :return: The fitted modules (with the loss of every Adam iteration) and the mode of the
-        step's model at them.
+    :return: The fitted modules (with the loss of every Adam iteration) and the Laplace
+        posterior of the step's model at them.
     """
     kernel = copy.deepcopy(covar_module)
     mean = copy.deepcopy(mean_module)
@@ -140,7 +143,7 @@ def refit_step_modules(
         model.optimize_hyperparameters(max_iter=refit_max_iter, lr=refit_lr, callback=callback)
     for p in [*kernel.parameters(), *mean.parameters()]:
         p.requires_grad_(False)
-    return FittedModules(kernel, mean, list(model.history)), model.mode
+    return FittedModules(kernel, mean, list(model.history)), model.posterior()
 
 
 class StepwiseClassifier(abc.ABC):

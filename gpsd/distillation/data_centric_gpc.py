@@ -30,16 +30,20 @@ from gpsd.distillation._gpc_steps import (
     check_trainable,
     refit_step_modules,
 )
-from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
-from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
-from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
-from gpsd.laplace.predictive import (
+from gpsd.laplace import (
+    BernoulliLogitTerms,
+    ClassificationTrainingData,
+    ContinuousBernoulliTerms,
+    LaplaceMode,
+    LaplacePosterior,
+    checked_classification_data,
+    constant_parameters,
     laplace_latent_predictive,
+    prior_at_test,
+    prior_at_training,
     probit_approximation,
     symmetric_response_expectation,
 )
-from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
-from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.progress import Callback
 
 __all__ = ["DataCentricGPC"]
@@ -261,9 +265,11 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             return SoftBernoulliLogitTerms()
         return ContinuousBernoulliTerms()
 
-    def _soft_predictions(self, mode: LaplaceMode, K: Tensor, m: Tensor) -> Tensor:
+    def _soft_predictions(self, posterior: LaplacePosterior, K: Tensor, m: Tensor) -> Tensor:
+        """The next step's targets: the posterior's predictions at the training inputs, whose
+        prior covariance ``K`` and mean ``m`` are without the step's noise."""
         prior_var = torch.diagonal(K, dim1=-2, dim2=-1)
-        mean, var = laplace_latent_predictive(mode, K, prior_var, m, diag=True)
+        mean, var = posterior.predictive(K, prior_var, m, diag=True)
         var = nonnegative_variance(var, prior_var)
         if self.target_method == "probit":
             return probit_approximation(mean, var)
@@ -303,7 +309,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                 for step in range(1, self.num_steps + 1):
                     noise = float(self.noise[step - 1])
                     if refit:
-                        modules, mode = refit_step_modules(
+                        modules, posterior = refit_step_modules(
                             self.train_inputs,
                             targets,
                             self.covar_module,
@@ -325,15 +331,16 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                             init = stored
                         elif not self.warm_start:
                             init = None
-                        mode = find_laplace_mode(
-                            K + noise * eye,
-                            targets,
+                        posterior = LaplacePosterior(
+                            m,
+                            K if noise == 0.0 else K + noise * eye,  # no copy without noise
                             self._terms(step),
-                            prior_mean=m,
+                            targets,
                             init_f=init,
                             max_iter=self.max_iter,
                             check_targets=step == 1,  # later: the last step's probabilities
                         )
+                    mode = posterior.mode
                     steps.append((mode, modules))
                     self.newton_iterations.append(mode.iterations)
                     self.refit_history.append(modules.history)
@@ -343,7 +350,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     self.step_targets[step - 1] = targets
                     self.latent_modes[step - 1] = mode.f
                     init = mode.f
-                    soft = self._soft_predictions(mode, K, m)
+                    soft = self._soft_predictions(posterior, K, m)
+                    del posterior  # its prior covariance K + noise I is not kept past the step
                     targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
                     loss = -float(mode.log_marginal_likelihood.sum())
                     info = {"newton_iterations": mode.iterations}

@@ -28,11 +28,18 @@ from gpsd.distillation._gpc_steps import (
     check_trainable,
     refit_step_modules,
 )
-from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
-from gpsd.laplace.predictive import closed_form_probability, expected_response
-from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
-from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
-from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.laplace import (
+    ClassificationTrainingData,
+    LaplacePosterior,
+    checked_classification_data,
+    closed_form_probability,
+    constant_parameters,
+    expected_response,
+    likelihood_module,
+    prior_at_test,
+    prior_at_training,
+    resolve_likelihood_terms,
+)
 from gpsd.progress import Callback
 
 __all__ = ["DistributionCentricGPC"]
@@ -342,10 +349,11 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         temperature: float = 1.0,
         scale: float = 1.0,
         callback: Callback | None = None,
-    ) -> LaplaceMode:
+    ) -> LaplacePosterior:
         r"""Refit step ``step``'s kernel and prior mean (:func:`refit_step_modules`) for the
         likelihood raised to ``temperature`` under :math:`\mathcal{GP}(m, s k)`, ``s = scale``;
-        keeps them and returns the mode there (for the kernel ``scale`` times the refitted one).
+        keeps them and returns the Laplace posterior there (for the kernel ``scale`` times the
+        refitted one).
         ``callback`` sees every Adam iteration of the refit."""
         check_trainable(self.covar_module, self.mean_module)
         kernel = self.covar_module
@@ -356,7 +364,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             kernel = kernel.to(dtype=like.dtype, device=like.device)
             kernel.outputscale = torch.full_like(kernel.outputscale, scale)
             kernel.raw_outputscale.requires_grad_(False)
-        modules, mode = refit_step_modules(
+        modules, posterior = refit_step_modules(
             self.train_inputs,
             self.train_targets,
             kernel,
@@ -372,7 +380,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             modules.covar_module = modules.covar_module.base_kernel
         self._step_modules[step] = modules
         self.refit_history[step] = modules.history
-        return mode
+        return posterior
 
     def _step_modules_at(self, step: int) -> FittedModules:
         """The kernel and prior mean of step ``step`` (in 1..``_fitted_steps()``)."""
@@ -406,31 +414,25 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         scale = t if self.method == "scaled_kernel" else 1.0
         temperature = 1.0 if self.method == "scaled_kernel" else t
         if self.refit_hyperparameters:
-            mode = self._refit(step, temperature, scale, callback)
+            posterior = self._refit(step, temperature, scale, callback)
         else:
             m, K = self._prior()
-            mode = find_laplace_mode(
-                scale * K,
-                self.train_targets,
+            if scale != 1.0:
+                K = scale * K  # the posterior keeps it: the unscaled matrix is freed
+            posterior = LaplacePosterior(
+                m,
+                K,
                 self.terms,
-                prior_mean=m,
+                self.train_targets,
                 init_f=self._nearest_mode(step),
                 temperature=temperature,
                 max_iter=self.max_iter,
             )
-        S = self._middle(mode)
+        S = posterior.covariance_correction()
+        mode = posterior.mode
         # mean m + (sK)(x, X) a ; cov s k - s^2 k(x,X) S k(X,x)
         self._store(step, mode.f, scale * mode.alpha, scale**2 * S)
         self.newton_iterations[step] = mode.iterations
-
-    @staticmethod
-    def _middle(mode) -> Tensor:
-        r""":math:`\mathbf W^{1/2}\mathbf B^{-1}\mathbf W^{1/2} = (\mathbf K + \mathbf W^{-1})^{-1}`."""
-        n = mode.sqrt_W.shape[-1]
-        eye = torch.eye(n, dtype=mode.sqrt_W.dtype, device=mode.sqrt_W.device)
-        inner = torch.cholesky_solve(eye.expand_as(mode.chol_B), mode.chol_B)  # B^{-1}
-        S = mode.sqrt_W.unsqueeze(-1) * inner * mode.sqrt_W.unsqueeze(-2)
-        return 0.5 * (S + S.transpose(-1, -2))
 
     def _fit_iterated(self, report: ProgressReporter) -> None:
         if self.refit_hyperparameters:
@@ -475,15 +477,11 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             K_prev = K0 @ P  # k_{t-1}(X, X)
             K_prev = 0.5 * (K_prev + K_prev.transpose(-1, -2))
             m_prev = m0 + (K0 @ c.unsqueeze(-1)).squeeze(-1)
-            mode = find_laplace_mode(
-                K_prev,
-                self.train_targets,
-                self.terms,
-                prior_mean=m_prev,
-                init_f=init,
-                max_iter=self.max_iter,
+            posterior = LaplacePosterior(
+                m_prev, K_prev, self.terms, self.train_targets, init_f=init, max_iter=self.max_iter
             )
-            S = self._middle(mode)
+            S = posterior.covariance_correction()
+            mode = posterior.mode
             c = c + (P @ mode.alpha.unsqueeze(-1)).squeeze(-1)
             Q = Q + P @ S @ P.transpose(-1, -2)
             Q = 0.5 * (Q + Q.transpose(-1, -2))

@@ -6,6 +6,7 @@ from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
+from gpsd.laplace.laplace_posterior import LaplacePosterior
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -18,25 +19,34 @@ from gpsd.laplace.predictive import (
     probit_approximation,
     symmetric_response_expectation,
 )
-from gpsd.laplace.resolve import resolve_likelihood_terms
+from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
+from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 
 __all__ = [
     "AutogradLikelihoodTerms",
     "BernoulliLogitTerms",
     "BernoulliProbitTerms",
+    "ClassificationTrainingData",
     "ContinuousBernoulliTerms",
     "LaplaceConvergenceError",
     "LaplaceGPClassifier",
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
+    "LaplacePosterior",
     "binary_class_probabilities",
+    "checked_classification_data",
     "closed_form_probability",
+    "constant_parameters",
     "differentiable_mode",
     "find_laplace_mode",
     "expected_response",
     "gauss_hermite_expectation",
     "laplace_latent_predictive",
     "laplace_log_marginal_likelihood",
+    "likelihood_module",
+    "prior_at_test",
+    "prior_at_training",
     "probit_approximation",
     "resolve_likelihood_terms",
     "symmetric_response_expectation",

@@ -20,14 +20,13 @@ from gpsd._internal.validation import (
     check_test_inputs,
 )
 from gpsd._internal.variance import nonnegative_variance
+from gpsd.laplace.laplace_posterior import LaplacePosterior
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
-from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
-from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
+from gpsd.laplace.newton import LaplaceMode
 from gpsd.laplace.predictive import (
     binary_class_probabilities,
     closed_form_probability,
     expected_response,
-    laplace_latent_predictive,
 )
 from gpsd.laplace.prior import prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
@@ -64,8 +63,8 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         \qquad \sigma_*^2 = k_{**} - \mathbf k_*^\top(\tilde{\mathbf K} + \mathbf W^{-1})^{-1}
         \mathbf k_*.
 
-    The mode is found by :func:`~gpsd.laplace.find_laplace_mode` (Newton, stable B-form, warm
-    started from the last mode). :meth:`log_marginal_likelihood` is differentiable in the kernel and
+    The model composes a :class:`~gpsd.laplace.LaplacePosterior` (:meth:`posterior`): the mode is
+    found by Newton's method in the stable B-form, warm started from the last mode. :meth:`log_marginal_likelihood` is differentiable in the kernel and
     mean hyperparameters (total derivative, including the dependence of the mode), so they train in
     an ordinary torch loop. The model fits lazily: :meth:`fit` need not be called, the first
     prediction fits, and predictions refit the mode when any parameter or buffer, the
@@ -149,7 +148,7 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         )
         self.register_buffer("latent_mode", torch.zeros_like(train_y))
         self.register_buffer("mode_available", torch.tensor(False, device=train_x.device))
-        #: the fitted :class:`~gpsd.laplace.LaplaceMode`, valid while the state it was fitted
+        #: the fitted :class:`~gpsd.laplace.LaplacePosterior`, valid while the state it was fitted
         #: at (parameters, buffers, ``temperature``, ``max_iter``, :mod:`gpsd.settings`) holds
         self._fit_cache = FitCache()
         #: the losses of the last :meth:`optimize_hyperparameters`, one per iteration
@@ -179,11 +178,18 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         """The :class:`~gpsd.laplace.LaplaceMode` at the current hyperparameters (fitted on first
         use, refitted when any parameter, buffer, ``temperature``, ``max_iter`` or
         :mod:`gpsd.settings` value changed since the last fit)."""
-        mode = self._fit_cache.get(self, self._fit_config(), self._find_mode)
-        self._fit_cache.grad_matters = False  # the mode is found without autograd
-        return mode
+        return self._fitted_posterior().mode
 
-    def _find_mode(self, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceMode:
+    def _fitted_posterior(self) -> LaplacePosterior:
+        """The :class:`~gpsd.laplace.LaplacePosterior` of the last fit (its prior without autograd
+        history), refitted where the state it was fitted at changed."""
+        posterior = self._fit_cache.get(self, self._fit_config(), self._find_posterior)
+        self._fit_cache.grad_matters = False  # the mode is found without autograd
+        return posterior
+
+    def _find_posterior(
+        self, init_f: Tensor | None = None, warm_start: bool = True
+    ) -> LaplacePosterior:
         """Newton at the current hyperparameters; the mode is written to :attr:`latent_mode`."""
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
@@ -205,21 +211,22 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
                 and self.latent_mode.shape == shape
             ):
                 init_f = self.latent_mode
-            mode = find_laplace_mode(
+            posterior = LaplacePosterior(
+                m,
                 K,
-                self.train_targets,
                 self.terms,
-                prior_mean=m,
+                self.train_targets,
                 init_f=init_f,
                 temperature=self.temperature,
                 max_iter=self.max_iter,
             )
-            if self.latent_mode.shape != mode.f.shape:
-                self.latent_mode = mode.f.clone()
+            f = posterior.mode.f
+            if self.latent_mode.shape != f.shape:
+                self.latent_mode = f.clone()
             else:
-                self.latent_mode.copy_(mode.f)
+                self.latent_mode.copy_(f)
             self.mode_available.fill_(True)
-        return mode
+        return posterior
 
     def fit(self, *, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceGPClassifier:
         """Find the Laplace mode at the current hyperparameters (warm start from the last mode).
@@ -232,46 +239,49 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         :return: ``self``.
         """
         self._fit_cache.clear()
-        mode = self._find_mode(init_f, warm_start)
-        self._fit_cache.store(self, self._fit_config(), mode)
+        posterior = self._find_posterior(init_f, warm_start)
+        self._fit_cache.store(self, self._fit_config(), posterior)
         self._fit_cache.grad_matters = False
         return self
+
+    def posterior(self) -> LaplacePosterior:
+        """The :class:`~gpsd.laplace.LaplacePosterior` at the current hyperparameters (fitted
+        where needed, as :attr:`mode`); its prior carries autograd history where gradients are
+        enabled and a parameter requires them, so that its evidence and predictions are
+        differentiable in the hyperparameters (the mode's own dependence on them included)."""
+        fitted = self._fitted_posterior()
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            return fitted
+        m, K = self.prior_train()
+        return LaplacePosterior(
+            m,
+            K,
+            self.terms,
+            self.train_targets,
+            mode=fitted.mode,
+            temperature=self.temperature,
+        )
 
     def log_marginal_likelihood(self) -> Tensor:
         r"""The Laplace approximation of :math:`\log p(\mathbf y)`, shape ``batch``,
         differentiable in the hyperparameters (see
-        :func:`~gpsd.laplace.laplace_log_marginal_likelihood`).
+        :meth:`~gpsd.laplace.LaplacePosterior.log_marginal_likelihood`).
 
         The evidence alone: hyperpriors registered on the modules are not included (see
         :meth:`log_prior`; :meth:`optimize_hyperparameters` adds them)."""
-        mode = self.mode
-        m, K = self.prior_train()
-        return laplace_log_marginal_likelihood(
-            K, self.train_targets, self.terms, mode, prior_mean=m, temperature=self.temperature
-        )
+        return self.posterior().log_marginal_likelihood()
 
     def _test_inputs(self, x: Tensor) -> Tensor:
         return check_test_inputs(x, self.train_inputs)
 
-    def _predictive_mode(self) -> LaplaceMode:
-        """:attr:`mode`, with the derivatives of the mode in the hyperparameters attached where
-        gradients are enabled and a parameter requires them (:func:`differentiable_mode`): the
-        mode is found without autograd, and predictions through it would otherwise miss how it
-        moves with the hyperparameters (a wrong gradient, not merely a partial one)."""
-        mode = self.mode
-        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
-            return mode
-        m, K = self.prior_train()
-        return differentiable_mode(K, self.train_targets, self.terms, mode, m)
-
     def forward(self, x: Tensor) -> MultivariateNormal:
         """The latent predictive distribution at ``x`` (full covariance), ``(*batch, M)``."""
         x = self._test_inputs(x)
-        mode = self._predictive_mode()
+        posterior = self.posterior()
         K_cross, K_test, prior_mean = prior_at_test(
             self.covar_module, self.mean_module, x, self.train_inputs, diag=False
         )
-        mean, cov = laplace_latent_predictive(mode, K_cross, K_test, prior_mean, diag=False)
+        mean, cov = posterior.predictive(K_cross, K_test, prior_mean, diag=False)
         jitter = 1e-10 if cov.dtype == torch.float64 else 1e-6
         cov = cov + jitter * torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
         return MultivariateNormal(mean, cov)
@@ -280,11 +290,11 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         """The latent predictive mean and variance at ``test_x``, each ``(*batch, M)``;
         differentiable in the hyperparameters (the mode's own dependence on them included)."""
         x = self._test_inputs(test_x)
-        mode = self._predictive_mode()
+        posterior = self.posterior()
         K_cross, K_diag, prior_mean = prior_at_test(
             self.covar_module, self.mean_module, x, self.train_inputs, diag=True
         )
-        mean, var = laplace_latent_predictive(mode, K_cross, K_diag, prior_mean, diag=True)
+        mean, var = posterior.predictive(K_cross, K_diag, prior_mean, diag=True)
         return Prediction(mean, nonnegative_variance(var, K_diag))
 
     def _positive_probability(self, test_x: Tensor, method: str, num_points: int) -> Tensor:

@@ -1,7 +1,7 @@
 """The GP prior's blocks that the Laplace classifiers work with, in the training data's dtype.
 
-Public so that models built on the Laplace approximation (the GPC self-distillers of
-:mod:`gpsd.distillation`) evaluate the prior exactly as :class:`~gpsd.LaplaceGPClassifier` does.
+Public so that models built on :class:`~gpsd.laplace.LaplacePosterior` (the GPC self-distillers
+of :mod:`gpsd.distillation`) evaluate the prior exactly as :class:`~gpsd.LaplaceGPClassifier` does.
 
 A kernel or mean in another dtype than the data (float64 modules on float32 data) would otherwise
 mix dtypes in the Newton iterations and the predictions.
@@ -29,10 +29,17 @@ def prior_at_training(
     noise: Tensor | float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma \mathbf I`
-    ``(*batch, n, n)`` at the training inputs ``x`` (``(..., n, d)``), in ``x``'s dtype.
+    ``(*batch, n, n)`` at the training inputs ``x`` (``(..., n, d)``), in ``x``'s dtype: the
+    ``prior_mean`` and ``prior_covariance`` of a :class:`~gpsd.laplace.LaplacePosterior`.
 
     ``batch`` broadcasts the batches of the kernel, the mean and ``targets`` (``(..., n)``); the
     results are expanded views and keep the modules' autograd history.
+
+    :param covar_module: The kernel :math:`k`.
+    :param mean_module: The prior mean :math:`m`.
+    :param x: Training inputs ``(..., n, d)``.
+    :param targets: Training targets ``(..., n)`` (their batch shape only is used).
+    :param noise: :math:`\gamma \ge 0` added to the diagonal.
     """
     K = kernel_matrix(covar_module, x).to(x.dtype)  # shape: (*bk, n, n)
     n = K.shape[-1]
@@ -50,7 +57,15 @@ def prior_at_test(
     diag: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``k(x, X)`` ``(*b, m, n)``, ``k(x, x)`` (``(*b, m)`` with ``diag``, else ``(*b, m, m)``) and
-    the prior mean ``(*b, m)`` at test inputs ``x``, in the dtype of ``train_x``."""
+    the prior mean ``(*b, m)`` at test inputs ``x``, in the dtype of ``train_x``: the arguments
+    of :meth:`LaplacePosterior.predictive <gpsd.laplace.LaplacePosterior.predictive>`.
+
+    :param covar_module: The kernel :math:`k`.
+    :param mean_module: The prior mean :math:`m`.
+    :param x: Test inputs ``(..., m, d)``.
+    :param train_x: Training inputs ``(..., n, d)``.
+    :param diag: Return the diagonal of ``k(x, x)`` only.
+    """
     dtype = train_x.dtype
     K_cross = kernel_matrix(covar_module, x, train_x).to(dtype)
     K_test = covar_module(x, diag=True) if diag else covar_module(x).to_dense()

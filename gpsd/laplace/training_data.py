@@ -49,8 +49,10 @@ def checked_classification_data(
 
 
 class ClassificationTrainingData:
-    """``set_train_data`` for a classifier with ``train_inputs``/``train_targets`` buffers whose
-    targets :attr:`_target_terms` checks."""
+    """A mixin giving a binary GP classifier with ``train_inputs`` and ``train_targets`` buffers
+    ``set_train_data``, which checks replacements as the constructor does
+    (:func:`checked_classification_data`); the targets are checked against the classifier's
+    likelihood terms (its ``terms`` attribute unless it overrides ``_target_terms``)."""
 
     @property
     def _target_terms(self) -> LaplaceLikelihoodTerms:

@@ -415,7 +415,7 @@ def test_data_of_a_low_precision_dtype_are_refused_before_fitting(toy, dtype):
 
 
 def test_a_prediction_under_a_result_changing_setting_refits_and_memory_does_not(toy, monkeypatch):
-    import gpsd.laplace.laplace_gp_classifier as module
+    import gpsd.laplace.laplace_posterior as module  # the classifier's Newton runs there
 
     x, y, test_x = toy
     model = LaplaceGPClassifier(x, y, _kernel()).fit()
@@ -821,3 +821,19 @@ def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
     assert evaluations == [0]
     _little_memory(monkeypatch, needed)
     model.fit()
+
+
+def test_posterior_is_the_fitted_one_and_carries_a_graph_only_where_gradients_are_needed(toy):
+    x, y, _ = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    with torch.no_grad():
+        fitted = model.posterior()
+    assert fitted.mode is model.mode  # the fit is reused, not refitted
+    assert not fitted.prior_covariance.requires_grad
+    differentiable = model.posterior()
+    assert differentiable.mode is model.mode
+    assert differentiable.prior_covariance.requires_grad
+    # the prior it carries is the model's: K of the kernel at the training inputs
+    with torch.no_grad():
+        K = model.covar_module(model.train_inputs).to_dense()
+    torch.testing.assert_close(differentiable.prior_covariance.detach(), K, rtol=1e-12, atol=0)
