@@ -16,12 +16,10 @@ from gpsd._internal.module_state import (
     adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
-    fixed_setting,
 )
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.distillation._common import check_noise
 from gpsd.distillation._gpc_steps import (
     FittedModules,
     SoftBernoulliLogitTerms,
@@ -30,6 +28,7 @@ from gpsd.distillation._gpc_steps import (
     check_trainable,
     refit_step_modules,
 )
+from gpsd.distillation._step_distiller import NoiseRule
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
@@ -54,7 +53,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     r"""Data-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.1).
 
     Step :math:`t` fits a Laplace GPC with the prior :math:`\mathcal{GP}(m, k)` to targets
-    :math:`\mathbf y_t` (row ``t - 1`` of :attr:`step_targets`). Step 1 fits the Bernoulli-logistic
+    :math:`\mathbf y_t` (row ``t - 1`` of :meth:`step_targets`). Step 1 fits the Bernoulli-logistic
     likelihood to the labels, :math:`\mathbf y_1 \in \{0,1\}^N`; step :math:`t \ge 2` fits the
     previous step's soft predictions at the training inputs,
 
@@ -113,7 +112,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC).
     :param noise: :math:`\gamma_1, \dots, \gamma_T \ge 0`: one number for every step, or a
         schedule of shape ``(T,)``, entry ``t - 1`` for step ``t`` (one schedule: a batch
-        ``(*s, T)`` is refused).
+        ``(*s, T)`` is refused). Assigning ``model.noise`` later is checked the same way and
+        keeps :math:`T` (one number is every step's).
     :param soft_target_likelihood: ``"continuous_bernoulli"`` (default) or ``"bernoulli"`` (the
         misspecified variant) for steps :math:`t \ge 2`.
     :param threshold_targets: Fit :math:`\mathbb 1[\mathbb{E}_{q_{t-1}}[\sigma(\mathbf f)] > 1/2]`
@@ -127,10 +127,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     :param refit_max_iter: Adam iterations of each step's refit.
     :param refit_lr: Adam's learning rate of each step's refit.
 
-    :ivar step_targets: The targets of every step, ``(T, *batch, n)``: row ``t - 1`` holds
-        :math:`\mathbf y_t`, the targets step ``t`` is fitted to (row 0 the labels).
-    :ivar latent_modes: The Laplace modes :math:`\hat{\mathbf f}_t`, ``(T, *batch, n)``, row
-        ``t - 1`` for step ``t``.
 
     Example:
 
@@ -171,15 +167,15 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         if self.refit_hyperparameters:
             check_trainable(self.covar_module, self.mean_module)
-        self._num_steps = num_steps
         self.warm_start = bool(warm_start)
         self.max_iter = check_int(max_iter, "max_iter")
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
-        self.register_buffer("noise", self._checked_noise(noise, train_x, num_steps))
+        self._init_steps(num_steps, noise, train_x)
+        # per step, (T, *batch, n): step_targets() and latent_modes() lay them out
         shape = (num_steps, *train_y.shape)
-        self.register_buffer("step_targets", train_x.new_zeros(shape))
-        self.register_buffer("latent_modes", train_x.new_zeros(shape))
+        self.register_buffer("_step_targets", train_x.new_zeros(shape))
+        self.register_buffer("_latent_modes", train_x.new_zeros(shape))
         self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
         # the fitted modes (steps 1..k), valid while the state they were fitted at holds
         self._fit_cache = FitCache()
@@ -195,8 +191,10 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         """The training targets are 0/1 labels (the first step's Bernoulli likelihood)."""
         return BernoulliLogitTerms()
 
-    num_steps = fixed_setting(
-        "num_steps", ":math:`T` (the buffers hold one set of targets per step)."
+    _noise_rule = NoiseRule(
+        positive=False,
+        batch=False,
+        no_batch_why="a batch of schedules (*s, T) is for the regression distillers",
     )
 
     soft_target_likelihood = choice_setting(
@@ -220,24 +218,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     #: writing into it refits on use.
     noise: Tensor
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "noise" and "noise" in self.__dict__.get("_buffers", {}):
-            value = self._checked_noise(value, self.train_inputs, self.num_steps, assigned=True)
-        super().__setattr__(name, value)
-
-    def _checked_noise(
-        self, noise: object, like: Tensor, num_steps: int, assigned: bool = False
-    ) -> Tensor:
-        """``noise`` as the ``(T,)`` schedule of this model (:func:`check_noise`): one number for
-        every step or one per step, each >= 0."""
-        owner = type(self).__name__
-        return check_noise(
-            noise, like, num_steps, owner=owner, positive=False, batch=False, assigned=assigned
-        )
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        check_saved_num_steps(self, state_dict.get(prefix + "step_targets"))
-        names = ("step_targets", "latent_modes", "train_inputs", "train_targets")
+        check_saved_num_steps(self, state_dict.get(prefix + "_step_targets"))
+        names = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
         adopt_buffer_shapes(self, state_dict, prefix, names)
         self._fit_cache.clear()  # the loaded modes are warm starts for the next fit
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -320,7 +303,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                         )
                     else:
                         modules = shared
-                        stored = self.latent_modes[step - 1]
+                        stored = self._latent_modes[step - 1]
                         if use_stored_modes and stored.shape == targets.shape:
                             init = stored
                         elif not self.warm_start:
@@ -337,11 +320,11 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     steps.append((mode, modules))
                     self.newton_iterations.append(mode.iterations)
                     self.refit_history.append(modules.history)
-                    if self.step_targets[step - 1].shape != targets.shape:
-                        self.step_targets = targets.new_zeros(self.num_steps, *targets.shape)
-                        self.latent_modes = torch.zeros_like(self.step_targets)
-                    self.step_targets[step - 1] = targets
-                    self.latent_modes[step - 1] = mode.f
+                    if self._step_targets[step - 1].shape != targets.shape:
+                        self._step_targets = targets.new_zeros(self.num_steps, *targets.shape)
+                        self._latent_modes = torch.zeros_like(self._step_targets)
+                    self._step_targets[step - 1] = targets
+                    self._latent_modes[step - 1] = mode.f
                     init = mode.f
                     soft = self._soft_predictions(mode, K, m)
                     targets = (soft > 0.5).to(soft.dtype) if self.threshold_targets else soft
@@ -408,6 +391,27 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
     def _fitted_steps(self) -> int:
         return len(self._fitted())
+
+    def step_targets(self, step: int | None = None) -> Tensor:
+        r"""The targets each fitted step is fitted to (fitted first where needed):
+        ``(*batch, T, n)``, row ``t - 1`` holding :math:`\mathbf y_t` (row 0 the labels), or
+        :math:`\mathbf y_t` alone for ``step=t``, ``(*batch, n)``. After a fit that a callback
+        stopped at step ``k``, the ``k`` fitted steps.
+
+        :param step: a step ``t`` in ``1..T`` (default: every fitted step).
+        """
+        steps = self._steps(step)
+        return self._rows_of_steps([self._step_targets[t - 1] for t in steps], step)
+
+    def latent_modes(self, step: int | None = None) -> Tensor:
+        r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
+        inputs (fitted first where needed), laid out as :meth:`step_targets`:
+        ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``.
+
+        :param step: a step ``t`` in ``1..T`` (default: every fitted step).
+        """
+        steps = self._steps(step)
+        return self._rows_of_steps([self._latent_modes[t - 1] for t in steps], step)
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
         mode, modules = self._fitted()[step - 1]
