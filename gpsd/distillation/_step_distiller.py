@@ -21,16 +21,15 @@ __all__ = ["NoiseRule", "StepDistiller"]
 class NoiseRule:
     r"""What a family of distillers takes as its noise schedule :math:`\gamma_1, \dots, \gamma_T`.
 
+    Every family takes a batch of schedules ``(*s, T)``; whether the batch fits the model's
+    other batches is the family's :meth:`StepDistiller._check_noise_batch`.
+
     :param positive: Whether every value must be :math:`> 0` (else :math:`\ge 0`).
     :param why: Why the family needs :math:`\gamma > 0`, for the message (with ``positive``).
-    :param batch: Whether a batch of schedules ``(*s, T)`` is taken (else one schedule ``(T,)``).
-    :param no_batch_why: Why the family takes one schedule alone, for the message.
     """
 
     positive: bool
     why: str = ""
-    batch: bool = True
-    no_batch_why: str = ""
 
 
 class StepDistiller(gpytorch.Module, abc.ABC):
@@ -111,11 +110,6 @@ class StepDistiller(gpytorch.Module, abc.ABC):
             raise ValueError(f"noise must hold finite numbers {bound}{why}, got {tensor.tolist()}")
         if tensor.dim() == 0:
             return tensor.reshape(1).expand(num_steps or 1).clone()
-        if tensor.dim() > 1 and not rule.batch:
-            raise ValueError(
-                f"noise must be one number or a schedule of shape (num_steps,) for {owner}, "
-                f"which fits one schedule ({rule.no_batch_why}), got shape {tuple(tensor.shape)}"
-            )
         if num_steps is not None and tensor.shape[-1] != num_steps:
             fixed = (
                 f" (num_steps is fixed once {owner} is built: build a new one to change it)"

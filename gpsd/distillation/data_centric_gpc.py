@@ -110,10 +110,13 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         point of every step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
     :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC).
-    :param noise: :math:`\gamma_1, \dots, \gamma_T \ge 0`: one number for every step, or a
-        schedule of shape ``(T,)``, entry ``t - 1`` for step ``t`` (one schedule: a batch
-        ``(*s, T)`` is refused). Assigning ``model.noise`` later is checked the same way and
-        keeps :math:`T` (one number is every step's).
+    :param noise: :math:`\gamma_1, \dots, \gamma_T \ge 0`: one number for every step, a
+        schedule of shape ``(T,)``, entry ``t - 1`` for step ``t``, or a batch of schedules
+        ``(*s, T)``, which broadcasts with the batch of the labels as the regression distillers'
+        do (every step of every schedule is fitted; predictions get the batch ``s``; not with
+        ``refit_hyperparameters``, which refits one schedule's modules). Assigning
+        ``model.noise`` later is checked the same way and keeps :math:`T` (one number is every
+        step's).
     :param soft_target_likelihood: ``"continuous_bernoulli"`` (default) or ``"bernoulli"`` (the
         misspecified variant) for steps :math:`t \ge 2`.
     :param threshold_targets: Fit :math:`\mathbb 1[\mathbb{E}_{q_{t-1}}[\sigma(\mathbf f)] > 1/2]`
@@ -172,6 +175,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
         self._init_steps(num_steps, noise, train_x)
+        self._check_noise_batch()
         # per step, (T, *batch, n): step_targets() and latent_modes() lay them out
         shape = (num_steps, *train_y.shape)
         self.register_buffer("_step_targets", train_x.new_zeros(shape))
@@ -191,11 +195,35 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         """The training targets are 0/1 labels (the first step's Bernoulli likelihood)."""
         return BernoulliLogitTerms()
 
-    _noise_rule = NoiseRule(
-        positive=False,
-        batch=False,
-        no_batch_why="a batch of schedules (*s, T) is for the regression distillers",
-    )
+    _noise_rule = NoiseRule(positive=False)
+
+    def _check_noise_batch(self) -> None:
+        """A ``ValueError`` unless the batch of the schedules broadcasts with the labels' and the
+        kernel's, and is empty where the steps refit their hyperparameters."""
+        try:
+            torch.broadcast_shapes(
+                self.noise.shape[:-1],
+                self.train_targets.shape[:-1],
+                self.covar_module.batch_shape,
+            )
+        except RuntimeError:
+            raise ValueError(
+                f"the batch of schedules (noise of shape {tuple(self.noise.shape)}) must "
+                f"broadcast with the batch of the labels (train_y of shape "
+                f"{tuple(self.train_targets.shape)}) and of covar_module (batch shape "
+                f"{tuple(self.covar_module.batch_shape)})"
+            ) from None
+        self._check_one_schedule_to_refit()
+
+    def _check_one_schedule_to_refit(self) -> None:
+        """A ``ValueError`` where the steps refit their hyperparameters for a batch of schedules
+        (a refit fits one schedule's models)."""
+        if self.refit_hyperparameters and self.noise.dim() > 1:
+            raise ValueError(
+                "refit_hyperparameters=True refits the modules of one noise schedule (T,), got "
+                f"noise of shape {tuple(self.noise.shape)}; build one model per schedule to "
+                "refit each, or pass refit_hyperparameters=False"
+            )
 
     soft_target_likelihood = choice_setting(
         "soft_target_likelihood",
@@ -213,9 +241,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
     )
 
-    #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(T,)`` (entry ``t - 1`` for step
-    #: ``t``) in the training inputs' dtype. Assigning one number or ``T`` numbers (checked) or
-    #: writing into it refits on use.
+    #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(*s, T)`` (entry ``t - 1`` for
+    #: step ``t``) in the training inputs' dtype. Assigning one number or schedules of ``T``
+    #: numbers (checked) or writing into it refits on use.
     noise: Tensor
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -260,7 +288,11 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES + self.num_steps,
             self.train_inputs,
-            torch.broadcast_shapes(self.train_targets.shape[:-1], self.covar_module.batch_shape),
+            torch.broadcast_shapes(
+                self.noise.shape[:-1],
+                self.train_targets.shape[:-1],
+                self.covar_module.batch_shape,
+            ),
             "the kernel matrix, Newton's factorisation and the Cholesky factor each step keeps",
             "fit fewer num_steps, train on fewer points, or in float32 for half the bytes",
         )
@@ -268,6 +300,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         refit = self.refit_hyperparameters
         if refit:
             check_trainable(self.covar_module, self.mean_module)
+            self._check_one_schedule_to_refit()
         with torch.no_grad():
             shared = FittedModules(self.covar_module, self.mean_module)
             # shapes: (*batch, n), (*batch, n, n)
@@ -276,7 +309,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             )
             n = K.shape[-1]
             eye = torch.eye(n, dtype=K.dtype, device=K.device)
-            targets = self.train_targets.expand(m.shape)
+            # every step fits the whole batch of labels and schedules: (*s, *batch, n)
+            batch = torch.broadcast_shapes(self.noise.shape[:-1], m.shape[:-1])
+            targets = self.train_targets.expand(*batch, n)
             steps: list[tuple[LaplaceMode, FittedModules]] = []
             self.newton_iterations = []
             self.refit_history = []
@@ -284,7 +319,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             task = f"{type(self).__name__}.fit"
             with ProgressReporter(task, self.num_steps, progress, callback) as report:
                 for step in range(1, self.num_steps + 1):
-                    noise = float(self.noise[step - 1])
+                    noise = self.noise[..., step - 1]  # shape: (*s,)
                     if refit:
                         modules, mode = refit_step_modules(
                             self.train_inputs,
@@ -292,7 +327,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                             self.covar_module,
                             self.mean_module,
                             self._terms(step),
-                            noise=noise,
+                            noise=float(noise),
                             max_iter=self.max_iter,
                             refit_max_iter=self.refit_max_iter,
                             refit_lr=self.refit_lr,
@@ -309,7 +344,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                         elif not self.warm_start:
                             init = None
                         mode = find_laplace_mode(
-                            K + noise * eye,
+                            K + noise[..., None, None] * eye,
                             targets,
                             self._terms(step),
                             prior_mean=m,

@@ -33,7 +33,7 @@ class _Family(StepDistiller):
 
 
 POSITIVE = NoiseRule(positive=True, why="K + noise * I must be invertible")
-NONNEGATIVE = NoiseRule(positive=False, batch=False, no_batch_why="one Laplace fit per step")
+NONNEGATIVE = NoiseRule(positive=False)
 
 
 def _data(n=20):
@@ -60,11 +60,10 @@ def test_one_value_is_every_steps_and_a_schedule_is_taken_as_given(noise, num_st
     assert model.num_steps == len(expected)
 
 
-def test_a_batch_of_schedules_is_kept_where_the_family_takes_one():
+def test_a_batch_of_schedules_is_kept():
     batch = torch.full((2, 3), 0.1, dtype=DT)
     assert _Family(POSITIVE, batch, 3).noise.shape == (2, 3)
-    with pytest.raises(ValueError, match=r"for _Family, which fits one schedule \(one Laplace"):
-        _Family(NONNEGATIVE, batch, 3)
+    assert _Family(NONNEGATIVE, batch).noise.shape == (2, 3)
 
 
 def test_a_family_that_needs_positive_noise_says_so():
@@ -132,13 +131,50 @@ def test_an_assigned_batch_of_schedules_that_does_not_broadcast_is_refused_and_u
     assert model.noise.tolist() == [0.1, 0.2]
 
 
-def test_the_classifier_refuses_a_batch_of_schedules_by_the_documented_rule():
+@pytest.mark.parametrize("labels_batch", [(), (2, 1)])
+def test_a_batch_of_classifier_schedules_fits_each_as_its_own_model_would(labels_batch):
+    x, _, labels = _data(n=16)
+    test_x = torch.linspace(0, 4, 5, dtype=DT).unsqueeze(-1)
+    noise = torch.tensor([[0.0, 0.1, 0.3], [0.2, 0.2, 0.5]], dtype=DT)
+    members = torch.stack([labels, 1.0 - labels]) if labels_batch else labels.unsqueeze(0)
+    given = members.unsqueeze(1) if labels_batch else labels
+    model = DataCentricGPC(x, given, rbf_kernel(), num_steps=3, noise=noise)
+    with torch.no_grad():
+        proba, targets = model.predict_proba(test_x), model.step_targets()
+    assert proba.shape == (*labels_batch[:1], 2, 3, 5, 2)  # (*batch, s, T, M, 2)
+    assert targets.shape == (*labels_batch[:1], 2, 3, 16)
+    for j, member in enumerate(members):
+        for i in range(2):
+            alone = DataCentricGPC(x, member, rbf_kernel(), num_steps=3, noise=noise[i])
+            index = (j, i) if labels_batch else (i,)
+            with torch.no_grad():
+                torch.testing.assert_close(proba[index], alone.predict_proba(test_x))
+            torch.testing.assert_close(targets[index], alone.step_targets())
+
+
+def test_a_batch_of_classifier_schedules_is_refused_where_it_cannot_be_fitted():
     x, _, labels = _data()
-    with pytest.raises(ValueError, match=r"one schedule \(a batch of schedules \(\*s, T\) is for"):
-        DataCentricGPC(x, labels, rbf_kernel(), num_steps=3, noise=torch.full((2, 3), 0.1))
+    with pytest.raises(ValueError, match=r"noise of shape \(3, 2\)\) must broadcast"):
+        DataCentricGPC(x, labels.expand(2, -1), rbf_kernel(), num_steps=2, noise=[[0.1] * 2] * 3)
     model = DataCentricGPC(x, labels, rbf_kernel(), num_steps=3)
-    with pytest.raises(ValueError, match=r"one schedule"):
-        model.noise = torch.full((2, 3), 0.1)
+    with pytest.raises(ValueError, match="refit_hyperparameters=True refits the modules of one"):
+        DataCentricGPC(
+            x,
+            labels,
+            rbf_kernel(),
+            num_steps=3,
+            noise=torch.full((2, 3), 0.1),
+            refit_hyperparameters=True,
+        )
+    model.noise = torch.full((2, 3), 0.1)
+    model.refit_hyperparameters = True
+    with pytest.raises(ValueError, match="refit_hyperparameters=True refits the modules of one"):
+        model.fit()
+    model.refit_hyperparameters = False
+    with pytest.raises(ValueError, match="refit_hyperparameters=True refits"):
+        DataCentricGPC(
+            x, labels, rbf_kernel(), num_steps=3, refit_hyperparameters=True
+        ).noise = torch.full((2, 3), 0.1)
 
 
 STEPPED = {
