@@ -284,6 +284,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self, use_stored_modes: bool, progress: object = False, callback: Callback | None = None
     ) -> list[tuple[LaplaceMode, FittedModules]]:
         """Fit steps 1..T (fewer where ``callback`` stops); returns their modes and modules."""
+        self._check_noise_batch()  # labels of another batch (set_train_data), or refits set
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES + self.num_steps,
@@ -300,7 +301,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         refit = self.refit_hyperparameters
         if refit:
             check_trainable(self.covar_module, self.mean_module)
-            self._check_one_schedule_to_refit()
         with torch.no_grad():
             shared = FittedModules(self.covar_module, self.mean_module)
             # shapes: (*batch, n), (*batch, n, n)

@@ -171,6 +171,9 @@ def test_a_batch_of_classifier_schedules_is_refused_where_it_cannot_be_fitted():
     with pytest.raises(ValueError, match="refit_hyperparameters=True refits the modules of one"):
         model.fit()
     model.refit_hyperparameters = False
+    model.set_train_data(targets=labels.expand(3, -1), strict=False)  # (3, N) against (2, T)
+    with pytest.raises(ValueError, match=r"must broadcast with the batch of the labels"):
+        model.fit()
     with pytest.raises(ValueError, match="refit_hyperparameters=True refits"):
         DataCentricGPC(
             x, labels, rbf_kernel(), num_steps=3, refit_hyperparameters=True
