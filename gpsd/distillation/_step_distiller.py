@@ -147,9 +147,10 @@ class StepDistiller(gpytorch.Module, abc.ABC):
         """The step with the smallest score, counted from 1.
 
         :param criterion: One of the family's criteria (default: its first): the regression
-            distillers take ``"gcv"`` (:meth:`gcv`, on the training data; the default) and
-            ``"validation"`` (:meth:`validation_mse` on ``val_x, val_y``), the classifiers
-            ``"validation"`` (:meth:`validation_log_loss` on ``val_x, val_y``).
+            distillers take ``"gcv"`` (:meth:`~gpsd.DataCentricGPR.gcv`, on the training data;
+            the default) and ``"validation"`` (:meth:`~gpsd.DataCentricGPR.validation_mse` on
+            ``val_x, val_y``), the classifiers ``"validation"``
+            (:meth:`~gpsd.DataCentricGPC.validation_log_loss` on ``val_x, val_y``).
         :param val_x: Validation inputs (the criteria that score validation data only).
         :param val_y: Validation targets (likewise).
         :return: An ``int`` in ``1..T``; for a batch, a ``long`` tensor of steps ``(*batch,)``.
