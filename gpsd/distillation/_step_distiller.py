@@ -26,10 +26,12 @@ class NoiseRule:
 
     :param positive: Whether every value must be :math:`> 0` (else :math:`\ge 0`).
     :param why: Why the family needs :math:`\gamma > 0`, for the message (with ``positive``).
+    :param steps_of_one_value: :math:`T` where one value is given without ``num_steps``.
     """
 
     positive: bool
     why: str = ""
+    steps_of_one_value: int = 1
 
 
 class StepDistiller(gpytorch.Module, abc.ABC):
@@ -94,7 +96,7 @@ class StepDistiller(gpytorch.Module, abc.ABC):
         assignment.
 
         One value (a number, or a 0-d tensor or array) is every step's: repeated ``num_steps``
-        times (one step where ``num_steps`` is ``None``). A schedule must have ``num_steps``
+        times (the rule's ``steps_of_one_value`` where ``num_steps`` is ``None``). A schedule must have ``num_steps``
         steps where ``num_steps`` is given; ``assigned`` says that it replaces the model's.
         """
         rule = self._noise_rule
@@ -109,7 +111,7 @@ class StepDistiller(gpytorch.Module, abc.ABC):
             why = f" for {owner} ({rule.why})" if rule.positive and rule.why else ""
             raise ValueError(f"noise must hold finite numbers {bound}{why}, got {tensor.tolist()}")
         if tensor.dim() == 0:
-            return tensor.reshape(1).expand(num_steps or 1).clone()
+            return tensor.reshape(1).expand(num_steps or rule.steps_of_one_value).clone()
         if num_steps is not None and tensor.shape[-1] != num_steps:
             fixed = (
                 f" (num_steps is fixed once {owner} is built: build a new one to change it)"

@@ -109,7 +109,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     :param covar_module: The kernel :math:`k`, any GPyTorch kernel: every step's, or the starting
         point of every step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
-    :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC).
+    :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC; default: the
+        length of the schedule ``noise``, or 2 where ``noise`` is one number).
     :param noise: :math:`\gamma_1, \dots, \gamma_T \ge 0`: one number for every step, a
         schedule of shape ``(T,)``, entry ``t - 1`` for step ``t``, or a batch of schedules
         ``(*s, T)``, which broadcasts with the batch of the labels as the regression distillers'
@@ -146,7 +147,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         covar_module: Kernel,
         *,
         mean_module: Mean | None = None,
-        num_steps: int = 2,
+        num_steps: int | None = None,
         noise: float | Sequence[float] | Tensor = 0.0,
         soft_target_likelihood: str = "continuous_bernoulli",
         threshold_targets: bool = False,
@@ -159,7 +160,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
-        num_steps = check_int(num_steps, "num_steps")
         refit = check_refit_options(refit_hyperparameters, refit_max_iter, refit_lr)
         self.refit_hyperparameters, self.refit_max_iter, self.refit_lr = refit
         self.soft_target_likelihood = soft_target_likelihood
@@ -177,7 +177,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self._init_steps(num_steps, noise, train_x)
         self._check_noise_batch()
         # per step, (T, *batch, n): step_targets() and latent_modes() lay them out
-        shape = (num_steps, *train_y.shape)
+        shape = (self.num_steps, *train_y.shape)
         self.register_buffer("_step_targets", train_x.new_zeros(shape))
         self.register_buffer("_latent_modes", train_x.new_zeros(shape))
         self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
@@ -195,7 +195,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         """The training targets are 0/1 labels (the first step's Bernoulli likelihood)."""
         return BernoulliLogitTerms()
 
-    _noise_rule = NoiseRule(positive=False)
+    _noise_rule = NoiseRule(positive=False, steps_of_one_value=2)
 
     def _check_noise_batch(self) -> None:
         """A ``ValueError`` unless the batch of the schedules broadcasts with the labels' and the

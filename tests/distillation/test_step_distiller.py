@@ -152,6 +152,17 @@ def test_a_batch_of_classifier_schedules_fits_each_as_its_own_model_would(labels
             torch.testing.assert_close(targets[index], alone.step_targets())
 
 
+def test_a_classifier_takes_its_steps_from_the_schedule_as_a_regressor_does():
+    x, _, labels = _data()
+    model = DataCentricGPC(x, labels, rbf_kernel(), noise=torch.full((2, 3), 0.1))
+    assert model.num_steps == 3 and model.noise.shape == (2, 3)
+    assert DataCentricGPC(x, labels, rbf_kernel(), noise=[0.0, 0.1, 0.2, 0.3]).num_steps == 4
+    assert DataCentricGPC(x, labels, rbf_kernel()).num_steps == 2  # one value: two steps
+    assert DataCentricGPC(x, labels, rbf_kernel(), noise=0.1, num_steps=5).num_steps == 5
+    with pytest.raises(ValueError, match="num_steps=2 does not match the 3 steps"):
+        DataCentricGPC(x, labels, rbf_kernel(), noise=[0.0, 0.1, 0.2], num_steps=2)
+
+
 def test_a_batch_of_classifier_schedules_is_refused_where_it_cannot_be_fitted():
     x, _, labels = _data()
     with pytest.raises(ValueError, match=r"noise of shape \(3, 2\)\) must broadcast"):
