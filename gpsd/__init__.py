@@ -41,6 +41,7 @@ from gpsd.exceptions import (
     LaplaceConvergenceError,
     NonFiniteEmbeddingsError,
     NotFittedError,
+    TeacherError,
 )
 from gpsd.kernel_distillation import KernelDistillation, SparseLowRankStudent
 from gpsd.kernels import ChunkedKernel, PosteriorKernel
@@ -80,6 +81,7 @@ __all__ = [
     "Prediction",
     "SSDPKLRegressor",
     "SparseLowRankStudent",
+    "TeacherError",
     "data",
     "distillation",
     "dpkl",

@@ -14,6 +14,7 @@ __all__ = [
     "LaplaceConvergenceError",
     "NonFiniteEmbeddingsError",
     "NotFittedError",
+    "TeacherError",
 ]
 
 
@@ -45,6 +46,15 @@ class DistributedError(GpsdError, RuntimeError):
     """A collective over a ``torch.distributed`` process group failed: another rank failed or
     left, called other methods, or did not join within the group's ``timeout``. Raised on each
     rank that was waiting in the collective, with the rank and the operation in the message."""
+
+
+class TeacherError(GpsdError, TypeError, ValueError):
+    """A teacher given to a distiller (``from_teacher``, :class:`~gpsd.KernelDistillation`,
+    :class:`~gpsd.PosteriorMean`, :class:`~gpsd.PosteriorKernel`) is not what it needs: a
+    trained GPyTorch ``ExactGP`` with the likelihood it names, one training input tensor,
+    training data, ``mean_module`` and ``covar_module``. The message names the attribute of
+    ``teacher`` at fault. Also a ``TypeError`` and a ``ValueError``, the exceptions of a bad
+    argument."""
 
 
 class LaplaceConvergenceError(GpsdError, RuntimeError):

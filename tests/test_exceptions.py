@@ -13,6 +13,7 @@ from gpsd import (
     LaplaceConvergenceError,
     NonFiniteEmbeddingsError,
     NotFittedError,
+    TeacherError,
     exceptions,
 )
 
@@ -26,6 +27,8 @@ from gpsd import (
         (InsufficientMemoryError, MemoryError),
         (LaplaceConvergenceError, RuntimeError),
         (NonFiniteEmbeddingsError, ValueError),
+        (TeacherError, TypeError),
+        (TeacherError, ValueError),
     ],
 )
 def test_each_gpsd_error_is_also_the_builtin_a_caller_would_catch(error, builtin):
@@ -43,6 +46,7 @@ def test_the_exceptions_module_exports_every_error():
         "LaplaceConvergenceError",
         "NonFiniteEmbeddingsError",
         "NotFittedError",
+        "TeacherError",
     }
 
 

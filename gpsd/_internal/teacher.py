@@ -7,12 +7,14 @@ import copy
 import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import _GaussianLikelihoodBase
 from gpytorch.models import ExactGP
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
 from gpsd._internal.validation import check_finite, check_matrix, check_vector
+from gpsd.exceptions import TeacherError
 
 
 def frozen_copy(module: gpytorch.Module) -> gpytorch.Module:
@@ -54,23 +56,56 @@ def set_mode_keeping_copies(module: gpytorch.Module, mode: bool) -> gpytorch.Mod
     return module
 
 
-def validate_teacher(teacher: ExactGP, likelihood_type: type, likelihood_name: str) -> None:
-    """A trained GPyTorch ``ExactGP`` with training data, ``mean_module`` and ``covar_module``."""
+def validate_teacher(
+    teacher: object,
+    likelihood_type: type,
+    likelihood_name: str,
+    *,
+    batch: bool = True,
+    needs_mean: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """The one check of a teacher, for every model built from one: a GPyTorch ``ExactGP`` whose
+    likelihood is a ``likelihood_type`` (called ``likelihood_name`` in the message), with one
+    training input tensor ``(*b, n, d)`` (or ``(n,)``), finite targets ``(*b, n)``,
+    ``covar_module`` (a GPyTorch kernel) and, with ``needs_mean``, ``mean_module``; without
+    ``batch``, unbatched training data. Any fault raises a :class:`~gpsd.TeacherError` naming the
+    attribute of ``teacher`` at fault.
+
+    :return: The training inputs ``(*b, n, d)`` and targets ``(*b, n)``, detached.
+    """
     if not isinstance(teacher, ExactGP):
-        raise TypeError(f"teacher must be a gpytorch.models.ExactGP, got {type(teacher).__name__}")
+        raise TeacherError(
+            f"teacher must be a gpytorch.models.ExactGP, got {type(teacher).__name__}"
+        )
     if not isinstance(teacher.likelihood, likelihood_type):
-        raise ValueError(
+        raise TeacherError(
             f"teacher.likelihood must be {likelihood_name}, got {type(teacher.likelihood).__name__}"
         )
     if teacher.train_inputs is None or teacher.train_targets is None:
-        raise ValueError("teacher has no training data: call teacher.set_train_data(x, y) first")
+        raise TeacherError("teacher has no training data: call teacher.set_train_data(x, y) first")
     if len(teacher.train_inputs) != 1:
-        raise ValueError("teacher must have exactly one training input tensor")
-    train_x = check_matrix(teacher.train_inputs[0], "teacher.train_inputs[0]", nonempty=True)
-    check_vector(teacher.train_targets, "teacher.train_targets", n=train_x.shape[-2])
-    for name in ("mean_module", "covar_module"):
-        if not isinstance(getattr(teacher, name, None), gpytorch.Module):
-            raise ValueError(f"teacher must define {name} (the GPyTorch convention)")
+        raise TeacherError(
+            "teacher.train_inputs must hold exactly one training input tensor, got "
+            f"{len(teacher.train_inputs)}"
+        )
+    try:
+        train_x = check_matrix(teacher.train_inputs[0], "teacher.train_inputs[0]", nonempty=True)
+        train_y = check_vector(teacher.train_targets, "teacher.train_targets", n=train_x.shape[-2])
+    except ValueError as err:
+        raise TeacherError(str(err)) from None
+    if not batch and (train_x.dim() != 2 or train_y.dim() != 1):
+        raise TeacherError(
+            "teacher.train_inputs and teacher.train_targets must have no batch shape, (n, d) "
+            f"and (n,), got {tuple(train_x.shape)} and {tuple(train_y.shape)}"
+        )
+    if not isinstance(getattr(teacher, "covar_module", None), Kernel):
+        raise TeacherError(
+            "teacher.covar_module must be a gpytorch.kernels.Kernel (the GPyTorch convention: "
+            "the teacher keeps its kernel there)"
+        )
+    if needs_mean and not isinstance(getattr(teacher, "mean_module", None), gpytorch.Module):
+        raise TeacherError("teacher.mean_module must be a GPyTorch mean (the GPyTorch convention)")
+    return train_x.detach(), train_y.detach()
 
 
 def teacher_posterior(teacher: ExactGP) -> dict[str, object]:

@@ -1,5 +1,4 @@
-"""Shared plumbing of the distillers: validation (the one check of ``noise``), students,
-batches."""
+"""Shared plumbing of the distillers: validation, students, batches."""
 
 from __future__ import annotations
 
@@ -23,70 +22,9 @@ from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
-    check_int,
     check_matrix,
     check_vector,
 )
-
-
-def check_noise(
-    noise: object,
-    like: Tensor,
-    num_steps: object = None,
-    *,
-    owner: str,
-    positive: bool,
-    batch: bool,
-    assigned: bool = False,
-) -> Tensor:
-    r"""The noise schedule :math:`\gamma_1, \dots, \gamma_T` of a distiller as a detached
-    tensor of shape ``(*s, T)`` (a batch of schedules) in ``like``'s dtype and on its device:
-    the one check of ``noise`` of every distiller, at construction and on assignment.
-
-    One value (a number, or a 0-d tensor or array) is every step's: repeated ``num_steps`` times
-    (one step where ``num_steps`` is ``None``). A schedule must have ``num_steps`` steps where
-    ``num_steps`` is given.
-
-    :param owner: The distiller's class name, for the messages.
-    :param positive: Whether the family needs :math:`\gamma > 0` (the regression distillers,
-        whose every step's posterior needs :math:`\mathbf K + \gamma\mathbf I` invertible);
-        else :math:`\gamma \ge 0`.
-    :param batch: Whether the family takes a batch of schedules; else only ``(T,)``.
-    :param assigned: Whether the schedule replaces a model's (``model.noise = ...``), whose
-        ``num_steps`` is then fixed.
-    """
-    tensor = as_float_tensor(noise, "noise", dtype=like.dtype, device=like.device).detach()
-    num_steps = check_int(num_steps, "num_steps", optional=True)
-    if tensor.numel() == 0:
-        raise ValueError("noise must hold at least one noise value, got an empty schedule")
-    bound = "> 0" if positive else ">= 0"
-    if not bool((torch.isfinite(tensor) & ((tensor > 0) if positive else (tensor >= 0))).all()):
-        why = (
-            f" for {owner} (every step's posterior needs K + noise * I invertible)"
-            if positive
-            else ""
-        )
-        raise ValueError(f"noise must hold finite numbers {bound}{why}, got {tensor.tolist()}")
-    if tensor.dim() == 0:
-        return tensor.reshape(1).expand(num_steps or 1).clone()
-    if tensor.dim() > 1 and not batch:
-        raise ValueError(
-            f"noise must be one number or a schedule of shape (num_steps,) for {owner}, which "
-            f"fits one schedule (a batch of schedules (*s, T) is for the regression "
-            f"distillers), got shape {tuple(tensor.shape)}"
-        )
-    if num_steps is not None and tensor.shape[-1] != num_steps:
-        fixed = (
-            f" (num_steps is fixed once {owner} is built: build a new one to change it)"
-            if assigned
-            else ""
-        )
-        raise ValueError(
-            f"num_steps={num_steps} does not match the {tensor.shape[-1]} steps of the noise "
-            f"schedule (shape {tuple(tensor.shape)}); give one value of noise to repeat, or a "
-            f"schedule of {num_steps} steps{fixed}"
-        )
-    return tensor
 
 
 def check_alpha(value: object) -> float:
@@ -141,12 +79,13 @@ def validate_test_x(test_x: object, train_x: Tensor, name: str = "test_x") -> Te
 
 
 def unpack_teacher(teacher: ExactGP) -> tuple[Tensor, Tensor, Tensor]:
-    """``(train_x, train_y, noise)`` of a trained GPyTorch ``ExactGP`` with a Gaussian likelihood."""
-    validate_teacher(
+    """``(train_x, train_y, noise)`` of a trained GPyTorch ``ExactGP`` with a Gaussian likelihood
+    (checked by :func:`~gpsd._internal.teacher.validate_teacher`)."""
+    train_x, train_y = validate_teacher(
         teacher, GaussianLikelihood, "a gpytorch.likelihoods.GaussianLikelihood (homoskedastic)"
     )
     noise = teacher.likelihood.noise.detach().squeeze(-1)
-    return teacher.train_inputs[0], teacher.train_targets, noise
+    return train_x, train_y, noise
 
 
 #: above this estimate of the relative error (:func:`warn_low_precision_factorisation`) a

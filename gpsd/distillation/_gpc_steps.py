@@ -19,6 +19,7 @@ from gpsd._internal.validation import (
     check_test_inputs,
     check_vector,
 )
+from gpsd.distillation._step_distiller import StepDistiller
 from gpsd.laplace import (
     BernoulliLogitTerms,
     LaplaceGPClassifier,
@@ -146,14 +147,15 @@ def refit_step_modules(
     return FittedModules(kernel, mean, list(model.history)), model.posterior()
 
 
-class StepwiseClassifier(abc.ABC):
+class StepwiseClassifier(StepDistiller, abc.ABC):
     """Predictions of a binary GP classifier distilled over steps ``1..T``.
 
     The owner implements :meth:`_fitted_steps` (how many steps, from step 1, the fit holds),
     :meth:`_latent_at_step` and :meth:`_positive_probability`.
     """
 
-    num_steps: int
+    _criteria = {"validation": ("validation_log_loss", True)}
+
     train_inputs: Tensor
 
     refit_hyperparameters = checked_setting(
@@ -187,6 +189,7 @@ class StepwiseClassifier(abc.ABC):
 
     def _steps(self, step: int | None) -> list[int]:
         """The steps a prediction covers: ``[step]``, or every fitted step for ``None``."""
+        step = self._check_step(step)
         fitted = self._fitted_steps()
         if fitted == 0:
             raise ValueError(
@@ -195,15 +198,17 @@ class StepwiseClassifier(abc.ABC):
             )
         if step is None:
             return list(range(1, fitted + 1))
-        step = check_int(step, "step")
-        if step > self.num_steps:
-            raise ValueError(f"step must be in 1..{self.num_steps} (num_steps), got {step}")
         if step > fitted:
             raise ValueError(
                 f"step {step} was not fitted: the fit stopped after step {fitted} (a callback "
                 "returned True); call fit() again to fit every step"
             )
         return [step]
+
+    def _rows_of_steps(self, rows: list[Tensor], step: int | None) -> Tensor:
+        """``rows`` (one ``(*batch, N)`` tensor per step of :meth:`_steps`) on the step axis,
+        ``(*batch, k, N)``, or the one row for ``step=t``, ``(*batch, N)``: copies."""
+        return rows[0].clone() if step is not None else torch.stack(rows, dim=-2)
 
     def _latent(self, test_x: Tensor, step: int | None) -> Prediction:
         x = check_test_inputs(test_x, self.train_inputs)
@@ -270,16 +275,3 @@ class StepwiseClassifier(abc.ABC):
             y = y.unsqueeze(-2)  # shape: (*batch, 1, M)
             loss = -(y * log_p[..., 1] + (1.0 - y) * log_p[..., 0])
             return loss.mean(-1)
-
-    def best_step(
-        self, criterion: str = "validation", *, val_x: Tensor, val_y: Tensor
-    ) -> int | Tensor:
-        """The step, counted from 1, with the smallest :meth:`validation_log_loss` on
-        ``val_x, val_y``: an ``int``, or a ``long`` tensor of steps ``batch`` for batched models.
-
-        :param criterion: ``"validation"`` (the only criterion of the classifiers).
-        """
-        if criterion != "validation":
-            raise ValueError(f"criterion must be 'validation', got {criterion!r}")
-        steps = self.validation_log_loss(val_x, val_y).argmin(-1) + 1
-        return int(steps) if steps.dim() == 0 else steps

@@ -7,7 +7,6 @@ import contextlib
 import copy
 import itertools
 
-import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
@@ -43,12 +42,12 @@ from gpsd._internal.validation import (
 )
 from gpsd._internal.variance import nonnegative_variance, warn_if_variance_error_large
 from gpsd.distillation._common import (
-    check_noise,
     unpack_teacher,
     validate_test_x,
     validate_training_data,
     warn_low_precision_factorisation,
 )
+from gpsd.distillation._step_distiller import NoiseRule, StepDistiller
 from gpsd.distillation._teacher_likelihood import (
     dense_log_likelihood,
     log_prior,
@@ -64,8 +63,6 @@ from gpsd.progress import Callback
 
 #: The backends that build an autograd graph.
 _GRAPH_BACKENDS = ("dense", "cholesky")
-
-CRITERIA = ("gcv", "validation")
 
 
 def autograd_context(state: dict):
@@ -124,7 +121,7 @@ class _Tensors(nn.Module):
             self.register_buffer(name, tensor)
 
 
-class SpectralGPR(gpytorch.Module, abc.ABC):
+class SpectralGPR(StepDistiller, abc.ABC):
     """A GP regressor whose predictions for every distillation step are spectral filters of K.
 
     Subclasses say which filters give the predictive mean (:meth:`_mean_filter`), the
@@ -170,7 +167,7 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         # it cannot be deep-copied. Gradients reach the kernel's and the mean's parameters.
         self.register_buffer("train_x", train_x.detach())
         self.register_buffer("train_y", train_y.detach())
-        self.register_buffer("noise", self._checked_noise(noise, train_x, num_steps))
+        self._init_steps(num_steps, noise, train_x)
         self._check_batches(train_x, train_y)
         self.backend = backend
         self.linalg_dtype = linalg_dtype
@@ -183,28 +180,13 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         self._factor_cache = FitCache()
         self._targets_cache = FitCache()
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "noise" and "noise" in self.__dict__.get("_buffers", {}):
-            previous = self._buffers["noise"]
-            value = self._checked_noise(value, self.train_x, self.num_steps, assigned=True)
-            super().__setattr__(name, value)
-            try:
-                self._check_batches(self.train_x, self.train_y)
-            except ValueError:
-                super().__setattr__(name, previous)
-                raise
-            return
-        super().__setattr__(name, value)
+    _noise_rule = NoiseRule(
+        positive=True, why="every step's posterior needs K + noise * I invertible"
+    )
+    _criteria = {"gcv": ("gcv", False), "validation": ("validation_mse", True)}
 
-    def _checked_noise(
-        self, noise: object, like: Tensor, num_steps: int | None, assigned: bool = False
-    ) -> Tensor:
-        """``noise`` as this model's ``(*s, T)`` schedules (:func:`check_noise`): one number
-        for every step, or schedules of ``num_steps`` steps, each > 0."""
-        owner = type(self).__name__
-        return check_noise(
-            noise, like, num_steps, owner=owner, positive=True, batch=True, assigned=assigned
-        )
+    def _check_noise_batch(self) -> None:
+        self._check_batches(self.train_x, self.train_y)
 
     def _check_batches(self, train_x: Tensor, train_y: Tensor) -> None:
         """A ``ValueError`` unless the batches of the schedules, the data and the kernel
@@ -291,31 +273,33 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             teacher's noise at every step).
         :param kwargs: the other keyword arguments of the constructor.
         """
+        return cls._from_teacher(teacher, noise, num_steps=num_steps, **kwargs)
+
+    @classmethod
+    def _from_teacher(cls, teacher: ExactGP, noise: object, **kwargs):
+        """:meth:`from_teacher` for every family: the teacher checked once, its noise repeated
+        over the steps by :meth:`_repeated_teacher_noise` where ``noise`` is ``None``, its
+        modules shared and a :class:`~gpsd.ChunkedKernel` unwrapped; ``kwargs`` go to the
+        constructor."""
         train_x, train_y, teacher_noise = unpack_teacher(teacher)
-        num_steps = check_int(num_steps, "num_steps", optional=True)
         if noise is None:
-            if num_steps is None:
-                raise ValueError("give noise, or num_steps >= 1 to repeat the teacher's noise")
-            # shape: (*b, T): a batched teacher's noise per member of its batch
-            noise = teacher_noise.unsqueeze(-1).expand(*teacher_noise.shape, num_steps).clone()
+            noise = cls._repeated_teacher_noise(teacher_noise, kwargs)
         covar_module = teacher.covar_module
         if isinstance(covar_module, ChunkedKernel):
             kwargs.setdefault("process_group", covar_module.process_group)
             covar_module = covar_module.base_kernel
-        return cls(
-            train_x,
-            train_y,
-            covar_module,
-            noise=noise,
-            num_steps=num_steps,
-            mean_module=teacher.mean_module,
-            **kwargs,
-        )
+        mean_module = teacher.mean_module
+        return cls(train_x, train_y, covar_module, noise=noise, mean_module=mean_module, **kwargs)
 
-    @property
-    def num_steps(self) -> int:
-        """:math:`T`, the number of steps of every schedule."""
-        return self.noise.shape[-1]
+    @classmethod
+    def _repeated_teacher_noise(cls, teacher_noise: Tensor, options: dict) -> Tensor:
+        """The teacher's noise ``(*b,)`` at every step, ``(*b, T)``, for the step keywords in
+        ``options`` (the constructor's)."""
+        num_steps = check_int(options.get("num_steps"), "num_steps", optional=True)
+        if num_steps is None:
+            raise ValueError("give noise, or num_steps >= 1 to repeat the teacher's noise")
+        # shape: (*b, T): a batched teacher's noise per member of its batch
+        return teacher_noise.unsqueeze(-1).expand(*teacher_noise.shape, num_steps).clone()
 
     # ------------------------------------------------------------------ for subclasses
     @abc.abstractmethod
@@ -651,16 +635,6 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         ``eps * (lambda_max + noise) / noise``, ``eps`` the unit roundoff of the solves' dtype."""
         return self._factorisation()["engine"].error_estimate(self._smallest_shift())
 
-    # ------------------------------------------------------------------ steps
-    def _check_step(self, step: object) -> int | None:
-        """``step`` as an int in ``1..T`` (``None`` passes), or a ``ValueError``."""
-        if step is None:
-            return None
-        step = check_int(step, "step")
-        if not 1 <= step <= self.num_steps:
-            raise ValueError(f"step must lie in 1..{self.num_steps} (T), got {step}")
-        return step
-
     # ------------------------------------------------------------------ prediction
     def predict(
         self,
@@ -976,30 +950,3 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             )
         mean = self.predict_mean(val_x)
         return (mean - val_y.unsqueeze(-2)).square().mean(-1)
-
-    def best_step(
-        self, criterion: str = "gcv", *, val_x: Tensor | None = None, val_y: Tensor | None = None
-    ) -> int | Tensor:
-        """The step with the smallest score, counted from 1.
-
-        :param criterion: ``"gcv"`` (:meth:`gcv`, on the training data) or ``"validation"``
-            (:meth:`validation_mse` on ``val_x``, ``val_y``).
-        :param val_x: validation inputs (``criterion="validation"`` only).
-        :param val_y: validation targets (``criterion="validation"`` only).
-        :return: an ``int`` in ``1..T``; for a batch, a long tensor of shape ``(*batch,)``.
-        """
-        if criterion not in CRITERIA:
-            raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-        if criterion == "gcv":
-            if val_x is not None or val_y is not None:
-                raise ValueError(
-                    "val_x and val_y are used with criterion='validation' only; "
-                    "criterion='gcv' scores the training data"
-                )
-            scores = self.gcv()
-        else:
-            if val_x is None or val_y is None:
-                raise ValueError("criterion='validation' needs val_x and val_y")
-            scores = self.validation_mse(val_x, val_y)
-        best = scores.detach().argmin(dim=-1) + 1  # shape: (*batch,)
-        return int(best) if best.dim() == 0 else best

@@ -17,7 +17,6 @@ from gpsd.distillation._common import (
     schedule_index,
     student_batch,
     student_gp,
-    unpack_teacher,
 )
 from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
 from gpsd.linalg import SpectralFilter
@@ -172,7 +171,9 @@ class CombinedGPR(SpectralGPR):
         **kwargs,
     ) -> CombinedGPR:
         """Distil a trained ``ExactGP`` teacher with a ``GaussianLikelihood``; step (1, 1) is
-        the teacher itself when ``noise`` is left out.
+        the teacher itself when ``noise`` is left out. The teacher is checked and its modules
+        shared as by :meth:`DataCentricGPR.from_teacher <gpsd.DataCentricGPR.from_teacher>`
+        (a :class:`~gpsd.ChunkedKernel` gives its ``base_kernel`` and process group).
 
         :param teacher: a trained ``gpytorch.models.ExactGP`` with a ``GaussianLikelihood``.
         :param inner_steps: :math:`I`.
@@ -180,23 +181,16 @@ class CombinedGPR(SpectralGPR):
         :param noise: the noise grid (default: the teacher's noise at every step).
         :param kwargs: the other keyword arguments of the constructor.
         """
-        train_x, train_y, teacher_noise = unpack_teacher(teacher)
         inner_steps = check_int(inner_steps, "inner_steps")
         outer_steps = check_int(outer_steps, "outer_steps")
-        if noise is None:
-            # shape: (*b, O, I): a batched teacher's noise per member of its batch
-            shape = (*teacher_noise.shape, outer_steps, inner_steps)
-            noise = teacher_noise[..., None, None].expand(shape).clone()
-        return cls(
-            train_x,
-            train_y,
-            teacher.covar_module,
-            noise=noise,
-            inner_steps=inner_steps,
-            outer_steps=outer_steps,
-            mean_module=teacher.mean_module,
-            **kwargs,
-        )
+        steps = {"inner_steps": inner_steps, "outer_steps": outer_steps}
+        return cls._from_teacher(teacher, noise, **steps, **kwargs)
+
+    @classmethod
+    def _repeated_teacher_noise(cls, teacher_noise: Tensor, options: dict) -> Tensor:
+        # shape: (*b, O, I): a batched teacher's noise per member of its batch
+        shape = (*teacher_noise.shape, options["outer_steps"], options["inner_steps"])
+        return teacher_noise[..., None, None].expand(shape).clone()
 
     alpha = alpha_setting
 

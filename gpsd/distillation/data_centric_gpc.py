@@ -16,12 +16,10 @@ from gpsd._internal.module_state import (
     adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
-    fixed_setting,
 )
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
-from gpsd.distillation._common import check_noise
 from gpsd.distillation._gpc_steps import (
     FittedModules,
     SoftBernoulliLogitTerms,
@@ -30,6 +28,7 @@ from gpsd.distillation._gpc_steps import (
     check_trainable,
     refit_step_modules,
 )
+from gpsd.distillation._step_distiller import NoiseRule
 from gpsd.laplace import (
     BernoulliLogitTerms,
     ClassificationTrainingData,
@@ -58,7 +57,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     r"""Data-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.1).
 
     Step :math:`t` fits a Laplace GPC with the prior :math:`\mathcal{GP}(m, k)` to targets
-    :math:`\mathbf y_t` (row ``t - 1`` of :attr:`step_targets`). Step 1 fits the Bernoulli-logistic
+    :math:`\mathbf y_t` (row ``t - 1`` of :meth:`step_targets`). Step 1 fits the Bernoulli-logistic
     likelihood to the labels, :math:`\mathbf y_1 \in \{0,1\}^N`; step :math:`t \ge 2` fits the
     previous step's soft predictions at the training inputs,
 
@@ -114,10 +113,15 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     :param covar_module: The kernel :math:`k`, any GPyTorch kernel: every step's, or the starting
         point of every step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
-    :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC).
-    :param noise: :math:`\gamma_1, \dots, \gamma_T \ge 0`: one number for every step, or a
-        schedule of shape ``(T,)``, entry ``t - 1`` for step ``t`` (one schedule: a batch
-        ``(*s, T)`` is refused).
+    :param num_steps: Number of steps :math:`T \ge 1` (step 1 is the ordinary GPC; default: the
+        length of the schedule ``noise``, or 2 where ``noise`` is one number).
+    :param noise: :math:`\gamma_1, \dots, \gamma_T \ge 0`: one number for every step, a
+        schedule of shape ``(T,)``, entry ``t - 1`` for step ``t``, or a batch of schedules
+        ``(*s, T)``, which broadcasts with the batch of the labels as the regression distillers'
+        do (every step of every schedule is fitted; predictions get the batch ``s``; not with
+        ``refit_hyperparameters``, which refits one schedule's modules). Assigning
+        ``model.noise`` later is checked the same way and keeps :math:`T` (one number is every
+        step's).
     :param soft_target_likelihood: ``"continuous_bernoulli"`` (default) or ``"bernoulli"`` (the
         misspecified variant) for steps :math:`t \ge 2`.
     :param threshold_targets: Fit :math:`\mathbb 1[\mathbb{E}_{q_{t-1}}[\sigma(\mathbf f)] > 1/2]`
@@ -131,10 +135,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     :param refit_max_iter: Adam iterations of each step's refit.
     :param refit_lr: Adam's learning rate of each step's refit.
 
-    :ivar step_targets: The targets of every step, ``(T, *batch, n)``: row ``t - 1`` holds
-        :math:`\mathbf y_t`, the targets step ``t`` is fitted to (row 0 the labels).
-    :ivar latent_modes: The Laplace modes :math:`\hat{\mathbf f}_t`, ``(T, *batch, n)``, row
-        ``t - 1`` for step ``t``.
 
     Example:
 
@@ -151,7 +151,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         covar_module: Kernel,
         *,
         mean_module: Mean | None = None,
-        num_steps: int = 2,
+        num_steps: int | None = None,
         noise: float | Sequence[float] | Tensor = 0.0,
         soft_target_likelihood: str = "continuous_bernoulli",
         threshold_targets: bool = False,
@@ -164,7 +164,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
-        num_steps = check_int(num_steps, "num_steps")
         refit = check_refit_options(refit_hyperparameters, refit_max_iter, refit_lr)
         self.refit_hyperparameters, self.refit_max_iter, self.refit_lr = refit
         self.soft_target_likelihood = soft_target_likelihood
@@ -175,15 +174,16 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         if self.refit_hyperparameters:
             check_trainable(self.covar_module, self.mean_module)
-        self._num_steps = num_steps
         self.warm_start = bool(warm_start)
         self.max_iter = check_int(max_iter, "max_iter")
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
-        self.register_buffer("noise", self._checked_noise(noise, train_x, num_steps))
-        shape = (num_steps, *train_y.shape)
-        self.register_buffer("step_targets", train_x.new_zeros(shape))
-        self.register_buffer("latent_modes", train_x.new_zeros(shape))
+        self._init_steps(num_steps, noise, train_x)
+        self._check_noise_batch()
+        # per step, (T, *batch, n): step_targets() and latent_modes() lay them out
+        shape = (self.num_steps, *train_y.shape)
+        self.register_buffer("_step_targets", train_x.new_zeros(shape))
+        self.register_buffer("_latent_modes", train_x.new_zeros(shape))
         self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
         # the fitted modes (steps 1..k), valid while the state they were fitted at holds
         self._fit_cache = FitCache()
@@ -199,9 +199,35 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         """The training targets are 0/1 labels (the first step's Bernoulli likelihood)."""
         return BernoulliLogitTerms()
 
-    num_steps = fixed_setting(
-        "num_steps", ":math:`T` (the buffers hold one set of targets per step)."
-    )
+    _noise_rule = NoiseRule(positive=False, steps_of_one_value=2)
+
+    def _check_noise_batch(self) -> None:
+        """A ``ValueError`` unless the batch of the schedules broadcasts with the labels' and the
+        kernel's, and is empty where the steps refit their hyperparameters."""
+        try:
+            torch.broadcast_shapes(
+                self.noise.shape[:-1],
+                self.train_targets.shape[:-1],
+                self.covar_module.batch_shape,
+            )
+        except RuntimeError:
+            raise ValueError(
+                f"the batch of schedules (noise of shape {tuple(self.noise.shape)}) must "
+                f"broadcast with the batch of the labels (train_y of shape "
+                f"{tuple(self.train_targets.shape)}) and of covar_module (batch shape "
+                f"{tuple(self.covar_module.batch_shape)})"
+            ) from None
+        self._check_one_schedule_to_refit()
+
+    def _check_one_schedule_to_refit(self) -> None:
+        """A ``ValueError`` where the steps refit their hyperparameters for a batch of schedules
+        (a refit fits one schedule's models)."""
+        if self.refit_hyperparameters and self.noise.dim() > 1:
+            raise ValueError(
+                "refit_hyperparameters=True refits the modules of one noise schedule (T,), got "
+                f"noise of shape {tuple(self.noise.shape)}; build one model per schedule to "
+                "refit each, or pass refit_hyperparameters=False"
+            )
 
     soft_target_likelihood = choice_setting(
         "soft_target_likelihood",
@@ -219,29 +245,14 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
     )
 
-    #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(T,)`` (entry ``t - 1`` for step
-    #: ``t``) in the training inputs' dtype. Assigning one number or ``T`` numbers (checked) or
-    #: writing into it refits on use.
+    #: :math:`\gamma_1, \dots, \gamma_T`, a buffer of shape ``(*s, T)`` (entry ``t - 1`` for
+    #: step ``t``) in the training inputs' dtype. Assigning one number or schedules of ``T``
+    #: numbers (checked) or writing into it refits on use.
     noise: Tensor
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "noise" and "noise" in self.__dict__.get("_buffers", {}):
-            value = self._checked_noise(value, self.train_inputs, self.num_steps, assigned=True)
-        super().__setattr__(name, value)
-
-    def _checked_noise(
-        self, noise: object, like: Tensor, num_steps: int, assigned: bool = False
-    ) -> Tensor:
-        """``noise`` as the ``(T,)`` schedule of this model (:func:`check_noise`): one number for
-        every step or one per step, each >= 0."""
-        owner = type(self).__name__
-        return check_noise(
-            noise, like, num_steps, owner=owner, positive=False, batch=False, assigned=assigned
-        )
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        check_saved_num_steps(self, state_dict.get(prefix + "step_targets"))
-        names = ("step_targets", "latent_modes", "train_inputs", "train_targets")
+        check_saved_num_steps(self, state_dict.get(prefix + "_step_targets"))
+        names = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
         adopt_buffer_shapes(self, state_dict, prefix, names)
         self._fit_cache.clear()  # the loaded modes are warm starts for the next fit
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -279,11 +290,16 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self, use_stored_modes: bool, progress: object = False, callback: Callback | None = None
     ) -> list[tuple[LaplaceMode, FittedModules]]:
         """Fit steps 1..T (fewer where ``callback`` stops); returns their modes and modules."""
+        self._check_noise_batch()  # labels of another batch (set_train_data), or refits set
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES + self.num_steps,
             self.train_inputs,
-            torch.broadcast_shapes(self.train_targets.shape[:-1], self.covar_module.batch_shape),
+            torch.broadcast_shapes(
+                self.noise.shape[:-1],
+                self.train_targets.shape[:-1],
+                self.covar_module.batch_shape,
+            ),
             "the kernel matrix, Newton's factorisation and the Cholesky factor each step keeps",
             "fit fewer num_steps, train on fewer points, or in float32 for half the bytes",
         )
@@ -299,7 +315,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             )
             n = K.shape[-1]
             eye = torch.eye(n, dtype=K.dtype, device=K.device)
-            targets = self.train_targets.expand(m.shape)
+            # every step fits the whole batch of labels and schedules: (*s, *batch, n)
+            batch = torch.broadcast_shapes(self.noise.shape[:-1], m.shape[:-1])
+            targets = self.train_targets.expand(*batch, n)
             steps: list[tuple[LaplaceMode, FittedModules]] = []
             self.newton_iterations = []
             self.refit_history = []
@@ -307,7 +325,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             task = f"{type(self).__name__}.fit"
             with ProgressReporter(task, self.num_steps, progress, callback) as report:
                 for step in range(1, self.num_steps + 1):
-                    noise = float(self.noise[step - 1])
+                    noise = self.noise[..., step - 1]  # shape: (*s,)
                     if refit:
                         modules, posterior = refit_step_modules(
                             self.train_inputs,
@@ -315,7 +333,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                             self.covar_module,
                             self.mean_module,
                             self._terms(step),
-                            noise=noise,
+                            noise=float(noise),
                             max_iter=self.max_iter,
                             refit_max_iter=self.refit_max_iter,
                             refit_lr=self.refit_lr,
@@ -326,14 +344,15 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                         )
                     else:
                         modules = shared
-                        stored = self.latent_modes[step - 1]
+                        stored = self._latent_modes[step - 1]
                         if use_stored_modes and stored.shape == targets.shape:
                             init = stored
                         elif not self.warm_start:
                             init = None
                         posterior = LaplacePosterior(
                             m,
-                            K if noise == 0.0 else K + noise * eye,  # no copy without noise
+                            # no copy without noise
+                            K if bool((noise == 0).all()) else K + noise[..., None, None] * eye,
                             self._terms(step),
                             targets,
                             init_f=init,
@@ -344,11 +363,11 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     steps.append((mode, modules))
                     self.newton_iterations.append(mode.iterations)
                     self.refit_history.append(modules.history)
-                    if self.step_targets[step - 1].shape != targets.shape:
-                        self.step_targets = targets.new_zeros(self.num_steps, *targets.shape)
-                        self.latent_modes = torch.zeros_like(self.step_targets)
-                    self.step_targets[step - 1] = targets
-                    self.latent_modes[step - 1] = mode.f
+                    if self._step_targets[step - 1].shape != targets.shape:
+                        self._step_targets = targets.new_zeros(self.num_steps, *targets.shape)
+                        self._latent_modes = torch.zeros_like(self._step_targets)
+                    self._step_targets[step - 1] = targets
+                    self._latent_modes[step - 1] = mode.f
                     init = mode.f
                     soft = self._soft_predictions(posterior, K, m)
                     del posterior  # its prior covariance K + noise I is not kept past the step
@@ -416,6 +435,27 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
     def _fitted_steps(self) -> int:
         return len(self._fitted())
+
+    def step_targets(self, step: int | None = None) -> Tensor:
+        r"""The targets each fitted step is fitted to (fitted first where needed):
+        ``(*batch, T, n)``, row ``t - 1`` holding :math:`\mathbf y_t` (row 0 the labels), or
+        :math:`\mathbf y_t` alone for ``step=t``, ``(*batch, n)``. After a fit that a callback
+        stopped at step ``k``, the ``k`` fitted steps.
+
+        :param step: a step ``t`` in ``1..T`` (default: every fitted step).
+        """
+        steps = self._steps(step)
+        return self._rows_of_steps([self._step_targets[t - 1] for t in steps], step)
+
+    def latent_modes(self, step: int | None = None) -> Tensor:
+        r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
+        inputs (fitted first where needed), laid out as :meth:`step_targets`:
+        ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``.
+
+        :param step: a step ``t`` in ``1..T`` (default: every fitted step).
+        """
+        steps = self._steps(step)
+        return self._rows_of_steps([self._latent_modes[t - 1] for t in steps], step)
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
         mode, modules = self._fitted()[step - 1]

@@ -178,7 +178,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
         if self.refit_hyperparameters:
             check_trainable(self.covar_module, self.mean_module)
-        self._num_steps = num_steps
+        self._init_steps(num_steps)
         self.method = method
         self.max_iter = check_int(max_iter, "max_iter")
         n = train_x.shape[-2]
@@ -189,7 +189,9 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         self._scratch: tuple[int, Tensor, Tensor, Tensor] | None = None
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
-        self.register_buffer("latent_modes", train_x.new_zeros(T, *train_y.shape))
+        # per kept step, (T, *batch, n) (T = 1 without store_all_steps): latent_modes() lays
+        # them out
+        self.register_buffer("_latent_modes", train_x.new_zeros(T, *train_y.shape))
         self.register_buffer("coefficients", train_x.new_zeros(T, *train_y.shape))
         self.register_buffer("covariance_corrections", train_x.new_zeros(T, *train_y.shape, n))
         self.register_buffer(
@@ -218,7 +220,6 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             self._adopt_fit()
         return out
 
-    num_steps = fixed_setting("num_steps", ":math:`T` (the buffers hold one posterior per step).")
     store_all_steps = fixed_setting("store_all_steps", "Whether every step's posterior is kept.")
 
     method = choice_setting(
@@ -287,7 +288,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         check_saved_num_steps(self, state_dict.get(prefix + "computed_steps"))
         self._scratch = None
         self._loaded_fit_settings = None  # a state without the settings: refit
-        names = ("latent_modes", "coefficients", "covariance_corrections")
+        names = ("_latent_modes", "coefficients", "covariance_corrections")
         names += ("train_inputs", "train_targets")
         adopt_buffer_shapes(self, state_dict, prefix, names)
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -327,10 +328,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         T = self.num_steps if self.store_all_steps else 1
         # the kernel added a batch shape, or a loaded state held another number of steps
         if self.coefficients.shape != (T, *c.shape):
-            self.latent_modes = f.new_zeros(T, *f.shape)
+            self._latent_modes = f.new_zeros(T, *f.shape)
             self.coefficients = c.new_zeros(T, *c.shape)
             self.covariance_corrections = Q.new_zeros(T, *Q.shape)
-        self.latent_modes[slot] = f
+        self._latent_modes[slot] = f
         self.coefficients[slot] = c
         self.covariance_corrections[slot] = Q
         self.computed_steps[step - 1] = True
@@ -341,7 +342,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         if not done:
             return None
         nearest = min(done, key=lambda s: abs(s - step))
-        return self.latent_modes[self._slot(nearest)]
+        return self._latent_modes[self._slot(nearest)]
 
     def _refit(
         self,
@@ -556,6 +557,40 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             return self._state(step)
         assert self._scratch is not None
         return scale, self._scratch[2], self._scratch[3]
+
+    def latent_modes(self, step: int | None = None) -> Tensor:
+        r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
+        inputs (fitted first where needed): ``(*batch, T, n)``, row ``t - 1`` for step ``t``, or
+        ``(*batch, n)`` for ``step=t``. Steps that the model does not keep are computed as a
+        prediction of them would be (the approximations), or refused as it would be
+        (``"iterated"`` without ``store_all_steps``).
+
+        :param step: a step ``t`` in ``1..T`` (default: every fitted step).
+        """
+        return self._rows_of_steps([self._mode_at(t) for t in self._steps(step)], step)
+
+    def _mode_at(self, step: int) -> Tensor:
+        """The mode of step ``step`` (computed where it is not kept)."""
+        self._state(step)
+        slot = self._slot(step)
+        if slot is not None and bool(self.computed_steps[step - 1]):
+            return self._latent_modes[slot]
+        assert self._scratch is not None and self._scratch[0] == step
+        return self._scratch[1]
+
+    def step_targets(self, step: int | None = None) -> Tensor:
+        """The targets each fitted step is fitted to: the labels at every step (the steps
+        differ in their prior or likelihood, not in their targets), laid out as
+        :meth:`latent_modes`: ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``.
+
+        :param step: a step ``t`` in ``1..T`` (default: every fitted step).
+        """
+        steps = self._steps(step)
+        batch = torch.broadcast_shapes(
+            self.train_targets.shape[:-1], self._latent_modes.shape[1:-1]
+        )
+        labels = self.train_targets.expand(*batch, self.train_targets.shape[-1])
+        return self._rows_of_steps([labels] * len(steps), step)
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
         scale, c, Q = self._state(step)

@@ -28,7 +28,7 @@ from gpsd._internal.stationary_kernel import (
     check_lengthscale_count,
     stationary_kernel_parameters,
 )
-from gpsd._internal.teacher import frozen_copy
+from gpsd._internal.teacher import frozen_copy, validate_teacher
 from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import (
     as_float_tensor,
@@ -38,7 +38,7 @@ from gpsd._internal.validation import (
     check_same_device,
     check_vector,
 )
-from gpsd.exceptions import NotFittedError
+from gpsd.exceptions import NotFittedError, TeacherError
 from gpsd.kernel_distillation._inducing_selection import select_inducing_points
 from gpsd.kernel_distillation._objective import (
     SparseKernelObjective,
@@ -164,43 +164,24 @@ class _Problem:
     @classmethod
     def from_teacher(cls, teacher: ExactGP, require_trained: bool) -> _Problem:
         """The problem of a trained ``ExactGP`` with a ``GaussianLikelihood``."""
-        if not isinstance(teacher, ExactGP):
-            raise TypeError(
-                f"teacher must be a trained gpytorch.models.ExactGP, got {type(teacher).__name__}; "
-                "use KernelDistillation.from_data(train_x, train_y, covar_module, noise=...) "
-                "otherwise"
-            )
-        if not isinstance(teacher.likelihood, GaussianLikelihood):
-            raise TypeError(
-                "teacher.likelihood must be a gpytorch.likelihoods.GaussianLikelihood (kernel "
-                "distillation needs one homoscedastic Gaussian noise variance), got "
-                f"{type(teacher.likelihood).__name__}"
-            )
-        if teacher.train_inputs is None or teacher.train_targets is None:
-            raise ValueError("teacher is untrained: it has no training data (train_inputs is None)")
-        if len(teacher.train_inputs) != 1:
-            raise ValueError("teacher must have exactly one training input tensor")
+        x, y = validate_teacher(
+            teacher,
+            GaussianLikelihood,
+            "a gpytorch.likelihoods.GaussianLikelihood (kernel distillation needs one "
+            "homoscedastic Gaussian noise variance)",
+            batch=False,
+            needs_mean=False,
+        )
         if require_trained:
             raw = [p for n, p in teacher.named_parameters() if "raw_" in n or "constant" in n]
             if raw and all(bool((p == 0).all()) for p in raw):
-                raise ValueError(
+                raise TeacherError(
                     "teacher looks untrained: every raw hyperparameter is still at GPyTorch's "
                     "initial value 0; train it first (or pass require_trained=False)"
                 )
-        x = teacher.train_inputs[0]
-        if x.dim() == 1:
-            x = x.unsqueeze(-1)
-        y = teacher.train_targets
-        if x.dim() != 2 or y.dim() != 1:
-            raise ValueError(
-                "teacher must have no batch shape: train_inputs (n, d) and train_targets (n,), got "
-                f"{tuple(x.shape)} and {tuple(y.shape)}"
-            )
         mean = teacher.mean_module if hasattr(teacher, "mean_module") else None
         mean_constant = _mean_constant(mean, "teacher.mean_module")
-        covar_module = getattr(teacher, "covar_module", None)
-        if not isinstance(covar_module, gpytorch.kernels.Kernel):
-            raise TypeError("teacher must keep its kernel in teacher.covar_module")
+        covar_module = teacher.covar_module
         noise = teacher.likelihood.noise.detach().reshape(-1)
         return cls.checked(covar_module, x, y, noise, mean_constant)
 

@@ -132,6 +132,11 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
         noise = self.noise
         if not isinstance(noise, numbers.Real):
             noise = torch.as_tensor(np.asarray(noise, dtype=float), dtype=dtype)
+            if noise.dim() > 1:  # one classifier: no batch of schedules
+                raise ValueError(
+                    "noise must be one number or a sequence of num_steps numbers, got shape "
+                    f"{tuple(noise.shape)}"
+                )
         model = DataCentricGPC(
             train_x,
             train_y,

@@ -67,7 +67,7 @@ def test_step_one_matches_sklearn(toy):
         x.numpy()[:, None], y.numpy()
     )
     np.testing.assert_allclose(
-        model.latent_modes[0].numpy(), gpc.base_estimator_.f_cached, atol=1e-6
+        model.latent_modes(1).numpy(), gpc.base_estimator_.f_cached, atol=1e-6
     )
 
 
@@ -85,7 +85,7 @@ def test_three_steps_match_naive_chain(toy, likelihood):
         if step > 1:
             continuous = step > 2 and likelihood == "continuous_bernoulli"
             targets = _soft_targets_dense(_kernel(), x, f_prev, noise[step - 2], continuous)
-            torch.testing.assert_close(model.step_targets[step - 1], targets, rtol=1e-8, atol=1e-9)
+            torch.testing.assert_close(model.step_targets(step), targets, rtol=1e-8, atol=1e-9)
         lik = (
             "bernoulli_logit" if step == 1 or likelihood == "bernoulli" else "continuous_bernoulli"
         )
@@ -100,7 +100,7 @@ def test_three_steps_match_naive_chain(toy, likelihood):
         naive = LaplaceGPClassifier(
             x, targets, _kernel(), likelihood=lik, noise=noise[step - 1]
         ).fit()
-        torch.testing.assert_close(model.latent_modes[step - 1], naive.mode.f, rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(model.latent_modes(step), naive.mode.f, rtol=1e-7, atol=1e-7)
         latent = model.predict_latent(test_x, step=step)
         mean, var = latent.mean, latent.variance
         latent = naive.predict_latent(test_x)
@@ -124,10 +124,10 @@ def test_continuous_bernoulli_is_more_extreme_than_misspecified_bernoulli(toy):
 def test_thresholded_targets_and_warm_start(toy):
     x, y, _ = toy
     thr = DataCentricGPC(x, y, _kernel(), num_steps=3, threshold_targets=True).fit()
-    assert set(thr.step_targets[1:].unique().tolist()) <= {0.0, 1.0}
+    assert set(thr.step_targets()[1:].unique().tolist()) <= {0.0, 1.0}
     warm = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1).fit()
     cold = DataCentricGPC(x, y, _kernel(), num_steps=4, noise=0.1, warm_start=False).fit()
-    torch.testing.assert_close(warm.latent_modes, cold.latent_modes, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(warm.latent_modes(), cold.latent_modes(), rtol=1e-8, atol=1e-8)
     assert sum(warm.newton_iterations[1:]) < sum(cold.newton_iterations[1:])
 
 
@@ -159,7 +159,7 @@ def test_bad_input(toy):
     with pytest.raises(ValueError, match="soft_target_likelihood"):
         DataCentricGPC(x, y, _kernel(), soft_target_likelihood="beta")
     model = DataCentricGPC(x, y, _kernel(), num_steps=2)
-    with pytest.raises(ValueError, match="step must be in 1..2"):
+    with pytest.raises(ValueError, match="step must lie in 1..2"):
         model.predict_proba(test_x, step=3)
     with pytest.raises(ValueError, match="step must be a positive int"):
         model.predict_proba(test_x, step=1.7)  # not rounded to step 1
@@ -204,8 +204,8 @@ def test_every_step_along_a_step_dimension_and_step_t_is_row_t_minus_1(toy):
             (one.mean, one.variance), (latent.mean[t - 1], latent.variance[t - 1])
         )
         torch.testing.assert_close(model.predict(test_x, step=t), labels[t - 1])
-    # step 1 is the ordinary classifier on the labels (row 0 of step_targets)
-    torch.testing.assert_close(model.step_targets[0], y)
+    # step 1 is the ordinary classifier on the labels (row 0 of step_targets())
+    torch.testing.assert_close(model.step_targets(1), y)
     reference = LaplaceGPClassifier(x, y, _kernel(), noise=0.0)
     torch.testing.assert_close(proba[0], reference.predict_proba(test_x).detach())
     # the noise is one value per step, entry t - 1 for step t
@@ -345,7 +345,7 @@ def test_refits_give_each_step_an_independent_classifier_fitted_to_its_targets(t
     chain = _naive_refit_chain(x, y, test_x, noise, likelihood, 3)
     lengthscales = []
     for step, (targets, naive, latent) in enumerate(chain, start=1):
-        torch.testing.assert_close(model.step_targets[step - 1], targets, rtol=1e-7, atol=1e-8)
+        torch.testing.assert_close(model.step_targets(step), targets, rtol=1e-7, atol=1e-8)
         kernel = model.step_covar_modules[step - 1]
         for name in ("outputscale", "base_kernel.lengthscale"):
             ours, theirs = kernel, naive.covar_module

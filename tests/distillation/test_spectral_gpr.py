@@ -1349,8 +1349,14 @@ def test_training_arguments_are_checked():
         model.optimize_hyperparameters(learn_noise=False)
 
 
-@pytest.mark.parametrize("cls", CLASSES)
-def test_from_teacher_with_a_chunked_kernel_shares_its_base_kernel(cls):
+@pytest.mark.parametrize(
+    ("cls", "steps"),
+    [
+        *((cls, {"num_steps": 2}) for cls in CLASSES),
+        (gpsd.CombinedGPR, {"outer_steps": 1, "inner_steps": 2}),
+    ],
+)
+def test_from_teacher_with_a_chunked_kernel_shares_its_base_kernel(cls, steps):
     x, y, kernel = _training_problem(n=40)
 
     class Teacher(gpytorch.models.ExactGP):
@@ -1366,7 +1372,7 @@ def test_from_teacher_with_a_chunked_kernel_shares_its_base_kernel(cls):
 
     teacher = Teacher().to(DT)
     teacher.likelihood.noise = 0.05
-    model = cls.from_teacher(teacher, num_steps=2, backend="dense")
+    model = cls.from_teacher(teacher, **steps, backend="dense")
     assert model.covar_module is kernel and model.process_group is None
     teacher.eval()
     test_x = x[:6] + 0.05

@@ -289,6 +289,15 @@ def names_of(labels):
     return np.array(["no", "yes"])[labels]
 
 
+def test_classifier_takes_one_noise_schedule():
+    x, y, _ = classification_data()
+    estimator = SelfDistilledGPClassifier(
+        num_steps=2, noise=[[0.0, 0.1], [0.1, 0.1]], optimize_hyperparameters=False
+    )
+    with pytest.raises(ValueError, match=r"noise must be one number or a sequence of num_steps"):
+        estimator.fit(x, y)
+
+
 def test_classifier_predicts_as_the_native_distiller():
     x, y, test_x = classification_data()
     estimator = SelfDistilledGPClassifier(
