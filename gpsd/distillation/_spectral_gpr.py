@@ -55,15 +55,11 @@ from gpsd.distillation._teacher_likelihood import (
     matrix_free_log_likelihood,
     seeded_probes,
 )
-from gpsd.exceptions import BackendError
 from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.linalg import BACKENDS, SpectralFilter
 from gpsd.linalg.backend import check_shareable, default_cache_bytes
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
-
-#: The backends that build an autograd graph.
-_GRAPH_BACKENDS = ("dense", "cholesky")
 
 CRITERIA = ("gcv", "validation")
 
@@ -77,26 +73,6 @@ def autograd_context(state: dict):
     the cache look stale.
     """
     return contextlib.nullcontext() if state["engine"].supports_autograd else torch.no_grad()
-
-
-class _NoBackwardThroughMatrixFree(torch.autograd.Function):
-    """The identity on a result of a matrix-free backend, linked to the leaves it depends on,
-    whose backward raises a :class:`~gpsd.BackendError`: a gradient through Lanczos or CG would
-    need a graph those backends do not build, and a result without any graph would let a
-    training loop run on without its gradient."""
-
-    @staticmethod
-    def forward(ctx, value: Tensor, backend: str, *leaves: Tensor) -> Tensor:
-        ctx.backend = backend
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        raise BackendError(
-            f"backend={ctx.backend!r} builds no autograd graph, and a backward pass reached one "
-            f"of its results; use backend={_GRAPH_BACKENDS[0]!r} or {_GRAPH_BACKENDS[1]!r} to "
-            "differentiate through the distiller, or compute the results under torch.no_grad()"
-        )
 
 
 def _tensors(*modules: nn.Module) -> list[Tensor]:
@@ -630,19 +606,10 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
                     )
 
     def _guard(self, state: dict, value: Tensor, *inputs: Tensor) -> Tensor:
-        """``value``, linked where it would need an autograd graph that the engine does not
-        build (grad enabled, and a parameter of ``covar_module`` or ``mean_module``, or one of
-        ``inputs``, requiring grad) to a node whose backward raises a
-        :class:`~gpsd.BackendError`."""
-        if state["engine"].supports_autograd or not torch.is_grad_enabled():
-            return value
-        modules = (self.covar_module, self.mean_module)
-        leaves = [p for m in modules for p in m.parameters() if p.requires_grad]
-        leaves += [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
-        if not leaves:
-            return value
-        backend = state["engine"].name
-        return _NoBackwardThroughMatrixFree.apply(value, backend, *leaves)
+        """``value`` through the engine's :meth:`~gpsd.linalg.SpectralEngine.guard`, with the
+        parameters of ``covar_module`` and ``mean_module`` and ``inputs`` as its leaves."""
+        leaves = _tensors(self.covar_module, self.mean_module)
+        return state["engine"].guard(value, *leaves, *inputs)
 
     @property
     def error_estimate(self) -> float:
