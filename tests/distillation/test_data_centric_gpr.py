@@ -734,14 +734,14 @@ def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():
         assert backend_module._out_of_reach(spectrum, 129, 0.1, 1e-6) is False  # 64 < 129 / 2
 
 
-def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch, use_setting):
+def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(use_setting):
     x, y, test_x = wiggly_data()  # one 300 x 300 float64 matrix: 0.7 MiB
     kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
     gammas = torch.full((3,), 1e-2, dtype=DTYPE)  # few steps: the Cholesky chain if it fitted
     with torch.no_grad():  # the reference, with the memory there is
         ref = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense").predict(test_x)
     one_mib = 2**20
-    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: one_mib)
+    use_setting(gpsd.settings.memory_limit(cpu=one_mib))
     use_setting(gpsd.settings.max_lanczos_rank(32))
     auto = DataCentricGPR(x, y, kernel, noise=gammas, rtol=1e-10)
     with torch.no_grad():
@@ -1073,7 +1073,7 @@ def test_kernel_cache_bytes_must_be_a_non_negative_integer():
     assert model.kernel_cache_bytes == 10**6 and type(model.kernel_cache_bytes) is int
 
 
-def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monkeypatch):
+def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set():
     x = torch.rand(1000, 2, dtype=DTYPE)
     kernel = rbf_kernel()
     working = (8 * 4096 + 4 * 2048) * 1000 * 8  # N-vectors of a prediction, in float64 bytes
@@ -1082,10 +1082,8 @@ def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monke
         (working + 1000, 1000),  # the working set first
         (working // 2, 0),  # not even that: keep nothing
     ]:
-        monkeypatch.setattr(
-            backend_module, "free_memory_bytes", lambda device, wanted=None, free=free: free
-        )
-        operator = backend_module._matrix_free(kernel, x, torch.float64, None)
+        with gpsd.settings.memory_limit(cpu=free):
+            operator = backend_module._matrix_free(kernel, x, torch.float64, None)
         assert operator.cache_bytes == expected
     assert backend_module._matrix_free(kernel, x, torch.float64, 123).cache_bytes == 123
 

@@ -796,21 +796,15 @@ def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
         LaplaceGPClassifier(x, y, _kernel(), noise=noise)
 
 
-def _little_memory(monkeypatch, free):
-    from gpsd._internal import memory_check
-
-    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: free)
-
-
 def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
-    monkeypatch, count_calls
+    use_setting, count_calls
 ):
     from gpsd.laplace import laplace_gp_classifier
 
     x, y, test_x = sine_classification(30, seed=3)
     needed = 4 * 30 * 30 * 8  # four 30 x 30 float64 matrices
     evaluations = count_calls(laplace_gp_classifier, "prior_at_training")
-    _little_memory(monkeypatch, needed - 1)
+    use_setting(gpsd.settings.memory_limit(cpu=needed - 1))
     model = LaplaceGPClassifier(x, y, _kernel())
     for attempt in (model.fit, lambda: model.predict_proba(test_x)):
         with pytest.raises(gpsd.InsufficientMemoryError) as raised:
@@ -819,5 +813,5 @@ def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
         assert f"LaplaceGPClassifier.fit needs about {needed} bytes" in message
         assert "train on fewer points, or in float32" in message
     assert evaluations == [0]
-    _little_memory(monkeypatch, needed)
+    use_setting(gpsd.settings.memory_limit(cpu=needed))
     model.fit()

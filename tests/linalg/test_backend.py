@@ -110,12 +110,12 @@ class _CountingRBF(gpytorch.kernels.RBFKernel):
     [("dense", 4), ("cholesky", 3)],  # eigh: K, eigenvectors, workspace; chain: K, K + g I, L
 )
 def test_a_dense_request_that_cannot_fit_fails_before_evaluating_the_kernel(
-    monkeypatch, backend, matrices
+    use_setting, backend, matrices
 ):
     n = 200
     x = torch.rand(n, 1, dtype=DTYPE)
     needed = matrices * n * n * 8
-    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: needed - 1)
+    use_setting(gpsd.settings.memory_limit(cpu=needed - 1))
     kernel = _CountingRBF().to(DTYPE)
     _CountingRBF.evaluations = 0
     with pytest.raises(gpsd.InsufficientMemoryError) as caught:
@@ -126,7 +126,7 @@ def test_a_dense_request_that_cannot_fit_fails_before_evaluating_the_kernel(
     assert "backend='lanczos' or backend='cg'" in message
     assert isinstance(caught.value, MemoryError) and _CountingRBF.evaluations == 0
     # exactly enough: it goes ahead
-    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: needed)
+    use_setting(gpsd.settings.memory_limit(cpu=needed))
     assert isinstance(_make(kernel, x, backend), (KernelSpectrum, ShiftedCholesky))
 
 
@@ -134,30 +134,24 @@ def test_the_memory_check_counts_the_schedules_and_the_kernels_batch():
     # a batch of 3 kernel matrices and 2 schedules each: 3 matrices, then factors of (2, 3)
     n = 50
     x = torch.rand(3, n, 1, dtype=DTYPE)
-    seen = []
-
-    def free(device, wanted=None):
-        seen.append(wanted)
-        return 0
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backend_module, "free_memory_bytes", free)
-        with pytest.raises(gpsd.InsufficientMemoryError):
+    one = n * n * 8
+    with gpsd.settings.memory_limit(0):
+        with pytest.raises(
+            gpsd.InsufficientMemoryError, match=f"needs about {3 * one + 2 * 6 * one} bytes"
+        ):
             _make(
                 gpytorch.kernels.RBFKernel().to(DTYPE),
                 x,
                 "cholesky",
                 schedule_shape=torch.Size([2, 1]),
             )
-        with pytest.raises(gpsd.InsufficientMemoryError):
+        with pytest.raises(gpsd.InsufficientMemoryError, match=f"needs about {4 * 3 * one} bytes"):
             _make(gpytorch.kernels.RBFKernel().to(DTYPE), x, "dense")
-    one = n * n * 8
-    assert seen == [3 * one + 2 * 6 * one, 4 * 3 * one]
 
 
-def test_matrix_free_backends_and_auto_are_not_held_to_the_dense_memory(monkeypatch):
+def test_matrix_free_backends_and_auto_are_not_held_to_the_dense_memory(use_setting):
     x = torch.linspace(0, 10, 80, dtype=DTYPE).unsqueeze(-1)
-    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: 2**16)
+    use_setting(gpsd.settings.memory_limit(cpu=2**16))
     kernel = rbf_kernel()
     with torch.no_grad():
         for backend in ("lanczos", "cg", "auto"):
