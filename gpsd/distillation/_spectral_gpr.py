@@ -510,45 +510,38 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
 
     def _factorisation(self, progress: object = False, callback: Callback | None = None) -> dict:
         """The backend engine of :math:`\\mathbf K` and the kernel for test covariances."""
-        config = (
-            self.backend,
-            self.linalg_dtype,
-            self.rank,
-            self.rtol,
-            self.kernel_cache_bytes,
-            self.process_group,
-            self._smallest_shift(),
-            tuple(self.noise.shape[:-1]),  # the automatic choice counts the factorisations
-            self.num_steps,
-        )
-        modules = (self.covar_module, _Tensors(train_x=self.train_x))
-        return self._factor_cache.get(
-            modules, config, lambda: self._factorise(progress=progress, callback=callback)
-        )
-
-    def _factorise(self, progress: object = False, callback: Callback | None = None) -> dict:
-        self._check_modules()
-        self._check_same_on_every_rank()  # before the ranks' Krylov iterations could part ways
-        gamma_min = self._smallest_shift()
-        warn_low_precision_factorisation(  # before a factorisation that it may explain fails
-            self.covar_module, self.train_x, self.linalg_dtype or self.train_x.dtype, gamma_min
-        )
-        engine = linalg.make_engine(
+        request = linalg.EngineRequest(
             self.covar_module,
             self.train_x,
             self.backend,
-            self.noise.shape[:-1],
+            self.noise.shape[:-1],  # the automatic choice counts the factorisations
             self.num_steps,
             self.linalg_dtype,
             self.rank,
-            generator_seed=0,
-            gamma_min=gamma_min,
-            rtol=self.rtol,
-            kernel_cache_bytes=self.kernel_cache_bytes,
-            progress=progress,
-            callback=callback,
+            self.rtol,
+            self._smallest_shift(),
+            cache_bytes=self.kernel_cache_bytes,
             process_group=self.process_group,
         )
+        return self._factor_cache.get(
+            self.covar_module,
+            (request,),
+            lambda: self._factorise(request, progress=progress, callback=callback),
+        )
+
+    def _factorise(
+        self,
+        request: linalg.EngineRequest,
+        progress: object = False,
+        callback: Callback | None = None,
+    ) -> dict:
+        self._check_modules()
+        self._check_same_on_every_rank()  # before the ranks' Krylov iterations could part ways
+        gamma_min = request.smallest_noise
+        warn_low_precision_factorisation(  # before a factorisation that it may explain fails
+            self.covar_module, self.train_x, self.linalg_dtype or self.train_x.dtype, gamma_min
+        )
+        engine = linalg.make_engine(request, progress=progress, callback=callback)
         engine.check_accuracy(gamma_min, self.rtol)
         # a matrix-free engine builds no graph, and the grad mode does not change the choice of
         # one: it need not rebuild when the mode changes

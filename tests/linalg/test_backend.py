@@ -13,7 +13,14 @@ from gpytorch.utils.warnings import NumericalWarning
 import gpsd
 import gpsd.linalg
 import gpsd.linalg.backend as backend_module
-from gpsd.linalg import KernelSpectrum, ShiftedCG, ShiftedCholesky, choose_backend, make_engine
+from gpsd.linalg import (
+    EngineRequest,
+    KernelSpectrum,
+    ShiftedCG,
+    ShiftedCholesky,
+    choose_backend,
+    make_engine,
+)
 
 DTYPE = torch.float64
 
@@ -80,19 +87,19 @@ def test_choose_backend_names_a_bad_count(argument):
 
 
 # ------------------------------------------------------------------ make_engine
-def _make(kernel, x, backend, **kwargs):
+def _make(kernel, x, backend, progress=False, callback=None, **fields):
     """make_engine as the regression distillers call it: one schedule of two steps."""
     options = dict(
         schedule_shape=torch.Size(),
         num_steps=2,
-        eig_dtype=torch.float64,
+        dtype=torch.float64,
         rank=None,
-        generator_seed=0,
-        gamma_min=1e-2,
         rtol=1e-8,
+        smallest_noise=1e-2,
     )
-    options.update(kwargs)
-    return make_engine(kernel, x, backend, **options)
+    options.update(fields)
+    request = EngineRequest(kernel, x, backend, **options)
+    return make_engine(request, progress=progress, callback=callback)
 
 
 class _CountingRBF(gpytorch.kernels.RBFKernel):
@@ -155,7 +162,7 @@ def test_matrix_free_backends_and_auto_are_not_held_to_the_dense_memory(use_sett
     kernel = rbf_kernel()
     with torch.no_grad():
         for backend in ("lanczos", "cg", "auto"):
-            engine = _make(kernel, x, backend, kernel_cache_bytes=0)
+            engine = _make(kernel, x, backend, cache_bytes=0)
             assert engine.matrix_free, backend
 
 
@@ -258,7 +265,7 @@ def test_a_forced_matrix_free_backend_on_a_flat_spectrum_warns_before_it_runs(ba
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _make(kernel, _flat_problem(), backend, rank=16, gamma_min=0.1, rtol=1e-6)
+        _make(kernel, _flat_problem(), backend, rank=16, smallest_noise=0.1, rtol=1e-6)
     hard = [w for w in caught if "slowly decaying spectrum" in str(w.message)]
     assert len(hard) == 1 and issubclass(hard[0].category, NumericalWarning)
     message = str(hard[0].message)
@@ -268,7 +275,7 @@ def test_a_forced_matrix_free_backend_on_a_flat_spectrum_warns_before_it_runs(ba
     smooth = torch.linspace(0, 10, 400, dtype=DTYPE).unsqueeze(-1)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _make(kernel, smooth, backend, rank=16, gamma_min=0.1, rtol=1e-6)
+        _make(kernel, smooth, backend, rank=16, smallest_noise=0.1, rtol=1e-6)
     assert not [w for w in caught if "slowly decaying spectrum" in str(w.message)]
 
 
@@ -286,7 +293,7 @@ def test_a_flat_spectrum_under_a_few_large_eigenvalues_warns_before_a_forced_cg(
     assert float(whole) < 400 // 4 / backend_module._COLUMNS_PER_PAIR  # the old count: silent
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _make(kernel, x, "cg", rank=16, gamma_min=0.1, rtol=1e-6)
+        _make(kernel, x, "cg", rank=16, smallest_noise=0.1, rtol=1e-6)
     hard = [w for w in caught if "slowly decaying spectrum" in str(w.message)]
     assert len(hard) == 1 and "CG solves" in str(hard[0].message)
 
@@ -318,7 +325,7 @@ def test_a_forced_cg_warns_after_its_lanczos_run_where_the_deflated_rest_is_not_
     the Ritz vectors, is named in the warning and is at least the smallest noise."""
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
     x = _flat_problem()
-    hard, spectrum = _deflation_warnings(kernel, x, monkeypatch, gamma_min=0.1)
+    hard, spectrum = _deflation_warnings(kernel, x, monkeypatch, smallest_noise=0.1)
     assert len(hard) == 1 and issubclass(hard[0].category, NumericalWarning)
     message = str(hard[0].message)
     k = spectrum.ritz_vectors.shape[-1]
@@ -329,9 +336,9 @@ def test_a_forced_cg_warns_after_its_lanczos_run_where_the_deflated_rest_is_not_
     mean = float((complement @ dense @ complement).trace() / (400 - k))
     assert mean >= 0.1 and f"average {mean:.3g}," in message
     smooth = torch.linspace(0, 10, 400, dtype=DTYPE).unsqueeze(-1)
-    hard, _ = _deflation_warnings(kernel, smooth, monkeypatch, gamma_min=0.1)
+    hard, _ = _deflation_warnings(kernel, smooth, monkeypatch, smallest_noise=0.1)
     assert not hard
-    hard, _ = _deflation_warnings(kernel, x, monkeypatch, rank=16, gamma_min=0.1)
+    hard, _ = _deflation_warnings(kernel, x, monkeypatch, rank=16, smallest_noise=0.1)
     assert not hard  # a rank the caller chose
 
 
@@ -344,7 +351,7 @@ def test_a_forced_cg_on_3d_inputs_at_n_2000_warns_where_the_probes_alone_are_sil
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _make(kernel, x, "cg", gamma_min=0.1, rtol=1e-6)
+        _make(kernel, x, "cg", smallest_noise=0.1, rtol=1e-6)
     hard = [str(w.message) for w in caught if "slowly decaying spectrum" in str(w.message)]
     assert len(hard) == 1 and "after deflating 256 Ritz pairs" in hard[0]
 
@@ -355,5 +362,5 @@ def test_no_flat_spectrum_warning_where_the_dense_matrix_would_not_fit(monkeypat
     monkeypatch.setattr(backend_module, "choose_backend", lambda *args, **kwargs: "lanczos")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _make(rbf_kernel(lengthscale=1.0), _flat_problem(), "lanczos", rank=16, gamma_min=0.1)
+        _make(rbf_kernel(lengthscale=1.0), _flat_problem(), "lanczos", rank=16, smallest_noise=0.1)
     assert not [w for w in caught if "slowly decaying spectrum" in str(w.message)]
