@@ -19,11 +19,9 @@ from torch import Tensor, nn
 import gpsd.linalg as linalg
 from gpsd import settings
 from gpsd._internal.collectives import (
-    all_gather_cat,
     check_group,
     check_same,
     module_fingerprint,
-    split_sizes,
     tensor_fingerprint,
     text_checksum,
 )
@@ -58,6 +56,7 @@ from gpsd.distillation._teacher_likelihood import (
 from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.linalg import BACKENDS, SpectralFilter
 from gpsd.linalg.backend import check_shareable, default_cache_bytes
+from gpsd.linalg.shared_rows import check_same_rows, on_my_rows
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
 
@@ -672,21 +671,23 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         return prediction
 
     def _splits_test_points(self, test_x: Tensor, full_cov: bool) -> bool:
-        """Whether the ranks of :attr:`process_group` share the test points out (and check
-        that all hold the same ones). Not where the engine needs products with K for the test
-        columns (deflated CG, a complement series, covariances): every rank then takes part in
-        those, for all the test points."""
+        """Whether the ranks of :attr:`process_group` share the test points out. Not where the
+        engine needs products with K for the test columns (deflated CG, a complement series,
+        covariances): every rank then takes part in those, for all the test points, once they
+        have checked that all hold the same ones."""
         if self.process_group is None or not self._distributed(self._state()):
             return False
-        self._check_same_test_x(test_x)
-        return not full_cov and self._state()["engine"].columns_are_local
+        if not full_cov and self._state()["engine"].columns_are_local:
+            return True
+        check_same_rows(test_x, self.process_group)
+        return False
 
     def _predict_split(self, test_x: Tensor) -> Prediction:
         """:meth:`_predict_all` on this rank's share of the test points, gathered."""
         state = self._state()
         self._mean_weights(state)  # on every rank, before the ranks part ways
-        parts = self._on_my_test_points(
-            test_x, lambda part: self._stacked(self._predict_all(part, False))
+        parts = on_my_rows(
+            test_x, lambda part: self._stacked(self._predict_all(part, False)), self.process_group
         )
         mean = self._guard(state, parts[0], test_x)
         return Prediction(mean, self._guard(state, parts[1], test_x))
@@ -722,32 +723,6 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
             "settings",
         )
 
-    def _check_same_test_x(self, test_x: Tensor) -> None:
-        """The same ``ValueError`` on every rank unless all hold the same ``test_x``."""
-        check_same(
-            tensor_fingerprint("test_x", test_x),
-            self.process_group,
-            "the check of the test points",
-            "every rank must predict at the same test points",
-        )
-
-    def _on_my_test_points(self, test_x: Tensor, compute) -> Tensor:
-        r"""``compute`` (test points ``(*b, m, d)`` to a tensor ``(..., m)``) on this rank's
-        contiguous share of the test points, gathered from every rank: ``(..., M)``.
-
-        Each rank evaluates the cross-covariances of its :math:`\lceil M/P \rceil` test
-        points only; the gather moves the results, :math:`M` values per row of the output.
-        """
-        group = self.process_group
-        rank, size = check_group(group)
-        sizes = split_sizes(test_x.shape[-2], size)
-        start = sum(sizes[:rank])
-        if sizes[rank] > 0:
-            mine = compute(test_x[..., start : start + sizes[rank], :])
-        else:  # shapes from one test point, none of whose values are sent
-            mine = compute(test_x[..., :1, :])[..., :0]
-        return all_gather_cat(mine, -1, sizes, group, "all_gather of the predictions")
-
     def _predict_all(self, test_x: Tensor, full_cov: bool) -> Prediction:
         chunk = settings.test_chunk_size.value()
         if full_cov or test_x.shape[-2] <= chunk:
@@ -779,9 +754,8 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         test_x = validate_test_x(test_x, self.train_x)
         state = self._state()
         if self.process_group is not None and self._distributed(state):
-            self._check_same_test_x(test_x)
             self._mean_weights(state)  # on every rank, before the ranks part ways
-            mean = self._on_my_test_points(test_x, lambda part: self._means(state, part))
+            mean = on_my_rows(test_x, lambda part: self._means(state, part), self.process_group)
         else:
             mean = self._means(state, test_x)
         mean = self._guard(state, mean, test_x)
