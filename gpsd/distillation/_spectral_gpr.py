@@ -55,7 +55,7 @@ from gpsd.distillation._teacher_likelihood import (
 )
 from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.linalg import BACKENDS, SpectralFilter
-from gpsd.linalg.backend import check_shareable, default_cache_bytes
+from gpsd.linalg.backend import default_cache_bytes, forms_kernel_matrix
 from gpsd.linalg.shared_rows import check_same_rows, on_my_rows
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
@@ -492,20 +492,11 @@ class SpectralGPR(gpytorch.Module, abc.ABC):
         )
 
     def _dense_likelihood(self, dtype: torch.dtype) -> bool:
-        """Whether the backend forms the kernel matrix: ``dense``, ``cholesky``, or ``auto``
-        where :func:`~gpsd.linalg.choose_backend` picks one of them for one factorisation. With
-        a ``process_group``, ``auto`` goes matrix-free and ``dense`` or ``cholesky`` raise the
-        ``ValueError`` of :func:`~gpsd.linalg.make_engine`."""
-        backend = self.backend
-        if self.process_group is not None:
-            check_shareable(backend)
-            return False
-        if backend == "auto":
-            batch = torch.broadcast_shapes(self.train_x.shape[:-2], self.covar_module.batch_shape)
-            backend = linalg.choose_backend(
-                self.train_x.shape[-2], 1, self.train_x.device, dtype, batch.numel()
-            )
-        return backend in ("dense", "cholesky")
+        """Whether the backend forms the kernel matrix for one factorisation
+        (:func:`~gpsd.linalg.backend.forms_kernel_matrix`)."""
+        return forms_kernel_matrix(
+            self.backend, self.train_x, self.covar_module, dtype, self.process_group
+        )
 
     def _factorisation(self, progress: object = False, callback: Callback | None = None) -> dict:
         """The backend engine of :math:`\\mathbf K` and the kernel for test covariances."""

@@ -53,6 +53,23 @@ def check_shareable(backend: str) -> None:
         )
 
 
+def forms_kernel_matrix(
+    backend: str, x: Tensor, kernel: Kernel, dtype: torch.dtype, process_group: object = None
+) -> bool:
+    """Whether ``backend`` forms the kernel matrix of ``kernel`` at ``x`` (``(*b, N, d)``) for
+    one factorisation in ``dtype``: ``"dense"``, ``"cholesky"``, or ``"auto"`` where
+    :func:`choose_backend` picks one of them. With a ``process_group`` nothing forms it:
+    ``"auto"`` goes matrix-free, and ``"dense"`` or ``"cholesky"`` raise the ``ValueError`` of
+    :func:`make_engine`."""
+    if process_group is not None:
+        check_shareable(backend)
+        return False
+    if backend == "auto":
+        batch = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
+        backend = choose_backend(x.shape[-2], 1, x.device, dtype, batch.numel())
+    return backend in ("dense", "cholesky")
+
+
 def choose_backend(
     n: int,
     num_factorisations: int,

@@ -364,3 +364,21 @@ def test_no_flat_spectrum_warning_where_the_dense_matrix_would_not_fit(monkeypat
         warnings.simplefilter("always")
         _make(rbf_kernel(lengthscale=1.0), _flat_problem(), "lanczos", rank=16, smallest_noise=0.1)
     assert not [w for w in caught if "slowly decaying spectrum" in str(w.message)]
+
+
+def test_forms_kernel_matrix_follows_the_backend_and_autos_choice(use_setting):
+    x = torch.rand(2, 100, 1, dtype=DTYPE)  # a batch of two 100 x 100 matrices
+    kernel = gpytorch.kernels.RBFKernel().to(DTYPE)
+    forms = backend_module.forms_kernel_matrix
+    assert forms("dense", x, kernel, DTYPE) and forms("cholesky", x, kernel, DTYPE)
+    assert not forms("lanczos", x, kernel, DTYPE) and not forms("cg", x, kernel, DTYPE)
+    assert forms("auto", x, kernel, DTYPE)  # the chain of one factorisation
+    with gpsd.settings.dense_max_n(cpu=49):  # beyond the chain's 2 x 49 and eigh's 49
+        assert not forms("auto", x, kernel, DTYPE)
+    # the chain of one factor takes the matrices, two factors and one more: 4 matrices for one
+    # kernel matrix, 8 for the batch of two (whose eigh, 8 matrices, does not fit either)
+    with gpsd.settings.memory_limit(cpu=4 * 100 * 100 * 8):
+        assert not forms("auto", x, kernel, DTYPE)
+        assert forms("auto", x[0], kernel, DTYPE)
+    with gpsd.settings.memory_limit(cpu=4 * 100 * 100 * 8 - 1):
+        assert not forms("auto", x[0], kernel, DTYPE)
