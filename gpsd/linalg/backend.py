@@ -205,7 +205,9 @@ def make_engine(
     needed and free. The dense eigendecomposition needs 4 matrices (the kernel matrix, its
     eigenvectors and the solver's workspace); the chain needs the kernel matrix and, per factor,
     the shifted matrix and its factor, as large as the schedules' batch broadcast against the
-    kernel's.
+    kernel's. The free memory these decisions and ``"auto"``'s choice plan with is the request's
+    ``free_bytes`` where given, else :func:`~gpsd.linalg.free_memory_bytes` of the inputs'
+    device (at most :class:`gpsd.settings.memory_limit`).
 
     ``progress`` and ``callback`` report the growth of a Lanczos basis, where the backend grows
     one (see :meth:`KernelSpectrum.from_lanczos`; by default nothing is reported). A callback

@@ -140,6 +140,21 @@ def test_a_dense_request_that_cannot_fit_fails_before_evaluating_the_kernel(
     assert isinstance(_make(kernel, x, backend), (KernelSpectrum, ShiftedCholesky))
 
 
+def test_the_free_bytes_of_a_request_replace_the_measured_memory():
+    n = 80
+    x = torch.linspace(0, 10, n, dtype=DTYPE).unsqueeze(-1)
+    kernel = rbf_kernel()
+    needed = 4 * n * n * 8  # eigh: K, eigenvectors, workspace
+    with pytest.raises(gpsd.InsufficientMemoryError, match=f"but {needed - 1} bytes"):
+        _make(kernel, x, "dense", free_bytes=needed - 1)
+    assert _make(kernel, x, "dense", free_bytes=needed).name == "dense"
+    with gpsd.settings.memory_limit(0):  # the request's bytes are not capped by the setting
+        assert _make(kernel, x, "dense", free_bytes=needed).name == "dense"
+    with torch.no_grad():  # too little for the chain or eigh: auto goes matrix-free
+        assert _make(kernel, x, "auto", free_bytes=needed - 1, cache_bytes=0).matrix_free
+        assert not _make(kernel, x, "auto", free_bytes=2**40).matrix_free
+
+
 def test_the_memory_check_counts_the_schedules_and_the_kernels_batch():
     # a batch of 3 kernel matrices and 2 schedules each: 3 matrices, then factors of (2, 3)
     n = 50
