@@ -153,10 +153,10 @@ def make_engine(
     """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
     :class:`ShiftedCG`, all of them :class:`~gpsd.linalg.SpectralEngine` s.
 
-    ``request`` (an :class:`~gpsd.linalg.EngineRequest`) says what to build: below, ``kernel``,
-    ``x`` (its ``inputs``), ``backend``, ``rank``, ``rtol``, ``gamma_min`` (its
-    ``smallest_noise``), ``kernel_cache_bytes`` (its ``cache_bytes``) and ``process_group`` are
-    its fields. A caller that keeps the engine keeps the request with it: the engine serves
+    ``request`` (an :class:`~gpsd.linalg.EngineRequest`) says what to build: below, ``kernel``
+    (its ``covar_module``), ``x`` (its ``inputs``), ``backend``, ``rank``, ``rtol``,
+    ``gamma_min`` (its ``smallest_noise``), ``kernel_cache_bytes`` (its ``cache_bytes``) and
+    ``process_group`` are its fields. A caller that keeps the engine keeps the request with it: the engine serves
     every request equal to it.
 
     This function is gpsd's one backend policy: the choice of ``backend="auto"``, its
@@ -230,8 +230,8 @@ def make_engine(
             f"make_engine takes a gpsd.linalg.EngineRequest, got {type(request).__name__}"
         )
     check_progress(progress, callback)
-    kernel, x, backend = request.kernel, request.inputs, request.backend
-    schedule_shape, num_steps = request.schedule_shape, request.num_steps
+    kernel, x, backend = request.covar_module, request.inputs, request.backend
+    schedule_shape, num_steps = request.schedule_shape, request.steps
     eig_dtype, rank, rtol, gamma_min = (
         request.dtype,
         request.rank,

@@ -22,7 +22,7 @@ BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 @dataclasses.dataclass(frozen=True, eq=False)
 class EngineRequest:
     r"""Everything :func:`~gpsd.linalg.make_engine` builds an engine from: the kernel matrix
-    :math:`\mathbf K` of ``kernel`` at ``inputs``, the backend, the schedules the filters will
+    :math:`\mathbf K` of ``covar_module`` at ``inputs``, the backend, the schedules the filters will
     have, and the accuracy and memory the engine is held to.
 
     A request is validated when it is made, and it is the key of a cached engine: two requests
@@ -32,12 +32,12 @@ class EngineRequest:
     made (a copy is kept), so that an optimiser step or an in-place write to the inputs makes a
     later request unequal to an earlier one.
 
-    :param kernel: the GPyTorch kernel.
+    :param covar_module: the GPyTorch kernel.
     :param inputs: the training inputs, shape ``(*b, N, d)``.
     :param backend: one of :data:`~gpsd.linalg.BACKENDS`.
     :param schedule_shape: the batch shape ``*s`` of the noise schedules (``backend="auto"``
         counts the factorisations with it).
-    :param num_steps: the steps :math:`T` of every schedule.
+    :param steps: the steps :math:`T` of every schedule.
     :param dtype: the dtype of the factorisation (``None``: the inputs').
     :param rank: the Lanczos rank (``None``: grown until the error estimate meets ``rtol``).
     :param rtol: the relative tolerance of the matrix-free backends.
@@ -51,11 +51,11 @@ class EngineRequest:
         device, within :class:`gpsd.settings.memory_limit`).
     """
 
-    kernel: Kernel
+    covar_module: Kernel
     inputs: Tensor
     backend: str
     schedule_shape: torch.Size
-    num_steps: int
+    steps: int
     dtype: torch.dtype | None
     rank: int | None
     rtol: float
@@ -68,8 +68,10 @@ class EngineRequest:
     _inputs_copy: Tensor = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kernel, Kernel):
-            raise TypeError(f"kernel must be a gpytorch Kernel, got {type(self.kernel).__name__}")
+        if not isinstance(self.covar_module, Kernel):
+            raise TypeError(
+                f"covar_module must be a gpytorch Kernel, got {type(self.covar_module).__name__}"
+            )
         if not isinstance(self.inputs, Tensor) or self.inputs.dim() < 2:
             raise ValueError(
                 "inputs must be a tensor of shape (*b, N, d), got "
@@ -93,14 +95,14 @@ class EngineRequest:
             check_group(self.process_group)
         checked = {
             "schedule_shape": shape,
-            "num_steps": check_int(self.num_steps, "num_steps"),
+            "steps": check_int(self.steps, "steps"),
             "rank": check_int(self.rank, "rank", optional=True),
             "rtol": check_positive_float(self.rtol, "rtol"),
             "smallest_noise": check_positive_float(self.smallest_noise, "smallest_noise"),
             "cache_bytes": check_int(self.cache_bytes, "cache_bytes", minimum=0, optional=True),
             "seed": check_int(self.seed, "seed", minimum=0),
             "free_bytes": check_int(self.free_bytes, "free_bytes", minimum=0, optional=True),
-            "_kernel_state": ModuleState(self.kernel),
+            "_kernel_state": ModuleState(self.covar_module),
             "_inputs_copy": self.inputs.detach().clone(),
         }
         for name, value in checked.items():
@@ -111,14 +113,14 @@ class EngineRequest:
         return tuple(
             getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.init and f.name not in ("kernel", "inputs", "process_group")
+            if f.init and f.name not in ("covar_module", "inputs", "process_group")
         )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, EngineRequest):
             return NotImplemented
         return (
-            self.kernel is other.kernel
+            self.covar_module is other.covar_module
             and self.process_group is other.process_group
             and self._fields() == other._fields()
             and _same_values(self._inputs_copy, other._inputs_copy)
@@ -126,7 +128,7 @@ class EngineRequest:
         )
 
     def __hash__(self) -> int:
-        return hash((id(self.kernel), id(self.process_group), self._fields()))
+        return hash((id(self.covar_module), id(self.process_group), self._fields()))
 
 
 def _same_values(a: Tensor | list[Tensor], b: Tensor | list[Tensor]) -> bool:

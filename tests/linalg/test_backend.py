@@ -94,7 +94,7 @@ def _make(kernel, x, backend, progress=False, callback=None, **fields):
     """make_engine as the regression distillers call it: one schedule of two steps."""
     options = dict(
         schedule_shape=torch.Size(),
-        num_steps=2,
+        steps=2,
         dtype=torch.float64,
         rank=None,
         rtol=1e-8,
@@ -229,7 +229,7 @@ def test_the_engines_of_make_engine_say_whether_they_are_matrix_free():
     with torch.no_grad():
         engines = {b: _make(kernel, x, b) for b in ("dense", "cholesky", "lanczos", "cg")}
         # auto within the dense size, without a graph: Lanczos on the formed matrix
-        auto = _make(kernel, x, "auto", num_steps=20)
+        auto = _make(kernel, x, "auto", steps=20)
     assert {b: e.matrix_free for b, e in engines.items()} == {
         "dense": False,
         "cholesky": False,

@@ -14,7 +14,7 @@ def _request(kernel, x, **changes):
     fields = dict(
         backend="dense",
         schedule_shape=torch.Size([2]),
-        num_steps=3,
+        steps=3,
         dtype=DTYPE,
         rank=None,
         rtol=1e-8,
@@ -42,7 +42,7 @@ def test_requests_for_the_same_kernel_values_inputs_and_settings_are_equal():
     [
         {"backend": "cholesky"},
         {"schedule_shape": torch.Size([3])},
-        {"num_steps": 4},
+        {"steps": 4},
         {"dtype": torch.float32},
         {"rank": 8},
         {"rtol": 1e-6},
@@ -77,7 +77,7 @@ def test_a_request_is_unequal_once_the_kernel_or_the_inputs_change_in_place():
     ("change", "error", "match"),
     [
         ({"backend": "eigh"}, ValueError, "backend must be one of"),
-        ({"num_steps": 0}, ValueError, "num_steps"),
+        ({"steps": 0}, ValueError, "steps"),
         ({"rank": 2.5}, ValueError, "rank"),
         ({"rtol": 0.0}, ValueError, "rtol"),
         ({"smallest_noise": -1.0}, ValueError, "smallest_noise"),
@@ -97,7 +97,7 @@ def test_a_bad_field_is_refused_naming_it(change, error, match):
 
 def test_a_bad_kernel_or_inputs_are_refused_naming_them():
     kernel, x = _problem()
-    with pytest.raises(TypeError, match="kernel must be a gpytorch Kernel"):
+    with pytest.raises(TypeError, match="covar_module must be a gpytorch Kernel"):
         _request(lambda a: a, x)
     with pytest.raises(ValueError, match=r"inputs must be a tensor of shape \(\*b, N, d\)"):
         _request(kernel, x[:, 0])
