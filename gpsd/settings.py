@@ -11,8 +11,8 @@ test::
     with gpsd.settings.test_chunk_size(512), gpsd.settings.max_lanczos_rank(256):
         prediction = model.predict(test_x)
 
-Settings whose best value depends on the device (:class:`dense_max_n`,
-:class:`max_chain_factorisations`) take one value for every device, or one per device type as
+Settings whose value depends on the device (:class:`dense_max_n`,
+:class:`max_chain_factorisations`, :class:`memory_limit`) take one value for every device, or one per device type as
 the keywords ``cpu=`` and ``cuda=`` (``dense_max_n(cpu=4000)``); other accelerators take
 ``cuda``'s value. ``value(device)`` reads the one for a device.
 
@@ -46,6 +46,7 @@ __all__ = [
     "max_chain_factorisations",
     "max_chunk_elements",
     "max_lanczos_rank",
+    "memory_limit",
     "snapshot",
     "test_chunk_size",
     "trace_probe_seed",
@@ -237,10 +238,15 @@ class _DeviceSetting(_Setting):
                     f"{name} got an unknown device keyword {keyword!r}; the device keywords "
                     f"are {', '.join(accepted)}"
                 )
-        check = _positive_int(type(self).__name__)
+        check = type(self)._check_one()
         if value is not None:
             per_device = dict.fromkeys(accepted, value)
         self._new = {keyword: check(v) for keyword, v in per_device.items()}
+
+    @classmethod
+    def _check_one(cls):
+        """The check of one device's value."""
+        return _positive_int(cls.__name__)
 
     def _entered_value(self) -> dict[str, int]:
         return {**type(self)._var.get(), **self._new}
@@ -268,6 +274,23 @@ class max_chain_factorisations(_DeviceSetting):
     the Cholesky chain over a decomposition (default 3 on both device types)."""
 
     _value = {"cpu": 3, "cuda": 3}
+
+
+class memory_limit(_DeviceSetting):
+    """Most bytes gpsd takes to be free on a device (default: no limit, the free memory
+    :func:`~gpsd.linalg.free_memory_bytes` measures). Inside ``with
+    gpsd.settings.memory_limit(cpu=2**30):`` every decision that reads the free memory sees at
+    most 1 GiB on the CPU: the choice of ``backend="auto"``, the refusals of the backends and
+    models that form ``N x N`` matrices (:class:`~gpsd.InsufficientMemoryError`), and the kernel
+    rows the matrix-free backends keep. It holds a run within a share of a machine that others
+    use, and makes a test of those decisions independent of the machine. A limit is a
+    non-negative int of bytes; ``memory_limit(n)`` sets it for every device type."""
+
+    _value = {"cpu": None, "cuda": None}
+
+    @classmethod
+    def _check_one(cls):
+        return _positive_int(cls.__name__, minimum=0)
 
 
 def snapshot() -> tuple:

@@ -445,6 +445,26 @@ def scenario_mll(rank: int, world: int) -> dict:
     return out
 
 
+def scenario_rows(rank: int, world: int) -> dict:
+    """gpsd.linalg.shared_rows.on_my_rows: the rows each rank computes, and what it gathers."""
+    from gpsd.linalg.shared_rows import on_my_rows
+
+    group = dist.group.WORLD
+    out = {"rank": rank, "seen": []}
+
+    def compute(part):  # (2, m, 3) to (2, 4, m): every rank computes one formula
+        out["seen"].append(part.clone())
+        return torch.stack([part.sum(-1), part.prod(-1), part[..., 0], part[..., 2] ** 2], dim=-2)
+
+    rows = torch.arange(2 * 5 * 3, dtype=DT).reshape(2, 5, 3).sin()
+    out["five"] = on_my_rows(rows, compute, group)
+    out["one"] = on_my_rows(rows[:, :1], compute, group)  # the last rank computes none
+    # rank 1 passes other values: every rank raises the same error, naming the argument
+    other = rows + (rank == 1)
+    out["differ"] = _caught(lambda: on_my_rows(other, compute, group, name="val_x"))
+    return out
+
+
 def main() -> None:
     scenario, rank, world, init_file, out_file = sys.argv[1:]
     rank, world = int(rank), int(world)
@@ -462,6 +482,8 @@ def main() -> None:
             result = scenario_main(rank, world)
         elif scenario == "kd":
             result = scenario_kd(rank, world)
+        elif scenario == "rows":
+            result = scenario_rows(rank, world)
         elif scenario == "keops":
             result = scenario_keops(rank, world)
         else:

@@ -127,3 +127,12 @@ def matern_regression_problem():
     kernel = gpytorch.kernels.MaternKernel(nu=1.5).double()
     kernel.lengthscale = torch.tensor(1.0, dtype=torch.float64)
     return kernel, x, y, 10 * torch.rand(8, 1, generator=gen, dtype=torch.float64)
+
+
+def wiggly_data(n=300, seed=0):
+    """n points uniform in [0, 10] (a column), sin(3x) plus noise of sd 0.05, and 77 test
+    points spanning [0, 10]; float64."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 10 * torch.rand(n, 1, generator=gen, dtype=torch.float64)
+    y = torch.sin(3 * x.squeeze(-1)) + 0.05 * torch.randn(n, generator=gen, dtype=torch.float64)
+    return x, y, torch.linspace(0, 10, 77, dtype=torch.float64).unsqueeze(-1)

@@ -33,7 +33,7 @@ from gpsd import (
     SSDPKLRegressor,
 )
 from gpsd.kernel_distillation import kmeans
-from gpsd.linalg import KernelSpectrum, make_engine
+from gpsd.linalg import EngineRequest, KernelSpectrum, make_engine
 
 DT = torch.float64
 N, M, T = 24, 7, 3
@@ -424,7 +424,8 @@ def _methods_taking_progress():
 def _call_with_progress_arguments(name, **arguments):
     x, y, labels, test_x = _data()
     if name == "make_engine":
-        make_engine(_kernel(), x, "dense", torch.Size(), T, DT, None, 0, 1e-2, 1e-8, **arguments)
+        request = EngineRequest(_kernel(), x, "dense", torch.Size(), T, DT, None, 1e-8, 1e-2)
+        make_engine(request, **arguments)
     elif name == "kmeans":
         kmeans(x, 4, **arguments)
     elif name == "KernelSpectrum.from_lanczos":

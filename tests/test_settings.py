@@ -5,6 +5,7 @@ import pytest
 
 import gpsd
 from gpsd import settings
+from gpsd.linalg import free_memory_bytes
 
 
 def test_a_setting_changes_inside_its_block_and_is_restored_after():
@@ -56,6 +57,8 @@ def test_device_settings_take_one_value_or_values_per_device_type():
         (lambda: settings.dense_max_n(0), "dense_max_n must be an int >= 1"),
         (lambda: settings.dense_max_n(10, cpu=5), "not both"),
         (lambda: settings.dense_max_n(), "needs a value"),
+        (lambda: settings.memory_limit(cpu=-1), "memory_limit must be an int >= 0"),
+        (lambda: settings.memory_limit(cuda=2.0**30), "memory_limit must be an int"),
     ],
 )
 def test_bad_setting_values_are_refused_with_the_settings_name(make, match):
@@ -63,7 +66,9 @@ def test_bad_setting_values_are_refused_with_the_settings_name(make, match):
         make()
 
 
-@pytest.mark.parametrize("setting", [settings.dense_max_n, settings.max_chain_factorisations])
+@pytest.mark.parametrize(
+    "setting", [settings.dense_max_n, settings.max_chain_factorisations, settings.memory_limit]
+)
 def test_an_unknown_device_keyword_is_refused_naming_it_and_the_accepted_ones(setting):
     with pytest.raises(TypeError, match=r"unknown device keyword 'gpu'.*cpu, cuda"):
         setting(gpu=5)
@@ -86,6 +91,7 @@ def test_the_snapshot_changes_with_every_setting_that_changes_results_and_only_i
         settings.dense_memory_fraction(0.5),
         settings.dense_max_n(cpu=3),
         settings.max_chain_factorisations(cuda=7),
+        settings.memory_limit(cpu=2**20),
     ]
     memory_only = [
         settings.test_chunk_size(1),
@@ -105,6 +111,21 @@ def test_the_snapshot_changes_with_every_setting_that_changes_results_and_only_i
     assert settings.snapshot() == before
     public = {name for name in settings.__all__ if name != "snapshot"}
     assert public == {type(s).__name__ for s in changing + memory_only}
+
+
+def test_the_memory_limit_caps_the_free_memory_of_its_device_type_only_in_its_block():
+    measured = free_memory_bytes("cpu")
+    assert settings.memory_limit.value() == {"cpu": None, "cuda": None}  # no limit by default
+    with settings.memory_limit(cpu=1000):
+        assert free_memory_bytes("cpu") == 1000
+        assert settings.memory_limit.value("cuda") is None
+        with settings.memory_limit(0):
+            assert free_memory_bytes("cpu") == 0
+        assert free_memory_bytes("cpu") == 1000
+    # a limit above the free memory leaves it as measured (about: the host's memory moves)
+    with settings.memory_limit(cpu=2**62):
+        assert abs(free_memory_bytes("cpu") - measured) < measured / 2
+    assert free_memory_bytes("cpu") > 1000
 
 
 def test_settings_are_exported_from_the_package():

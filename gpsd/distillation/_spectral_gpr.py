@@ -18,11 +18,9 @@ from torch import Tensor, nn
 import gpsd.linalg as linalg
 from gpsd import settings
 from gpsd._internal.collectives import (
-    all_gather_cat,
     check_group,
     check_same,
     module_fingerprint,
-    split_sizes,
     tensor_fingerprint,
     text_checksum,
 )
@@ -54,15 +52,12 @@ from gpsd.distillation._teacher_likelihood import (
     matrix_free_log_likelihood,
     seeded_probes,
 )
-from gpsd.exceptions import BackendError
 from gpsd.kernels.chunked_kernel import ChunkedKernel
 from gpsd.linalg import BACKENDS, SpectralFilter
-from gpsd.linalg.backend import check_shareable, default_cache_bytes
+from gpsd.linalg.backend import default_cache_bytes, forms_kernel_matrix
+from gpsd.linalg.shared_rows import check_same_rows, on_my_rows
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
-
-#: The backends that build an autograd graph.
-_GRAPH_BACKENDS = ("dense", "cholesky")
 
 
 def autograd_context(state: dict):
@@ -74,26 +69,6 @@ def autograd_context(state: dict):
     the cache look stale.
     """
     return contextlib.nullcontext() if state["engine"].supports_autograd else torch.no_grad()
-
-
-class _NoBackwardThroughMatrixFree(torch.autograd.Function):
-    """The identity on a result of a matrix-free backend, linked to the leaves it depends on,
-    whose backward raises a :class:`~gpsd.BackendError`: a gradient through Lanczos or CG would
-    need a graph those backends do not build, and a result without any graph would let a
-    training loop run on without its gradient."""
-
-    @staticmethod
-    def forward(ctx, value: Tensor, backend: str, *leaves: Tensor) -> Tensor:
-        ctx.backend = backend
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        raise BackendError(
-            f"backend={ctx.backend!r} builds no autograd graph, and a backward pass reached one "
-            f"of its results; use backend={_GRAPH_BACKENDS[0]!r} or {_GRAPH_BACKENDS[1]!r} to "
-            "differentiate through the distiller, or compute the results under torch.no_grad()"
-        )
 
 
 def _tensors(*modules: nn.Module) -> list[Tensor]:
@@ -501,62 +476,46 @@ class SpectralGPR(StepDistiller, abc.ABC):
         )
 
     def _dense_likelihood(self, dtype: torch.dtype) -> bool:
-        """Whether the backend forms the kernel matrix: ``dense``, ``cholesky``, or ``auto``
-        where :func:`~gpsd.linalg.choose_backend` picks one of them for one factorisation. With
-        a ``process_group``, ``auto`` goes matrix-free and ``dense`` or ``cholesky`` raise the
-        ``ValueError`` of :func:`~gpsd.linalg.make_engine`."""
-        backend = self.backend
-        if self.process_group is not None:
-            check_shareable(backend)
-            return False
-        if backend == "auto":
-            batch = torch.broadcast_shapes(self.train_x.shape[:-2], self.covar_module.batch_shape)
-            backend = linalg.choose_backend(
-                self.train_x.shape[-2], 1, self.train_x.device, dtype, batch.numel()
-            )
-        return backend in ("dense", "cholesky")
+        """Whether the backend forms the kernel matrix for one factorisation
+        (:func:`~gpsd.linalg.backend.forms_kernel_matrix`)."""
+        return forms_kernel_matrix(
+            self.backend, self.train_x, self.covar_module, dtype, self.process_group
+        )
 
     def _factorisation(self, progress: object = False, callback: Callback | None = None) -> dict:
         """The backend engine of :math:`\\mathbf K` and the kernel for test covariances."""
-        config = (
-            self.backend,
-            self.linalg_dtype,
-            self.rank,
-            self.rtol,
-            self.kernel_cache_bytes,
-            self.process_group,
-            self._smallest_shift(),
-            tuple(self.noise.shape[:-1]),  # the automatic choice counts the factorisations
-            self.num_steps,
-        )
-        modules = (self.covar_module, _Tensors(train_x=self.train_x))
-        return self._factor_cache.get(
-            modules, config, lambda: self._factorise(progress=progress, callback=callback)
-        )
-
-    def _factorise(self, progress: object = False, callback: Callback | None = None) -> dict:
-        self._check_modules()
-        self._check_same_on_every_rank()  # before the ranks' Krylov iterations could part ways
-        gamma_min = self._smallest_shift()
-        warn_low_precision_factorisation(  # before a factorisation that it may explain fails
-            self.covar_module, self.train_x, self.linalg_dtype or self.train_x.dtype, gamma_min
-        )
-        engine = linalg.make_engine(
+        request = linalg.EngineRequest(
             self.covar_module,
             self.train_x,
             self.backend,
-            self.noise.shape[:-1],
+            self.noise.shape[:-1],  # the automatic choice counts the factorisations
             self.num_steps,
             self.linalg_dtype,
             self.rank,
-            generator_seed=0,
-            gamma_min=gamma_min,
-            rtol=self.rtol,
-            kernel_cache_bytes=self.kernel_cache_bytes,
-            progress=progress,
-            callback=callback,
+            self.rtol,
+            self._smallest_shift(),
+            cache_bytes=self.kernel_cache_bytes,
             process_group=self.process_group,
         )
+        return self._factor_cache.get(
+            self.covar_module,
+            (request,),
+            lambda: self._factorise(request, progress=progress, callback=callback),
+        )
+
+    def _factorise(
+        self,
+        request: linalg.EngineRequest,
+        progress: object = False,
+        callback: Callback | None = None,
+    ) -> dict:
+        self._check_modules()
+        self._check_same_on_every_rank()  # before the ranks' Krylov iterations could part ways
+        gamma_min = request.smallest_noise
+        warn_low_precision_factorisation(  # before a factorisation that it may explain fails
+            self.covar_module, self.train_x, self.linalg_dtype or self.train_x.dtype, gamma_min
+        )
+        engine = linalg.make_engine(request, progress=progress, callback=callback)
         engine.check_accuracy(gamma_min, self.rtol)
         # a matrix-free engine builds no graph, and the grad mode does not change the choice of
         # one: it need not rebuild when the mode changes
@@ -614,19 +573,10 @@ class SpectralGPR(StepDistiller, abc.ABC):
                     )
 
     def _guard(self, state: dict, value: Tensor, *inputs: Tensor) -> Tensor:
-        """``value``, linked where it would need an autograd graph that the engine does not
-        build (grad enabled, and a parameter of ``covar_module`` or ``mean_module``, or one of
-        ``inputs``, requiring grad) to a node whose backward raises a
-        :class:`~gpsd.BackendError`."""
-        if state["engine"].supports_autograd or not torch.is_grad_enabled():
-            return value
-        modules = (self.covar_module, self.mean_module)
-        leaves = [p for m in modules for p in m.parameters() if p.requires_grad]
-        leaves += [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
-        if not leaves:
-            return value
-        backend = state["engine"].name
-        return _NoBackwardThroughMatrixFree.apply(value, backend, *leaves)
+        """``value`` through the engine's :meth:`~gpsd.linalg.SpectralEngine.guard`, with the
+        parameters of ``covar_module`` and ``mean_module`` and ``inputs`` as its leaves."""
+        leaves = _tensors(self.covar_module, self.mean_module)
+        return state["engine"].guard(value, *leaves, *inputs)
 
     @property
     def error_estimate(self) -> float:
@@ -686,21 +636,23 @@ class SpectralGPR(StepDistiller, abc.ABC):
         return prediction
 
     def _splits_test_points(self, test_x: Tensor, full_cov: bool) -> bool:
-        """Whether the ranks of :attr:`process_group` share the test points out (and check
-        that all hold the same ones). Not where the engine needs products with K for the test
-        columns (deflated CG, a complement series, covariances): every rank then takes part in
-        those, for all the test points."""
+        """Whether the ranks of :attr:`process_group` share the test points out. Not where the
+        engine needs products with K for the test columns (deflated CG, a complement series,
+        covariances): every rank then takes part in those, for all the test points, once they
+        have checked that all hold the same ones."""
         if self.process_group is None or not self._distributed(self._state()):
             return False
-        self._check_same_test_x(test_x)
-        return not full_cov and self._state()["engine"].columns_are_local
+        if not full_cov and self._state()["engine"].columns_are_local:
+            return True
+        check_same_rows(test_x, self.process_group)
+        return False
 
     def _predict_split(self, test_x: Tensor) -> Prediction:
         """:meth:`_predict_all` on this rank's share of the test points, gathered."""
         state = self._state()
         self._mean_weights(state)  # on every rank, before the ranks part ways
-        parts = self._on_my_test_points(
-            test_x, lambda part: self._stacked(self._predict_all(part, False))
+        parts = on_my_rows(
+            test_x, lambda part: self._stacked(self._predict_all(part, False)), self.process_group
         )
         mean = self._guard(state, parts[0], test_x)
         return Prediction(mean, self._guard(state, parts[1], test_x))
@@ -736,32 +688,6 @@ class SpectralGPR(StepDistiller, abc.ABC):
             "settings",
         )
 
-    def _check_same_test_x(self, test_x: Tensor) -> None:
-        """The same ``ValueError`` on every rank unless all hold the same ``test_x``."""
-        check_same(
-            tensor_fingerprint("test_x", test_x),
-            self.process_group,
-            "the check of the test points",
-            "every rank must predict at the same test points",
-        )
-
-    def _on_my_test_points(self, test_x: Tensor, compute) -> Tensor:
-        r"""``compute`` (test points ``(*b, m, d)`` to a tensor ``(..., m)``) on this rank's
-        contiguous share of the test points, gathered from every rank: ``(..., M)``.
-
-        Each rank evaluates the cross-covariances of its :math:`\lceil M/P \rceil` test
-        points only; the gather moves the results, :math:`M` values per row of the output.
-        """
-        group = self.process_group
-        rank, size = check_group(group)
-        sizes = split_sizes(test_x.shape[-2], size)
-        start = sum(sizes[:rank])
-        if sizes[rank] > 0:
-            mine = compute(test_x[..., start : start + sizes[rank], :])
-        else:  # shapes from one test point, none of whose values are sent
-            mine = compute(test_x[..., :1, :])[..., :0]
-        return all_gather_cat(mine, -1, sizes, group, "all_gather of the predictions")
-
     def _predict_all(self, test_x: Tensor, full_cov: bool) -> Prediction:
         chunk = settings.test_chunk_size.value()
         if full_cov or test_x.shape[-2] <= chunk:
@@ -793,9 +719,8 @@ class SpectralGPR(StepDistiller, abc.ABC):
         test_x = validate_test_x(test_x, self.train_x)
         state = self._state()
         if self.process_group is not None and self._distributed(state):
-            self._check_same_test_x(test_x)
             self._mean_weights(state)  # on every rank, before the ranks part ways
-            mean = self._on_my_test_points(test_x, lambda part: self._means(state, part))
+            mean = on_my_rows(test_x, lambda part: self._means(state, part), self.process_group)
         else:
             mean = self._means(state, test_x)
         mean = self._guard(state, mean, test_x)

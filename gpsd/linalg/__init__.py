@@ -3,6 +3,7 @@
 from gpsd.linalg.backend import BACKENDS, choose_backend, make_engine
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.distributed_kernel_operator import DistributedKernelOperator
+from gpsd.linalg.engine_request import EngineRequest
 from gpsd.linalg.kernel_spectrum import KernelSpectrum, SpectralCoordinates
 from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.shifted_cg import ShiftedCG
@@ -14,6 +15,7 @@ __all__ = [
     "BACKENDS",
     "ChunkedKernelOperator",
     "DistributedKernelOperator",
+    "EngineRequest",
     "KernelSpectrum",
     "ShiftedCG",
     "ShiftedCholesky",

@@ -13,7 +13,6 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from gpsd import settings
-from gpsd._internal.collectives import check_group
 from gpsd._internal.keops import is_keops_kernel
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
 from gpsd._internal.negligible import drop_negligible
@@ -23,6 +22,7 @@ from gpsd._internal.validation import check_int
 from gpsd.exceptions import InsufficientMemoryError
 from gpsd.linalg.chunked_kernel_operator import ChunkedKernelOperator
 from gpsd.linalg.distributed_kernel_operator import DistributedKernelOperator
+from gpsd.linalg.engine_request import BACKENDS, EngineRequest
 from gpsd.linalg.kernel_spectrum import KernelSpectrum
 from gpsd.linalg.memory import free_memory_bytes
 from gpsd.linalg.shifted_cg import ShiftedCG
@@ -31,10 +31,6 @@ from gpsd.linalg.spectral_engine import SpectralEngine
 from gpsd.progress import Callback
 
 __all__ = ["BACKENDS", "choose_backend", "make_engine"]
-
-#: The backends of :class:`~gpsd.distillation.DataCentricGPR` and
-#: :class:`~gpsd.distillation.DistributionCentricGPR`.
-BACKENDS = ("auto", "dense", "cholesky", "lanczos", "cg")
 
 # The device limits of the choice are gpsd.settings.max_chain_factorisations and dense_max_n;
 # their docstrings give the measurements behind the defaults.
@@ -55,6 +51,23 @@ def check_shareable(backend: str) -> None:
             "share it out over process_group; use backend='lanczos' or 'cg' (or 'auto', "
             "which goes matrix-free with a process_group), or process_group=None"
         )
+
+
+def forms_kernel_matrix(
+    backend: str, x: Tensor, kernel: Kernel, dtype: torch.dtype, process_group: object = None
+) -> bool:
+    """Whether ``backend`` forms the kernel matrix of ``kernel`` at ``x`` (``(*b, N, d)``) for
+    one factorisation in ``dtype``: ``"dense"``, ``"cholesky"``, or ``"auto"`` where
+    :func:`choose_backend` picks one of them. With a ``process_group`` nothing forms it:
+    ``"auto"`` goes matrix-free, and ``"dense"`` or ``"cholesky"`` raise the ``ValueError`` of
+    :func:`make_engine`."""
+    if process_group is not None:
+        check_shareable(backend)
+        return False
+    if backend == "auto":
+        batch = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
+        backend = choose_backend(x.shape[-2], 1, x.device, dtype, batch.numel())
+    return backend in ("dense", "cholesky")
 
 
 def choose_backend(
@@ -135,24 +148,16 @@ _ROW_CHUNK_VECTORS = 4 * 2048
 
 
 def make_engine(
-    kernel: Kernel,
-    x: Tensor,
-    backend: str,
-    schedule_shape: torch.Size,
-    num_steps: int,
-    eig_dtype: torch.dtype | None,
-    rank: int | None,
-    generator_seed: int,
-    gamma_min: float,
-    rtol: float,
-    kernel_cache_bytes: int | None = None,
-    *,
-    progress: object = False,
-    callback: Callback | None = None,
-    process_group: object = None,
+    request: EngineRequest, *, progress: object = False, callback: Callback | None = None
 ) -> SpectralEngine:
     """The backend object for a kernel: a :class:`KernelSpectrum`, :class:`ShiftedCholesky` or
     :class:`ShiftedCG`, all of them :class:`~gpsd.linalg.SpectralEngine` s.
+
+    ``request`` (an :class:`~gpsd.linalg.EngineRequest`) says what to build: below, ``kernel``
+    (its ``covar_module``), ``x`` (its ``inputs``), ``backend``, ``rank``, ``rtol``,
+    ``gamma_min`` (its ``smallest_noise``), ``kernel_cache_bytes`` (its ``cache_bytes``) and
+    ``process_group`` are its fields. A caller that keeps the engine keeps the request with it: the engine serves
+    every request equal to it.
 
     This function is gpsd's one backend policy: the choice of ``backend="auto"``, its
     Lanczos-first and Lanczos-to-CG fallbacks, and the memory each backend may take. Callers
@@ -200,7 +205,9 @@ def make_engine(
     needed and free. The dense eigendecomposition needs 4 matrices (the kernel matrix, its
     eigenvectors and the solver's workspace); the chain needs the kernel matrix and, per factor,
     the shifted matrix and its factor, as large as the schedules' batch broadcast against the
-    kernel's.
+    kernel's. The free memory these decisions and ``"auto"``'s choice plan with is the request's
+    ``free_bytes`` where given, else :func:`~gpsd.linalg.free_memory_bytes` of the inputs'
+    device (at most :class:`gpsd.settings.memory_limit`).
 
     ``progress`` and ``callback`` report the growth of a Lanczos basis, where the backend grows
     one (see :meth:`KernelSpectrum.from_lanczos`; by default nothing is reported). A callback
@@ -218,10 +225,23 @@ def make_engine(
     ``"cholesky"``, which would form the whole matrix on every rank and ignore the group, raise
     a ``ValueError`` naming the matrix-free backends.
     """
+    if not isinstance(request, EngineRequest):
+        raise TypeError(
+            f"make_engine takes a gpsd.linalg.EngineRequest, got {type(request).__name__}"
+        )
     check_progress(progress, callback)
+    kernel, x, backend = request.covar_module, request.inputs, request.backend
+    schedule_shape, num_steps = request.schedule_shape, request.steps
+    eig_dtype, rank, rtol, gamma_min = (
+        request.dtype,
+        request.rank,
+        request.rtol,
+        request.smallest_noise,
+    )
+    kernel_cache_bytes, process_group = request.cache_bytes, request.process_group
+    free_bytes = request.free_bytes
     n = x.shape[-2]
     if process_group is not None:
-        check_group(process_group)
         check_shareable(backend)
 
     def lanczos(operator, r: int, stop_when=None) -> KernelSpectrum:
@@ -231,7 +251,7 @@ def make_engine(
             residual_tol=0.1 * rtol * gamma_min,
             complement_tol=0.5 * rtol * gamma_min,
             dtype=eig_dtype or x.dtype,
-            generator=torch.Generator().manual_seed(generator_seed),
+            generator=torch.Generator().manual_seed(request.seed),
             stop_when=stop_when,
             gamma_min=gamma_min,
             progress=progress,
@@ -289,7 +309,7 @@ def make_engine(
     matrix_shape = torch.broadcast_shapes(x.shape[:-2], kernel.batch_shape)
     if backend in ("dense", "cholesky"):
         _check_dense_memory(
-            backend, n, x.device, eig_dtype or x.dtype, matrix_shape, schedule_shape
+            backend, n, x.device, eig_dtype or x.dtype, matrix_shape, schedule_shape, free_bytes
         )
     if backend == "auto" and process_group is not None:
         backend = "lanczos"  # the group shares out the kernel rows of the matrix-free backends
@@ -304,6 +324,7 @@ def make_engine(
             num_schedules=num_schedules,
             # a factor's batch: the schedules' broadcast against the matrices', as the shift is
             factor_batch_size=torch.broadcast_shapes(schedule_shape, matrix_shape).numel(),
+            free_bytes=free_bytes,
         )
         try_lanczos_first = backend == "dense" and not needs_grad
     # K is evaluated in the factorisation's dtype, as the matrix-free backends do; with a graph
@@ -343,9 +364,11 @@ def _check_dense_memory(
     dtype: torch.dtype,
     matrix_shape: torch.Size,
     schedule_shape: torch.Size,
+    free_bytes: int | None = None,
 ) -> None:
     """Raise :class:`~gpsd.InsufficientMemoryError` where ``backend`` (``"dense"`` or
-    ``"cholesky"``) cannot fit its ``n x n`` matrices in the free memory of ``device``."""
+    ``"cholesky"``) cannot fit its ``n x n`` matrices in ``free_bytes`` (default: the free
+    memory of ``device``)."""
     one_matrix = n * n * (torch.finfo(dtype).bits // 8)
     matrix_bytes = matrix_shape.numel() * one_matrix
     if backend == "dense":
@@ -355,7 +378,7 @@ def _check_dense_memory(
         factor_bytes = torch.broadcast_shapes(schedule_shape, matrix_shape).numel() * one_matrix
         needed = matrix_bytes + _CHOLESKY_FACTOR_MATRICES * factor_bytes
         what = "the kernel matrices, a shifted matrix and its Cholesky factor"
-    free = free_memory_bytes(device, wanted=needed)
+    free = free_memory_bytes(device, wanted=needed) if free_bytes is None else free_bytes
     if needed > free:
         raise InsufficientMemoryError(
             f"backend={backend!r} needs about {needed} bytes ({needed / 2**30:.3g} GiB: {what}, "

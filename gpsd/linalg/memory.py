@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from gpsd import settings
+
 __all__ = ["free_memory_bytes"]
 
 
@@ -23,12 +25,15 @@ def free_memory_bytes(device: torch.device | str, wanted: int | None = None) -> 
     module sits in a reference cycle, through its ``load_state_dict`` hook). On an H200 at
     N = 100,000 a second model kept half the kernel rows of the first that way, and both together
     peaked at 114 GiB. Without ``wanted`` (or with enough free) nothing is collected.
+
+    Within :class:`gpsd.settings.memory_limit`, at most its limit for ``device``'s type.
     """
     free = _measured_free_bytes(device)
     if wanted is not None and free < wanted:
         gc.collect()
         free = _measured_free_bytes(device)
-    return free
+    limit = settings.memory_limit.value(device)
+    return free if limit is None else min(free, limit)
 
 
 def _measured_free_bytes(device: torch.device | str) -> int:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gpsd import settings
 from gpsd._internal.validation import check_int
+from gpsd.exceptions import BackendError
 from gpsd.linalg.spectral_filter import SpectralFilter
 
 __all__ = ["SpectralEngine"]
@@ -62,6 +63,27 @@ class SpectralEngine(abc.ABC):
     #: where the engine has them (the iterative solvers); ``None`` where :meth:`error_estimate`
     #: covers the quadratic forms too, or they are exact up to rounding.
     quad_error_bound: Tensor | None = None
+
+    def guard(self, value: Tensor, *leaves: Tensor) -> Tensor:
+        """``value``, a result of this engine, as it may enter an autograd graph.
+
+        An engine whose results carry gradients (:attr:`supports_autograd`) returns ``value``
+        itself. Another returns it linked to those of ``leaves`` that require grad (the tensors
+        the result depends on: the kernel's parameters, test inputs) through a node whose
+        backward raises a :class:`~gpsd.BackendError` naming the engine's backend: a gradient
+        would need a graph the engine does not build, and a result without any graph would let a
+        training loop run on without its gradient. Where gradients are disabled, or no leaf
+        requires grad, ``value`` is returned as it is.
+
+        :param value: a result of the engine, of any shape.
+        :param leaves: the tensors ``value`` depends on (others than tensors are ignored).
+        """
+        if self.supports_autograd or not torch.is_grad_enabled():
+            return value
+        needing = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+        if not needing:
+            return value
+        return _NoBackward.apply(value, self.name, *needing)
 
     @abc.abstractmethod
     def apply(self, filt: SpectralFilter, rhs: Tensor | object) -> Tensor:
@@ -123,6 +145,29 @@ class SpectralEngine(abc.ABC):
         """Prepare for filters whose smallest shift is ``gamma_min`` and check that the engine
         can reach ``rtol`` for them: raise a ``ValueError`` where it cannot at all, warn with a
         ``NumericalWarning`` where its estimate exceeds ``rtol``. Call it before the filters."""
+
+
+#: The backends whose engines build an autograd graph, named by the error of
+#: :meth:`SpectralEngine.guard`.
+_GRAPH_BACKENDS = ("dense", "cholesky")
+
+
+class _NoBackward(torch.autograd.Function):
+    """The identity on an engine's result, linked to the leaves it depends on, whose backward
+    raises a :class:`~gpsd.BackendError` naming the engine's backend."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, backend: str, *leaves: Tensor) -> Tensor:
+        ctx.backend = backend
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        raise BackendError(
+            f"backend={ctx.backend!r} builds no autograd graph, and a backward pass reached one "
+            f"of its results; use backend={_GRAPH_BACKENDS[0]!r} or {_GRAPH_BACKENDS[1]!r} to "
+            "differentiate through the distiller, or compute the results under torch.no_grad()"
+        )
 
 
 def is_matrix_free(kernel: object) -> bool:

@@ -493,14 +493,13 @@ def test_refit_options_refuse_bad_values(toy):
         model.fit()
 
 
-def test_a_fit_beyond_the_free_memory_is_refused_naming_num_steps(monkeypatch, count_calls, toy):
-    from gpsd._internal import memory_check
+def test_a_fit_beyond_the_free_memory_is_refused_naming_num_steps(use_setting, count_calls, toy):
     from gpsd.distillation import data_centric_gpc
 
     x, y, test_x = toy
     needed = (5 + 4) * 30 * 30 * 8  # 5 working matrices and one factor per step, float64
     evaluations = count_calls(data_centric_gpc, "prior_at_training")
-    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed - 1)
+    use_setting(gpsd.settings.memory_limit(cpu=needed - 1))
     model = DataCentricGPC(x, y, _kernel(), num_steps=4)
     for attempt in (model.fit, lambda: model.predict_proba(test_x)):
         with pytest.raises(gpsd.InsufficientMemoryError) as raised:
@@ -508,7 +507,7 @@ def test_a_fit_beyond_the_free_memory_is_refused_naming_num_steps(monkeypatch, c
         assert f"DataCentricGPC.fit needs about {needed} bytes" in str(raised.value)
         assert "fewer num_steps" in str(raised.value)
     assert evaluations == [0]
-    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
+    use_setting(gpsd.settings.memory_limit(cpu=needed))
     model.fit()
 
 

@@ -17,6 +17,7 @@ from gpr_reference import (
     naive_data_centric,
     rbf_kernel,
     relative_error,
+    wiggly_data,
 )
 from gpytorch.utils.warnings import NumericalWarning
 
@@ -25,7 +26,7 @@ import gpsd.linalg.backend as backend_module
 import gpsd.linalg.memory as memory_module
 from gpsd import DataCentricGPR, DistributionCentricGPR
 from gpsd.data import xsinx_regression
-from gpsd.linalg import KernelSpectrum, ShiftedCG, choose_backend, free_memory_bytes
+from gpsd.linalg import ShiftedCG, choose_backend, free_memory_bytes
 
 DTYPE = torch.float64
 
@@ -373,18 +374,6 @@ def test_chunked_test_points_equal_one_pass(problem):
     torch.testing.assert_close(chunked.variance, whole.variance)
 
 
-def test_out_of_memory_names_the_backend_to_use(problem, monkeypatch):
-    x, y, test_x = problem
-
-    def no_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("simulated")
-
-    monkeypatch.setattr(torch.linalg, "eigh", no_memory)
-    model = DataCentricGPR(x, y, rbf_kernel(), noise=[0.1] * 50, backend="dense")
-    with pytest.raises(MemoryError, match="backend='lanczos'"):
-        model.predict(test_x)
-
-
 @pytest.mark.parametrize("backend", ["lanczos", "cg"])
 def test_matrix_free_with_float32_data_reaches_the_float64_factorisation(backend):
     """Matrix-free products run in the factorisation's dtype, so Ritz pairs and CG converge."""
@@ -533,224 +522,6 @@ def test_a_truncated_lanczos_spectrum_scores_as_the_dense_one():
 # ------------ The matrix-free backends (Lanczos, deflated CG) and the automatic choice
 
 
-def wiggly_data(n=300, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = 10 * torch.rand(n, 1, generator=gen, dtype=DTYPE)
-    y = torch.sin(3 * x.squeeze(-1)) + 0.05 * torch.randn(n, generator=gen, dtype=DTYPE)
-    return x, y, torch.linspace(0, 10, 77, dtype=DTYPE).unsqueeze(-1)
-
-
-@pytest.fixture
-def small_dense_limit():
-    """Pretend N = 300 is beyond a dense decomposition, and cap Lanczos at rank 32."""
-    with gpsd.settings.dense_max_n(100), gpsd.settings.max_lanczos_rank(32):
-        yield
-
-
-def test_auto_beyond_dense_size_switches_to_deflated_cg_and_stays_exact(small_dense_limit):
-    x, y, test_x = wiggly_data()
-    gammas = torch.full((14,), 1e-2, dtype=DTYPE)  # 14 > 3 factorisations: no Cholesky chain
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
-    auto = DataCentricGPR(x, y, kernel, noise=gammas, rtol=1e-10)
-    dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
-    with torch.no_grad():
-        got, ref = auto.predict(test_x), dense.predict(test_x)
-        assert isinstance(auto._state()["engine"], ShiftedCG)
-        got_targets, ref_targets = auto.step_targets(), dense.step_targets()
-    assert relative_error(got.mean, ref.mean) < 1e-7
-    assert relative_error(got.variance, ref.variance) < 1e-7
-    assert relative_error(got_targets, ref_targets) < 1e-7
-
-
-def test_auto_beyond_dense_size_keeps_lanczos_for_a_smooth_kernel(small_dense_limit):
-    x, y, test_x = wiggly_data()
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=3.0)
-    auto = DataCentricGPR(x, y, kernel, noise=torch.full((30,), 0.1, dtype=DTYPE))
-    with torch.no_grad():
-        auto.predict(test_x)
-        engine = auto._state()["engine"]
-    assert isinstance(engine, KernelSpectrum) and engine.is_truncated
-
-
-def test_grown_lanczos_stops_once_accurate_and_agrees_with_dense(monkeypatch):
-    """Without rank= the Krylov basis grows block by block and stops once the estimate meets
-    rtol: a smooth kernel takes a few passes over K, not the whole rank-1024 budget."""
-    from gpsd.linalg import ChunkedKernelOperator
-
-    passes = []
-    matmul = ChunkedKernelOperator._matmul
-
-    def counting(self, rhs):
-        passes.append(rhs.shape[-1])
-        return matmul(self, rhs)
-
-    monkeypatch.setattr(ChunkedKernelOperator, "_matmul", counting)
-    x, y = _sine_data(1500, seed=3, noise_sd=0.3)
-    test_x = torch.linspace(0, 10, 60, dtype=DTYPE).unsqueeze(-1)
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0)
-    gammas = torch.linspace(0.05, 0.5, 6, dtype=DTYPE)
-    lanczos = DataCentricGPR(x, y, kernel, noise=gammas, backend="lanczos")
-    dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
-    with torch.no_grad():
-        got, ref = lanczos.predict(test_x), dense.predict(test_x)
-        estimate = lanczos.error_estimate
-    assert estimate <= lanczos.rtol
-    assert len(passes) <= 5  # the start block and at most 4 blocks of 64 columns
-    assert relative_error(got.mean, ref.mean) < 10 * lanczos.rtol
-    assert relative_error(got.variance, ref.variance) < 10 * lanczos.rtol
-
-
-def test_auto_gives_up_a_hopeless_lanczos_attempt_at_half_its_budget(monkeypatch):
-    """A slowly decaying spectrum: every Ritz value stays above the series' threshold, so the
-    attempt before the dense eigendecomposition stops at half its rank budget of N / 4 (with
-    the bound that skips the attempt before any product switched off)."""
-    monkeypatch.setattr(backend_module, "_hard_spectrum", lambda *args: False)
-    monkeypatch.setattr(backend_module, "_too_many_above", lambda *args: False)
-    runs = []
-    from_lanczos = KernelSpectrum.from_lanczos.__func__
-
-    def recording(cls, *args, **kwargs):
-        spectrum = from_lanczos(cls, *args, **kwargs)
-        runs.append((kwargs["rank"], spectrum.ritz_values.shape[-1]))
-        return spectrum
-
-    monkeypatch.setattr(KernelSpectrum, "from_lanczos", classmethod(recording))
-    gen = torch.Generator().manual_seed(4)
-    x = 10 * torch.rand(600, 2, generator=gen, dtype=DTYPE)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(600, generator=gen, dtype=DTYPE)
-    test_x = 10 * torch.rand(40, 2, generator=gen, dtype=DTYPE)
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
-    gammas = torch.linspace(0.1, 1.0, 10, dtype=DTYPE)
-    auto = DataCentricGPR(x, y, kernel, noise=gammas)
-    dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
-    with torch.no_grad():
-        got, ref = auto.predict(test_x), dense.predict(test_x)
-        engine = auto._state()["engine"]
-    assert isinstance(engine, KernelSpectrum) and not engine.is_truncated  # fell back to eigh
-    assert len(runs) == 1
-    budget, columns = runs[0]
-    assert budget == 150
-    assert budget / 2 <= columns < budget  # stopped at the first checkpoint past half
-    assert relative_error(got.mean, ref.mean) < 1e-12
-    assert relative_error(got.variance, ref.variance) < 1e-12
-
-
-def _lanczos_runs(monkeypatch) -> list:
-    """Record the rank of every KernelSpectrum.from_lanczos call."""
-    runs = []
-    from_lanczos = KernelSpectrum.from_lanczos.__func__
-
-    def recording(cls, *args, **kwargs):
-        runs.append(kwargs["rank"])
-        return from_lanczos(cls, *args, **kwargs)
-
-    monkeypatch.setattr(KernelSpectrum, "from_lanczos", classmethod(recording))
-    return runs
-
-
-@pytest.mark.parametrize(("dim", "lengthscale", "tries_lanczos"), [(1, 1.0, True), (3, 1.0, False)])
-def test_auto_tries_lanczos_only_where_the_spectrum_may_allow_it(
-    monkeypatch, dim, lengthscale, tries_lanczos
-):
-    """Smooth 1-D inputs: Lanczos is tried (and succeeds); 3-D inputs at lengthscale 1 have
-    hundreds of eigenvalues above the level the filters need, which the trace and Frobenius
-    norm show before any product: no attempt, the full decomposition straight away."""
-    runs = _lanczos_runs(monkeypatch)
-    gen = torch.Generator().manual_seed(6)
-    x = 10 * torch.rand(600, dim, generator=gen, dtype=DTYPE)
-    y = torch.sin(x).sum(-1) + 0.1 * torch.randn(600, generator=gen, dtype=DTYPE)
-    test_x = 10 * torch.rand(30, dim, generator=gen, dtype=DTYPE)
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=lengthscale)
-    gammas = torch.linspace(0.1, 1.0, 10, dtype=DTYPE)
-    with torch.no_grad():
-        auto = DataCentricGPR(x, y, kernel, noise=gammas)
-        got = auto.predict(test_x)
-        engine = auto._state()["engine"]
-    assert bool(runs) is tries_lanczos
-    assert engine.is_truncated is tries_lanczos
-    ref = DataCentricGPR(x, y, kernel, noise=gammas, backend="cholesky")  # shifted solves
-    with torch.no_grad():
-        ref = ref.predict(test_x)
-    assert relative_error(got.mean, ref.mean) < 1e-7
-    assert relative_error(got.variance, ref.variance) < 1e-7
-
-
-def test_eigenvalue_count_bound_never_exceeds_the_count():
-    """(tr K - N tau)^2 / ||K||_F^2 is a lower bound on #{eigenvalues > tau}: checked against
-    the eigenvalues of kernel matrices from flat to steep spectra."""
-    gen = torch.Generator().manual_seed(7)
-    for dim, lengthscale in ((1, 2.0), (2, 0.5), (3, 1.0), (5, 0.3)):
-        x = 10 * torch.rand(300, dim, generator=gen, dtype=DTYPE)
-        k = rbf_kernel(outputscale=1.0, lengthscale=lengthscale)(x).to_dense().detach()
-        evals = torch.linalg.eigvalsh(k)
-        for tau in (1e-3, 1e-1, 1.0):
-            bound = backend_module._eigenvalue_count_bound(k.trace(), k.square().sum(), 300, tau)
-            assert float(bound) <= int((evals > tau).sum())
-
-
-def test_a_flat_spectrum_under_one_large_eigenvalue_is_seen_once_it_is_taken_out():
-    """Inputs in many dimensions: one eigenvalue near N times the mean kernel value, the rest
-    near each other. The count bound on the whole matrix misses it (no skip before the attempt);
-    with the large one taken out (as the attempt's Ritz values do), the rest count more
-    eigenvalues above the level than the budget can hold, as they are; a smooth kernel's don't."""
-    gen = torch.Generator().manual_seed(12)
-    n = 400
-    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DTYPE))
-    evals = torch.cat(
-        [
-            torch.tensor([150.0], dtype=DTYPE),
-            0.5 + 0.1 * torch.rand(n - 1, generator=gen, dtype=DTYPE),
-        ]
-    )
-    k = q @ torch.diag(evals) @ q.T
-    trace, frobenius_sq = backend_module._trace_and_frobenius(k)
-    tau = backend_module._lanczos_threshold(0.1, 1e-6)
-    whole = backend_module._eigenvalue_count_bound(trace, frobenius_sq, n, tau)
-    assert 3 * float(whole) < 100  # the whole-matrix bound would let Lanczos try
-    top = evals[:1]
-    assert backend_module._too_many_above(top, trace, frobenius_sq, n, 0.1, 1e-6, 100)
-    assert int((evals > tau).sum()) == n  # the truth: every eigenvalue is above the level
-    assert not backend_module._hard_spectrum(trace, frobenius_sq, n, 100, 0.1, 1e-6)
-    smooth = (
-        rbf_kernel(outputscale=1.0, lengthscale=1.0)(
-            torch.linspace(0, 10, n, dtype=DTYPE).unsqueeze(-1)
-        )
-        .to_dense()
-        .detach()
-    )
-    moments = backend_module._trace_and_frobenius(smooth)
-    evals = torch.linalg.eigvalsh(smooth).flip(0)
-    assert not backend_module._too_many_above(evals[:8], *moments, n, 0.1, 1e-6, 100)
-
-
-def test_out_of_reach_only_past_half_the_budget_and_only_above_the_threshold():
-    gen = torch.Generator().manual_seed(5)
-    x = 10 * torch.rand(300, 1, generator=gen, dtype=DTYPE)
-    smooth = rbf_kernel(outputscale=1.0, lengthscale=1.0)(x).to_dense()
-    rough = rbf_kernel(outputscale=1.0, lengthscale=0.01)(x).to_dense()
-    for k, hopeless in ((smooth, False), (rough, True)):
-        spectrum = KernelSpectrum.from_lanczos(k, rank=64, residual_tol=1e-8)
-        assert backend_module._out_of_reach(spectrum, 128, 0.1, 1e-6) is hopeless
-        assert backend_module._out_of_reach(spectrum, 129, 0.1, 1e-6) is False  # 64 < 129 / 2
-
-
-def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(monkeypatch, use_setting):
-    x, y, test_x = wiggly_data()  # one 300 x 300 float64 matrix: 0.7 MiB
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)
-    gammas = torch.full((3,), 1e-2, dtype=DTYPE)  # few steps: the Cholesky chain if it fitted
-    with torch.no_grad():  # the reference, with the memory there is
-        ref = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense").predict(test_x)
-    one_mib = 2**20
-    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda device, wanted=None: one_mib)
-    use_setting(gpsd.settings.max_lanczos_rank(32))
-    auto = DataCentricGPR(x, y, kernel, noise=gammas, rtol=1e-10)
-    with torch.no_grad():
-        got = auto.predict(test_x)
-        assert isinstance(auto._state()["engine"], ShiftedCG)
-    assert relative_error(got.mean, ref.mean) < 1e-7
-    assert relative_error(got.variance, ref.variance) < 1e-7
-
-
 @pytest.mark.parametrize("backend", ["lanczos", "cg"])
 def test_a_backward_pass_through_a_matrix_free_backend_raises_a_backend_error(backend):
     """No partial graph (through the cross-covariance or the prior mean alone, which would give
@@ -788,18 +559,6 @@ def test_distribution_centric_cg_matches_dense_on_a_hard_spectrum():
         got, ref = cg.predict(test_x), dense.predict(test_x)
     assert relative_error(got.mean, ref.mean) < 1e-7
     assert relative_error(got.variance, ref.variance) < 1e-7
-
-
-def test_cg_out_of_memory_names_the_way_out(monkeypatch):
-    x, _, _ = wiggly_data(n=100)
-
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("simulated")
-
-    monkeypatch.setattr(KernelSpectrum, "from_lanczos", out_of_memory)
-    model = DataCentricGPR(x, x[:, 0], rbf_kernel(), noise=[0.1], backend="cg", rank=8)
-    with torch.no_grad(), pytest.raises(MemoryError, match="smaller rank="):
-        model.predict(x[:5])
 
 
 @pytest.mark.parametrize("backend", ["dense", "cholesky", "lanczos", "cg"])
@@ -877,25 +636,6 @@ def test_a_fit_inside_memory_settings_is_reused_outside_them_and_not_under_anoth
         with gpsd.settings.max_lanczos_rank(64), gpsd.settings.cg_deflation_rank(32):
             model.predict(test_x)
     assert len(builds) == 2
-
-
-def test_explicit_lanczos_stops_growing_and_names_the_matrix_free_way_out(
-    small_dense_limit, monkeypatch
-):
-    ranks = []
-    original = KernelSpectrum.from_lanczos
-
-    def spy(*args, **kwargs):
-        ranks.append(kwargs["rank"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(KernelSpectrum, "from_lanczos", spy)
-    x, y, test_x = wiggly_data()
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=0.1)  # flat spectrum: rank 32 cannot do
-    model = DataCentricGPR(x, y, kernel, noise=[1e-2, 1e-2], backend="lanczos")
-    with torch.no_grad(), pytest.raises(ValueError, match="backend='cg'"):
-        model.predict(test_x)
-    assert max(ranks) == 32  # the cap, not N = 300
 
 
 def test_lanczos_over_the_whole_space_does_not_advise_a_higher_rank():
@@ -1073,23 +813,6 @@ def test_kernel_cache_bytes_must_be_a_non_negative_integer():
     assert model.kernel_cache_bytes == 10**6 and type(model.kernel_cache_bytes) is int
 
 
-def test_default_kernel_cache_is_half_the_free_memory_less_the_working_set(monkeypatch):
-    x = torch.rand(1000, 2, dtype=DTYPE)
-    kernel = rbf_kernel()
-    working = (8 * 4096 + 4 * 2048) * 1000 * 8  # N-vectors of a prediction, in float64 bytes
-    for free, expected in [
-        (10 * working, 5 * working),  # plenty: half of it
-        (working + 1000, 1000),  # the working set first
-        (working // 2, 0),  # not even that: keep nothing
-    ]:
-        monkeypatch.setattr(
-            backend_module, "free_memory_bytes", lambda device, wanted=None, free=free: free
-        )
-        operator = backend_module._matrix_free(kernel, x, torch.float64, None)
-        assert operator.cache_bytes == expected
-    assert backend_module._matrix_free(kernel, x, torch.float64, 123).cache_bytes == 123
-
-
 @pytest.mark.parametrize("backend", ["lanczos", "cg"])
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])
 def test_a_batch_of_kernels_on_shared_inputs(cls, backend):
@@ -1110,47 +833,6 @@ def test_a_batch_of_kernels_on_shared_inputs(cls, backend):
             ref = single.predict(test_x)
         assert relative_error(path.mean[b], ref.mean) < 1e-7
         assert relative_error(path.variance[b], ref.variance) < 1e-7
-
-
-def test_auto_counts_the_matrices_of_a_kernel_batch_on_shared_inputs(monkeypatch):
-    """backend='auto' plans memory for every matrix: a kernel batch of 4 on unbatched inputs is 4."""
-    seen = []
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs["batch_size"])
-        return choose(*args, **kwargs)
-
-    choose = backend_module.choose_backend
-    monkeypatch.setattr(backend_module, "choose_backend", recording)
-    x, y, test_x = wiggly_data(n=60)
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([4]))
-    with torch.no_grad():
-        DataCentricGPR(x, y, kernel, noise=[0.1, 0.2]).predict(test_x)
-        DataCentricGPR(x.expand(4, -1, -1), y.expand(4, -1), kernel, noise=[0.1, 0.2]).predict(
-            test_x.expand(4, -1, -1)
-        )
-    assert seen == [4, 4]
-
-
-def test_auto_plans_a_factor_of_the_schedules_against_the_kernel_batch(monkeypatch):
-    """Schedules of batch (3, 1) against a kernel batch of 2: each factor is 6 matrices."""
-    seen = []
-
-    def recording(*args, **kwargs):
-        seen.append((kwargs["batch_size"], kwargs["num_schedules"], kwargs["factor_batch_size"]))
-        return choose(*args, **kwargs)
-
-    choose = backend_module.choose_backend
-    monkeypatch.setattr(backend_module, "choose_backend", recording)
-    x, y, test_x = wiggly_data(n=40)
-    kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([2]))
-    gamma = torch.tensor([0.1, 0.2, 0.3], dtype=DTYPE).reshape(3, 1, 1).expand(3, 1, 2)
-    model = DataCentricGPR(x, y, kernel, noise=gamma, backend="cholesky")
-    engine = model._state()["engine"]
-    with torch.no_grad():
-        DataCentricGPR(x, y, kernel, noise=gamma).predict(test_x)
-        factor = engine.factor(gamma[..., 0].contiguous())
-    assert seen == [(2, 3, 6)] and factor.shape[:-2].numel() == 6
 
 
 @pytest.mark.parametrize("cls", [DataCentricGPR, DistributionCentricGPR])

@@ -468,20 +468,18 @@ def test_refits_of_a_batch_with_a_batched_kernel_fit_each_member_alone(toy, meth
     [("iterated", True, 11 + 4), ("iterated", False, 11 + 1), ("tempered", True, 7 + 4)],
 )
 def test_a_model_beyond_the_free_memory_is_refused_before_its_buffers_are_allocated(
-    monkeypatch, toy, method, store_all_steps, matrices
+    use_setting, toy, method, store_all_steps, matrices
 ):
-    from gpsd._internal import memory_check
-
     x, y, test_x = toy
     needed = matrices * 25 * 25 * 8  # float64 matrices of 25 x 25
-    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed - 1)
+    use_setting(gpsd.settings.memory_limit(cpu=needed - 1))
     options = dict(num_steps=4, method=method, store_all_steps=store_all_steps)
     with pytest.raises(gpsd.InsufficientMemoryError) as raised:
         DistributionCentricGPC(x, y, _kernel(), **options)
     message = str(raised.value)
     assert f"DistributionCentricGPC needs about {needed} bytes" in message
     assert ("store_all_steps=False" in message) == store_all_steps
-    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
+    use_setting(gpsd.settings.memory_limit(cpu=needed))
     model = DistributionCentricGPC(x, y, _kernel(), **options)
     # the data replaced by more rows than fit: refused again when fitted
     model.set_train_data(torch.cat([x, x]), torch.cat([y, y]), strict=False)

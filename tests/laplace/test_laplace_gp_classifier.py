@@ -721,7 +721,7 @@ def test_classifier_arguments_are_named(toy):
     reference = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=0.1).fit()
     for noise in (torch.tensor(0.1, dtype=torch.float64), np.float64(0.1)):
         model = DataCentricGPC(x, y, _kernel(), num_steps=2, noise=noise).fit()
-        torch.testing.assert_close(model.latent_modes, reference.latent_modes)
+        torch.testing.assert_close(model.latent_modes(), reference.latent_modes())
 
 
 # a short lengthscale, where most kernel entries are far below rounding: on a CPU they are set
@@ -781,7 +781,7 @@ def test_distiller_first_step_matches_sklearn(problem, cls):
     x, y, test_x, base, mean, var = problem
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
     model = cls(t(x), t(y), _kernel_short_lengthscale(torch.float64), num_steps=2).fit()
-    np.testing.assert_allclose(model.latent_modes[0].numpy(), base.f_cached, atol=1e-7)
+    np.testing.assert_allclose(model.latent_modes(step=1).numpy(), base.f_cached, atol=1e-7)
     latent = model.predict_latent(t(test_x), step=1)
     m, v = latent.mean, latent.variance
     np.testing.assert_allclose(m.numpy(), mean, atol=1e-7)
@@ -796,21 +796,15 @@ def test_the_classifier_noise_must_be_one_finite_non_negative_number(noise):
         LaplaceGPClassifier(x, y, _kernel(), noise=noise)
 
 
-def _little_memory(monkeypatch, free):
-    from gpsd._internal import memory_check
-
-    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: free)
-
-
 def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
-    monkeypatch, count_calls
+    use_setting, count_calls
 ):
     from gpsd.laplace import laplace_gp_classifier
 
     x, y, test_x = sine_classification(30, seed=3)
     needed = 4 * 30 * 30 * 8  # four 30 x 30 float64 matrices
     evaluations = count_calls(laplace_gp_classifier, "prior_at_training")
-    _little_memory(monkeypatch, needed - 1)
+    use_setting(gpsd.settings.memory_limit(cpu=needed - 1))
     model = LaplaceGPClassifier(x, y, _kernel())
     for attempt in (model.fit, lambda: model.predict_proba(test_x)):
         with pytest.raises(gpsd.InsufficientMemoryError) as raised:
@@ -819,7 +813,7 @@ def test_a_fit_beyond_the_free_memory_is_refused_before_the_kernel_is_evaluated(
         assert f"LaplaceGPClassifier.fit needs about {needed} bytes" in message
         assert "train on fewer points, or in float32" in message
     assert evaluations == [0]
-    _little_memory(monkeypatch, needed)
+    use_setting(gpsd.settings.memory_limit(cpu=needed))
     model.fit()
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from gpr_reference import explicit_targets, random_rbf_matrix, rbf_gram
 
+import gpsd
 from gpsd.linalg import (
     ChunkedKernelOperator,
     KernelSpectrum,
@@ -239,3 +240,55 @@ def test_the_shifted_solve_engines_project_to_the_right_hand_side_itself():
     rhs = torch.ones(60, 1, dtype=DTYPE)
     for name in ("cholesky", "cg", "cg_matrix_free"):
         assert engines[name].project(rhs) is rhs
+
+
+def _guard_problem():
+    """An RBF matrix of 40 points whose lengthscale requires grad, a schedule and targets."""
+    gen = torch.Generator().manual_seed(11)
+    x = 10 * torch.rand(40, 1, generator=gen, dtype=DTYPE)
+    lengthscale = torch.tensor(1.3, dtype=DTYPE, requires_grad=True)
+    rhs = torch.randn(40, 1, generator=gen, dtype=DTYPE)
+    return rbf_gram(x, lengthscale), lengthscale, torch.tensor([0.3, 0.5], dtype=DTYPE), rhs
+
+
+@pytest.mark.parametrize("engine_name", ["dense", "cholesky"])
+def test_the_guard_of_a_graph_engine_passes_gradients_that_match_a_dense_formula(engine_name):
+    k, lengthscale, gammas, rhs = _guard_problem()
+    engine = {"dense": KernelSpectrum.from_dense, "cholesky": ShiftedCholesky}[engine_name](k)
+    assert engine.supports_autograd
+    value = engine.apply(SpectralFilter.data_centric_targets(gammas), rhs)
+    guarded = engine.guard(value, lengthscale)
+    assert guarded is value
+    (got,) = torch.autograd.grad(guarded.square().sum(), lengthscale, retain_graph=True)
+    # autograd through explicit dense solves, F_t = K (K + g_t I)^-1 F_{t-1}
+    expected_value = explicit_targets(k, gammas) @ rhs
+    (expected,) = torch.autograd.grad(expected_value.square().sum(), lengthscale)
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("engine_name", ["lanczos", "cg"])
+def test_a_backward_pass_through_a_guarded_matrix_free_result_names_the_backends_that_can(
+    engine_name,
+):
+    k, lengthscale, gammas, rhs = _guard_problem()
+    engine = _engines(k.detach(), DTYPE)[engine_name]
+    assert not engine.supports_autograd
+    value = engine.apply(SpectralFilter.data_centric_targets(gammas), rhs)
+    guarded = engine.guard(value, lengthscale, "not a tensor")
+    assert torch.equal(guarded, value) and guarded.requires_grad
+    with pytest.raises(
+        gpsd.BackendError,
+        match=rf"backend='{engine_name}' builds no autograd.*'dense' or 'cholesky'",
+    ):
+        guarded.sum().backward()
+
+
+@pytest.mark.parametrize("engine_name", ["lanczos", "cg"])
+def test_the_guard_leaves_a_result_alone_where_no_gradient_can_be_asked_for(engine_name):
+    k, lengthscale, gammas, rhs = _guard_problem()
+    engine = _engines(k.detach(), DTYPE)[engine_name]
+    value = engine.apply(SpectralFilter.data_centric_targets(gammas), rhs)
+    assert engine.guard(value) is value
+    assert engine.guard(value, lengthscale.detach()) is value
+    with torch.no_grad():
+        assert engine.guard(value, lengthscale) is value
