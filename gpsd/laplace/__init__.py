@@ -5,9 +5,11 @@ from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
+from gpsd.laplace.continuous_categorical_terms import ContinuousCategoricalTerms
 from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
+from gpsd.laplace.multiclass_likelihood_terms import MulticlassLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
     binary_class_probabilities,
@@ -19,16 +21,20 @@ from gpsd.laplace.predictive import (
     symmetric_response_expectation,
 )
 from gpsd.laplace.resolve import resolve_likelihood_terms
+from gpsd.laplace.softmax_terms import SoftmaxTerms
 
 __all__ = [
     "AutogradLikelihoodTerms",
     "BernoulliLogitTerms",
     "BernoulliProbitTerms",
     "ContinuousBernoulliTerms",
+    "ContinuousCategoricalTerms",
     "LaplaceConvergenceError",
     "LaplaceGPClassifier",
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
+    "MulticlassLikelihoodTerms",
+    "SoftmaxTerms",
     "binary_class_probabilities",
     "closed_form_probability",
     "differentiable_mode",
