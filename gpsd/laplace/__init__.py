@@ -9,6 +9,7 @@ from gpsd.laplace.continuous_categorical_terms import ContinuousCategoricalTerms
 from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
+from gpsd.laplace.multiclass_laplace_posterior import MulticlassLaplacePosterior
 from gpsd.laplace.multiclass_likelihood_terms import MulticlassLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
@@ -33,6 +34,7 @@ __all__ = [
     "LaplaceGPClassifier",
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
+    "MulticlassLaplacePosterior",
     "MulticlassLikelihoodTerms",
     "SoftmaxTerms",
     "binary_class_probabilities",
