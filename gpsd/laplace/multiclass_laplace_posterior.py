@@ -151,6 +151,10 @@ class MulticlassLaplacePosterior:
     :ivar alpha: :math:`\hat{\mathbf a} = \mathbf K^{-1}\hat{\mathbf f}` as ``(*b, n, K)``.
     :ivar W: the blocks :math:`\mathbf W_i` at the mode, ``(*b, n, K, K)``.
     :ivar iterations: Newton iterations used.
+    :ivar num_classes: :math:`K`.
+    :ivar terms: the :class:`~gpsd.laplace.MulticlassLikelihoodTerms` in use.
+    :ivar train_targets: the target matrix :math:`\mathbf Y`, ``(*b, n, K)`` (one-hot rows for
+        labels).
 
     Example:
 
