@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import scipy.optimize
 import torch
+from conftest import requires_cuda
+from linear_operator.operators import DenseLinearOperator
 
 from gpsd.laplace import (
     BernoulliLogitTerms,
@@ -318,6 +320,34 @@ def test_batches_of_covariances_and_of_targets_equal_separate_fits():
             rtol=0,
             atol=1e-10,
         )
+
+
+def test_a_linear_operator_covariance_gives_the_tensor_result():
+    x = _inputs(8, seed=26)
+    K = _rbf(x, x, 1.0)
+    labels = _labels(8, 3, seed=27)
+    dense = MulticlassLaplacePosterior(K, labels, num_classes=3)
+    operator = MulticlassLaplacePosterior(DenseLinearOperator(K), labels, num_classes=3)
+    torch.testing.assert_close(operator.mode, dense.mode, rtol=0, atol=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("likelihood", ["softmax", "continuous_categorical"])
+def test_on_cuda_the_mode_evidence_and_probabilities_match_the_cpu(likelihood):
+    x, x_test = _inputs(10, seed=28), _inputs(3, seed=29)
+    K = _class_covariances(x, [0.7, 1.0, 1.5])
+    y = _labels(10, 3, seed=30) if likelihood == "softmax" else _soft_targets(10, 3, seed=30)
+    cross = torch.stack([_rbf(x_test, x, ls) for ls in (0.7, 1.0, 1.5)])
+    variance = torch.full((3, 3), 2.0, dtype=DT)
+    cpu = MulticlassLaplacePosterior(K, y, likelihood)
+    cuda = MulticlassLaplacePosterior(K.cuda(), y.cuda(), likelihood)
+    torch.testing.assert_close(cuda.mode.cpu(), cpu.mode, rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        cuda.log_marginal_likelihood().cpu(), cpu.log_marginal_likelihood(), rtol=0, atol=1e-10
+    )
+    probabilities = cuda.class_probabilities(cross.cuda(), variance.cuda())
+    assert probabilities.device.type == "cuda"
+    torch.testing.assert_close(probabilities.sum(-1).cpu(), torch.ones(3, dtype=DT))
 
 
 class _PseudoHuberTerms(MulticlassLikelihoodTerms):
