@@ -46,6 +46,24 @@ def _cholesky(matrix: Tensor, what: str) -> Tensor:
     return chol
 
 
+def _blocks_by_apply(factor: DenseFactor, K: Tensor) -> tuple[Tensor, Tensor]:
+    r"""The blocks of :meth:`DenseFactor.blocks` from :math:`\mathbf R` applied to the unit
+    vectors and to the columns of :math:`\mathbf K` (:math:`Cn` right-hand sides each)."""
+    n, C = K.shape[-1], K.shape[-3]
+    # as (*b, n, C, C, n): entry [i, c, d, j] is row (c, i) of R times the column (d, j)
+    unit = torch.eye(C * n, dtype=K.dtype, device=K.device).reshape(C, n, C * n)
+    R_unit = factor.apply(unit.transpose(0, 1))
+    R_unit = R_unit.reshape(*R_unit.shape[:-1], C, n)
+    classes = torch.eye(C, dtype=K.dtype, device=K.device)
+    columns = torch.einsum("...cij,cd->...icdj", K, classes).reshape(*K.shape[:-3], n, C, C * n)
+    R_K = factor.apply(columns).reshape(*K.shape[:-3], n, C, C, n)
+    R_blocks = torch.diagonal(R_unit, dim1=-3, dim2=-2).permute(
+        *range(R_unit.dim() - 4), -1, -3, -2
+    )  # shape: (*b, C, n, n)
+    K_R_K = torch.einsum("...cil,...lcdi->...icd", K, R_K)  # shape: (*b, n, C, C)
+    return K_R_K, R_blocks
+
+
 class DenseFactor:
     r""":math:`\mathbf R` through the Cholesky factor of :math:`\mathbf B` of size :math:`Cn`, for
     any positive semi-definite blocks :math:`\mathbf W_i` (:math:`\mathbf W^{1/2}` their symmetric
@@ -72,6 +90,11 @@ class DenseFactor:
         flat = SX.transpose(-3, -2).reshape(*SX.shape[:-3], C * n, r)
         solved = torch.cholesky_solve(flat, self.chol).reshape(*flat.shape[:-2], C, n, r)
         return self.sqrt_W @ solved.transpose(-3, -2)
+
+    def blocks(self, K: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The per-point blocks of :math:`\mathbf K \mathbf R \mathbf K` ``(*b, n, C, C)`` and
+        the per-class blocks of :math:`\mathbf R` ``(*b, C, n, n)``, :math:`O(C^3 n^3)`."""
+        return _blocks_by_apply(self, K)
 
 
 class SoftmaxFactor:
@@ -117,3 +140,19 @@ class SoftmaxFactor:
         EX = self.E @ X.transpose(-3, -2)  # shape: (*b, C, n, r)
         t = torch.cholesky_solve(EX.sum(-3), self.chol_M)  # shape: (*b, n, r)
         return (EX - self.E @ t.unsqueeze(-3)).transpose(-3, -2)
+
+    def blocks(self, K: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The per-point blocks of :math:`\mathbf K \mathbf R \mathbf K` ``(*b, n, C, C)`` and
+        the per-class blocks :math:`\mathbf R_c = \mathbf E_c - \mathbf E_c (\mathbf M
+        \mathbf M^\top)^{-1} \mathbf E_c` of :math:`\mathbf R` ``(*b, C, n, n)``, in
+        :math:`O(C n^3)`: with :math:`\mathbf G_c = \mathbf M^{-1} \mathbf E_c \mathbf K_c`,
+        block :math:`i` of :math:`\mathbf K \mathbf R \mathbf K` is
+        :math:`\operatorname{diag}_c\bigl((\mathbf K_c \mathbf E_c \mathbf K_c)_{ii}\bigr) -
+        \bigl(\sum_r (\mathbf G_c)_{ri} (\mathbf G_d)_{ri}\bigr)_{cd}`."""
+        H = torch.linalg.solve_triangular(self.chol_M.unsqueeze(-3), self.E, upper=False)
+        R_blocks = self.E - H.transpose(-1, -2) @ H  # shape: (*b, C, n, n)
+        E_K = self.E @ K
+        first = (K * E_K.transpose(-1, -2)).sum(-1)  # (K_c E_c K_c)_ii, shape: (*b, C, n)
+        G = H @ K
+        second = torch.einsum("...cri,...dri->...icd", G, G)  # shape: (*b, n, C, C)
+        return torch.diag_embed(first.transpose(-1, -2)) - second, R_blocks

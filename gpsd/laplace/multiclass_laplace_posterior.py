@@ -348,19 +348,7 @@ class MulticlassLaplacePosterior:
         \mathbf K \mathbf R \mathbf K` ``(*b, n, C, C)`` and the per-class blocks of
         :math:`\mathbf R = (\mathbf K + \mathbf W^{-1})^{-1}` ``(*b, C, n, n)``: the derivatives
         of :math:`\log|\mathbf B|` in :math:`\mathbf W` and in :math:`\mathbf K`."""
-        n, C = K.shape[-1], self.num_classes
-        classes = torch.eye(C, dtype=K.dtype, device=K.device)
-        # R applied to the unit vectors and to the columns of K, as (*b, n, C, C, n): entry
-        # [i, c, d, j] is row (c, i) of R times the column (d, j)
-        unit = torch.eye(C * n, dtype=K.dtype, device=K.device).reshape(C, n, C, n)
-        R_unit = self._apply_R(unit.permute(1, 0, 2, 3).reshape(n, C, C * n))
-        R_unit = R_unit.reshape(*R_unit.shape[:-1], C, n)
-        columns = torch.einsum("...cij,cd->...icdj", K, classes).reshape(*K.shape[:-3], n, C, C * n)
-        R_K = self._apply_R(columns).reshape(*K.shape[:-3], n, C, C, n)
-        R_blocks = torch.diagonal(R_unit, dim1=-3, dim2=-2).permute(
-            *range(R_unit.dim() - 4), -1, -3, -2
-        )  # shape: (*b, C, n, n)
-        K_R_K = torch.einsum("...cil,...lcdi->...icd", K, R_K)  # shape: (*b, n, C, C)
+        K_R_K, R_blocks = self._factorisation.blocks(K)
         prior = torch.diag_embed(torch.diagonal(K, dim1=-2, dim2=-1).transpose(-1, -2))
         return prior - K_R_K, R_blocks
 
