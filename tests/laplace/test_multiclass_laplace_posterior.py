@@ -12,6 +12,7 @@ import torch
 from conftest import requires_cuda
 from linear_operator.operators import DenseLinearOperator
 
+from gpsd.exceptions import InsufficientMemoryError
 from gpsd.laplace import (
     BernoulliLogitTerms,
     ContinuousBernoulliTerms,
@@ -348,6 +349,27 @@ def test_on_cuda_the_mode_evidence_and_probabilities_match_the_cpu(likelihood):
     probabilities = cuda.class_probabilities(cross.cuda(), variance.cuda())
     assert probabilities.device.type == "cuda"
     torch.testing.assert_close(probabilities.sum(-1).cpu(), torch.ones(3, dtype=DT))
+
+
+@pytest.mark.parametrize(
+    ("likelihood", "needed"),
+    [("softmax", 8 * 3 * 5 * 5 * 8), ("continuous_categorical", 11 * 15 * 15 * 8)],
+)
+def test_a_problem_beyond_the_free_memory_is_refused_before_allocating(
+    monkeypatch, likelihood, needed
+):
+    from gpsd._internal import memory_check
+
+    x = _inputs(5, seed=31)
+    K = _class_covariances(x, [0.7, 1.0, 1.5])
+    y = _labels(5, 3, seed=32) if likelihood == "softmax" else _soft_targets(5, 3, seed=32)
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed - 1)
+    with pytest.raises(
+        InsufficientMemoryError, match=f"MulticlassLaplacePosterior needs about {needed} bytes"
+    ):
+        MulticlassLaplacePosterior(K, y, likelihood)
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
+    MulticlassLaplacePosterior(K, y, likelihood)
 
 
 class _PseudoHuberTerms(MulticlassLikelihoodTerms):
