@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from gpsd.laplace.multiclass_likelihood_terms import MulticlassLikelihoodTerms
-from gpsd.likelihoods.cc_log_normalizer import cc_log_normalizer
+from gpsd.likelihoods.cc_log_normalizer import cc_log_normalizer, cc_mean
 
 __all__ = ["ContinuousCategoricalTerms"]
 
@@ -104,4 +104,4 @@ class ContinuousCategoricalTerms(MulticlassLikelihoodTerms):
         return Y - mean, -covariance
 
     def response(self, F: Tensor) -> Tensor:
-        return _mean_and_covariance(F.detach())[0]
+        return cc_mean(F)

@@ -47,6 +47,9 @@ def test_gradient_and_hessian_are_the_moments_of_the_distribution(eta):
     gradient, hessian = terms.derivatives(Y, F)
     mean, covariance = _reference_moments(eta)
     torch.testing.assert_close(Y[0] - gradient[0], torch.tensor(mean, dtype=DT), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        terms.response(F)[0], torch.tensor(mean, dtype=DT), rtol=0, atol=1e-14
+    )
     scale = max(abs(c) for row in covariance for c in row)
     torch.testing.assert_close(
         -hessian[0], torch.tensor(covariance, dtype=DT), rtol=0, atol=1e-12 * scale
