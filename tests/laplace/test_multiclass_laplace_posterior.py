@@ -232,6 +232,11 @@ def test_predictive_matches_the_dense_gaussian_formulas(likelihood):
         expected_cov = 2.0 * np.eye(C) - Q.T @ K_inv @ Q + Q.T @ K_inv @ posterior_cov @ K_inv @ Q
         np.testing.assert_allclose(mean[j].numpy(), expected_mean, rtol=0, atol=1e-9)
         np.testing.assert_allclose(covariance[j].numpy(), expected_cov, rtol=0, atol=1e-9)
+    probabilities = posterior.class_probabilities(
+        cross, torch.full((C, m), 2.0, dtype=DT), num_samples=300
+    )
+    assert (probabilities > 0).all()
+    torch.testing.assert_close(probabilities.sum(-1), torch.ones(m, dtype=DT))
 
 
 @pytest.mark.parametrize("likelihood", ["softmax", "continuous_categorical"])
@@ -485,3 +490,8 @@ def test_bad_input_raises_clear_errors():
         posterior.predictive(torch.zeros(2, 4, dtype=DT), torch.ones(2, dtype=DT))
     with pytest.raises(ValueError, match="test_variance must have shape"):
         posterior.predictive(torch.zeros(2, 5, dtype=DT), torch.ones(3, dtype=DT))
+    cross, variance = torch.zeros(2, 5, dtype=DT), torch.ones(2, dtype=DT)
+    with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+        posterior.class_probabilities(cross, variance, num_samples=0)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        posterior.class_probabilities(cross, variance, generator=0)
