@@ -74,12 +74,13 @@ class MulticlassLaplacePosterior:
     given one label or soft target per point (Rasmussen & Williams §3.5).
 
     The latents :math:`\mathbf f \in \mathbb R^{Kn}` (class :math:`c` of point :math:`i`) have
-    the prior :math:`\mathcal N(\mathbf 0, \mathbf K)`, :math:`\mathbf K =
+    the prior :math:`\mathcal N(\mathbf m, \mathbf K)`, :math:`\mathbf K =
     \operatorname{blockdiag}(\mathbf K_1, \dots, \mathbf K_K)`, and the likelihood
     :math:`\prod_i p(\mathbf y_i \mid \mathbf f_i)` (softmax labels or continuous-categorical
     soft targets, :class:`~gpsd.laplace.MulticlassLikelihoodTerms`). The mode :math:`\hat{\mathbf
-    f}` of :math:`\Psi(\mathbf f) = \log p(\mathbf y \mid \mathbf f) - \tfrac12 \mathbf f^\top
-    \mathbf K^{-1} \mathbf f` is found by Newton's method; :math:`\mathbf W =
+    f}` of :math:`\Psi(\mathbf f) = \log p(\mathbf y \mid \mathbf f) - \tfrac12 (\mathbf f -
+    \mathbf m)^\top \mathbf K^{-1} (\mathbf f - \mathbf m)` is found by Newton's method;
+    :math:`\mathbf W =
     -\nabla\nabla \log p(\mathbf y \mid \mathbf f)` is block-diagonal over the points, a
     :math:`K \times K` block :math:`\mathbf W_i` each (:math:`\operatorname{diag}(\boldsymbol
     \pi_i) - \boldsymbol\pi_i\boldsymbol\pi_i^\top` for the softmax, the covariance of the
@@ -87,14 +88,14 @@ class MulticlassLaplacePosterior:
 
     .. math::
 
-        \mathbf b = \mathbf W \mathbf f + \nabla \log p(\mathbf y \mid \mathbf f), \quad
-        \mathbf a_{\text{new}} = \mathbf b - \mathbf R \mathbf K \mathbf b, \quad
-        \mathbf f = \mathbf K \mathbf a, \quad
+        \mathbf b = \mathbf W (\mathbf f - \mathbf m) + \nabla \log p(\mathbf y \mid \mathbf f),
+        \quad \mathbf a_{\text{new}} = \mathbf b - \mathbf R \mathbf K \mathbf b, \quad
+        \mathbf f = \mathbf m + \mathbf K \mathbf a, \quad
         \mathbf R = (\mathbf K + \mathbf W^{-1})^{-1} = \mathbf W^{1/2} \mathbf B^{-1}
         \mathbf W^{1/2}, \quad \mathbf B = \mathbf I + \mathbf W^{1/2} \mathbf K \mathbf W^{1/2}.
 
-    This is Newton's step :math:`\mathbf f_{\text{new}} = (\mathbf K^{-1} + \mathbf W)^{-1}
-    \mathbf b` written without inverting :math:`\mathbf K` or :math:`\mathbf W`: both likelihoods
+    This is Newton's step :math:`\mathbf f_{\text{new}} = \mathbf m + (\mathbf K^{-1} +
+    \mathbf W)^{-1} \mathbf b` written without inverting :math:`\mathbf K` or :math:`\mathbf W`: both likelihoods
     depend on the latents only through their differences, so every :math:`\mathbf W_i` is
     singular along :math:`\mathbf 1`, and :math:`\mathbf B` is positive definite all the same.
     :math:`\mathbf R` and :math:`\log|\mathbf B|` come from one of two factorisations:
@@ -109,21 +110,21 @@ class MulticlassLaplacePosterior:
       memory.
 
     The step in :math:`\mathbf a` is halved until :math:`\Psi` does not decrease (beyond
-    round-off), so Newton converges from :math:`\mathbf f = \mathbf 0`.
+    round-off), so Newton converges from :math:`\mathbf f = \mathbf m`.
 
     Log marginal likelihood (R&W eq. 3.44):
 
     .. math::
 
-        \log q(\mathbf y) = -\tfrac12 \hat{\mathbf a}^\top \hat{\mathbf f}
+        \log q(\mathbf y) = -\tfrac12 \hat{\mathbf a}^\top (\hat{\mathbf f} - \mathbf m)
         + \log p(\mathbf y \mid \hat{\mathbf f}) - \tfrac12 \log |\mathbf B|,
 
-    differentiable in the prior covariances with the mode's dependence on them
+    differentiable in the prior mean and covariances with the mode's dependence on them
     (:meth:`log_marginal_likelihood`). Predictions at test points (R&W Algorithm 3.4):
 
     .. math::
 
-        \boldsymbol\mu_{*c} = \mathbf k_{c*}^\top \hat{\mathbf a}_c, \qquad
+        \boldsymbol\mu_{*c} = m_c(\mathbf x_*) + \mathbf k_{c*}^\top \hat{\mathbf a}_c, \qquad
         \boldsymbol\Sigma_* = \operatorname{diag}(k_c(\mathbf x_*, \mathbf x_*))
         - \mathbf Q_*^\top \mathbf R \mathbf Q_*,
 
@@ -132,21 +133,22 @@ class MulticlassLaplacePosterior:
     over draws from :math:`\mathcal N(\boldsymbol\mu_*, \boldsymbol\Sigma_*)`
     (:meth:`class_probabilities`).
 
-    The prior mean is zero; the mode is found on construction. Works in the dtype of
-    ``covariance`` (float64 or float32; the continuous categorical's :math:`A` and its derivatives
+    The mode is found on construction. Works in the dtype of ``prior_covariance`` (float64 or float32; the continuous categorical's :math:`A` and its derivatives
     in float64 whatever the dtype). A batch of problems falls out of the shapes: covariances
     ``(*b, C, n, n)`` and targets with batch dimensions broadcast.
 
-    :param covariance: Prior covariances of the training latents: ``(*b, C, n, n)`` with one per
-        class (:math:`C = K`) or one shared (:math:`C = 1`), or ``(n, n)`` for one shared; a
-        tensor or a ``LinearOperator`` (made dense). Keep its autograd history for gradients of
-        :meth:`log_marginal_likelihood`.
+    :param prior_mean: :math:`\mathbf m`, the prior mean of the latents, broadcasting to
+        ``(*b, n, K)`` (``0.0``, a constant per class ``(K,)``, or one value per point and class).
+    :param prior_covariance: Prior covariances of the training latents: ``(*b, C, n, n)`` with one
+        per class (:math:`C = K`) or one shared (:math:`C = 1`), or ``(n, n)`` for one shared; a
+        tensor or a ``LinearOperator`` (made dense). Keep the autograd history of it and of
+        ``prior_mean`` for gradients of :meth:`log_marginal_likelihood`.
+    :param terms: ``"softmax"``, ``"continuous_categorical"`` or
+        :class:`~gpsd.laplace.MulticlassLikelihoodTerms`.
     :param train_y: For ``"softmax"``, labels ``(*b, n)`` in ``0 ... K - 1``; for
         ``"continuous_categorical"``, soft targets ``(*b, n, K)`` on the simplex.
-    :param likelihood: ``"softmax"``, ``"continuous_categorical"`` or
-        :class:`~gpsd.laplace.MulticlassLikelihoodTerms`.
     :param num_classes: :math:`K`; needed for labels with a shared covariance, else read from
-        ``covariance`` or ``train_y`` (and checked against them where given).
+        ``prior_covariance`` or ``train_y`` (and checked against them where given).
     :param max_iter: Newton iterations allowed.
     :param objective_tol: Convergence tolerance (finite, :math:`\ge 0`) on the change of
         :math:`\Psi` relative to :math:`1 + |\Psi|` (default :math:`10^{-13}` in float64,
@@ -162,7 +164,10 @@ class MulticlassLaplacePosterior:
         :math:`Kn` otherwise, measured) do not fit in the device's free memory.
 
     :ivar mode: :math:`\hat{\mathbf F}`, the mode as ``(*b, n, K)``.
-    :ivar alpha: :math:`\hat{\mathbf a} = \mathbf K^{-1}\hat{\mathbf f}` as ``(*b, n, K)``.
+    :ivar alpha: :math:`\hat{\mathbf a} = \mathbf K^{-1}(\hat{\mathbf f} - \mathbf m)` as
+        ``(*b, n, K)``.
+    :ivar prior_mean: :math:`\mathbf m` as given (a tensor).
+    :ivar prior_covariance: the covariances as given, ``(*b, C, n, n)`` (dense).
     :ivar W: the blocks :math:`\mathbf W_i` at the mode, ``(*b, n, K, K)``.
     :ivar iterations: Newton iterations used.
     :ivar num_classes: :math:`K`.
@@ -172,17 +177,18 @@ class MulticlassLaplacePosterior:
 
     Example:
 
-        >>> K = covar_module(train_x).to_dense().unsqueeze(-3)  # one covariance shared by 3 classes
-        >>> posterior = MulticlassLaplacePosterior(K, labels, "softmax", num_classes=3)
+        >>> K = covar_module(train_x).to_dense()  # (n, n): one covariance shared by 3 classes
+        >>> posterior = MulticlassLaplacePosterior(0.0, K, "softmax", labels, num_classes=3)
         >>> (-posterior.log_marginal_likelihood()).backward()
-        >>> mean, covariance = posterior.predictive(cross_covariance, test_variance)
+        >>> mean, covariance = posterior.predictive(K_cross, k_test_diagonal)  # (m, 3), (m, 3, 3)
     """
 
     def __init__(
         self,
-        covariance: Tensor | LinearOperator,
+        prior_mean: Tensor | float,
+        prior_covariance: Tensor | LinearOperator,
+        terms: str | MulticlassLikelihoodTerms,
         train_y: Tensor,
-        likelihood: str | MulticlassLikelihoodTerms = "softmax",
         *,
         num_classes: int | None = None,
         max_iter: int = 100,
@@ -190,14 +196,14 @@ class MulticlassLaplacePosterior:
         f_tol: float | None = None,
         max_halvings: int = 40,
     ) -> None:
-        self.terms = _resolve(likelihood)
+        self.terms = _resolve(terms)
         self.max_iter = check_int(max_iter, "max_iter")
         self.max_halvings = check_int(max_halvings, "max_halvings", minimum=0)
         num_classes = check_int(num_classes, "num_classes", minimum=2, optional=True)
-        K = self._checked_covariance(covariance)
+        K = self._checked_covariance(prior_covariance)
         if num_classes is not None and K.shape[-3] not in (1, num_classes):
             raise ValueError(
-                f"covariance has {K.shape[-3]} class covariances (dimension -3) but "
+                f"prior_covariance has {K.shape[-3]} class covariances (dimension -3) but "
                 f"num_classes={num_classes}; pass one per class or one shared"
             )
         if num_classes is None and K.shape[-3] > 1:
@@ -207,20 +213,25 @@ class MulticlassLaplacePosterior:
         n, C = K.shape[-1], Y.shape[-1]
         if K.shape[-3] not in (1, C):
             raise ValueError(
-                f"covariance has {K.shape[-3]} class covariances (dimension -3) but train_y has "
-                f"{C} classes; pass one per class or one shared"
+                f"prior_covariance has {K.shape[-3]} class covariances (dimension -3) but train_y "
+                f"has {C} classes; pass one per class or one shared"
             )
         if Y.shape[-2] != n:
             raise ValueError(
-                f"train_y has {Y.shape[-2]} points but covariance is {n} x {n}; pass one target "
-                "per training point"
+                f"train_y has {Y.shape[-2]} points but prior_covariance is {n} x {n}; pass one "
+                "target per training point"
             )
+        m = check_finite(
+            as_float_tensor(prior_mean, "prior_mean", dtype=K.dtype, device=K.device), "prior_mean"
+        )
         try:
-            batch = torch.broadcast_shapes(K.shape[:-3], Y.shape[:-2])
+            batch = torch.broadcast_shapes(K.shape[:-3], Y.shape[:-2], m.shape[:-2])
+            torch.broadcast_shapes(m.shape, (*batch, n, C))
         except RuntimeError as err:
             raise ValueError(
-                f"the batch shapes of covariance {tuple(K.shape[:-3])} and train_y "
-                f"{tuple(Y.shape[:-2])} do not broadcast"
+                f"prior_mean {tuple(m.shape)} must broadcast to (*b, n, K) = (*b, {n}, {C}), and "
+                f"the batch shapes of prior_covariance {tuple(K.shape[:-3])}, train_y "
+                f"{tuple(Y.shape[:-2])} and prior_mean must broadcast"
             ) from err
         default_obj_tol, default_f_tol = _default_tolerances(K.dtype)
         self.objective_tol = (
@@ -234,7 +245,8 @@ class MulticlassLaplacePosterior:
             else check_positive_float(f_tol, "f_tol", allow_zero=True)
         )
         self.num_classes = C
-        self.covariance = K
+        self.prior_mean = m
+        self.prior_covariance = K
         self.train_targets = Y.expand(*batch, n, C)
         self._batch = batch
         self._check_memory()
@@ -245,7 +257,7 @@ class MulticlassLaplacePosterior:
         the factorisation and of the evidence gradient do not fit: for the softmax, about
         :data:`_SOFTMAX_MATRICES` per class of size :math:`n`; otherwise :data:`_DENSE_MATRICES`
         of size :math:`Kn`."""
-        n, C = self.covariance.shape[-1], self.num_classes
+        n, C = self.prior_covariance.shape[-1], self.num_classes
         softmax = isinstance(self.terms, SoftmaxTerms)
         size, matrices = (n, _SOFTMAX_MATRICES * C) if softmax else (C * n, _DENSE_MATRICES)
         what = (
@@ -254,7 +266,7 @@ class MulticlassLaplacePosterior:
             if softmax
             else "B = I + W^1/2 K W^1/2, its Cholesky factor and the evidence gradient's products"
         )
-        like = self.covariance.new_empty((size, 0))  # (N, 0): the size and dtype, no storage
+        like = self.prior_covariance.new_empty((size, 0))  # (N, 0): the size and dtype, no storage
         check_dense_matrices_fit(
             type(self).__name__,
             matrices,
@@ -270,18 +282,20 @@ class MulticlassLaplacePosterior:
             covariance = covariance.to_dense()
         if not isinstance(covariance, Tensor):
             raise TypeError(
-                f"covariance must be a tensor or LinearOperator, got {type(covariance)}"
+                f"prior_covariance must be a tensor or LinearOperator, got {type(covariance)}"
             )
         if not covariance.is_floating_point():
-            raise TypeError(f"covariance must be a floating-point tensor, got {covariance.dtype}")
+            raise TypeError(
+                f"prior_covariance must be a floating-point tensor, got {covariance.dtype}"
+            )
         if covariance.dim() == 2:
             covariance = covariance.unsqueeze(-3)
         if covariance.dim() < 3 or covariance.shape[-1] != covariance.shape[-2]:
             raise ValueError(
-                "covariance must have shape (*b, C, n, n) (one per class, or C = 1 shared) or "
-                f"(n, n), got {tuple(covariance.shape)}"
+                "prior_covariance must have shape (*b, C, n, n) (one per class, or C = 1 shared) "
+                f"or (n, n), got {tuple(covariance.shape)}"
             )
-        check_finite(covariance.detach(), "covariance")
+        check_finite(covariance.detach(), "prior_covariance")
         return covariance
 
     def _expanded_covariance(self, K: Tensor) -> Tensor:
@@ -295,31 +309,35 @@ class MulticlassLaplacePosterior:
             return SoftmaxFactor(K, self.terms.response(F))
         return DenseFactor(K, W)
 
-    def _objective(self, a: Tensor, F: Tensor) -> Tensor:
-        return -0.5 * (a * F).sum((-1, -2)) + self.terms.log_prob(self.train_targets, F).sum(-1)
+    def _objective(self, a: Tensor, F: Tensor, m: Tensor) -> Tensor:
+        return -0.5 * (a * (F - m)).sum((-1, -2)) + self.terms.log_prob(self.train_targets, F).sum(
+            -1
+        )
 
-    def _newton_target(self, K: Tensor, F: Tensor) -> tuple[Tensor, Tensor]:
+    def _newton_target(self, K: Tensor, F: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
         """The full Newton step's :math:`\\mathbf a = \\mathbf b - \\mathbf R \\mathbf K
-        \\mathbf b` from ``F``, and :math:`\\mathbf W` at ``F``."""
+        \\mathbf b`, :math:`\\mathbf b = \\mathbf W (\\mathbf f - \\mathbf m) + \\nabla \\log p`,
+        from ``F``, and :math:`\\mathbf W` at ``F``."""
         gradient, hessian = self.terms.derivatives(self.train_targets, F)
         W = _checked_hessian(hessian, self.terms.name)
         factor = self._factor(K, W, F)
-        b = apply_blocks(W, F) + gradient
+        b = apply_blocks(W, F - m) + gradient
         return b - factor.apply(apply_K(K, b).unsqueeze(-1)).squeeze(-1), W
 
     def _find_mode(self) -> None:
         with torch.no_grad():
-            K = self._expanded_covariance(self.covariance.detach())
+            K = self._expanded_covariance(self.prior_covariance.detach())
             Y = self.train_targets
+            m = self.prior_mean.detach().expand_as(Y)
             a = torch.zeros_like(Y)
-            F = torch.zeros_like(Y)
-            psi = self._objective(a, F)
+            F = m.clone()
+            psi = self._objective(a, F, m)
             eps = torch.finfo(K.dtype).eps
             converged = False
             iterations = 0
             for iteration in range(1, self.max_iter + 1):
                 iterations = iteration
-                target, W = self._newton_target(K, F)
+                target, W = self._newton_target(K, F, m)
                 direction = target - a
                 step_f = apply_K(K, direction)
                 # the increase a full step promises: half the squared Newton decrement
@@ -333,8 +351,8 @@ class MulticlassLaplacePosterior:
                 new_a, new_F, new_psi = a, F, psi
                 for _ in range(self.max_halvings + 1):
                     cand_a = a + step[..., None, None] * direction
-                    cand_F = apply_K(K, cand_a)
-                    cand_psi = self._objective(cand_a, cand_F)
+                    cand_F = m + apply_K(K, cand_a)
+                    cand_psi = self._objective(cand_a, cand_F, m)
                     ok = torch.isfinite(cand_psi) & (cand_psi >= psi - slack) & ~accepted
                     new_a = torch.where(ok[..., None, None], cand_a, new_a)
                     new_F = torch.where(ok[..., None, None], cand_F, new_F)
@@ -393,12 +411,13 @@ class MulticlassLaplacePosterior:
 
     def log_marginal_likelihood(self) -> Tensor:
         r"""The Laplace approximation of :math:`\log p(\mathbf y)`, shape ``batch``, with its total
-        derivative in the prior covariances (including the mode's dependence on them).
+        derivative in the prior mean and covariances (including the mode's dependence on them).
 
         The terms of :math:`\Psi` are stationary at the mode, so their derivative is the partial
-        one, :math:`\tfrac12 \hat{\mathbf a}^\top \partial\mathbf K\, \hat{\mathbf a}`. The
-        mode moves by :math:`\partial\hat{\mathbf f} = (\mathbf I + \mathbf K \mathbf W)^{-1}
-        \partial\mathbf K\, \hat{\mathbf a}` (R&W eq. 5.24), which enters :math:`\log|\mathbf B|
+        one, :math:`\hat{\mathbf a}^\top \partial\mathbf m + \tfrac12 \hat{\mathbf a}^\top
+        \partial\mathbf K\, \hat{\mathbf a}`. The mode moves by :math:`\partial\hat{\mathbf f} =
+        (\mathbf I + \mathbf K \mathbf W)^{-1} (\partial\mathbf m + \partial\mathbf K\,
+        \hat{\mathbf a})` (R&W eq. 5.24), which enters :math:`\log|\mathbf B|
         = \log|\mathbf I + \mathbf K \mathbf W|` through :math:`\mathbf W(\hat{\mathbf f})`:
 
         .. math::
@@ -413,15 +432,16 @@ class MulticlassLaplacePosterior:
         of :math:`\log q(\mathbf y)` and, by autograd, these derivatives; the third derivative of
         the log-likelihood comes from autograd through the terms' Hessian.
         """
-        K = self._expanded_covariance(self.covariance)
+        K = self._expanded_covariance(self.prior_covariance)
+        m = self.prior_mean.expand_as(self.mode)
         value = self._objective_value - self._factorisation.half_log_det
-        if not (torch.is_grad_enabled() and K.requires_grad):
+        if not (torch.is_grad_enabled() and (K.requires_grad or m.requires_grad)):
             return value.clone()
         a, F = self.alpha, self.mode
         K_fixed = K.detach()
-        # the mode's derivative: F + (I + K W)^{-1} (K a - sg(K a)), value F, with
+        # the mode's derivative: F + (I + K W)^{-1} (m + K a - sg(m + K a)), value F, with
         # (I + K W)^{-1} = I - K R
-        delta = apply_K(K, a) - apply_K(K_fixed, a)
+        delta = (m - m.detach()) + apply_K(K, a) - apply_K(K_fixed, a)
         F_moving = F + delta - apply_K(K_fixed, self._apply_R(delta.unsqueeze(-1)).squeeze(-1))
         W_moving = -self.terms.derivatives(self.train_targets, F_moving)[1]
         P_blocks, R_blocks = self._sensitivities(K_fixed)
@@ -429,15 +449,17 @@ class MulticlassLaplacePosterior:
             (P_blocks * (W_moving - W_moving.detach())).sum((-1, -2, -3))
             + (R_blocks * (K - K_fixed)).sum((-1, -2, -3))
         )
-        # -1/2 f^T K^-1 f to first order about the mode, without K^-1
-        quadratic = -(a * F_moving).sum((-1, -2)) + 0.5 * (a * apply_K(K, a)).sum((-1, -2))
+        # -1/2 (f - m)^T K^-1 (f - m) to first order about the mode, without K^-1
+        quadratic = -(a * (F_moving - m)).sum((-1, -2)) + 0.5 * (a * apply_K(K, a)).sum((-1, -2))
         fit = self.terms.log_prob(self.train_targets, F_moving).sum(-1)
         surrogate = quadratic + fit - half_log_det
         return surrogate - surrogate.detach() + value
 
     def _checked_test_covariances(
-        self, cross_covariance: object, test_variance: object
+        self, cross_covariance: object, test_prior_variance: object
     ) -> tuple[Tensor, Tensor]:
+        """``cross_covariance`` as ``(*b, C|1, m, n)`` and ``test_prior_variance`` as
+        ``(*b, C|1, m)``, checked."""
         like = {"dtype": self.mode.dtype, "device": self.mode.device}
         if isinstance(cross_covariance, LinearOperator):
             cross_covariance = cross_covariance.to_dense()
@@ -451,35 +473,57 @@ class MulticlassLaplacePosterior:
                 f"of each class), or (m, {n}), got {tuple(cross.shape)}"
             )
         m = cross.shape[-2]
-        variance = as_float_tensor(test_variance, "test_variance", **like)
+        variance = as_float_tensor(test_prior_variance, "test_prior_variance", **like)
         if variance.dim() == 1:
             variance = variance.unsqueeze(-2)
         if variance.dim() < 2 or variance.shape[-1] != m or variance.shape[-2] not in (1, C):
             raise ValueError(
-                f"test_variance must have shape (*b, C, {m}) with C = {C} or 1 (the prior "
+                f"test_prior_variance must have shape (*b, C, {m}) with C = {C} or 1 (the prior "
                 f"variances k_c(x_*, x_*) at the m={m} test points of cross_covariance), or "
                 f"({m},), got {tuple(variance.shape)}"
             )
         check_finite(cross.detach(), "cross_covariance")
-        check_finite(variance.detach(), "test_variance")
+        check_finite(variance.detach(), "test_prior_variance")
         return cross, variance
 
-    def predictive(self, cross_covariance: Tensor, test_variance: Tensor) -> tuple[Tensor, Tensor]:
+    def predictive(
+        self,
+        cross_covariance: Tensor,
+        test_prior_variance: Tensor,
+        test_prior_mean: Tensor | float | None = None,
+    ) -> tuple[Tensor, Tensor]:
         r"""The latent predictive mean ``(*b, m, K)`` and covariance ``(*b, m, K, K)`` (between
-        the classes at each test point) of R&W Algorithm 3.4, see the class description.
+        the classes at each test point) of R&W Algorithm 3.4 with the prior mean, see the class
+        description.
 
-        Gradients flow into ``cross_covariance`` and ``test_variance`` at the fixed mode.
+        Gradients flow into the arguments at the fixed mode (not through the mode's dependence
+        on the prior, which :meth:`log_marginal_likelihood` carries).
 
         :param cross_covariance: :math:`k_c(\mathbf x_*, \mathbf X)`, ``(*b, C, m, n)`` with
             :math:`C = K` or 1 (shared), or ``(m, n)``.
-        :param test_variance: :math:`k_c(\mathbf x_*, \mathbf x_*)`, ``(*b, C, m)`` or ``(m,)``.
+        :param test_prior_variance: :math:`k_c(\mathbf x_*, \mathbf x_*)`, ``(*b, C, m)`` or
+            ``(m,)``.
+        :param test_prior_mean: :math:`m_c(\mathbf x_*)`, broadcasting to ``(*b, m, K)``
+            (default 0).
         """
-        cross, variance = self._checked_test_covariances(cross_covariance, test_variance)
+        cross, variance = self._checked_test_covariances(cross_covariance, test_prior_variance)
         C, n = self.num_classes, self.mode.shape[-2]
         m = cross.shape[-2]
         batch = torch.broadcast_shapes(self._batch, cross.shape[:-3], variance.shape[:-2])
         cross = cross.expand(*batch, C, m, n)
         mean = (cross @ self.alpha.transpose(-1, -2).unsqueeze(-1)).squeeze(-1).transpose(-1, -2)
+        if test_prior_mean is not None:
+            like = {"dtype": mean.dtype, "device": mean.device}
+            test_mean = check_finite(
+                as_float_tensor(test_prior_mean, "test_prior_mean", **like), "test_prior_mean"
+            )
+            try:
+                mean = mean + test_mean
+            except RuntimeError as err:
+                raise ValueError(
+                    f"test_prior_mean {tuple(test_mean.shape)} must broadcast to (*b, m, K) = "
+                    f"{tuple(mean.shape)}"
+                ) from err
         # Q_*^T R Q_*: column (d, j) of Q_* holds k_d(X, x_j) in class d's block
         classes = torch.eye(C, dtype=cross.dtype, device=cross.device)
         columns = torch.einsum("...cji,cd->...icdj", cross, classes).reshape(*batch, n, C, C * m)
@@ -491,7 +535,8 @@ class MulticlassLaplacePosterior:
     def class_probabilities(
         self,
         cross_covariance: Tensor,
-        test_variance: Tensor,
+        test_prior_variance: Tensor,
+        test_prior_mean: Tensor | float | None = None,
         *,
         num_samples: int = 4096,
         generator: torch.Generator | None = None,
@@ -514,7 +559,8 @@ class MulticlassLaplacePosterior:
         :math:`0.5/\sqrt S`.
 
         :param cross_covariance: As for :meth:`predictive`.
-        :param test_variance: As for :meth:`predictive`.
+        :param test_prior_variance: As for :meth:`predictive`.
+        :param test_prior_mean: As for :meth:`predictive`.
         :param num_samples: :math:`S`.
         :param generator: A ``torch.Generator`` on the mode's device for the draws.
         """
@@ -522,7 +568,9 @@ class MulticlassLaplacePosterior:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator)}")
         with torch.no_grad():
-            mean, covariance = self.predictive(cross_covariance, test_variance)
+            mean, covariance = self.predictive(
+                cross_covariance, test_prior_variance, test_prior_mean
+            )
             if generator is None:
                 generator = torch.Generator(device=mean.device).manual_seed(0)
             root = psd_sqrt(covariance)

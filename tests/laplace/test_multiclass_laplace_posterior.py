@@ -107,7 +107,7 @@ def test_softmax_mode_and_evidence_match_numpy_algorithm_3_3():
     x = _inputs(15, seed=0)
     K = _class_covariances(x, [0.7, 1.0, 1.6])
     labels = _labels(15, 3, seed=1)
-    posterior = MulticlassLaplacePosterior(K, labels, "softmax")
+    posterior = MulticlassLaplacePosterior(0.0, K, "softmax", labels)
     mode, log_ml = _numpy_algorithm_3_3(K.numpy(), labels.numpy(), 3)
     np.testing.assert_allclose(posterior.mode.numpy(), mode, rtol=0, atol=1e-10)
     assert abs(posterior.log_marginal_likelihood().item() - log_ml) < 1e-10
@@ -125,19 +125,20 @@ def _reference_log_likelihood(likelihood, y, F):
     )
 
 
-def _brute_force_laplace(likelihood, K, y):
-    """The mode of Psi(f) = log p(y | f) - 1/2 f^T K^-1 f by Nelder-Mead from f = 0, and the Laplace
+def _brute_force_laplace(likelihood, K, y, mean):
+    """The mode of Psi(f) = log p(y | f) - 1/2 (f - m)^T K^-1 (f - m) by Nelder-Mead from f = 0, and
+    the Laplace
     evidence Psi(f_hat) - 1/2 log|K| - 1/2 log|-H| with H the Hessian of Psi by central second
     differences (f flat and class-major)."""
     C, n = K.shape[0], K.shape[-1]
     K_dense = torch.block_diag(*K).numpy()
     K_inv = np.linalg.inv(K_dense)
+    m = np.broadcast_to(mean, (n, C)).T.reshape(-1)  # class-major
 
     def psi(flat):
-        return (
-            _reference_log_likelihood(likelihood, y, flat.reshape(C, n).T)
-            - 0.5 * flat @ K_inv @ flat
-        )
+        return _reference_log_likelihood(likelihood, y, flat.reshape(C, n).T) - 0.5 * (
+            flat - m
+        ) @ K_inv @ (flat - m)
 
     found = scipy.optimize.minimize(
         lambda flat: -psi(flat),
@@ -159,13 +160,14 @@ def _brute_force_laplace(likelihood, K, y):
 
 
 @pytest.mark.parametrize("likelihood", ["softmax", "continuous_categorical"])
-def test_tiny_problem_mode_and_evidence_by_brute_force(likelihood):
+@pytest.mark.parametrize("mean", [0.0, [[0.5, -1.0, 0.2], [1.5, 0.0, -0.3]]])
+def test_tiny_problem_mode_and_evidence_by_brute_force(likelihood, mean):
     # N = 2 points, K = 3 classes: a 6-dimensional latent space
     x = _inputs(2, seed=3)
     K = _class_covariances(x, [0.8, 1.2, 2.0]) + 0.1 * torch.eye(2, dtype=DT)
     y = torch.tensor([2, 0]) if likelihood == "softmax" else _soft_targets(2, 3, seed=4)
-    posterior = MulticlassLaplacePosterior(K, y, likelihood)
-    mode, evidence = _brute_force_laplace(likelihood, K, y.numpy())
+    posterior = MulticlassLaplacePosterior(mean, K, likelihood, y)
+    mode, evidence = _brute_force_laplace(likelihood, K, y.numpy(), np.asarray(mean))
     np.testing.assert_allclose(posterior.mode.numpy(), mode, rtol=0, atol=1e-6)
     assert abs(posterior.log_marginal_likelihood().item() - evidence) < 1e-6
 
@@ -186,7 +188,7 @@ def test_two_classes_with_a_shared_covariance_equal_the_binary_engine_on_the_dif
     else:
         y = _soft_targets(10, 2, seed=7)
         binary_y = y[:, 1]
-    posterior = MulticlassLaplacePosterior(K, y, likelihood, num_classes=2)
+    posterior = MulticlassLaplacePosterior(0.0, K, likelihood, y, num_classes=2)
     binary = find_laplace_mode(2 * K, binary_y, binary_terms)
     difference = posterior.mode[:, 1] - posterior.mode[:, 0]
     torch.testing.assert_close(difference, binary.f, rtol=0, atol=1e-10)
@@ -213,22 +215,23 @@ def test_predictive_matches_the_dense_gaussian_formulas(likelihood):
     lengthscales = [0.6, 1.0, 1.5]
     K = _class_covariances(x, lengthscales) + 0.05 * torch.eye(n, dtype=DT)
     y = _labels(n, C, seed=10) if likelihood == "softmax" else _soft_targets(n, C, seed=10)
-    posterior = MulticlassLaplacePosterior(K, y, likelihood)
+    prior_mean = torch.tensor([0.3, -0.5, 0.1], dtype=DT)  # a constant per class
+    posterior = MulticlassLaplacePosterior(prior_mean, K, likelihood, y)
     cross = torch.stack([_rbf(x_test, x, ls) for ls in lengthscales])
-    mean, covariance = posterior.predictive(cross, torch.full((C, m), 2.0, dtype=DT))
+    mean, covariance = posterior.predictive(cross, torch.full((C, m), 2.0, dtype=DT), prior_mean)
     # q(f) = N(f_hat, (K^-1 + W)^-1); f_* | f is the prior conditional: dense, class-major
     K_dense = torch.block_diag(*K).numpy()
     W_dense = np.zeros((C * n, C * n))
     for i in range(n):
         W_dense[i::n, i::n] = posterior.W[i].numpy()
-    f_hat = posterior.mode.T.reshape(-1).numpy()
+    f_hat = (posterior.mode - prior_mean).T.reshape(-1).numpy()  # centred
     K_inv = np.linalg.inv(K_dense)
     posterior_cov = np.linalg.inv(K_inv + W_dense)
     for j in range(m):
         Q = np.zeros((C * n, C))
         for c in range(C):
             Q[c * n : (c + 1) * n, c] = cross[c, j].numpy()
-        expected_mean = Q.T @ K_inv @ f_hat
+        expected_mean = prior_mean.numpy() + Q.T @ K_inv @ f_hat
         expected_cov = 2.0 * np.eye(C) - Q.T @ K_inv @ Q + Q.T @ K_inv @ posterior_cov @ K_inv @ Q
         np.testing.assert_allclose(mean[j].numpy(), expected_mean, rtol=0, atol=1e-9)
         np.testing.assert_allclose(covariance[j].numpy(), expected_cov, rtol=0, atol=1e-9)
@@ -253,7 +256,9 @@ def test_evidence_gradient_in_a_lengthscale_matches_finite_differences(likelihoo
             K = torch.stack(
                 [_rbf(x, x, lengthscale), _rbf(x, x, 0.8), _rbf(x, x, 1.7 * lengthscale)]
             )
-        return MulticlassLaplacePosterior(K, y, likelihood, num_classes=C).log_marginal_likelihood()
+        return MulticlassLaplacePosterior(
+            0.0, K, likelihood, y, num_classes=C
+        ).log_marginal_likelihood()
 
     lengthscale = torch.tensor(1.1, dtype=DT, requires_grad=True)
     (gradient,) = torch.autograd.grad(evidence(lengthscale), lengthscale)
@@ -265,10 +270,35 @@ def test_evidence_gradient_in_a_lengthscale_matches_finite_differences(likelihoo
     assert abs(gradient.item() - fd.item()) < 1e-7 * (1 + abs(fd.item()))
 
 
+@pytest.mark.parametrize("likelihood", ["softmax", "continuous_categorical"])
+def test_evidence_gradient_in_the_prior_mean_matches_finite_differences(likelihood):
+    n, C = 8, 3
+    x = _inputs(n, seed=33)
+    K = _class_covariances(x, [0.7, 1.0, 1.6])
+    y = _labels(n, C, seed=34) if likelihood == "softmax" else _soft_targets(n, C, seed=34)
+    offsets = torch.tensor([0.0, 0.4, -0.2], dtype=DT)
+
+    def evidence(shift):
+        return MulticlassLaplacePosterior(
+            shift * offsets + 0.1 * x[:, :1], K, likelihood, y
+        ).log_marginal_likelihood()
+
+    shift = torch.tensor(0.8, dtype=DT, requires_grad=True)
+    (gradient,) = torch.autograd.grad(evidence(shift), shift)
+    h = 1e-5
+    with torch.no_grad():
+        fd = (
+            evidence(torch.tensor(0.8 + h, dtype=DT)) - evidence(torch.tensor(0.8 - h, dtype=DT))
+        ) / (2 * h)
+    assert abs(gradient.item() - fd.item()) < 1e-7 * (1 + abs(fd.item()))
+
+
 def test_class_probabilities_at_two_classes_match_quadrature_of_the_difference():
     x, x_test = _inputs(10, seed=13), _inputs(4, seed=14)
     K = _rbf(x, x, 1.0, outputscale=4.0)
-    posterior = MulticlassLaplacePosterior(K, _labels(10, 2, seed=15), "softmax", num_classes=2)
+    posterior = MulticlassLaplacePosterior(
+        0.0, K, "softmax", _labels(10, 2, seed=15), num_classes=2
+    )
     cross = _rbf(x_test, x, 1.0, outputscale=4.0)
     variance = torch.full((4,), 4.0, dtype=DT)
     probabilities = posterior.class_probabilities(cross, variance, num_samples=20000)
@@ -290,9 +320,9 @@ def test_float32_mode_and_evidence_agree_with_float64(likelihood):
     x = _inputs(12, seed=16)
     K = _class_covariances(x, [0.8, 1.3, 1.9]) + 1e-3 * torch.eye(12, dtype=DT)
     y = _labels(12, 3, seed=17) if likelihood == "softmax" else _soft_targets(12, 3, seed=17)
-    double = MulticlassLaplacePosterior(K, y, likelihood)
+    double = MulticlassLaplacePosterior(0.0, K, likelihood, y)
     single = MulticlassLaplacePosterior(
-        K.float(), y.float() if y.is_floating_point() else y, likelihood
+        0.0, K.float(), likelihood, y.float() if y.is_floating_point() else y
     )
     assert single.mode.dtype == torch.float32
     torch.testing.assert_close(single.mode.double(), double.mode, rtol=0, atol=1e-3)
@@ -308,9 +338,11 @@ def test_batches_of_covariances_and_of_targets_equal_separate_fits():
     x = _inputs(9, seed=18)
     y, other_y = _soft_targets(9, 3, seed=19), _soft_targets(9, 3, seed=25)
     first, second = _class_covariances(x, [0.7, 1.0, 1.4]), _class_covariances(x, [1.5, 0.5, 1.0])
-    batched = MulticlassLaplacePosterior(torch.stack([first, second]), y, "continuous_categorical")
+    batched = MulticlassLaplacePosterior(
+        0.0, torch.stack([first, second]), "continuous_categorical", y
+    )
     batched_targets = MulticlassLaplacePosterior(
-        first, torch.stack([y, other_y]), "continuous_categorical"
+        0.0, first, "continuous_categorical", torch.stack([y, other_y])
     )
     separate = [
         (batched, first, y, 0),
@@ -318,7 +350,7 @@ def test_batches_of_covariances_and_of_targets_equal_separate_fits():
         (batched_targets, first, other_y, 1),
     ]
     for posterior, K, targets, index in separate:
-        alone = MulticlassLaplacePosterior(K, targets, "continuous_categorical")
+        alone = MulticlassLaplacePosterior(0.0, K, "continuous_categorical", targets)
         torch.testing.assert_close(posterior.mode[index], alone.mode, rtol=0, atol=1e-10)
         torch.testing.assert_close(
             posterior.log_marginal_likelihood()[index],
@@ -332,8 +364,10 @@ def test_a_linear_operator_covariance_gives_the_tensor_result():
     x = _inputs(8, seed=26)
     K = _rbf(x, x, 1.0)
     labels = _labels(8, 3, seed=27)
-    dense = MulticlassLaplacePosterior(K, labels, num_classes=3)
-    operator = MulticlassLaplacePosterior(DenseLinearOperator(K), labels, num_classes=3)
+    dense = MulticlassLaplacePosterior(0.0, K, "softmax", labels, num_classes=3)
+    operator = MulticlassLaplacePosterior(
+        0.0, DenseLinearOperator(K), "softmax", labels, num_classes=3
+    )
     torch.testing.assert_close(operator.mode, dense.mode, rtol=0, atol=0)
 
 
@@ -345,8 +379,8 @@ def test_on_cuda_the_mode_evidence_and_probabilities_match_the_cpu(likelihood):
     y = _labels(10, 3, seed=30) if likelihood == "softmax" else _soft_targets(10, 3, seed=30)
     cross = torch.stack([_rbf(x_test, x, ls) for ls in (0.7, 1.0, 1.5)])
     variance = torch.full((3, 3), 2.0, dtype=DT)
-    cpu = MulticlassLaplacePosterior(K, y, likelihood)
-    cuda = MulticlassLaplacePosterior(K.cuda(), y.cuda(), likelihood)
+    cpu = MulticlassLaplacePosterior(0.0, K, likelihood, y)
+    cuda = MulticlassLaplacePosterior(0.0, K.cuda(), likelihood, y.cuda())
     torch.testing.assert_close(cuda.mode.cpu(), cpu.mode, rtol=0, atol=1e-10)
     torch.testing.assert_close(
         cuda.log_marginal_likelihood().cpu(), cpu.log_marginal_likelihood(), rtol=0, atol=1e-10
@@ -372,9 +406,9 @@ def test_a_problem_beyond_the_free_memory_is_refused_before_allocating(
     with pytest.raises(
         InsufficientMemoryError, match=f"MulticlassLaplacePosterior needs about {needed} bytes"
     ):
-        MulticlassLaplacePosterior(K, y, likelihood)
+        MulticlassLaplacePosterior(0.0, K, likelihood, y)
     monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
-    MulticlassLaplacePosterior(K, y, likelihood)
+    MulticlassLaplacePosterior(0.0, K, likelihood, y)
 
 
 class _PseudoHuberTerms(MulticlassLikelihoodTerms):
@@ -403,8 +437,8 @@ def test_step_halving_makes_newton_converge_from_zero_where_full_steps_overshoot
     gen = torch.Generator().manual_seed(21)
     y = torch.tensor([[5.0, -5.0, 3.0]], dtype=DT) + torch.randn(6, 3, generator=gen, dtype=DT)
     with pytest.raises(LaplaceConvergenceError):
-        MulticlassLaplacePosterior(K, y, _PseudoHuberTerms(), max_halvings=0)
-    posterior = MulticlassLaplacePosterior(K, y, _PseudoHuberTerms())
+        MulticlassLaplacePosterior(0.0, K, _PseudoHuberTerms(), y, max_halvings=0)
+    posterior = MulticlassLaplacePosterior(0.0, K, _PseudoHuberTerms(), y)
     # stationarity, with the gradient of log p by autograd: f = K grad log p(y | f)
     F = posterior.mode.clone().requires_grad_(True)
     (gradient,) = torch.autograd.grad(_PseudoHuberTerms().log_prob(y, F).sum(), F)
@@ -443,7 +477,7 @@ def test_algorithm_3_3_and_the_dense_factor_agree_for_the_softmax():
     for terms in (SoftmaxTerms(), _SoftmaxThroughTheDenseFactor()):
         lengthscale = torch.tensor(0.9, dtype=DT, requires_grad=True)
         K = torch.stack([_rbf(x, x, lengthscale), _rbf(x, x, 1.0), _rbf(x, x, 2 * lengthscale)])
-        posterior = MulticlassLaplacePosterior(K, labels, terms)
+        posterior = MulticlassLaplacePosterior(0.0, K, terms, labels)
         evidence = posterior.log_marginal_likelihood()
         (gradient,) = torch.autograd.grad(evidence, lengthscale)
         results.append(
@@ -457,7 +491,7 @@ def test_too_few_iterations_raise_naming_max_iter():
     x = _inputs(10, seed=22)
     with pytest.raises(LaplaceConvergenceError, match="max_iter=1"):
         MulticlassLaplacePosterior(
-            _rbf(x, x, 1.0), _labels(10, 3, seed=23), num_classes=3, max_iter=1
+            0.0, _rbf(x, x, 1.0), "softmax", _labels(10, 3, seed=23), num_classes=3, max_iter=1
         )
 
 
@@ -465,30 +499,46 @@ def test_bad_input_raises_clear_errors():
     x = _inputs(5, seed=24)
     K = _rbf(x, x, 1.0)
     with pytest.raises(ValueError, match=r"train_y must hold integer class labels in 0 \.\.\. 2"):
-        MulticlassLaplacePosterior(K, torch.tensor([0, 1, 3, 0, 2]), num_classes=3)
+        MulticlassLaplacePosterior(0.0, K, "softmax", torch.tensor([0, 1, 3, 0, 2]), num_classes=3)
     with pytest.raises(ValueError, match="integer class labels"):
-        MulticlassLaplacePosterior(K, torch.tensor([0.0, 1.5, 1, 0, 2]), num_classes=3)
+        MulticlassLaplacePosterior(
+            0.0, K, "softmax", torch.tensor([0.0, 1.5, 1, 0, 2]), num_classes=3
+        )
     with pytest.raises(ValueError, match="pass num_classes"):
-        MulticlassLaplacePosterior(K, torch.tensor([0, 1, 2, 0, 2]))
+        MulticlassLaplacePosterior(0.0, K, "softmax", torch.tensor([0, 1, 2, 0, 2]))
     with pytest.raises(ValueError, match="summing to 1"):
-        MulticlassLaplacePosterior(K, torch.full((5, 3), 0.4, dtype=DT), "continuous_categorical")
+        MulticlassLaplacePosterior(
+            0.0, K, "continuous_categorical", torch.full((5, 3), 0.4, dtype=DT)
+        )
     negative = torch.tensor([[1.2, -0.2, 0.0]] * 5, dtype=DT)
     with pytest.raises(ValueError, match="negative values"):
-        MulticlassLaplacePosterior(K, negative, "continuous_categorical")
-    with pytest.raises(ValueError, match="train_y has 4 points but covariance is 5 x 5"):
-        MulticlassLaplacePosterior(K, torch.tensor([0, 1, 2, 0]), num_classes=3)
+        MulticlassLaplacePosterior(0.0, K, "continuous_categorical", negative)
+    with pytest.raises(ValueError, match="train_y has 4 points but prior_covariance is 5 x 5"):
+        MulticlassLaplacePosterior(0.0, K, "softmax", torch.tensor([0, 1, 2, 0]), num_classes=3)
     with pytest.raises(ValueError, match="train_y has 3 classes .* prior covariances have 2"):
         MulticlassLaplacePosterior(
-            K.expand(2, 5, 5), _soft_targets(5, 3, 0), "continuous_categorical"
+            0.0, K.expand(2, 5, 5), "continuous_categorical", _soft_targets(5, 3, 0)
         )
-    with pytest.raises(ValueError, match="covariance must have shape"):
-        MulticlassLaplacePosterior(K[:, :4], torch.tensor([0, 1, 2, 0, 1]), num_classes=3)
+    with pytest.raises(ValueError, match="prior_covariance must have shape"):
+        MulticlassLaplacePosterior(
+            0.0, K[:, :4], "softmax", torch.tensor([0, 1, 2, 0, 1]), num_classes=3
+        )
+    with pytest.raises(ValueError, match="prior_mean .* must broadcast to"):
+        MulticlassLaplacePosterior(
+            torch.zeros(4, 3), K, "softmax", torch.tensor([0, 1, 2, 0, 1]), num_classes=3
+        )
+    with pytest.raises(ValueError, match="prior_mean must be finite"):
+        MulticlassLaplacePosterior(
+            float("nan"), K, "softmax", torch.tensor([0, 1, 2, 0, 1]), num_classes=3
+        )
     with pytest.raises(ValueError, match="likelihood must be one of"):
-        MulticlassLaplacePosterior(K, torch.tensor([0, 1, 2, 0, 1]), "probit", num_classes=3)
-    posterior = MulticlassLaplacePosterior(K, torch.tensor([0, 1, 2, 0, 1]), num_classes=3)
+        MulticlassLaplacePosterior(0.0, K, "probit", torch.tensor([0, 1, 2, 0, 1]), num_classes=3)
+    posterior = MulticlassLaplacePosterior(
+        0.0, K, "softmax", torch.tensor([0, 1, 2, 0, 1]), num_classes=3
+    )
     with pytest.raises(ValueError, match="cross_covariance must have shape"):
         posterior.predictive(torch.zeros(2, 4, dtype=DT), torch.ones(2, dtype=DT))
-    with pytest.raises(ValueError, match="test_variance must have shape"):
+    with pytest.raises(ValueError, match="test_prior_variance must have shape"):
         posterior.predictive(torch.zeros(2, 5, dtype=DT), torch.ones(3, dtype=DT))
     cross, variance = torch.zeros(2, 5, dtype=DT), torch.ones(2, dtype=DT)
     with pytest.raises(ValueError, match="num_samples must be a positive integer"):
