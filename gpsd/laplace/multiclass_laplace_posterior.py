@@ -409,6 +409,28 @@ class MulticlassLaplacePosterior:
         prior = torch.diag_embed(torch.diagonal(K, dim1=-2, dim2=-1).transpose(-1, -2))
         return prior - K_R_K, R_blocks
 
+    def _prior_moves(self) -> bool:
+        """Whether gradients are enabled and the prior carries autograd history."""
+        return torch.is_grad_enabled() and (
+            self.prior_covariance.requires_grad or self.prior_mean.requires_grad
+        )
+
+    def _moving_mode(self) -> tuple[Tensor, Tensor, Tensor]:
+        r"""The prior covariances and mean (expanded, with their history) and the mode with its
+        derivative attached: :math:`\hat{\mathbf f} + (\mathbf I + \mathbf K \mathbf W)^{-1}
+        (\boldsymbol\delta - \operatorname{sg}\boldsymbol\delta)`, :math:`\boldsymbol\delta =
+        \mathbf m + \mathbf K \hat{\mathbf a}`, whose value is :math:`\hat{\mathbf f}` and whose
+        derivative is :math:`\partial\hat{\mathbf f}` (R&W eq. 5.24), with
+        :math:`(\mathbf I + \mathbf K \mathbf W)^{-1} = \mathbf I - \mathbf K \mathbf R`."""
+        K = self._expanded_covariance(self.prior_covariance)
+        m = self.prior_mean.expand_as(self.mode)
+        a, K_fixed = self.alpha, K.detach()
+        delta = (m - m.detach()) + apply_K(K, a) - apply_K(K_fixed, a)
+        moving = (
+            self.mode + delta - apply_K(K_fixed, self._apply_R(delta.unsqueeze(-1)).squeeze(-1))
+        )
+        return K, m, moving
+
     def log_marginal_likelihood(self) -> Tensor:
         r"""The Laplace approximation of :math:`\log p(\mathbf y)`, shape ``batch``, with its total
         derivative in the prior mean and covariances (including the mode's dependence on them).
@@ -432,17 +454,11 @@ class MulticlassLaplacePosterior:
         of :math:`\log q(\mathbf y)` and, by autograd, these derivatives; the third derivative of
         the log-likelihood comes from autograd through the terms' Hessian.
         """
-        K = self._expanded_covariance(self.prior_covariance)
-        m = self.prior_mean.expand_as(self.mode)
         value = self._objective_value - self._factorisation.half_log_det
-        if not (torch.is_grad_enabled() and (K.requires_grad or m.requires_grad)):
+        if not self._prior_moves():
             return value.clone()
-        a, F = self.alpha, self.mode
-        K_fixed = K.detach()
-        # the mode's derivative: F + (I + K W)^{-1} (m + K a - sg(m + K a)), value F, with
-        # (I + K W)^{-1} = I - K R
-        delta = (m - m.detach()) + apply_K(K, a) - apply_K(K_fixed, a)
-        F_moving = F + delta - apply_K(K_fixed, self._apply_R(delta.unsqueeze(-1)).squeeze(-1))
+        K, m, F_moving = self._moving_mode()
+        a, K_fixed = self.alpha, K.detach()
         W_moving = -self.terms.derivatives(self.train_targets, F_moving)[1]
         P_blocks, R_blocks = self._sensitivities(K_fixed)
         half_log_det = self._factorisation.half_log_det + 0.5 * (
@@ -496,8 +512,9 @@ class MulticlassLaplacePosterior:
         the classes at each test point) of R&W Algorithm 3.4 with the prior mean, see the class
         description.
 
-        Gradients flow into the arguments at the fixed mode (not through the mode's dependence
-        on the prior, which :meth:`log_marginal_likelihood` carries).
+        Where gradients are enabled and the prior mean or covariances carry autograd history,
+        the predictions carry the total derivative, the mode's dependence on the prior included
+        (as :meth:`log_marginal_likelihood` does); :meth:`class_probabilities` does not.
 
         :param cross_covariance: :math:`k_c(\mathbf x_*, \mathbf X)`, ``(*b, C, m, n)`` with
             :math:`C = K` or 1 (shared), or ``(m, n)``.
@@ -511,7 +528,14 @@ class MulticlassLaplacePosterior:
         m = cross.shape[-2]
         batch = torch.broadcast_shapes(self._batch, cross.shape[:-3], variance.shape[:-2])
         cross = cross.expand(*batch, C, m, n)
-        mean = (cross @ self.alpha.transpose(-1, -2).unsqueeze(-1)).squeeze(-1).transpose(-1, -2)
+        moving = self._prior_moves()
+        alpha = self.alpha
+        if moving:
+            K, _, F_moving = self._moving_mode()
+            gradient, hessian = self.terms.derivatives(self.train_targets, F_moving)
+            # a = grad log p(y | f) at the mode: its derivative is -W times the mode's
+            alpha = alpha + (gradient - gradient.detach())
+        mean = (cross @ alpha.transpose(-1, -2).unsqueeze(-1)).squeeze(-1).transpose(-1, -2)
         if test_prior_mean is not None:
             like = {"dtype": mean.dtype, "device": mean.device}
             test_mean = check_finite(
@@ -529,8 +553,29 @@ class MulticlassLaplacePosterior:
         columns = torch.einsum("...cji,cd->...icdj", cross, classes).reshape(*batch, n, C, C * m)
         R_Q = self._apply_R(columns).reshape(*batch, n, C, C, m)
         reduction = torch.einsum("...cji,...icdj->...jcd", cross, R_Q)  # shape: (*b, m, C, C)
+        if moving:
+            reduction = reduction + self._reduction_derivative(K, -hessian, columns, R_Q)
         covariance = torch.diag_embed(variance.expand(*batch, C, m).transpose(-1, -2)) - reduction
         return mean, covariance
+
+    def _reduction_derivative(
+        self, K: Tensor, W_moving: Tensor, columns: Tensor, R_Q: Tensor
+    ) -> Tensor:
+        r"""Zero, with the derivative of :math:`\mathbf Q_*^\top \mathbf R \mathbf Q_*` through
+        :math:`\mathbf K` and :math:`\mathbf W(\hat{\mathbf f})` (``W_moving`` carries the
+        mode's derivative): :math:`\partial\mathbf R = -\mathbf R\, \partial\mathbf K\,
+        \mathbf R + \mathbf V^\top \partial\mathbf W\, \mathbf V`-type terms with
+        :math:`\mathbf V = (\mathbf I + \mathbf K \mathbf W)^{-1} \mathbf Q_* = \mathbf Q_* -
+        \mathbf K \mathbf R \mathbf Q_*`, shape ``(*b, m, C, C)``."""
+        RQ = R_Q.detach()  # (*b, n, C, C, m): [i, e, c, j] = row (e, i) of R Q_*, column (c, j)
+        K_fixed = K.detach()
+        dK_RQ = torch.einsum("...eil,...lecj->...iecj", K - K_fixed, RQ)
+        through_K = torch.einsum("...iecj,...iedj->...jcd", RQ, dK_RQ)
+        Q = columns.detach().reshape(RQ.shape)
+        V = Q - torch.einsum("...eil,...lecj->...iecj", K_fixed, RQ)
+        dW = W_moving - W_moving.detach()  # shape: (*b, n, C, C)
+        through_W = torch.einsum("...iecj,...ief,...ifdj->...jcd", V, dW, V)
+        return through_W - through_K
 
     def class_probabilities(
         self,

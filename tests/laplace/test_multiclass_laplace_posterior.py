@@ -293,6 +293,37 @@ def test_evidence_gradient_in_the_prior_mean_matches_finite_differences(likeliho
     assert abs(gradient.item() - fd.item()) < 1e-7 * (1 + abs(fd.item()))
 
 
+@pytest.mark.parametrize("likelihood", ["softmax", "continuous_categorical"])
+def test_predictive_gradient_through_the_mode_matches_finite_differences(likelihood):
+    n, m, C = 8, 3, 3
+    x, x_test = _inputs(n, seed=35), _inputs(m, seed=36)
+    y = _labels(n, C, seed=37) if likelihood == "softmax" else _soft_targets(n, C, seed=37)
+    gen = torch.Generator().manual_seed(38)
+    mean_weights = torch.randn(m, C, generator=gen, dtype=DT)
+    covariance_weights = torch.randn(m, C, C, generator=gen, dtype=DT)
+
+    def summary(lengthscale, shift):
+        scales = (lengthscale, 1.0, 1.5 * lengthscale)
+        K = torch.stack([_rbf(x, x, ls) for ls in scales])
+        cross = torch.stack([_rbf(x_test, x, ls) for ls in scales])
+        prior_mean = shift * torch.tensor([0.5, -0.2, 0.0], dtype=DT)
+        posterior = MulticlassLaplacePosterior(prior_mean, K, likelihood, y)
+        mean, covariance = posterior.predictive(
+            cross, torch.full((C, m), 2.0, dtype=DT), prior_mean
+        )
+        return (mean * mean_weights).sum() + (covariance * covariance_weights).sum()
+
+    lengthscale = torch.tensor(0.9, dtype=DT, requires_grad=True)
+    shift = torch.tensor(0.7, dtype=DT, requires_grad=True)
+    gradients = torch.autograd.grad(summary(lengthscale, shift), (lengthscale, shift))
+    h = 1e-5
+    with torch.no_grad():
+        fd_lengthscale = (summary(0.9 + h, 0.7) - summary(0.9 - h, 0.7)) / (2 * h)
+        fd_shift = (summary(0.9, 0.7 + h) - summary(0.9, 0.7 - h)) / (2 * h)
+    for gradient, fd in zip(gradients, (fd_lengthscale, fd_shift), strict=True):
+        assert abs(gradient.item() - fd.item()) < 1e-7 * (1 + abs(fd.item()))
+
+
 def test_class_probabilities_at_two_classes_match_quadrature_of_the_difference():
     x, x_test = _inputs(10, seed=13), _inputs(4, seed=14)
     K = _rbf(x, x, 1.0, outputscale=4.0)
