@@ -80,11 +80,10 @@ class MulticlassLaplacePosterior:
     soft targets, :class:`~gpsd.laplace.MulticlassLikelihoodTerms`). The mode :math:`\hat{\mathbf
     f}` of :math:`\Psi(\mathbf f) = \log p(\mathbf y \mid \mathbf f) - \tfrac12 (\mathbf f -
     \mathbf m)^\top \mathbf K^{-1} (\mathbf f - \mathbf m)` is found by Newton's method;
-    :math:`\mathbf W =
-    -\nabla\nabla \log p(\mathbf y \mid \mathbf f)` is block-diagonal over the points, a
-    :math:`K \times K` block :math:`\mathbf W_i` each (:math:`\operatorname{diag}(\boldsymbol
-    \pi_i) - \boldsymbol\pi_i\boldsymbol\pi_i^\top` for the softmax, the covariance of the
-    continuous categorical for soft targets), and
+    :math:`\mathbf W = -\nabla\nabla \log p(\mathbf y \mid \mathbf f)` is block-diagonal over
+    the points, a :math:`K \times K` block :math:`\mathbf W_i` each
+    (:math:`\operatorname{diag}(\boldsymbol\pi_i) - \boldsymbol\pi_i\boldsymbol\pi_i^\top` for
+    the softmax, the covariance of the continuous categorical for soft targets), and
 
     .. math::
 
@@ -95,9 +94,10 @@ class MulticlassLaplacePosterior:
         \mathbf W^{1/2}, \quad \mathbf B = \mathbf I + \mathbf W^{1/2} \mathbf K \mathbf W^{1/2}.
 
     This is Newton's step :math:`\mathbf f_{\text{new}} = \mathbf m + (\mathbf K^{-1} +
-    \mathbf W)^{-1} \mathbf b` written without inverting :math:`\mathbf K` or :math:`\mathbf W`: both likelihoods
-    depend on the latents only through their differences, so every :math:`\mathbf W_i` is
-    singular along :math:`\mathbf 1`, and :math:`\mathbf B` is positive definite all the same.
+    \mathbf W)^{-1} \mathbf b` written without inverting :math:`\mathbf K` or :math:`\mathbf W`:
+    both likelihoods depend on the latents only through their differences, so every
+    :math:`\mathbf W_i` is singular along :math:`\mathbf 1`, and :math:`\mathbf B` is positive
+    definite all the same.
     :math:`\mathbf R` and :math:`\log|\mathbf B|` come from one of two factorisations:
 
     * the softmax: Rasmussen & Williams' Algorithm 3.3, which uses :math:`\mathbf W =
@@ -120,7 +120,8 @@ class MulticlassLaplacePosterior:
         + \log p(\mathbf y \mid \hat{\mathbf f}) - \tfrac12 \log |\mathbf B|,
 
     differentiable in the prior mean and covariances with the mode's dependence on them
-    (:meth:`log_marginal_likelihood`). Predictions at test points (R&W Algorithm 3.4):
+    (:meth:`log_marginal_likelihood`). Predictions at test points (R&W Algorithm 3.4, with the
+    same total derivative):
 
     .. math::
 
@@ -133,9 +134,10 @@ class MulticlassLaplacePosterior:
     over draws from :math:`\mathcal N(\boldsymbol\mu_*, \boldsymbol\Sigma_*)`
     (:meth:`class_probabilities`).
 
-    The mode is found on construction. Works in the dtype of ``prior_covariance`` (float64 or float32; the continuous categorical's :math:`A` and its derivatives
-    in float64 whatever the dtype). A batch of problems falls out of the shapes: covariances
-    ``(*b, C, n, n)`` and targets with batch dimensions broadcast.
+    The mode is found on construction. Works in the dtype of ``prior_covariance`` (float64 or
+    float32; the continuous categorical's :math:`A` and its derivatives in float64 whatever the
+    dtype). A batch of problems falls out of the shapes: the batch dimensions of the prior
+    mean, the covariances ``(*b, C, n, n)`` and the targets broadcast.
 
     :param prior_mean: :math:`\mathbf m`, the prior mean of the latents, broadcasting to
         ``(*b, n, K)`` (``0.0``, a constant per class ``(K,)``, or one value per point and class).
