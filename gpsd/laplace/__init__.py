@@ -1,14 +1,18 @@
-"""Laplace approximation for binary GP classification with any log-concave 1-D likelihood."""
+"""Laplace approximations for GP classification: binary, with any log-concave 1-D likelihood, and
+multiclass, with the softmax or the continuous categorical."""
 
 from gpsd.exceptions import LaplaceConvergenceError
 from gpsd.laplace.autograd_terms import AutogradLikelihoodTerms
 from gpsd.laplace.bernoulli_logit_terms import BernoulliLogitTerms
 from gpsd.laplace.bernoulli_probit_terms import BernoulliProbitTerms
 from gpsd.laplace.continuous_bernoulli_terms import ContinuousBernoulliTerms
+from gpsd.laplace.continuous_categorical_terms import ContinuousCategoricalTerms
 from gpsd.laplace.laplace_gp_classifier import LaplaceGPClassifier
 from gpsd.laplace.laplace_posterior import LaplacePosterior
 from gpsd.laplace.likelihood_terms import LaplaceLikelihoodTerms
 from gpsd.laplace.marginal_likelihood import differentiable_mode, laplace_log_marginal_likelihood
+from gpsd.laplace.multiclass_laplace_posterior import MulticlassLaplacePosterior
+from gpsd.laplace.multiclass_likelihood_terms import MulticlassLikelihoodTerms
 from gpsd.laplace.newton import LaplaceMode, find_laplace_mode
 from gpsd.laplace.predictive import (
     binary_class_probabilities,
@@ -22,6 +26,7 @@ from gpsd.laplace.predictive import (
 from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
 from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
+from gpsd.laplace.softmax_terms import SoftmaxTerms
 
 __all__ = [
     "AutogradLikelihoodTerms",
@@ -29,11 +34,15 @@ __all__ = [
     "BernoulliProbitTerms",
     "ClassificationTrainingData",
     "ContinuousBernoulliTerms",
+    "ContinuousCategoricalTerms",
     "LaplaceConvergenceError",
     "LaplaceGPClassifier",
     "LaplaceLikelihoodTerms",
     "LaplaceMode",
     "LaplacePosterior",
+    "MulticlassLaplacePosterior",
+    "MulticlassLikelihoodTerms",
+    "SoftmaxTerms",
     "binary_class_probabilities",
     "checked_classification_data",
     "closed_form_probability",
