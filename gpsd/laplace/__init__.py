@@ -25,8 +25,8 @@ from gpsd.laplace.predictive import (
 )
 from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
-from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 from gpsd.laplace.softmax_terms import SoftmaxTerms
+from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 
 __all__ = [
     "AutogradLikelihoodTerms",
