@@ -324,3 +324,22 @@ def test_a_saved_state_loads_into_a_model_of_the_same_grid_alone(toy):
     other = gpsd.CombinedGPC(x, y, _kernel(), outer_steps=3, inner_steps=2)
     with pytest.raises(ValueError, match="num_steps=4"):
         other.load_state_dict(model.state_dict())
+
+
+@pytest.mark.parametrize(("method", "working"), [("iterated", 16), ("tempered", 14)])
+def test_a_fit_beyond_the_free_memory_is_refused_before_allocating(
+    monkeypatch, toy, method, working
+):
+    from gpsd._internal import memory_check
+
+    x, y, test_x = toy
+    needed = (working + 2 * 4) * N * N * 8  # working matrices and two per step, float64
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed - 1)
+    model = gpsd.CombinedGPC(x, y, _kernel(), outer_steps=2, inner_steps=2, method=method)
+    for attempt in (model.fit, lambda: model.predict_proba(test_x)):
+        with pytest.raises(gpsd.InsufficientMemoryError) as raised:
+            attempt()
+        assert f"CombinedGPC.fit needs about {needed} bytes" in str(raised.value)
+        assert "fewer steps" in str(raised.value)
+    monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
+    model.fit()
