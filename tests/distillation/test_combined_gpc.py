@@ -343,3 +343,22 @@ def test_a_fit_beyond_the_free_memory_is_refused_before_allocating(
         assert "fewer steps" in str(raised.value)
     monkeypatch.setattr(memory_check, "free_memory_bytes", lambda device, wanted=None: needed)
     model.fit()
+
+
+@pytest.mark.parametrize("weight", [0.25, 0.5, 2.0 / 3.0])
+def test_the_tempered_chains_mixed_likelihood_has_its_derivatives_by_autograd(weight):
+    from gpsd.distillation.combined_gpc import _chain_terms
+
+    terms = _chain_terms(weight)
+    gen = torch.Generator().manual_seed(0)
+    y = torch.rand(8, generator=gen, dtype=torch.float64)
+    f = (4 * torch.randn(8, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    # the log-likelihood written out: y f - (1 - w) log(1 + e^f) - w A(f), A(f) = log((e^f - 1) / f)
+    written = y * f - (1 - weight) * torch.nn.functional.softplus(f)
+    written = written - weight * torch.log(torch.expm1(f) / f)
+    (grad,) = torch.autograd.grad(written.sum(), f, create_graph=True)
+    (hess,) = torch.autograd.grad(grad.sum(), f)
+    torch.testing.assert_close(terms.log_prob(y, f), written, rtol=1e-12, atol=1e-12)
+    first, second = terms.derivatives(y, f.detach())
+    torch.testing.assert_close(first, grad.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(second, hess, rtol=1e-8, atol=1e-10)
