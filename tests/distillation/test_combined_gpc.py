@@ -362,3 +362,27 @@ def test_the_tempered_chains_mixed_likelihood_has_its_derivatives_by_autograd(we
     first, second = terms.derivatives(y, f.detach())
     torch.testing.assert_close(first, grad.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(second, hess, rtol=1e-8, atol=1e-10)
+
+
+def test_a_batch_of_labels_equals_each_labelling_alone(toy):
+    x, y, test_x = toy
+    labels = torch.stack([y, 1.0 - y])
+    batch = gpsd.CombinedGPC(x, labels, _kernel(), noise=[[0.0, 0.2], [0.1, 0.0]])
+    proba = batch.predict_proba(test_x)
+    assert proba.shape == (2, 4, len(test_x), 2)
+    for b in range(2):
+        alone = gpsd.CombinedGPC(x, labels[b], _kernel(), noise=[[0.0, 0.2], [0.1, 0.0]])
+        torch.testing.assert_close(proba[b], alone.predict_proba(test_x), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            batch.step_targets()[b], alone.step_targets(), rtol=0, atol=1e-12
+        )
+
+
+def test_new_training_data_refit_on_use(toy):
+    x, y, test_x = toy
+    model = gpsd.CombinedGPC(x, y, _kernel(), outer_steps=2, inner_steps=2)
+    model.predict_proba(test_x)
+    model.set_train_data(x[:20], y[:20], strict=False)
+    fewer = gpsd.CombinedGPC(x[:20], y[:20], _kernel(), outer_steps=2, inner_steps=2)
+    torch.testing.assert_close(model.predict_proba(test_x), fewer.predict_proba(test_x))
+    assert model.latent_modes().shape == (4, 20)
