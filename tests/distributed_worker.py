@@ -78,6 +78,7 @@ def reference(n: int, process_group=None) -> dict:
                 "predict_mean": model.predict_mean(test_x),
                 "engine": type(model._state()["engine"]).__name__,
                 "split": model._state()["engine"].columns_are_local,
+                **_layout(model._state()["engine"]),
             }
             if name in ("data_lanczos", "data_cg", "combined_lanczos", "combined_cg"):
                 # CG's from the same probes on every rank
@@ -87,6 +88,72 @@ def reference(n: int, process_group=None) -> dict:
                 out[name]["step_targets"] = model.step_targets()
                 covariance = model.predict(test_x[:7], full_cov=True).covariance
                 out[name]["covariance"] = covariance
+    return out
+
+
+def _layout(engine) -> dict:
+    """Which rows of the training inputs the engine's vectors hold on this rank."""
+    rows = engine.local_rows
+    vectors = engine.ritz_vectors
+    return {
+        "local_rows": None if rows is None else (rows.start, rows.stop),
+        "ritz_rows": None if vectors is None else vectors.shape[-2],
+        "eigenvector_rows": getattr(engine, "eigenvectors", vectors).shape[-2],
+    }
+
+
+#: Lanczos spectra compared directly: an uneven N on 2 and 3 ranks, a rank that leaves a
+#: complement (series, power iterations), and a whole basis of a tiny N whose ranks hold fewer
+#: rows than a block has columns
+SPECTRUM_N = 301
+TINY_N = 10
+
+
+def spectrum_reference(process_group=None) -> dict:
+    """A truncated Lanczos spectrum of :func:`problem`'s kernel and every form of it, and the
+    whole spectrum of a tiny problem, through the group's rows (``None``: this process alone).
+    Arguments with N rows are drawn whole and cut to this rank's rows; results with N rows are
+    gathered."""
+    out = {}
+    for name, n, settings in (
+        ("truncated", SPECTRUM_N, {"rank": 48, "block_size": 8, "residual_tol": 1e-6}),
+        ("whole", TINY_N, {"rank": TINY_N, "block_size": 8}),
+    ):
+        x, _, _, kernel = problem(n)
+        if process_group is None:
+            op = gpsd.linalg.ChunkedKernelOperator(x, covar_module=kernel, chunk_size=64)
+        else:
+            op = gpsd.linalg.DistributedKernelOperator(
+                x, covar_module=kernel, process_group=process_group, chunk_size=64
+            )
+        spectrum = gpsd.linalg.KernelSpectrum.from_lanczos(
+            op, generator=torch.Generator().manual_seed(3), **settings
+        )
+        rows = spectrum.local_rows or slice(0, n)
+        gen = torch.Generator().manual_seed(4)
+        rhs = torch.randn(n, 2, generator=gen, dtype=DT)
+        left = torch.randn(n, 3, generator=gen, dtype=DT)
+        filt = gpsd.linalg.SpectralFilter.data_centric_weights(torch.tensor(NOISE, dtype=DT))
+        coords = spectrum.project(rhs[rows])
+        trace, trace_error = spectrum.trace_estimate(filt, 8, torch.Generator().manual_seed(5))
+        out[name] = {
+            "eigenvalues": spectrum.eigenvalues,
+            "num_resolved": spectrum.num_resolved,
+            "residual_norm": torch.tensor(spectrum.residual_norm),
+            "complement_norm": torch.tensor(spectrum.complement_norm),  # power iterations
+            "error_estimate": torch.tensor(spectrum.error_estimate(min(NOISE))),
+            # V^T B up to the sign of each eigenvector (QR on rows or whole picks the sign)
+            "coefficients": coords.coefficients.abs(),
+            "apply": spectrum.all_rows(spectrum.apply(filt, coords)),
+            "cross": spectrum.cross(filt, left[rows], coords),
+            "quad_diag": spectrum.quad_diag(filt, left[rows]),
+            "trace": spectrum.trace(filt),
+            "trace_estimate": trace,
+            "trace_error": trace_error,
+            "eigenvector_rows": spectrum.eigenvectors.shape[-2],
+            "ritz_rows": spectrum.ritz_vectors.shape[-2],
+            "basis_size": spectrum.size,
+        }
     return out
 
 
@@ -296,6 +363,8 @@ def scenario_main(rank: int, world: int) -> dict:
     )
     other_test = test_x + (1e-3 if rank == 0 else 0.0)
     out["different_test_x"] = _caught(lambda: model.predict(other_test))
+    out["spectrum"] = spectrum_reference(dist.group.WORLD)
+    out["plain_spectrum"] = spectrum_reference()
     out["mll"] = scenario_mll(rank, world)  # in the same processes: no second start
     return out
 

@@ -201,6 +201,17 @@ class DistributedKernelOperator(LinearOperator):
         """Memory the kept kernel rows of this rank fill now, in bytes."""
         return self.local.kept_bytes
 
+    def row_block_matmul(self, rhs: Tensor) -> Tensor:
+        r"""This rank's rows of the product, :math:`k(\mathbf X_{I_p}, \mathbf X)\,\mathbf B`
+        for the whole :math:`\mathbf B` (``(*b, N, r)``): ``(*b, n_p, r)``. Not collective: an
+        iteration whose vectors are split by rows gathers :math:`\mathbf B` first and keeps the
+        rows returned (as :meth:`~gpsd.linalg.KernelSpectrum.from_lanczos` does)."""
+        n = self.x.shape[-2]
+        if rhs.shape[-2] != n:
+            raise ValueError(f"rhs must have {n} rows, got shape {tuple(rhs.shape)}")
+        with torch.no_grad():
+            return self.local._matmul(rhs)  # shape: (*b, n_p, r)
+
     def _matmul(self, rhs: Tensor) -> Tensor:
         n = self.x.shape[-2]
         if rhs.shape[-2] != n:
