@@ -413,9 +413,13 @@ class KernelSpectrum(SpectralEngine):
         projected = 0.5 * (projected + projected.mT)
         theta, rotation = torch.linalg.eigh(projected)
         theta, rotation = theta.flip(-1), rotation.flip(-1)
+        # each copy of the basis is freed once used: the peak holds Q and KQ (of the
+        # iteration), their copies here, then the Ritz vectors and their residuals
         vecs = basis @ rotation  # shape: (*b, N, qb)
-        kvecs = kbasis @ rotation
-        residual_vectors = kvecs - vecs * theta.unsqueeze(-2)  # shape: (*b, N, qb)
+        del basis
+        residual_vectors = kbasis @ rotation  # shape: (*b, N, qb)
+        del kbasis
+        residual_vectors.sub_(vecs * theta.unsqueeze(-2))  # K V - V diag(theta)
         residuals = rows.norm(residual_vectors)
         # residuals at the rounding level of the working dtype count as resolved
         floor = (
@@ -444,7 +448,7 @@ class KernelSpectrum(SpectralEngine):
         # float32 chains would split off pairs at 6e-4 and come out 1.4 off, estimated at 1e-3).
         spectrum.ritz_resolved = residuals <= residual_tol
         lower = float(unresolved_theta.abs().max())
-        upper = _trace_bound(kernel_trace, evals, basis.dtype)
+        upper = _trace_bound(kernel_trace, evals, theta.dtype)
         spectrum.complement_lower_bound = lower
         spectrum.complement_upper_bound = max(upper, lower)
         if upper <= complement_tol:
@@ -866,11 +870,14 @@ def _spectral_norm(residual_vectors: Tensor, resolved: Tensor, rows: AllRows) ->
     some = flat.any(0)  # shape: (q,)
     if not bool(some.any()):
         return 0.0
-    kept = residual_vectors[..., some] * resolved[..., some].unsqueeze(-2)  # shape: (*b, N, p)
-    gram = rows.gram(kept, kept)  # shape: (*b, p, p)
+    kept = residual_vectors[..., some]  # shape: (*b, N, p)
+    # the columns not resolved in a batch entry are left out of its Gram matrix by a mask on
+    # it (multiplying by 1 or 0 is exact: as the Gram matrix of the masked columns)
+    mask = resolved[..., some].to(kept.dtype)  # shape: (*b, p)
+    gram = rows.gram(kept, kept) * (mask.unsqueeze(-1) * mask.unsqueeze(-2))  # shape: (*b, p, p)
     largest = torch.linalg.eigvalsh(0.5 * (gram + gram.mT))[..., -1]  # shape: (*b,)
     # the column norms are a lower bound that rounding in the Gram matrix must not undercut
-    columns = rows.norm(kept).amax(-1)
+    columns = (rows.norm(kept) * mask).amax(-1)
     return float(torch.maximum(largest.clamp_min(0.0).sqrt(), columns).max())
 
 
