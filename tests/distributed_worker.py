@@ -154,6 +154,10 @@ def spectrum_reference(process_group=None) -> dict:
             "ritz_rows": spectrum.ritz_vectors.shape[-2],
             "basis_size": spectrum.size,
         }
+        if process_group is not None:  # all N rows where each rank must pass its own
+            out[name]["full_rows"] = _caught(
+                lambda spectrum=spectrum, rhs=rhs: spectrum.project(rhs)
+            )
     return out
 
 

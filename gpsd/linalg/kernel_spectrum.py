@@ -187,6 +187,17 @@ class KernelSpectrum(SpectralEngine):
         with its rows of the same arguments, in the same order."""
         return self._rows.local_rows
 
+    def _check_rows(self, x: Tensor, name: str) -> None:
+        """A ``ValueError`` unless ``x`` (``(*, n, c)``) holds this rank's rows, where the
+        spectrum splits them across ranks."""
+        rows = self.local_rows
+        if rows is not None and x.shape[-2] != rows.stop - rows.start:
+            raise ValueError(
+                f"{name} must hold this rank's {rows.stop - rows.start} rows ({rows.start} to "
+                f"{rows.stop}, local_rows) of the N = {self.size} rows of the spectrum split "
+                f"across the process group, got shape {tuple(x.shape)}"
+            )
+
     def all_rows(self, mine: Tensor) -> Tensor:
         """All ``N`` rows of ``mine`` (``(*, n_p, c)``: this rank's rows, :attr:`local_rows`),
         gathered from every rank (collective); ``mine`` itself without a split."""
@@ -298,6 +309,15 @@ class KernelSpectrum(SpectralEngine):
             only ``matmul`` is used), or a callable ``X -> K X`` together with ``size``,
             ``batch_shape``, ``dtype`` and ``device`` (the device of the blocks it is given;
             default: the CPU, so pass ``device=`` for a callable that multiplies on a GPU).
+            A :class:`~gpsd.linalg.DistributedKernelOperator` of two or more ranks splits the
+            basis by its rows: each rank keeps its rows of the basis, of its products and of the
+            Ritz vectors (:math:`\lceil N/P \rceil` rows at most), a product gathers the
+            block's rows from the ranks, and the inner products (Gram–Schmidt coefficients,
+            the TSQR of a block, the Rayleigh–Ritz projection, the residual norms) are partial
+            sums added over the ranks in rank order, so that every rank holds the same Ritz
+            values (see :attr:`local_rows`). Random blocks are drawn whole on every rank and cut
+            to its rows: the spectrum is that of one process up to rounding and the signs of
+            the eigenvectors.
         :param rank: size of the Krylov basis (rounded up to whole blocks); with ``stop_when``,
             the most it may grow to.
         :param block_size: columns per block (default ``rank // 8`` between 4 and 64).
@@ -494,6 +514,7 @@ class KernelSpectrum(SpectralEngine):
         For a truncated spectrum this runs ``num_powers`` (default :math:`J`) products with
         :math:`\\mathbf K` to build the complement's Krylov vectors.
         """
+        self._check_rows(rhs, "rhs")
         coefficients = self._rows.gram(self.eigenvectors, rhs.to(self.eigenvectors))
         if not self.is_truncated:
             return SpectralCoordinates(coefficients, None)
@@ -522,6 +543,7 @@ class KernelSpectrum(SpectralEngine):
         r""":math:`\mathbf C^\top f_t(\mathbf K)\mathbf B` for ``left`` :math:`\mathbf C` of shape
         ``(*b, N, M)``; returns ``(*, F, M, r)``."""
         coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
+        self._check_rows(left, "left")
         filt = self._in_dtype(filt)
         left = left.to(self.eigenvectors)
         z = self._rows.gram(self.eigenvectors, left)  # shape: (*b, k, M)
@@ -544,6 +566,7 @@ class KernelSpectrum(SpectralEngine):
         """
         if num_powers is None:
             num_powers = (self.series_order + 1) // 2
+        self._check_rows(left, "left")
         filt = self._in_dtype(filt)
         left = left.to(self.eigenvectors)
         z = self._rows.gram(self.eigenvectors, left)  # shape: (*b, k, M)

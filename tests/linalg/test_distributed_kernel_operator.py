@@ -127,6 +127,15 @@ def test_a_lanczos_spectrum_split_by_rows_equals_one_process(main_run, case):
                 assert torch.equal(got[key], results[0]["spectrum"][case][key]), key
 
 
+def test_a_split_spectrum_given_all_rows_names_the_rows_it_holds(main_run):
+    world, results = main_run
+    for result in results:
+        caught = result["spectrum"]["truncated"]["full_rows"]
+        assert caught["type"] == "ValueError", caught
+        assert "rhs must hold this rank's" in caught["message"]
+        assert f"N = {SPECTRUM_N}" in caught["message"]
+
+
 def test_a_whole_basis_split_by_rows_has_the_dense_eigenvalues_and_filters(main_run):
     """N = 10 on 2 and 3 ranks, blocks of 8 columns: ranks holding fewer rows than a block
     has columns. The eigenvalues are those of the dense matrix, the filter its dense form."""
