@@ -1,4 +1,5 @@
-"""One rank of the multi-process runs of tests/linalg/test_distributed_kernel_operator.py and
+"""One rank of the multi-process runs of tests/linalg/test_distributed_kernel_operator.py,
+tests/linalg/test_row_split.py and
 tests/kernel_distillation/test_kernel_distillation_process_group.py (started by
 tests/distributed_launch.py).
 
@@ -373,6 +374,34 @@ def scenario_main(rank: int, world: int) -> dict:
     return out
 
 
+def scenario_row_split(rank: int, world: int) -> dict:
+    """The sums and the TSQR of :class:`gpsd.linalg._row_split.SplitRows` on this rank's rows
+    of matrices drawn whole: ``(N, c)`` of 7 x 3 (ranks with fewer rows than columns on 3
+    ranks) and 40 x 5; results with N rows gathered."""
+    from gpsd.linalg._row_split import SplitRows
+
+    out = {}
+    for n, c in ((7, 3), (40, 5)):
+        x, _, _, kernel = problem(n)
+        op = gpsd.linalg.DistributedKernelOperator(
+            x, covar_module=kernel, process_group=dist.group.WORLD, chunk_size=4
+        )
+        rows = SplitRows(op, DT)
+        gen = torch.Generator().manual_seed(6)
+        z = torch.randn(2, n, c, generator=gen, dtype=DT)  # a batch of two
+        w = torch.randn(2, n, 2, generator=gen, dtype=DT)
+        q, r = rows.qr(rows.take(z))
+        out[(n, c)] = {
+            "q": rows.gather(q),
+            "r": r,
+            "gram": rows.gram(rows.take(z), rows.take(w)),
+            "norm": rows.norm(rows.take(z)),
+            "product": rows.gather(rows.matmul(rows.take(z))),
+            "mine": rows.take(z).shape[-2],
+        }
+    return out
+
+
 def scenario_keops(rank: int, world: int) -> dict:
     """The kernel of :func:`problem` as a GPyTorch KeOps kernel (needs pykeops), through KeOps
     from 2 rows on (GPyTorch evaluates blocks smaller than ``max_cholesky_size`` densely, the
@@ -535,6 +564,8 @@ def main() -> None:
             result = scenario_kd(rank, world)
         elif scenario == "keops":
             result = scenario_keops(rank, world)
+        elif scenario == "row_split":
+            result = scenario_row_split(rank, world)
         else:
             result = scenario_fail(rank, world, scenario.removeprefix("fail_"), out_file)
     except Exception:

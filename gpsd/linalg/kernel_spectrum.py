@@ -30,7 +30,8 @@ class SpectralCoordinates:
 
     ``coefficients`` are :math:`\\mathbf V^\\top \\mathbf B` (shape ``(*b, k, r)``); ``krylov``,
     present only for a truncated spectrum, holds :math:`\\mathbf K_\\perp^j \\mathbf P_\\perp
-    \\mathbf B` for ``j = 0..J`` (shape ``(*b, J + 1, N, r)``).
+    \\mathbf B` for ``j = 0..J`` (shape ``(*b, J + 1, N, r)``; this rank's rows of them where
+    the spectrum splits its rows across a process group, :attr:`KernelSpectrum.local_rows`).
     """
 
     coefficients: Tensor
