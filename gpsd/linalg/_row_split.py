@@ -48,6 +48,14 @@ class AllRows:
         """The reduced QR factors of ``z`` (``(*b, N, c)``, ``N >= c``)."""
         return torch.linalg.qr(z)
 
+    def project_out(self, blocks: list[Tensor], z: Tensor) -> Tensor:
+        """``z`` (``(*b, N, c)``) less its part in the span of the orthonormal ``blocks``: block
+        by block (each block's coefficients from what the earlier ones left), twice."""
+        for _ in range(2):
+            for q in blocks:
+                z = z - q @ self.gram(q, z)
+        return z
+
 
 class SplitRows(AllRows):
     r"""The rows of every vector split across the ranks of a process group as the rows of a
@@ -100,6 +108,20 @@ class SplitRows(AllRows):
     def norm(self, x: Tensor) -> Tensor:
         """The norms of the columns of the whole ``x`` from this rank's rows ``(*, n_p, c)``."""
         return self.total(x.square().sum(-2)).sqrt()
+
+    def project_out(self, blocks: list[Tensor], z: Tensor) -> Tensor:
+        """``z`` (this rank's rows) less its part in the span of the orthonormal ``blocks``:
+        the coefficients of every block at once, in one sum over the ranks (classical
+        Gram-Schmidt over the whole basis), twice; one collective per pass, where block by
+        block would take one per block."""
+        if not blocks:
+            return z
+        widths = [q.shape[-1] for q in blocks]
+        for _ in range(2):
+            partial = torch.cat([q.mT @ z for q in blocks], dim=-2)  # shape: (*b, q, c)
+            for q, coefficients in zip(blocks, self.total(partial).split(widths, -2), strict=True):
+                z = z - q @ coefficients
+        return z
 
     def qr(self, z: Tensor) -> tuple[Tensor, Tensor]:
         r"""This rank's rows of the orthonormal factor of the whole ``z`` and its triangular

@@ -980,10 +980,7 @@ class _BlockKrylov:
 
     def _project_out(self, z: Tensor) -> Tensor:
         """``z`` (``(*b, N, c)``) less its part in the basis so far: classical Gram-Schmidt, twice."""
-        for _ in range(2):
-            for q in self.blocks:
-                z = z - q @ self.rows.gram(q, z)
-        return z
+        return self.rows.project_out(self.blocks, z)
 
     def _orthonormal_block(self, z: Tensor) -> Tensor:
         """Orthonormal columns ``(*b, N, c)`` orthogonal to the basis, spanning the new part of
