@@ -65,8 +65,8 @@ class DistributedKernelOperator(LinearOperator):
     of its own block (at most ``cache_bytes``, of the :math:`N^2/P` entries of the block) or one
     chunk of ``chunk_size`` rows (none for a KeOps kernel), and what the caller's iteration
     holds: block Lanczos its rows of the basis and of its products, :math:`2 N q / P` entries
-    for :math:`q` columns (about :math:`7 N q / P` at a Rayleigh–Ritz step), and the gathered
-    block (:math:`N r`); deflated CG its vectors whole.
+    for :math:`q` columns (about :math:`8 N q / P` at a Rayleigh–Ritz step), and the gathered
+    block (:math:`N r`, twice); deflated CG its vectors whole.
 
     **Communication per product** with :math:`r` columns: each rank sends its block,
     :math:`(\lceil N/P \rceil + 2) r` entries (padded to the largest block; two more rows carry
