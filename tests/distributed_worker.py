@@ -49,9 +49,15 @@ def _combined(x, y, kernel, *, noise, **kwargs) -> gpsd.CombinedGPR:
     return gpsd.CombinedGPR(x, y, kernel, noise=[noise, noise], **kwargs)
 
 
+def _two_schedules(x, y, kernel, *, noise, **kwargs) -> gpsd.DataCentricGPR:
+    """The data-centric chain with a batch of two schedules: ``noise`` and twice it."""
+    return gpsd.DataCentricGPR(x, y, kernel, noise=[noise, [2 * g for g in noise]], **kwargs)
+
+
 #: (name, class or factory, backend) of the models every scenario compares
 MODELS = [
     ("data_lanczos", gpsd.DataCentricGPR, "lanczos"),
+    ("data_lanczos_schedules", _two_schedules, "lanczos"),
     ("data_cg", gpsd.DataCentricGPR, "cg"),
     ("data_auto", gpsd.DataCentricGPR, "auto"),
     ("distribution_lanczos", gpsd.DistributionCentricGPR, "lanczos"),
@@ -81,7 +87,13 @@ def reference(n: int, process_group=None) -> dict:
                 "split": model._state()["engine"].columns_are_local,
                 **_layout(model._state()["engine"]),
             }
-            if name in ("data_lanczos", "data_cg", "combined_lanczos", "combined_cg"):
+            if name in (
+                "data_lanczos",
+                "data_lanczos_schedules",
+                "data_cg",
+                "combined_lanczos",
+                "combined_cg",
+            ):
                 # CG's from the same probes on every rank
                 out[name]["gcv"] = model.gcv()
                 out[name]["gcv_standard_error"] = model.gcv_standard_error()

@@ -28,6 +28,7 @@ DT = torch.float64
 SHORT_TIMEOUT = 3.0  # distributed_worker.SHORT_TIMEOUT
 MODELS = [
     "data_lanczos",
+    "data_lanczos_schedules",
     "data_cg",
     "data_auto",
     "distribution_lanczos",
@@ -90,7 +91,8 @@ def test_lanczos_keeps_its_rows_of_the_basis_and_cg_gathers_the_ritz_vectors(mai
     n = 300 if world == 2 else 301
     for result in results:
         models, rows = result["models"], result["rows"]
-        for name in ("data_lanczos", "data_auto", "distribution_lanczos", "combined_lanczos"):
+        lanczos = ("data_lanczos", "data_lanczos_schedules", "data_auto", "distribution_lanczos")
+        for name in (*lanczos, "combined_lanczos"):
             got = models[name]
             assert got["engine"] == "KernelSpectrum", name  # auto: matrix-free, through the group
             assert got["local_rows"] == rows and not got["split"], name
