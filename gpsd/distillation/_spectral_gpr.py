@@ -18,6 +18,7 @@ from torch import Tensor, nn
 import gpsd.linalg as linalg
 from gpsd import settings
 from gpsd._internal.collectives import (
+    all_reduce_sum,
     check_group,
     check_same,
     module_fingerprint,
@@ -548,7 +549,7 @@ class SpectralGPR(StepDistiller, abc.ABC):
         with autograd_context(factor):
             prior_mean = self.mean_module(self.train_x)
             centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
-            coords = engine.project(centred)
+            coords = engine.project(_my_rows(engine, centred))
         self._targets_cache.watch(prior_mean)
         # the value holds the engine, so its id in the config cannot be reused by another
         return {**factor, "prior_mean": prior_mean, "centred": centred, "coords": coords}
@@ -636,10 +637,11 @@ class SpectralGPR(StepDistiller, abc.ABC):
         return prediction
 
     def _splits_test_points(self, test_x: Tensor, full_cov: bool) -> bool:
-        """Whether the ranks of :attr:`process_group` share the test points out. Not where the
-        engine needs products with K for the test columns (deflated CG, a complement series,
-        covariances): every rank then takes part in those, for all the test points, once they
-        have checked that all hold the same ones."""
+        """Whether the ranks of :attr:`process_group` share the test points out (and check
+        that all hold the same ones). Not where the engine needs products with K for the test
+        columns (deflated CG, a complement series, covariances), nor where it splits the
+        training rows (:attr:`~gpsd.linalg.SpectralEngine.local_rows`): every rank then takes
+        part in every test point, with its rows."""
         if self.process_group is None or not self._distributed(self._state()):
             return False
         if not full_cov and self._state()["engine"].columns_are_local:
@@ -667,6 +669,21 @@ class SpectralGPR(StepDistiller, abc.ABC):
     def _distributed(self, state: dict) -> bool:
         """Whether the engine multiplies through the ranks of :attr:`process_group`."""
         return self.process_group is not None and state["engine"].matrix_free
+
+    def _over_rows(self, engine: object, partial: Tensor) -> Tensor:
+        """The sum over the ranks, in rank order, of this rank's sums over its rows, where the
+        engine splits the rows (:attr:`~gpsd.linalg.SpectralEngine.local_rows`); ``partial``
+        itself where every rank holds every row."""
+        if engine.local_rows is None:
+            return partial
+        return all_reduce_sum(partial, self.process_group, "all_gather of the predictions' sums")
+
+    def _at_every_row(self, state: dict, filt: SpectralFilter) -> Tensor:
+        r""":math:`f_t(\mathbf K)(\mathbf y - m)` at every training input, ``(*, F, N, 1)``:
+        gathered from the ranks where the engine splits the rows."""
+        engine = state["engine"]
+        out = engine.apply(filt, state["coords"])
+        return out if engine.local_rows is None else engine.all_rows(out)
 
     def _check_same_on_every_rank(self) -> None:
         """The same ``ValueError`` on every rank of :attr:`process_group` unless all hold the
@@ -718,7 +735,10 @@ class SpectralGPR(StepDistiller, abc.ABC):
         step = self._check_step(step)
         test_x = validate_test_x(test_x, self.train_x)
         state = self._state()
-        if self.process_group is not None and self._distributed(state):
+        distributed = self.process_group is not None and self._distributed(state)
+        if distributed and state["engine"].local_rows is not None:
+            check_same_rows(test_x, self.process_group)  # every rank takes part, with its rows
+        if distributed and state["engine"].local_rows is None:
             self._mean_weights(state)  # on every rank, before the ranks part ways
             mean = on_my_rows(test_x, lambda part: self._means(state, part), self.process_group)
         else:
@@ -736,13 +756,15 @@ class SpectralGPR(StepDistiller, abc.ABC):
 
     def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
+        engine = state["engine"]
         if cross is None:
             kernel, train_x = state["test_kernel"]
-            cross = kernel_matrix(kernel, train_x, test_x.to(train_x.dtype))
-        weights = self._mean_weights(state)  # shape: (*, T, N, 1)
+            cross = kernel_matrix(kernel, _my_rows(engine, train_x), test_x.to(train_x.dtype))
+        weights = self._mean_weights(state)  # shape: (*, T, N, 1), this rank's rows of a split
         # one product with the T weight vectors side by side (T matrix-vector products would
         # read the cross-covariance T times)
         mean = (cross.to(weights).mT @ weights.squeeze(-1).mT).mT  # shape: (*, T, M)
+        mean = self._over_rows(engine, mean)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
 
     def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> Prediction:
@@ -752,7 +774,8 @@ class SpectralGPR(StepDistiller, abc.ABC):
             variance_filter = self._variance_filter()
             kernel, train_x = state["test_kernel"]
             test_in = test_x.to(train_x.dtype)
-            cross = kernel_matrix(kernel, train_x, test_in)  # shape: (*b, N, M)
+            # shape: (*b, N, M), this rank's rows where the engine splits them
+            cross = kernel_matrix(kernel, _my_rows(engine, train_x), test_in)
             mean = self._mean_chunk(state, test_x, cross)
             prior_var = kernel(test_in, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
@@ -849,7 +872,7 @@ class SpectralGPR(StepDistiller, abc.ABC):
                     "the stochastic estimate of N - tr S_t came out non-positive for some step; "
                     "raise gpsd.settings.trace_probes"
                 )
-            resid = engine.apply(residuals, state["coords"]).squeeze(-1)
+            resid = self._at_every_row(state, residuals).squeeze(-1)
             rss = resid.square().sum(-1)  # ||y - mu_t||^2, times the multiple squared
             score = n * rss / dof.square()
             error = 2 * score.detach() * dof_error / dof.detach()
@@ -875,3 +898,10 @@ class SpectralGPR(StepDistiller, abc.ABC):
             )
         mean = self.predict_mean(val_x)
         return (mean - val_y.unsqueeze(-2)).square().mean(-1)
+
+
+def _my_rows(engine: object, full: Tensor) -> Tensor:
+    """This rank's rows of ``full`` (``(*, N, c)``) where ``engine`` splits the training rows
+    across a process group (:attr:`~gpsd.linalg.SpectralEngine.local_rows`), else ``full``."""
+    rows = engine.local_rows
+    return full if rows is None else full[..., rows, :]

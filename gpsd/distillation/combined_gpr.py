@@ -228,7 +228,7 @@ class CombinedGPR(StepGrid, SpectralGPR):
         r""":math:`m(\mathbf x) + f_t(\mathbf K)(\mathbf y - m)` for every step, ``(*batch, T, N)``."""
         state = self._state()
         with autograd_context(state):
-            out = state["engine"].apply(filt, state["coords"]).squeeze(-1)
+            out = self._at_every_row(state, filt).squeeze(-1)
             out = out + state["prior_mean"].unsqueeze(-2)
         return self._guard(state, out.to(self.train_y.dtype))
 

@@ -105,10 +105,10 @@ class DataCentricGPR(SpectralGPR):
         kernel and calls the same methods with the same arguments (as under ``torchrun``):
         each rank evaluates its block of kernel rows (a
         :class:`~gpsd.linalg.DistributedKernelOperator`), the Krylov iterations run on every
-        rank, and every rank returns the same results as one process. Predictions split the
-        test points across the ranks where the engine needs no product with K for them (a
-        Lanczos spectrum without complement series) and gather them; the CG backend's solves
-        for the test columns run on every rank, through the group. ``backend="auto"`` goes
+        rank, and every rank returns the same results as one process. The Lanczos backend
+        splits its Krylov basis and eigenvectors by rows too: each rank holds the rows of the
+        kernel it evaluates, and predictions sum each rank's part over the ranks. The CG
+        backend's solves run on every rank, through the group. ``backend="auto"`` goes
         matrix-free with a group; ``"dense"`` and ``"cholesky"``, which would ignore it, raise
         a ``ValueError``. Ranks whose inputs, targets, noise schedules, kernels or prior means
         differ raise a ``ValueError`` on every rank; a failing rank makes the others raise a
@@ -194,7 +194,7 @@ class DataCentricGPR(SpectralGPR):
         state = self._state()
         with autograd_context(state):
             # y_1..y_T; the last is no step's target
-            fitted = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
+            fitted = self._at_every_row(state, self._targets_filter()).squeeze(-1)
             fitted = fitted + state["prior_mean"].unsqueeze(-2)
             first = self.train_y.unsqueeze(-2).to(fitted)
             batch = torch.broadcast_shapes(first.shape[:-2], fitted.shape[:-2])
