@@ -18,7 +18,7 @@ from gpsd.distillation._common import (
     student_batch,
     student_gp,
 )
-from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
+from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.linalg import SpectralFilter
 from gpsd.linalg.spectral_filter import combined_effective_noise
 
@@ -262,10 +262,10 @@ class CombinedGPR(SpectralGPR):
 
     def _apply_to_targets(self, filt: SpectralFilter) -> Tensor:
         r""":math:`m(\mathbf x) + f_t(\mathbf K)(\mathbf y - m)` for every step, ``(*batch, T, N)``."""
-        state = self._state()
-        with autograd_context(state):
-            out = state["engine"].apply(filt, state["coords"]).squeeze(-1)
-            out = out + state["prior_mean"].unsqueeze(-2)
+        state = self._current_fit()
+        with state.autograd_context():
+            out = state.engine.apply(filt, state.coords).squeeze(-1)
+            out = out + state.prior_mean.unsqueeze(-2)
         return self._guard(state, out.to(self.train_y.dtype))
 
     def step_targets(self, step: int | None = None) -> Tensor:

@@ -14,7 +14,7 @@ from gpsd.distillation._common import (
     student_batch,
     student_gp,
 )
-from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
+from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.linalg import SpectralFilter
 
 __all__ = ["DataCentricGPR"]
@@ -191,11 +191,11 @@ class DataCentricGPR(SpectralGPR):
         :param step: a step ``t`` in ``1..T`` (default: every step).
         """
         step = self._check_step(step)
-        state = self._state()
-        with autograd_context(state):
+        state = self._current_fit()
+        with state.autograd_context():
             # y_1..y_T; the last is no step's target
-            fitted = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
-            fitted = fitted + state["prior_mean"].unsqueeze(-2)
+            fitted = state.engine.apply(self._targets_filter(), state.coords).squeeze(-1)
+            fitted = fitted + state.prior_mean.unsqueeze(-2)
             first = self.train_y.unsqueeze(-2).to(fitted)
             batch = torch.broadcast_shapes(first.shape[:-2], fitted.shape[:-2])
             first = first.expand(*batch, *first.shape[-2:])

@@ -117,7 +117,7 @@ def test_regression_distiller_reports_a_negative_variance():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         assert bool((model.predict(test_x).variance > 0).all())
-        engine = model._state()["engine"]
+        engine = model._current_fit().engine
         reduction = engine.quad_diag
         engine.quad_diag = lambda *args: 2 * reduction(*args) + 1.0  # a corrupted factorisation
     with torch.no_grad(), pytest.warns(NumericalWarning, match="negative"):
