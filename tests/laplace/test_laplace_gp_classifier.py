@@ -2,8 +2,10 @@
 quadrature and finite differences; its refits, state, hyperparameter training, gradients
 through the mode, and the estimator convention (fit, predict_proba, predict, predict_latent)."""
 
+import contextlib
 import copy
 import math
+import pickle
 
 import gpytorch
 import numpy as np
@@ -831,3 +833,59 @@ def test_posterior_is_the_fitted_one_and_carries_a_graph_only_where_gradients_ar
     with torch.no_grad():
         K = model.covar_module(model.train_inputs).to_dense()
     torch.testing.assert_close(differentiable.prior_covariance.detach(), K, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------ the fit lifecycle
+
+LIFECYCLE_TRIGGERS = ["parameter step", "data write", "load_state_dict", "to dtype"]
+LIFECYCLE_TRIGGERS += ["setting", "model setting", "noise assignment", "label write"]
+
+
+@pytest.mark.parametrize("trigger", LIFECYCLE_TRIGGERS)
+def test_each_refit_trigger_refits_and_nothing_else_does(toy, trigger, count_calls):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    fits = count_calls(LaplaceGPClassifier, "_compute_fit")
+    model.predict_proba(test_x)
+    model.predict_latent(test_x)
+    with torch.no_grad():
+        model.predict(test_x)
+    assert fits == [0]  # predictions read the fit
+    setting = contextlib.nullcontext()
+    if trigger == "parameter step":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        (-model.log_marginal_likelihood().sum()).backward()
+        optimizer.step()
+    elif trigger == "data write":
+        model.covar_module.base_kernel.raw_lengthscale.data.add_(0.3)
+    elif trigger == "load_state_dict":
+        model.load_state_dict(LaplaceGPClassifier(x, y, _kernel(0.5, 0.5)).state_dict())
+    elif trigger == "to dtype":
+        model.float()
+        test_x = test_x.float()
+    elif trigger == "setting":
+        setting = gpsd.settings.dense_max_n(cpu=5)
+    elif trigger == "model setting":
+        model.temperature = 2.0
+    elif trigger == "noise assignment":
+        model.noise = torch.tensor(0.3, dtype=x.dtype)
+    else:
+        model.train_targets[0] = 1 - model.train_targets[0]
+    with setting:
+        model.predict_proba(test_x)
+    assert fits == [1]
+
+
+def test_a_state_dict_round_trip_and_copies_predict_identically(toy, count_calls):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    want = model.predict_latent(test_x)
+    loaded = LaplaceGPClassifier(x, y, _kernel(0.5, 0.5))
+    loaded.load_state_dict(model.state_dict())
+    fits = count_calls(LaplaceGPClassifier, "_compute_fit")
+    copies = (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model)))
+    for other in copies:  # each refits on first use, from the saved mode
+        got = other.predict_latent(test_x)
+        torch.testing.assert_close(got.mean, want.mean, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got.variance, want.variance, rtol=0, atol=1e-12)
+    assert fits == [3]
