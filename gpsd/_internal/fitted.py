@@ -17,7 +17,7 @@ from gpsd._internal.module_state import ModuleState, same_values
 from gpsd._internal.progress_reporter import check_progress
 from gpsd.progress import Callback
 
-__all__ = ["FitDependencies", "Fitted"]
+__all__ = ["FitDependencies", "FitRecord", "Fitted", "fit_records"]
 
 #: the name of the whole fit among an estimator's records (its parts have their own names)
 _WHOLE = "fit"
@@ -83,7 +83,7 @@ class BackwardWatch:
                     value.register_hook(self._hook)
 
 
-class _Record:
+class FitRecord:
     """A value with a copy of what it was computed from."""
 
     def __init__(self, dependencies: FitDependencies, value: Any, follows_gradients: bool) -> None:
@@ -115,14 +115,21 @@ class _Record:
         )
 
 
-class _Records(dict):
-    """An estimator's records by name; copies and pickles of the estimator start without any."""
+class FitRecords(dict):
+    """An estimator's :class:`FitRecord` by name; copies and pickles of the estimator start
+    without any."""
 
-    def __deepcopy__(self, memo: dict) -> _Records:
-        return _Records()
+    def __deepcopy__(self, memo: dict) -> FitRecords:
+        return FitRecords()
 
     def __reduce__(self):
-        return (_Records, ())
+        return (FitRecords, ())
+
+
+def fit_records(owner: object) -> FitRecords:
+    """``owner``'s records (made on first use): where :class:`Fitted` keeps its fit and parts,
+    and where an estimator that trains keeps what a cache of its own was built from."""
+    return owner.__dict__.setdefault("_fit_records", FitRecords())
 
 
 class Fitted(abc.ABC):
@@ -182,31 +189,28 @@ class Fitted(abc.ABC):
         self._refit(progress=progress, callback=callback)
         return self
 
-    def _records(self) -> _Records:
-        return self.__dict__.setdefault("_fit_records", _Records())
-
     def _refit(self, **options: Any) -> Any:
         """Compute the fit now (its parts reused where valid) and keep it; returns it."""
-        records = self._records()
+        records = fit_records(self)
         records.pop(_WHOLE, None)
         fit = self._compute_fit(**options)
         # the copy is taken after computing: a fit that writes buffers (a warm start) leaves the
         # state it belongs to
         dependencies = self._fit_dependencies()
-        records[_WHOLE] = _Record(dependencies, fit, self._fit_follows_gradients(fit))
+        records[_WHOLE] = FitRecord(dependencies, fit, self._fit_follows_gradients(fit))
         return fit
 
     def _current_fit(self) -> Any:
         """The fit at the current state: the kept one, or computed now where there is none or
         it is stale."""
-        record = self._records().get(_WHOLE)
+        record = fit_records(self).get(_WHOLE)
         if record is None or not record.valid(self._fit_dependencies()):
             return self._refit()
         return record.value
 
     def _fit_is_current(self) -> bool:
         """Whether a fit is kept and not stale."""
-        record = self._records().get(_WHOLE)
+        record = fit_records(self).get(_WHOLE)
         return record is not None and record.valid(self._fit_dependencies())
 
     def _fit_part(
@@ -219,10 +223,10 @@ class Fitted(abc.ABC):
         """The part ``name`` of the fit, computed by ``compute()`` where none is kept or the kept
         one is stale for ``dependencies`` (by the rules above; ``follows_gradients(part)`` as
         :meth:`_fit_follows_gradients`). Called from :meth:`_compute_fit`."""
-        records = self._records()
+        records = fit_records(self)
         record = records.get(name)
         if record is None or not record.valid(dependencies):
             records.pop(name, None)
             part = compute()
-            records[name] = _Record(dependencies, part, follows_gradients(part))
+            records[name] = FitRecord(dependencies, part, follows_gradients(part))
         return records[name].value
