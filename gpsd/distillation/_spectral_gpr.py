@@ -294,7 +294,8 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
         (``set_train_data``) or the schedule (``model.noise = ...``) has another value, shape,
         dtype or device (an optimiser step, a write through ``.data``, ``load_state_dict``,
         ``.to()``), when a setting of the model (``backend``, ``linalg_dtype``, ``rank``,
-        ``rtol``, ``kernel_cache_bytes`` and the family's own) or a :mod:`gpsd.settings` value
+        ``rtol``, ``kernel_cache_bytes``, ``process_group`` and the family's own: ``alpha``,
+        ``method``, ``inner_steps``) or a :mod:`gpsd.settings` value
         that can change a result has changed, when a gradient is needed (gradients enabled and a
         parameter that requires one) and the fit was made without an autograd graph on a backend
         that differentiates, and after a backward pass through the fit's graph. Nothing else

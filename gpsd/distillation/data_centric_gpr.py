@@ -60,9 +60,8 @@ class DataCentricGPR(SpectralGPR):
       and the device's free memory; beyond a dense matrix that fits, Lanczos, or deflated CG
       where Lanczos cannot reach ``rtol``.
 
-    The model fits lazily on first use (or when :meth:`fit` is called) and refits when the
-    kernel's or the mean's parameters, the data, the schedule, its settings or
-    :mod:`gpsd.settings` change; changing :attr:`alpha` alone reuses the factorisation of
+    The model fits lazily on first use (or when :meth:`fit` is called) and refits when the fit
+    is stale (:meth:`fit` lists when); changing :attr:`alpha` alone reuses the factorisation of
     :math:`\mathbf K`. Gradients flow to the kernel's and the mean's hyperparameters through
     the ``"dense"`` and ``"cholesky"`` backends; the matrix-free ones build no autograd graph,
     and a backward pass that reaches their results (computed with grad enabled and a

@@ -80,9 +80,8 @@ class LaplaceGPClassifier(Fitted, ClassificationTrainingData, gpytorch.Module):
     found by Newton's method in the stable B-form, warm started from the last mode. :meth:`log_marginal_likelihood` is differentiable in the kernel and
     mean hyperparameters (total derivative, including the dependence of the mode), so they train in
     an ordinary torch loop. The model fits lazily: :meth:`fit` need not be called, the first
-    prediction fits, and predictions refit the mode when any parameter or buffer, the
-    ``temperature``, ``max_iter`` or a :mod:`gpsd.settings` value has changed since the last
-    fit, so they always belong to the current hyperparameters.
+    prediction fits, and predictions refit the mode when the fit is stale (:meth:`fit` lists
+    when), so they always belong to the current hyperparameters.
 
     Predictions follow scikit-learn's classifiers: :meth:`predict_proba` gives both classes'
     probabilities ``(*batch, M, 2)``, :meth:`predict` the labels ``(*batch, M)``,
@@ -193,7 +192,7 @@ class LaplaceGPClassifier(Fitted, ClassificationTrainingData, gpytorch.Module):
 
     def _fitted_posterior(self) -> LaplacePosterior:
         """The :class:`~gpsd.laplace.LaplacePosterior` of the last fit (its prior without autograd
-        history), refitted where the state it was fitted at changed."""
+        history), refitted where the fit is stale."""
         return self._current_fit().posterior
 
     def _compute_fit(self, init_f: Tensor | None = None, warm_start: bool = True) -> _LaplaceFit:
