@@ -3,6 +3,7 @@ the estimator convention (lazy fit, every step along a step dimension, best_step
 
 import contextlib
 import copy
+import functools
 import math
 import pickle
 
@@ -10,6 +11,7 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import rbf_kernel
 from scipy import integrate
 from sklearn.gaussian_process import GaussianProcessClassifier
@@ -551,11 +553,10 @@ def test_a_callback_stopping_a_refit_ends_the_fit_after_that_step(toy_for_refits
 
 # ------------------------------------------------------------------ the fit lifecycle
 
-LIFECYCLE_TRIGGERS = ["data write", "load_state_dict", "to dtype", "setting", "model setting"]
-LIFECYCLE_TRIGGERS += ["set_train_data", "noise assignment"]
 
-
-@pytest.mark.parametrize("trigger", LIFECYCLE_TRIGGERS)
+@pytest.mark.parametrize(
+    "trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data", "noise assignment"]
+)
 def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_calls):
     x, y, test_x = toy
     model = DataCentricGPC(x, y, _kernel(), num_steps=3).fit()
@@ -567,16 +568,9 @@ def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_ca
         model.predict(test_x, step=2)
     assert fits == [0]
     setting = contextlib.nullcontext()
-    if trigger == "data write":
-        model.covar_module.base_kernel.raw_lengthscale.data.add_(0.3)
-    elif trigger == "load_state_dict":
-        other = DataCentricGPC(x, y, _kernel(1.0, 0.5), num_steps=3)
-        model.load_state_dict(other.state_dict())
-    elif trigger == "to dtype":
-        model.float()
-        test_x = test_x.float()
-    elif trigger == "setting":
-        setting = gpsd.settings.dense_max_n(cpu=5)
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(DataCentricGPC, x, y, _kernel(1.0, 0.5), num_steps=3)
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
     elif trigger == "model setting":
         model.target_method = "probit"
     elif trigger == "set_train_data":
@@ -597,9 +591,7 @@ def test_a_state_dict_round_trip_and_copies_predict_identically(toy, count_calls
     loaded.load_state_dict(model.state_dict())
     fits = count_calls(DataCentricGPC, "_compute_fit")
     for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        got = other.predict_latent(test_x)
-        torch.testing.assert_close(got.mean, want.mean, rtol=0, atol=1e-12)
-        torch.testing.assert_close(got.variance, want.variance, rtol=0, atol=1e-12)
+        predictions_equal(other.predict_latent(test_x), want)
         torch.testing.assert_close(other.step_targets(), model.step_targets(), rtol=0, atol=1e-12)
     assert fits == [3]
 

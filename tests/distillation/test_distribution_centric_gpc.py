@@ -4,12 +4,14 @@ best_step, callbacks)."""
 
 import contextlib
 import copy
+import functools
 import pickle
 
 import gpytorch
 import numpy as np
 import pytest
 import torch
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import rbf_kernel
 from scipy import optimize
 from sklearn.gaussian_process import GaussianProcessClassifier
@@ -514,11 +516,8 @@ def test_refits_report_their_adam_iterations_in_named_phases(toy_for_refits, met
 
 # ------------------------------------------------------------------ the fit lifecycle
 
-LIFECYCLE_TRIGGERS = ["data write", "load_state_dict", "to dtype", "setting", "model setting"]
-LIFECYCLE_TRIGGERS += ["set_train_data"]
 
-
-@pytest.mark.parametrize("trigger", LIFECYCLE_TRIGGERS)
+@pytest.mark.parametrize("trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data"])
 def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_calls):
     x, y, test_x = toy
     model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method="tempered").fit()
@@ -531,16 +530,11 @@ def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_ca
         model.predict(test_x)
     assert fits == [0] and steps == [1]  # step 1 alone was not computed yet
     setting = contextlib.nullcontext()
-    if trigger == "data write":
-        model.covar_module.base_kernel.raw_lengthscale.data.add_(0.3)
-    elif trigger == "load_state_dict":
-        other = DistributionCentricGPC(x, y, _kernel(1.0, 0.5), num_steps=3, method="tempered")
-        model.load_state_dict(other.state_dict())
-    elif trigger == "to dtype":
-        model.float()
-        test_x = test_x.float()
-    elif trigger == "setting":
-        setting = gpsd.settings.dense_max_n(cpu=5)
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(
+            DistributionCentricGPC, x, y, _kernel(1.0, 0.5), num_steps=3, method="tempered"
+        )
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
     elif trigger == "model setting":
         model.max_iter = 50
     else:
@@ -560,7 +554,5 @@ def test_a_state_dict_round_trip_and_copies_predict_identically(toy, method, cou
     loaded.load_state_dict(model.state_dict())
     fits = count_calls(DistributionCentricGPC, "_compute_fit")
     for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        got = other.predict_latent(test_x)
-        torch.testing.assert_close(got.mean, want.mean, rtol=0, atol=1e-12)
-        torch.testing.assert_close(got.variance, want.variance, rtol=0, atol=1e-12)
+        predictions_equal(other.predict_latent(test_x), want)
     assert fits == [3]

@@ -1,12 +1,15 @@
 """Behaviour both regression distillers share: the convention (fit, Prediction, steps from 1, best_step, include_noise), the errors, the cached factorisation, devices, dtypes, batches and students."""
 
+import contextlib
 import copy
+import functools
 import pickle
 import warnings
 
 import gpytorch
 import pytest
 import torch
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import PlainGP, dense_data_centric_means, rbf_kernel, relative_error
 from gpytorch.utils.warnings import NumericalWarning
 
@@ -1397,44 +1400,39 @@ def test_a_batch_of_schedules_has_one_teacher_likelihood_per_schedule_on_every_b
 
 # ------------------------------------------------------------------ the fit lifecycle
 
-TRIGGERS = ["parameter step", "data write", "load_state_dict", "to dtype", "setting"]
-TRIGGERS += ["model setting", "set_train_data", "noise assignment"]
-
 
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize("trigger", TRIGGERS)
+@pytest.mark.parametrize(
+    "trigger",
+    [*COMMON_TRIGGERS, "parameter step", "model setting", "set_train_data", "noise assignment"],
+)
 def test_each_refit_trigger_refits_and_the_refit_predicts_as_a_fresh_model(
     cls, trigger, count_calls
 ):
     x, y, test_x = _problem()
     model = cls(x, y, rbf_kernel(), noise=NOISE, backend="dense").fit()
     fits = count_calls(cls, "_compute_fit")
-    if trigger == "parameter step":
+    setting = contextlib.nullcontext()
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(
+            cls, x, y, rbf_kernel(lengthscale=0.7), noise=NOISE, backend="dense"
+        )
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
+    elif trigger == "parameter step":
         optimizer = torch.optim.SGD(model.covar_module.parameters(), lr=0.1)
         model.predict_mean(test_x).sum().backward()
         optimizer.step()
-    elif trigger == "data write":
-        model.covar_module.base_kernel.raw_lengthscale.data.add_(0.3)
-    elif trigger == "load_state_dict":
-        other = cls(x, y, rbf_kernel(lengthscale=0.7), noise=NOISE, backend="dense")
-        model.load_state_dict(other.state_dict())
-    elif trigger == "to dtype":
-        model.float()
-        x, y, test_x = x.float(), y.float(), test_x.float()
-    elif trigger == "setting":
-        model.linalg_dtype = torch.float32
     elif trigger == "model setting":
         model.backend = "cholesky"
     elif trigger == "set_train_data":
         model.set_train_data(targets=y + 1)
     else:
         model.noise = [0.2, 0.2, 0.1]
-    got = model.predict(test_x)
-    assert fits == [1]
-    fresh = copy.deepcopy(model)  # the same state, fitted afresh
-    want = fresh.predict(test_x)
-    torch.testing.assert_close(got.mean, want.mean, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got.variance, want.variance, rtol=1e-12, atol=1e-12)
+    with setting:
+        got = model.predict(test_x)
+        assert fits == [1]
+        fresh = copy.deepcopy(model)  # the same state, fitted afresh
+        predictions_equal(got, fresh.predict(test_x))
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -1464,9 +1462,7 @@ def test_a_state_dict_round_trip_predicts_identically(cls, backend):
     loaded = cls(x, y, rbf_kernel(lengthscale=3.0), noise=[1.0, 1.0, 1.0], backend=backend, rank=30)
     loaded.predict(test_x)  # fitted at its own state first: the load makes that fit stale
     loaded.load_state_dict(model.state_dict())
-    got, want = loaded.predict(test_x), model.predict(test_x)
-    torch.testing.assert_close(got.mean, want.mean, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got.variance, want.variance, rtol=0, atol=1e-12)
+    predictions_equal(loaded.predict(test_x), model.predict(test_x))
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -1476,7 +1472,5 @@ def test_copies_and_pickles_refit_on_first_use_and_predict_identically(cls, coun
     want = model.predict(test_x)
     factorisations = count_calls(gpsd.linalg, "make_engine")
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        got = other.predict(test_x)
-        torch.testing.assert_close(got.mean, want.mean, rtol=0, atol=1e-12)
-        torch.testing.assert_close(got.variance, want.variance, rtol=0, atol=1e-12)
+        predictions_equal(other.predict(test_x), want)
     assert factorisations == [2]
