@@ -551,11 +551,11 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
                         "the dtype of the factorisation)"
                     )
 
-    def _guard(self, state: SpectralFit, value: Tensor, *inputs: Tensor) -> Tensor:
+    def _guard(self, fit: SpectralFit, value: Tensor, *inputs: Tensor) -> Tensor:
         """``value`` through the engine's :meth:`~gpsd.linalg.SpectralEngine.guard`, with the
         parameters of ``covar_module`` and ``mean_module`` and ``inputs`` as its leaves."""
         leaves = _tensors(self.covar_module, self.mean_module)
-        return state.engine.guard(value, *leaves, *inputs)
+        return fit.engine.guard(value, *leaves, *inputs)
 
     @property
     def error_estimate(self) -> float:
@@ -619,23 +619,23 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
         engine needs products with K for the test columns (deflated CG, a complement series,
         covariances): every rank then takes part in those, for all the test points, once they
         have checked that all hold the same ones."""
-        state = self._current_fit()
-        if self.process_group is None or not self._distributed(state):
+        fit = self._current_fit()
+        if self.process_group is None or not self._distributed(fit):
             return False
-        if not full_cov and state.engine.columns_are_local:
+        if not full_cov and fit.engine.columns_are_local:
             return True
         check_same_rows(test_x, self.process_group)
         return False
 
     def _predict_split(self, test_x: Tensor) -> Prediction:
         """:meth:`_predict_all` on this rank's share of the test points, gathered."""
-        state = self._current_fit()
-        _ = state.mean_weights  # computed on every rank, before the ranks part ways
+        fit = self._current_fit()
+        _ = fit.mean_weights  # computed on every rank, before the ranks part ways
         parts = on_my_rows(
             test_x, lambda part: self._stacked(self._predict_all(part, False)), self.process_group
         )
-        mean = self._guard(state, parts[0], test_x)
-        return Prediction(mean, self._guard(state, parts[1], test_x))
+        mean = self._guard(fit, parts[0], test_x)
+        return Prediction(mean, self._guard(fit, parts[1], test_x))
 
     @staticmethod
     def _stacked(prediction: Prediction) -> Tensor:
@@ -644,9 +644,9 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
         return torch.stack([mean, prediction.variance.expand(mean.shape)])
 
     # ------------------------------------------------------------------ distributed
-    def _distributed(self, state: SpectralFit) -> bool:
+    def _distributed(self, fit: SpectralFit) -> bool:
         """Whether the engine multiplies through the ranks of :attr:`process_group`."""
-        return self.process_group is not None and state.engine.matrix_free
+        return self.process_group is not None and fit.engine.matrix_free
 
     def _check_same_on_every_rank(self) -> None:
         """The same ``ValueError`` on every rank of :attr:`process_group` unless all hold the
@@ -690,45 +690,43 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
         """
         step = self._check_step(step)
         test_x = validate_test_x(test_x, self.train_x)
-        state = self._current_fit()
-        if self.process_group is not None and self._distributed(state):
-            _ = state.mean_weights  # computed on every rank, before the ranks part ways
-            mean = on_my_rows(test_x, lambda part: self._means(state, part), self.process_group)
+        fit = self._current_fit()
+        if self.process_group is not None and self._distributed(fit):
+            _ = fit.mean_weights  # computed on every rank, before the ranks part ways
+            mean = on_my_rows(test_x, lambda part: self._means(fit, part), self.process_group)
         else:
-            mean = self._means(state, test_x)
-        mean = self._guard(state, mean, test_x)
+            mean = self._means(fit, test_x)
+        mean = self._guard(fit, mean, test_x)
         return mean if step is None else mean[..., step - 1, :]
 
-    def _means(self, state: SpectralFit, test_x: Tensor) -> Tensor:
+    def _means(self, fit: SpectralFit, test_x: Tensor) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, chunk by chunk, computed by this process."""
         chunk = settings.test_chunk_size.value()
         starts = range(0, max(test_x.shape[-2], 1), chunk)
-        with state.autograd_context():
+        with fit.autograd_context():
             chunks = [test_x[..., i : i + chunk, :] for i in starts]
-            return torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
+            return torch.cat([self._mean_chunk(fit, chunk) for chunk in chunks], dim=-1)
 
-    def _mean_chunk(
-        self, state: SpectralFit, test_x: Tensor, cross: Tensor | None = None
-    ) -> Tensor:
+    def _mean_chunk(self, fit: SpectralFit, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
         if cross is None:
-            kernel, train_x = state.test_kernel
+            kernel, train_x = fit.test_kernel
             cross = kernel_matrix(kernel, train_x, test_x.to(train_x.dtype))
-        weights = state.mean_weights  # shape: (*, T, N, 1)
+        weights = fit.mean_weights  # shape: (*, T, N, 1)
         # one product with the T weight vectors side by side (T matrix-vector products would
         # read the cross-covariance T times)
         mean = (cross.to(weights).mT @ weights.squeeze(-1).mT).mT  # shape: (*, T, M)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
 
     def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> Prediction:
-        state = self._current_fit()
-        engine = state.engine
-        with state.autograd_context():
+        fit = self._current_fit()
+        engine = fit.engine
+        with fit.autograd_context():
             variance_filter = self._variance_filter()
-            kernel, train_x = state.test_kernel
+            kernel, train_x = fit.test_kernel
             test_in = test_x.to(train_x.dtype)
             cross = kernel_matrix(kernel, train_x, test_in)  # shape: (*b, N, M)
-            mean = self._mean_chunk(state, test_x, cross)
+            mean = self._mean_chunk(fit, test_x, cross)
             prior_var = kernel(test_in, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
             variance = nonnegative_variance(prior_var - reduction, prior_var)
@@ -744,10 +742,10 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
                 reduction = engine.cross(variance_filter, cross, cross).to(prior_cov)
                 covariance = (prior_cov - reduction).to(test_x.dtype)
                 covariance = covariance.expand(*mean.shape, mean.shape[-1])  # (*batch, T, M, M)
-        mean = self._guard(state, mean, test_x)
-        variance = self._guard(state, variance, test_x)
+        mean = self._guard(fit, mean, test_x)
+        variance = self._guard(fit, variance, test_x)
         if covariance is not None:
-            covariance = self._guard(state, covariance, test_x)
+            covariance = self._guard(fit, covariance, test_x)
         return Prediction(mean, variance, covariance)
 
     def forward(self, test_x: Tensor, *, full_cov: bool = False) -> MultivariateNormal:
@@ -798,22 +796,22 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
         return self._gcv()[1]
 
     def _gcv(self) -> tuple[Tensor, Tensor]:
-        """The scores and their standard errors; kept in the state where they carry no graph."""
-        state = self._current_fit()
+        """The scores and their standard errors; kept with the fit where they carry no graph."""
+        fit = self._current_fit()
         key = (settings.trace_probes.value(), settings.trace_probe_seed.value())
-        if key not in state.gcv_scores:
-            result = self._estimate_gcv(state)
-            if state.engine.supports_autograd:  # a graph is not kept beyond its use
+        if key not in fit.gcv_scores:
+            result = self._estimate_gcv(fit)
+            if fit.engine.supports_autograd:  # a graph is not kept beyond its use
                 return result
-            state.gcv_scores[key] = result
-        score, error = state.gcv_scores[key]
-        return self._guard(state, score), error
+            fit.gcv_scores[key] = result
+        score, error = fit.gcv_scores[key]
+        return self._guard(fit, score), error
 
-    def _estimate_gcv(self, state: SpectralFit) -> tuple[Tensor, Tensor]:
-        engine = state.engine
+    def _estimate_gcv(self, fit: SpectralFit) -> tuple[Tensor, Tensor]:
+        engine = fit.engine
         residuals = self._residual_filter()
         n = self.train_x.shape[-2]
-        with state.autograd_context():
+        with fit.autograd_context():
             # (N - tr S_t) and its standard error, times the filter's multiple
             generator = torch.Generator().manual_seed(settings.trace_probe_seed.value())
             dof, dof_error = engine.trace_estimate(
@@ -824,7 +822,7 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
                     "the stochastic estimate of N - tr S_t came out non-positive for some step; "
                     "raise gpsd.settings.trace_probes"
                 )
-            resid = engine.apply(residuals, state.coords).squeeze(-1)
+            resid = engine.apply(residuals, fit.coords).squeeze(-1)
             rss = resid.square().sum(-1)  # ||y - mu_t||^2, times the multiple squared
             score = n * rss / dof.square()
             error = 2 * score.detach() * dof_error / dof.detach()

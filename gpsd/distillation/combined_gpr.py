@@ -262,11 +262,11 @@ class CombinedGPR(SpectralGPR):
 
     def _apply_to_targets(self, filt: SpectralFilter) -> Tensor:
         r""":math:`m(\mathbf x) + f_t(\mathbf K)(\mathbf y - m)` for every step, ``(*batch, T, N)``."""
-        state = self._current_fit()
-        with state.autograd_context():
-            out = state.engine.apply(filt, state.coords).squeeze(-1)
-            out = out + state.prior_mean.unsqueeze(-2)
-        return self._guard(state, out.to(self.train_y.dtype))
+        fit = self._current_fit()
+        with fit.autograd_context():
+            out = fit.engine.apply(filt, fit.coords).squeeze(-1)
+            out = out + fit.prior_mean.unsqueeze(-2)
+        return self._guard(fit, out.to(self.train_y.dtype))
 
     def step_targets(self, step: int | None = None) -> Tensor:
         r"""The targets :math:`\mathbf y_{o,i-1}` each step is fitted to (with the prior

@@ -190,17 +190,17 @@ class DataCentricGPR(SpectralGPR):
         :param step: a step ``t`` in ``1..T`` (default: every step).
         """
         step = self._check_step(step)
-        state = self._current_fit()
-        with state.autograd_context():
+        fit = self._current_fit()
+        with fit.autograd_context():
             # y_1..y_T; the last is no step's target
-            fitted = state.engine.apply(self._targets_filter(), state.coords).squeeze(-1)
-            fitted = fitted + state.prior_mean.unsqueeze(-2)
+            fitted = fit.engine.apply(self._targets_filter(), fit.coords).squeeze(-1)
+            fitted = fitted + fit.prior_mean.unsqueeze(-2)
             first = self.train_y.unsqueeze(-2).to(fitted)
             batch = torch.broadcast_shapes(first.shape[:-2], fitted.shape[:-2])
             first = first.expand(*batch, *first.shape[-2:])
             fitted = fitted.expand(*batch, *fitted.shape[-2:])
             targets = torch.cat([first, fitted[..., :-1, :]], dim=-2)  # shape: (*batch, T, N)
-        targets = self._guard(state, targets.to(self.train_y.dtype))
+        targets = self._guard(fit, targets.to(self.train_y.dtype))
         return targets if step is None else targets[..., step - 1, :]
 
     # ------------------------------------------------------------------ students
