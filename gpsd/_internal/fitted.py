@@ -7,13 +7,13 @@ import abc
 import dataclasses
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from gpsd import settings
-from gpsd._internal.module_state import ModuleState, same_values
+from gpsd._internal.module_state import ModuleState, adopt_buffer_shapes, same_values
 from gpsd._internal.progress_reporter import check_progress
 from gpsd.progress import Callback
 
@@ -159,10 +159,21 @@ class Fitted(abc.ABC):
     ones that change nothing keep it. ``copy.deepcopy`` and ``pickle`` carry no fit: the copy
     refits on first use.
 
+    A state saved after ``set_train_data(..., strict=False)`` or a fit of another batch shape
+    loads into an estimator built alike: the buffers named in :attr:`_resizable_buffers` take
+    the saved shapes first.
+
     A part of the fit with fewer dependencies (the factorisation of a kernel matrix, which new
     targets leave valid) is kept by :meth:`_fit_part` under the same rules, and reused by the
     next computation of the fit while its own dependencies hold.
     """
+
+    #: the buffers whose shapes a loaded state may change (training data, fitted buffers)
+    _resizable_buffers: ClassVar[tuple[str, ...]] = ()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        adopt_buffer_shapes(self, state_dict, prefix, self._resizable_buffers)
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @abc.abstractmethod
     def _fit_dependencies(self) -> FitDependencies:

@@ -25,7 +25,7 @@ from gpsd._internal.collectives import (
 )
 from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
-from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
+from gpsd._internal.module_state import checked_setting, choice_setting
 from gpsd._internal.negligible import kernel_matrix
 from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import (
@@ -75,7 +75,7 @@ def _check_linalg_dtype(value: object) -> torch.dtype | None:
     )
 
 
-class SpectralGPR(StepDistiller, Fitted, abc.ABC):
+class SpectralGPR(Fitted, StepDistiller, abc.ABC):
     """A GP regressor whose predictions for every distillation step are spectral filters of K.
 
     Subclasses say which filters give the predictive mean (:meth:`_mean_filter`), the
@@ -183,10 +183,7 @@ class SpectralGPR(StepDistiller, Fitted, abc.ABC):
         self._check_batches(x, y)
         self.train_x, self.train_y = x.detach(), y.detach()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # data of another N (``set_train_data``) load into a model built on the old ones
-        adopt_buffer_shapes(self, state_dict, prefix, ("train_x", "train_y"))
-        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    _resizable_buffers = ("train_x", "train_y")
 
     backend = choice_setting(
         "backend", BACKENDS, "The linear-algebra backend (one of :data:`~gpsd.linalg.BACKENDS`)."

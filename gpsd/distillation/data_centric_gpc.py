@@ -14,7 +14,6 @@ from torch import Tensor
 from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
 from gpsd._internal.module_state import (
-    adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
 )
@@ -262,10 +261,10 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
     #: numbers (checked) or writing into it refits on use.
     noise: Tensor
 
+    _resizable_buffers = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "_step_targets"))
-        names = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
-        adopt_buffer_shapes(self, state_dict, prefix, names)
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _fit_dependencies(self) -> FitDependencies:

@@ -14,7 +14,6 @@ from torch import Tensor
 from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
 from gpsd._internal.module_state import (
-    adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
     fixed_setting,
@@ -253,11 +252,16 @@ class DistributionCentricGPC(
             (self.method, self.max_iter, self.store_all_steps, refit),
         )
 
+    _resizable_buffers = (
+        "_latent_modes",
+        "coefficients",
+        "covariance_corrections",
+        "train_inputs",
+        "train_targets",
+    )
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "computed_steps"))
-        names = ("_latent_modes", "coefficients", "covariance_corrections")
-        names += ("train_inputs", "train_targets")
-        adopt_buffer_shapes(self, state_dict, prefix, names)
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_memory(self, task: str, x: Tensor, y: Tensor) -> None:

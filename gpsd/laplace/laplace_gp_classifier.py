@@ -13,7 +13,6 @@ from torch import Tensor
 
 from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
-from gpsd._internal.module_state import adopt_buffer_shapes
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import (
     check_gp_modules,
@@ -164,11 +163,7 @@ class LaplaceGPClassifier(Fitted, ClassificationTrainingData, gpytorch.Module):
         self.history: list[float] = []
 
     # ----------------------------------------------------------------------------------------
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        adopt_buffer_shapes(
-            self, state_dict, prefix, ("latent_mode", "train_inputs", "train_targets")
-        )
-        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    _resizable_buffers = ("latent_mode", "train_inputs", "train_targets")
 
     def prior_train(self) -> tuple[Tensor, Tensor]:
         r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma\mathbf I`

@@ -19,6 +19,8 @@ class _ToyFit:
 class _Toy(Fitted, gpytorch.Module):
     """A fit of a kernel matrix's sum that counts its computations and parts."""
 
+    _resizable_buffers = ("train_x",)
+
     def __init__(self, follows_gradients: bool = True) -> None:
         super().__init__()
         self.covar_module = gpytorch.kernels.RBFKernel()
@@ -183,3 +185,13 @@ def test_copies_and_pickles_carry_no_fit_and_refit_on_first_use():
         assert other._current_fit().number == 2  # the counter was copied, the fit was not
         torch.testing.assert_close(other._current_fit().value, model._current_fit().value)
     assert model._current_fit().number == 1
+
+
+def test_a_state_with_buffers_of_other_shapes_loads_and_refits():
+    model, other = _Toy(), _Toy()
+    model._current_fit()
+    other.train_x = torch.linspace(0, 1, 6).unsqueeze(-1)
+    model.load_state_dict(other.state_dict())
+    assert model.train_x.shape == (6, 1)
+    assert model._current_fit().number == 2
+    torch.testing.assert_close(model._current_fit().value, other._current_fit().value)
