@@ -54,7 +54,7 @@ class FitDependencies:
         )
 
 
-class BackwardWatch:
+class _BackwardWatch:
     """Notes when a backward pass reaches any of the watched tensors.
 
     A fit that carries an autograd graph serves one backward pass only (the pass frees the
@@ -93,9 +93,13 @@ class FitRecord:
         self.with_graph = dependencies.graph_needed()
         self.follows_gradients = follows_gradients
         self.value = value
-        self.backward = BackwardWatch()
-        fields = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
-        self.backward.watch(value, *(getattr(value, field.name) for field in fields))
+        self.backward = _BackwardWatch()
+        if dataclasses.is_dataclass(value):  # a fit: each of its fields
+            self.backward.watch(
+                *(getattr(value, field.name) for field in dataclasses.fields(value))
+            )
+        else:
+            self.backward.watch(value)
 
     def valid(self, dependencies: FitDependencies) -> bool:
         """Whether the value still belongs to ``dependencies`` (the rules of :class:`Fitted`)."""
@@ -115,21 +119,21 @@ class FitRecord:
         )
 
 
-class FitRecords(dict):
+class _FitRecords(dict):
     """An estimator's :class:`FitRecord` by name; copies and pickles of the estimator start
     without any."""
 
-    def __deepcopy__(self, memo: dict) -> FitRecords:
-        return FitRecords()
+    def __deepcopy__(self, memo: dict) -> _FitRecords:
+        return _FitRecords()
 
     def __reduce__(self):
-        return (FitRecords, ())
+        return (_FitRecords, ())
 
 
-def fit_records(owner: object) -> FitRecords:
+def fit_records(owner: object) -> _FitRecords:
     """``owner``'s records (made on first use): where :class:`Fitted` keeps its fit and parts,
     and where an estimator that trains keeps what a cache of its own was built from."""
-    return owner.__dict__.setdefault("_fit_records", FitRecords())
+    return owner.__dict__.setdefault("_fit_records", _FitRecords())
 
 
 class Fitted(abc.ABC):
@@ -218,11 +222,6 @@ class Fitted(abc.ABC):
         if record is None or not record.valid(self._fit_dependencies()):
             return self._refit()
         return record.value
-
-    def _fit_is_current(self) -> bool:
-        """Whether a fit is kept and not stale."""
-        record = fit_records(self).get(_WHOLE)
-        return record is not None and record.valid(self._fit_dependencies())
 
     def _fit_part(
         self,
