@@ -1474,3 +1474,17 @@ def test_copies_and_pickles_refit_on_first_use_and_predict_identically(cls, coun
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         predictions_equal(other.predict(test_x), want)
     assert factorisations == [2]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_backward_pass_through_the_fit_refits_and_the_next_gradient_is_whole(cls, count_calls):
+    x, y, test_x = _problem()
+    model = cls(x, y, rbf_kernel(), noise=NOISE, backend="dense").fit()
+    fits = count_calls(cls, "_compute_fit")
+    factorisations = count_calls(gpsd.linalg, "make_engine")
+    model.predict_mean(test_x).sum().backward()  # frees the fit's graph; no parameter changes
+    first = model.covar_module.base_kernel.raw_lengthscale.grad.clone()
+    model.covar_module.zero_grad()
+    model.predict_mean(test_x).sum().backward()
+    assert fits == [1] and factorisations == [1]
+    torch.testing.assert_close(model.covar_module.base_kernel.raw_lengthscale.grad, first)
