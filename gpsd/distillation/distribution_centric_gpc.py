@@ -300,9 +300,9 @@ class DistributionCentricGPC(
         if slot is None:  # not kept in the buffers: the last such step alone in the fit
             for other in [t for t in fit.steps if self._slot(t) is None]:
                 del fit.steps[other]
-            fit.steps[step] = _StepPosterior(f, c, Q)
-            return
         fit.steps[step] = _StepPosterior(f, c, Q)
+        if slot is None:
+            return
         T = self.num_steps if self.store_all_steps else 1
         # the kernel added a batch shape, or a loaded state held another number of steps
         if self.coefficients.shape != (T, *c.shape):
