@@ -148,7 +148,7 @@ def worker(rank: int, world: int, init: str, out: str, args) -> None:
         "fit": fit,
         "products": len(calls),
         "columns": sum(calls),
-        "rank": int(model._state()["engine"].eigenvectors.shape[-1]),
+        "rank": int(model._current_fit().engine.eigenvectors.shape[-1]),
     }
     with open(out, "w") as handle:
         json.dump(result, handle)
