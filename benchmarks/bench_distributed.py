@@ -198,7 +198,7 @@ def _time_fit(n: int, cache: str, group: object, args) -> dict:
         DistributedKernelOperator._matmul = matmul
         if row_block is not None:
             DistributedKernelOperator.row_block_matmul = row_block
-    engine = model._state()["engine"]
+    engine = model._current_fit().engine
     return {
         "n": n,
         "cache": cache,

@@ -84,9 +84,9 @@ def reference(n: int, process_group=None) -> dict:
                 "mean": prediction.mean,
                 "variance": prediction.variance,
                 "predict_mean": model.predict_mean(test_x),
-                "engine": type(model._state()["engine"]).__name__,
-                "split": model._state()["engine"].columns_are_local,
-                **_layout(model._state()["engine"]),
+                "engine": type(model._current_fit().engine).__name__,
+                "split": model._current_fit().engine.columns_are_local,
+                **_layout(model._current_fit().engine),
             }
             if name in (
                 "data_lanczos",
@@ -375,7 +375,7 @@ def scenario_main(rank: int, world: int) -> dict:
         model = gpsd.DataCentricGPR(x, y, kernel, noise=NOISE, process_group=dist.group.WORLD)
         out["disagreeing_auto"] = {
             "mean": model.predict(test_x).mean,
-            "engine": type(model._state()["engine"]).__name__,
+            "engine": type(model._current_fit().engine).__name__,
         }
     model = gpsd.DataCentricGPR(
         x, y, kernel, noise=NOISE, backend="lanczos", process_group=dist.group.WORLD

@@ -3,15 +3,17 @@ steps inside distribution-centric ones (Borup & Andersen, "Combined and extended
 
 from __future__ import annotations
 
+import dataclasses
+
 import gpytorch
 import torch
 from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
-from gpsd._internal.module_state import adopt_buffer_shapes, check_saved_num_steps, choice_setting
+from gpsd._internal.module_state import check_saved_num_steps, choice_setting
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
@@ -91,7 +93,19 @@ def _chain_terms(soft_weight: float) -> LaplaceLikelihoodTerms:
     return _WeightedBernoulliTerms(soft_weight)
 
 
-class CombinedGPC(StepGrid, StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
+@dataclasses.dataclass(frozen=True)
+class _CombinedFit:
+    """The fitted steps of a :class:`CombinedGPC`, entry ``t - 1`` for flat step ``t``: the
+    posterior ``(c, Q)``, the targets ``(*batch, n)`` and the Laplace mode ``(*batch, n)``."""
+
+    posteriors: tuple[tuple[Tensor, Tensor], ...]
+    targets: tuple[Tensor, ...]
+    modes: tuple[Tensor, ...]
+
+
+class CombinedGPC(
+    Fitted, StepGrid, StepwiseClassifier, ClassificationTrainingData, gpytorch.Module
+):
     r"""The combined self-distillation chain of a Laplace GP classifier.
 
     An outer distribution-centric loop of :math:`O` steps, whose prior is the previous outer
@@ -249,8 +263,6 @@ class CombinedGPC(StepGrid, StepwiseClassifier, ClassificationTrainingData, gpyt
         shape = (self.num_steps, *train_y.shape)
         self.register_buffer("_step_targets", train_x.new_zeros(shape))
         self.register_buffer("_latent_modes", train_x.new_zeros(shape))
-        # the posterior (c, Q) of every fitted step, valid while the state it was fitted at holds
-        self._fit_cache = FitCache()
         #: Newton iterations of each step of the last fit, entry ``t - 1`` for flat step ``t``
         self.newton_iterations: list[int] = []
 
@@ -302,16 +314,29 @@ class CombinedGPC(StepGrid, StepwiseClassifier, ClassificationTrainingData, gpyt
                 f"{self.noise.tolist()}; pass noise=0.0 or method='iterated'"
             )
 
+    _resizable_buffers = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "_step_targets"))
-        names = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
-        adopt_buffer_shapes(self, state_dict, prefix, names)
-        self._fit_cache.clear()
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _settings(self) -> tuple:
-        """The settings besides the module's state that the fitted steps depend on."""
-        return self.method, self.target_method, self.max_iter
+    def _fit_dependencies(self) -> FitDependencies:
+        return FitDependencies(
+            (self.covar_module, self.mean_module),
+            (self.train_inputs, self.train_targets, self.noise),
+            (self.method, self.target_method, self.max_iter),
+        )
+
+    def _compute_fit(
+        self, progress: object = False, callback: Callback | None = None
+    ) -> _CombinedFit:
+        posteriors = self._run(progress, callback)
+        fitted = range(len(posteriors))
+        return _CombinedFit(
+            tuple(posteriors),
+            tuple(self._step_targets[t].clone() for t in fitted),
+            tuple(self._latent_modes[t].clone() for t in fitted),
+        )
 
     def _soft_targets(self, m: Tensor, K: Tensor, c: Tensor, Q: Tensor) -> Tensor:
         r""":math:`\mathbb{E}[\sigma(f_n)]` at the training inputs under the posterior
@@ -439,21 +464,11 @@ class CombinedGPC(StepGrid, StepwiseClassifier, ClassificationTrainingData, gpyt
         :param callback: Called after each step with an :class:`~gpsd.IterationRecord`.
         """
         check_progress(progress, callback)
-        self._fit_cache.clear()
-        steps = self._run(progress, callback)
-        self._fit_cache.store(self, self._settings(), steps)
-        self._fit_cache.grad_matters = False
+        self._refit(progress=progress, callback=callback)
         return self
 
-    def _fitted(self) -> list[tuple[Tensor, Tensor]]:
-        """The posterior ``(c, Q)`` of every fitted step at the current state (fitted here where
-        needed)."""
-        steps = self._fit_cache.get(self, self._settings(), self._run)
-        self._fit_cache.grad_matters = False
-        return steps
-
     def _fitted_steps(self) -> int:
-        return len(self._fitted())
+        return len(self._current_fit().posteriors)
 
     def step_targets(self, step: int | None = None) -> Tensor:
         r"""The targets :math:`\mathbf y_{o,i-1}` each fitted step is fitted to (fitted first
@@ -463,8 +478,8 @@ class CombinedGPC(StepGrid, StepwiseClassifier, ClassificationTrainingData, gpyt
 
         :param step: a flat step ``t`` in ``1..T`` (default: every fitted step).
         """
-        steps = self._steps(step)
-        return self._rows_of_steps([self._step_targets[t - 1] for t in steps], step)
+        targets = self._current_fit().targets
+        return self._rows_of_steps([targets[t - 1] for t in self._steps(step)], step)
 
     def latent_modes(self, step: int | None = None) -> Tensor:
         r"""The Laplace modes :math:`\hat{\mathbf f}_{o,i}` of the fitted steps at the training
@@ -474,11 +489,11 @@ class CombinedGPC(StepGrid, StepwiseClassifier, ClassificationTrainingData, gpyt
 
         :param step: a flat step ``t`` in ``1..T`` (default: every fitted step).
         """
-        steps = self._steps(step)
-        return self._rows_of_steps([self._latent_modes[t - 1] for t in steps], step)
+        modes = self._current_fit().modes
+        return self._rows_of_steps([modes[t - 1] for t in self._steps(step)], step)
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
-        c, Q = self._fitted()[step - 1]
+        c, Q = self._current_fit().posteriors[step - 1]
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
                 self.covar_module, self.mean_module, x, self.train_inputs, diag=True

@@ -18,7 +18,7 @@ from gpsd.distillation._common import (
     student_batch,
     student_gp,
 )
-from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
+from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.distillation._step_grid import StepGrid, noise_grid_schedule
 from gpsd.linalg import SpectralFilter
 from gpsd.linalg.spectral_filter import combined_effective_noise
@@ -226,11 +226,11 @@ class CombinedGPR(StepGrid, SpectralGPR):
 
     def _apply_to_targets(self, filt: SpectralFilter) -> Tensor:
         r""":math:`m(\mathbf x) + f_t(\mathbf K)(\mathbf y - m)` for every step, ``(*batch, T, N)``."""
-        state = self._state()
-        with autograd_context(state):
-            out = self._at_every_row(state, filt).squeeze(-1)
-            out = out + state["prior_mean"].unsqueeze(-2)
-        return self._guard(state, out.to(self.train_y.dtype))
+        fit = self._current_fit()
+        with fit.autograd_context():
+            out = self._at_every_row(fit, filt).squeeze(-1)
+            out = out + fit.prior_mean.unsqueeze(-2)
+        return self._guard(fit, out.to(self.train_y.dtype))
 
     def step_targets(self, step: int | None = None) -> Tensor:
         r"""The targets :math:`\mathbf y_{o,i-1}` each step is fitted to (with the prior

@@ -2,6 +2,7 @@ r"""Data-centric self-distillation for GP classification (Borup & Andersen, §4.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import gpytorch
@@ -10,10 +11,9 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
 from gpsd._internal.module_state import (
-    adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
 )
@@ -53,7 +53,22 @@ __all__ = ["DataCentricGPC"]
 _WORKING_MATRICES = 5
 
 
-class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DataCentricFit:
+    """A :class:`DataCentricGPC`'s fit, one entry per fitted step, entry ``t - 1`` for step
+    ``t`` (fewer than ``num_steps`` where a callback stopped the fit).
+
+    :param modes: The Laplace mode of each step at the training inputs.
+    :param targets: The targets each step is fitted to, ``(*batch, n)``.
+    :param modules: The kernel and prior mean of each step.
+    """
+
+    modes: tuple[LaplaceMode, ...]
+    targets: tuple[Tensor, ...]
+    modules: tuple[FittedModules, ...]
+
+
+class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
     r"""Data-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.1).
 
     Step :math:`t` fits a Laplace GPC with the prior :math:`\mathcal{GP}(m, k)` to targets
@@ -97,10 +112,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     ``mean_module`` are left as they are (they are the starting point).
 
     The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
-    predictions refit every step (warm-started from the stored modes) when any parameter or
-    buffer (``noise`` among them), a setting (``soft_target_likelihood``, ``threshold_targets``,
-    ``target_method``, ``max_iter``) or a :mod:`gpsd.settings` value has changed since the last
-    fit, so they always belong to the current hyperparameters. Predictions hold every step along a
+    predictions refit every step (warm-started from the stored modes) when the fit is stale
+    (:meth:`fit` lists when), so they always belong to the current hyperparameters. Predictions hold every step along a
     step dimension before the test points (row ``t - 1`` for step ``t``); ``step=t`` selects one.
     They are differentiable in the test inputs; the hyperparameters are constants to them (the
     steps are fitted without autograd, so a gradient through the test-point kernel alone would be
@@ -185,8 +198,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self.register_buffer("_step_targets", train_x.new_zeros(shape))
         self.register_buffer("_latent_modes", train_x.new_zeros(shape))
         self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
-        # the fitted modes (steps 1..k), valid while the state they were fitted at holds
-        self._fit_cache = FitCache()
         #: Newton iterations of each step of the last fit, entry ``t - 1`` for step ``t``
         self.newton_iterations: list[int] = []
         #: the loss (negative Laplace log marginal likelihood, summed over the batch, minus the
@@ -250,16 +261,14 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     #: numbers (checked) or writing into it refits on use.
     noise: Tensor
 
+    _resizable_buffers = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "_step_targets"))
-        names = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
-        adopt_buffer_shapes(self, state_dict, prefix, names)
-        self._fit_cache.clear()  # the loaded modes are warm starts for the next fit
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _settings(self) -> tuple:
-        """The settings besides the module's state that the fitted steps depend on."""
-        return (
+    def _fit_dependencies(self) -> FitDependencies:
+        settings = (
             self.soft_target_likelihood,
             self.threshold_targets,
             self.target_method,
@@ -267,6 +276,12 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             self.refit_hyperparameters,
             self.refit_max_iter,
             self.refit_lr,
+            self.warm_start,
+        )
+        return FitDependencies(
+            (self.covar_module, self.mean_module),
+            (self.train_inputs, self.train_targets, self.noise),
+            settings,
         )
 
     def _terms(self, step: int):
@@ -286,10 +301,14 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             return probit_approximation(mean, var)
         return symmetric_response_expectation(torch.sigmoid, mean, var)
 
-    def _run(
-        self, use_stored_modes: bool, progress: object = False, callback: Callback | None = None
-    ) -> list[tuple[LaplaceMode, FittedModules]]:
-        """Fit steps 1..T (fewer where ``callback`` stops); returns their modes and modules."""
+    def _compute_fit(
+        self,
+        use_stored_modes: bool = True,
+        progress: object = False,
+        callback: Callback | None = None,
+    ) -> _DataCentricFit:
+        """Fit steps 1..T (fewer where ``callback`` stops), by default warm-started from the
+        stored modes."""
         self._check_noise_batch()  # labels of another batch (set_train_data), or refits set
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
@@ -318,7 +337,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             # every step fits the whole batch of labels and schedules: (*s, *batch, n)
             batch = torch.broadcast_shapes(self.noise.shape[:-1], m.shape[:-1])
             targets = self.train_targets.expand(*batch, n)
-            steps: list[tuple[LaplaceMode, FittedModules]] = []
+            modes: list[LaplaceMode] = []
+            fitted_targets: list[Tensor] = []
+            fitted_modules: list[FittedModules] = []
             self.newton_iterations = []
             self.refit_history = []
             init = None
@@ -360,7 +381,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                             check_targets=step == 1,  # later: the last step's probabilities
                         )
                     mode = posterior.mode
-                    steps.append((mode, modules))
+                    modes.append(mode)
+                    fitted_targets.append(targets)
+                    fitted_modules.append(modules)
                     self.newton_iterations.append(mode.iterations)
                     self.refit_history.append(modules.history)
                     if self._step_targets[step - 1].shape != targets.shape:
@@ -379,7 +402,7 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     if report.stopped or report.update(step, loss=loss, **info):
                         break
             self.is_fitted.fill_(True)
-        return steps
+        return _DataCentricFit(tuple(modes), tuple(fitted_targets), tuple(fitted_modules))
 
     def fit(
         self,
@@ -390,7 +413,18 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     ) -> DataCentricGPC:
         """Fit the ``num_steps`` steps at the current kernel hyperparameters; returns ``self``.
 
-        Predictions call it themselves where needed (lazily, warm-started from the stored modes).
+        The model also fits lazily, on first use (warm-started from the stored modes), and
+        refits when the fit is stale: when a parameter or buffer of ``covar_module`` or
+        ``mean_module``, the training data or ``noise`` has another value, shape, dtype or
+        device (an optimiser step, a write through ``.data``, an assignment, ``load_state_dict``,
+        ``.to()``), when a setting of the model (``soft_target_likelihood``,
+        ``threshold_targets``, ``target_method``, ``warm_start``, ``max_iter``,
+        ``refit_hyperparameters``, ``refit_max_iter``, ``refit_lr``) or a :mod:`gpsd.settings`
+        value that can change a result has changed, and after a backward pass through the fit's
+        graph (the steps are fitted without autograd, so a gradient needed later does not
+        refit). Nothing else refits: a fit made under grad mode serves predictions under
+        ``torch.no_grad()`` as it is, and copies and pickles of the model refit on first use.
+
         Each step is one iteration for ``progress`` and ``callback`` (the record's ``loss`` is the
         step's negative Laplace log marginal likelihood, summed over the batch); a callback that
         returns ``True`` after step ``k`` leaves steps ``1..k`` fitted, and predictions then hold
@@ -404,20 +438,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         :param callback: Called after each step with an :class:`~gpsd.IterationRecord`.
         """
         check_progress(progress, callback)
-        self._fit_cache.clear()
-        steps = self._run(use_stored_modes, progress, callback)
-        self._fit_cache.store(self, self._settings(), steps)
-        self._fit_cache.grad_matters = False
+        self._refit(use_stored_modes=use_stored_modes, progress=progress, callback=callback)
         return self
-
-    def _fitted(self) -> list[tuple[LaplaceMode, FittedModules]]:
-        """The modes and modules of the fitted steps at the current state (fitted here where
-        needed)."""
-        steps = self._fit_cache.get(
-            self, self._settings(), lambda: self._run(use_stored_modes=True)
-        )
-        self._fit_cache.grad_matters = False
-        return steps
 
     @property
     def step_covar_modules(self) -> tuple[Kernel, ...]:
@@ -425,16 +447,16 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         needed): with ``refit_hyperparameters``, each step's own copy with its fitted
         hyperparameters (constants: their ``requires_grad`` is off); otherwise
         :attr:`covar_module` for every step."""
-        return tuple(modules.covar_module for _, modules in self._fitted())
+        return tuple(modules.covar_module for modules in self._current_fit().modules)
 
     @property
     def step_mean_modules(self) -> tuple[Mean, ...]:
         """The prior mean of each fitted step, entry ``t - 1`` for step ``t``, as
         :attr:`step_covar_modules`."""
-        return tuple(modules.mean_module for _, modules in self._fitted())
+        return tuple(modules.mean_module for modules in self._current_fit().modules)
 
     def _fitted_steps(self) -> int:
-        return len(self._fitted())
+        return len(self._current_fit().modes)
 
     def step_targets(self, step: int | None = None) -> Tensor:
         r"""The targets each fitted step is fitted to (fitted first where needed):
@@ -444,8 +466,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
-        steps = self._steps(step)
-        return self._rows_of_steps([self._step_targets[t - 1] for t in steps], step)
+        targets = self._current_fit().targets
+        return self._rows_of_steps([targets[t - 1] for t in self._steps(step)], step)
 
     def latent_modes(self, step: int | None = None) -> Tensor:
         r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
@@ -454,11 +476,12 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
-        steps = self._steps(step)
-        return self._rows_of_steps([self._latent_modes[t - 1] for t in steps], step)
+        modes = self._current_fit().modes
+        return self._rows_of_steps([modes[t - 1].f for t in self._steps(step)], step)
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
-        mode, modules = self._fitted()[step - 1]
+        fit = self._current_fit()
+        mode, modules = fit.modes[step - 1], fit.modules[step - 1]
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
                 modules.covar_module, modules.mean_module, x, self.train_inputs, diag=True

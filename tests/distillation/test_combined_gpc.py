@@ -1,10 +1,15 @@
 """CombinedGPC against a naive chain of dense Laplace fits written out here, its two limits
 (DataCentricGPC, DistributionCentricGPC), batches of schedules, the step grid and bad input."""
 
+import contextlib
+import copy
+import functools
 import math
+import pickle
 
 import pytest
 import torch
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import rbf_kernel
 
 import gpsd
@@ -386,3 +391,47 @@ def test_new_training_data_refit_on_use(toy):
     fewer = gpsd.CombinedGPC(x[:20], y[:20], _kernel(), outer_steps=2, inner_steps=2)
     torch.testing.assert_close(model.predict_proba(test_x), fewer.predict_proba(test_x))
     assert model.latent_modes().shape == (4, 20)
+
+
+@pytest.mark.parametrize(
+    "trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data", "noise assignment"]
+)
+def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_calls):
+    x, y, test_x = toy
+    build = functools.partial(gpsd.CombinedGPC, x, y, inner_steps=2, outer_steps=2, noise=0.1)
+    model = build(_kernel()).fit()
+    fits = count_calls(gpsd.CombinedGPC, "_compute_fit")
+    model.predict_proba(test_x)
+    model.step_targets()
+    with torch.no_grad():  # the fit was made under grad mode
+        model.latent_modes()
+        model.predict(test_x, step=2)
+    assert fits == [0]
+    setting = contextlib.nullcontext()
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(build, rbf_kernel(1.0, 0.5))
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
+    elif trigger == "model setting":
+        model.target_method = "probit"
+    elif trigger == "set_train_data":
+        model.set_train_data(targets=1 - y)
+    else:
+        model.noise = 0.2
+    with setting:
+        model.predict_proba(test_x)
+    assert fits == [1]
+
+
+def test_a_state_dict_round_trip_and_copies_predict_identically(toy, count_calls):
+    x, y, test_x = toy
+    build = functools.partial(gpsd.CombinedGPC, x, y, inner_steps=2, outer_steps=2, noise=0.1)
+    model = build(_kernel()).fit()
+    want = model.predict_latent(test_x)
+    loaded = build(rbf_kernel(1.0, 0.5))
+    loaded.predict_latent(test_x)  # fitted at its own state: the load makes it stale
+    loaded.load_state_dict(model.state_dict())
+    fits = count_calls(gpsd.CombinedGPC, "_compute_fit")
+    for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        predictions_equal(other.predict_latent(test_x), want)
+        torch.testing.assert_close(other.step_targets(), model.step_targets(), rtol=0, atol=1e-12)
+    assert fits == [3]
