@@ -81,13 +81,40 @@ def _nll(mean: torch.Tensor, variance: torch.Tensor, y: torch.Tensor, y_std: flo
     return float((0.5 * (torch.log(2 * math.pi * var) + err**2 / var)).mean())
 
 
+def _train_exact_gp(model, likelihood, x, y, args) -> list[float]:
+    """GPyTorch's own loop: Adam on the exact marginal likelihood, the probes of iteration ``i``
+    drawn after seeding ``args.seed + i`` (the same on both sides)."""
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    model.train()
+    losses = []
+    for i in tqdm(range(args.iters), desc=f"{args.side} ExactGP", disable=args.quiet):
+        torch.manual_seed(args.seed + i)
+        optimizer.zero_grad()
+        loss = -mll(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
 def run_gpsd(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     data = _data(args, device)
     x, y = data.train_x, data.train_y
     kernel = _kernel(x.shape[-1], x.dtype, device)
-    noise = torch.full((args.steps,), args.noise, dtype=x.dtype, device=device)
-    model = DataCentricGPR(x, y, kernel, noise=noise, backend=args.backend)
+    cache = None if args.cache_gib is None else int(args.cache_gib * 2**30)
+    if args.learn == "exactgp":
+        likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
+        likelihood.noise = args.noise
+        chunked = gpsd.ChunkedKernel(kernel, cache_bytes=cache or 0)
+        teacher = _ExactGP(x, y, likelihood, chunked)
+    else:
+        noise = torch.full((args.steps,), args.noise, dtype=x.dtype, device=device)
+        model = DataCentricGPR(
+            x, y, kernel, noise=noise, backend=args.backend, kernel_cache_bytes=cache
+        )
     out: dict = {"side": "gpsd", "phases": {}, "cpu": {}}
     reset_peak(device)
     phases = tqdm(["learn", "fit", "gcv", "predict"], desc="gpsd workflow", disable=args.quiet)
@@ -95,7 +122,12 @@ def run_gpsd(args: argparse.Namespace) -> dict:
         phases.set_postfix_str(phase)
         sync(device)
         start, start_cpu = time.perf_counter(), time.process_time()
-        if phase == "learn":
+        if phase == "learn" and args.learn == "exactgp":
+            out["loss"] = _train_exact_gp(teacher, likelihood, x, y, args)
+            model = DataCentricGPR.from_teacher(
+                teacher, num_steps=args.steps, backend=args.backend, kernel_cache_bytes=cache
+            )
+        elif phase == "learn":
             model.optimize_hyperparameters(max_iter=args.iters, lr=args.lr)
             out["loss"] = model.history
         elif phase == "fit":  # no gradients from here on, as a user predicting would
@@ -140,23 +172,14 @@ def run_gpytorch(args: argparse.Namespace) -> dict:
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
     likelihood.noise = args.noise
     model = _ExactGP(x, y, likelihood, kernel)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    out: dict = {"side": "gpytorch", "phases": {}, "cpu": {}, "loss": []}
+    out: dict = {"side": "gpytorch", "phases": {}, "cpu": {}}
     reset_peak(device)
-    model.train()
     sync(device)
     start, start_cpu = time.perf_counter(), time.process_time()
-    for _ in tqdm(range(args.iters), desc="GPyTorch ExactGP", disable=args.quiet):
-        optimizer.zero_grad()
-        loss = -mll(model(x), y)
-        loss.backward()
-        optimizer.step()
-        out["loss"].append(loss.item())
+    out["loss"] = _train_exact_gp(model, likelihood, x, y, args)
     sync(device)
     out["phases"]["learn"] = time.perf_counter() - start
     out["cpu"]["learn"] = time.process_time() - start_cpu
-    model.eval()
     start = time.perf_counter()
     with torch.no_grad(), gpytorch.settings.fast_pred_var():
         pred = likelihood(model(data.test_x))
@@ -214,6 +237,21 @@ def main() -> None:
     parser.add_argument("--gpytorch", action="store_true", help="run GPyTorch's ExactGP too")
     parser.add_argument("--exact-mll", action="store_true", help="score both by exact Cholesky")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--learn",
+        default="distiller",
+        choices=["distiller", "exactgp"],
+        help="gpsd learns by DataCentricGPR.optimize_hyperparameters, or by GPyTorch's own loop "
+        "over an ExactGP with a gpsd.ChunkedKernel (the same parametrisation as GPyTorch's side), "
+        "then DataCentricGPR.from_teacher",
+    )
+    parser.add_argument(
+        "--cache-gib",
+        type=float,
+        default=None,
+        help="kernel rows gpsd may keep, GiB (default: the ChunkedKernel keeps none while "
+        "learning and the distiller a share of the free memory)",
+    )
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
     parser.add_argument(
         "--side", default=None, choices=["gpsd", "gpytorch"], help=argparse.SUPPRESS
@@ -238,7 +276,10 @@ def main() -> None:
         f"{cpu_name() if args.device == 'cpu' else args.device}, "
         f"{torch.get_num_threads()} threads, float64, ARD RBF on 6 inputs, Adam lr {args.lr}, "
         f"{args.iters} iterations from lengthscales 1, outputscale 1, noise {args.noise}; "
-        f"gpsd backend `{args.backend}`, {args.steps} steps. torch {torch.__version__}, "
+        f"gpsd backend `{args.backend}`, {args.steps} steps, learning by "
+        f"{'GPyTorch' + chr(39) + 's loop over a gpsd.ChunkedKernel' if args.learn == 'exactgp' else 'DataCentricGPR.optimize_hyperparameters'}"
+        f"{'' if args.cache_gib is None else f', kernel rows kept within {args.cache_gib:g} GiB'}. "
+        f"torch {torch.__version__}, "
         f"gpytorch {gpytorch.__version__}, gpsd {gpsd.__version__}, Python "
         f"{platform.python_version()}. Each side in its own process.",
         "",
