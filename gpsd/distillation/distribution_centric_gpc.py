@@ -28,9 +28,19 @@ from gpsd.distillation._gpc_steps import (
     check_trainable,
     refit_step_modules,
 )
+from gpsd.distillation._multiclass_steps import (
+    DEFAULT_NUM_SAMPLES,
+    SoftmaxLabelTerms,
+    check_class_memory,
+    check_class_modules,
+    infer_num_classes,
+    refuse_for_classes,
+    tempered_posterior,
+)
 from gpsd.laplace import (
     ClassificationTrainingData,
     LaplacePosterior,
+    MulticlassLaplacePosterior,
     checked_classification_data,
     closed_form_probability,
     constant_parameters,
@@ -85,6 +95,34 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     Step 1 of every method is the ordinary Laplace GPC.
 
+    **K classes.** Labels in :math:`0, \dots, K - 1` with :math:`K > 2` (``num_classes``, or one
+    more than the largest label) give :math:`K` latent functions, independent a priori,
+    :math:`\mathbf f_c \sim \mathcal{GP}(m_c, k_c)` (``covar_module`` and ``mean_module``
+    shared by the classes unless they have batch shape ``(K,)``, entry :math:`c` class
+    :math:`c`'s), and the softmax likelihood (``likelihood`` stays ``"bernoulli_logit"``, read
+    as its :math:`K`-class counterpart, or is ``"softmax"``). Only ``"tempered"`` is available:
+    step :math:`t` is the Laplace approximation of the softmax likelihood raised to the power
+    :math:`t` under the original prior,
+
+    .. math::
+
+        q_t(\mathbf f) \propto \prod_i p(y_i \mid \mathbf f_i)^t \,
+        \mathcal N(\mathbf f \mid \mathbf m, \operatorname{blockdiag}_c \mathbf K_c),
+
+    whose prior stays block-diagonal over the classes (a
+    :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its tempered Hessian blocks
+    :math:`t(\operatorname{diag}\boldsymbol\pi_i - \boldsymbol\pi_i\boldsymbol\pi_i^\top)`
+    are factored densely, :math:`O(K^3 n^3)` per Newton iteration). ``"iterated"`` and
+    ``"scaled_kernel"`` are refused: the posterior covariance that ``"iterated"`` carries into
+    the next prior couples the classes, :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` with
+    :math:`\mathbf W` dense over the classes at each point, and the engine takes priors
+    independent per class; ``"scaled_kernel"`` approximates the iterated chain the same way.
+    Class probabilities are Monte Carlo averages over ``num_samples`` draws (a generator seeded
+    with 0); :meth:`predict_proba` has a trailing class axis of size :math:`K`,
+    :meth:`latent_modes` and :meth:`step_targets` (one-hot labels) are ``(*batch, T, n, K)``.
+    ``refit_hyperparameters`` is refused. The steps' posteriors are not part of ``state_dict``:
+    a loaded state refits on first use. At :math:`K = 2` the binary model above is fitted.
+
     By default every step shares the kernel and prior mean as given. With
     ``refit_hyperparameters=True``, step :math:`t` gets its own copies of them, whose
     hyperparameters maximise the Laplace marginal likelihood (plus any hyperpriors) of step
@@ -125,7 +163,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     8e-5 off; fit in float64 where that matters.
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``, float32 or float64.
-    :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones).
+    :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones), or in
+        ``0 ... K - 1`` for :math:`K > 2` classes.
     :param covar_module: The kernel :math:`k`: every step's, or the starting point of every
         step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
@@ -140,6 +179,9 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         every step (see above); ``False`` keeps them as given for every step.
     :param refit_max_iter: Adam iterations of each step's refit.
     :param refit_lr: Adam's learning rate of each step's refit.
+    :param num_classes: :math:`K \ge 2` (default: one more than the largest label, and 2 for
+        labels in {0, 1}); give it where a class has no training label.
+    :param num_samples: Monte Carlo draws of the class probabilities for :math:`K > 2` classes.
 
     Example:
 
@@ -163,15 +205,26 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         refit_hyperparameters: bool = False,
         refit_max_iter: int = 50,
         refit_lr: float = 0.05,
+        num_classes: int | None = None,
+        num_samples: int = DEFAULT_NUM_SAMPLES,
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
         num_steps = check_int(num_steps, "num_steps")
         refit = check_refit_options(refit_hyperparameters, refit_max_iter, refit_lr)
         self.refit_hyperparameters, self.refit_max_iter, self.refit_lr = refit
-        self.terms = resolve_likelihood_terms(likelihood)
+        self._num_classes = infer_num_classes(train_y, num_classes)
+        self.num_samples = num_samples
+        if self.num_classes > 2:
+            if not (isinstance(likelihood, str) and likelihood in ("bernoulli_logit", "softmax")):
+                refuse_for_classes(
+                    self.num_classes, "likelihood", likelihood, "pass 'softmax' (or the default)"
+                )
+            self.terms = SoftmaxLabelTerms(self.num_classes)
+        else:
+            self.terms = resolve_likelihood_terms(likelihood)
         train_x, train_y = checked_classification_data(train_x, train_y, self.terms)
-        module = likelihood_module(likelihood, self.terms)
+        module = likelihood_module(likelihood, self.terms) if self.num_classes == 2 else None
         if module is not None:
             self.likelihood = module  # its parameters train with the kernel's; a change refits
         self.covar_module = covar_module
@@ -181,9 +234,11 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         self._init_steps(num_steps)
         self.method = method
         self.max_iter = check_int(max_iter, "max_iter")
+        self._check_class_settings()
         n = train_x.shape[-2]
         self._store_all_steps = bool(store_all_steps)
-        T = num_steps if self.store_all_steps else 1
+        # the posteriors of K > 2 classes are kept in _class_posteriors, not in the buffers
+        T = 0 if self.num_classes > 2 else num_steps if self.store_all_steps else 1
         # the buffers below hold T posteriors of N x N: refused before they are allocated
         self._check_memory(type(self).__name__, train_x, train_y)
         self._scratch: tuple[int, Tensor, Tensor, Tensor] | None = None
@@ -204,6 +259,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         self.refit_history: dict[int, list[float]] = {}
         # the kernel and prior mean of each step computed with refit_hyperparameters, by step
         self._step_modules: dict[int, FittedModules] = {}
+        # for K > 2 classes: the posterior of each step computed and kept, by step
+        self._class_posteriors: dict[int, MulticlassLaplacePosterior] = {}
         # valid while the prior, likelihood, data and settings that the computed steps belong
         # to hold (the fitted buffers are not part of it: a loaded fit is adopted)
         self._fit_cache = FitCache()
@@ -213,8 +270,11 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the unkept step
         self._scratch = None
+        self._class_posteriors = {}  # for K > 2 classes: the next use refits
         # refitted step modules are no submodules: they stay behind, so the next use refits
-        was_current = self._fit_is_current() and not self.refit_hyperparameters
+        was_current = (
+            self._fit_is_current() and not self.refit_hyperparameters and self.num_classes == 2
+        )
         out = super()._apply(fn, *args, **kwargs)
         if was_current:  # the same values in another dtype or on another device
             self._adopt_fit()
@@ -227,6 +287,26 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         _METHODS,
         '``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``; a new one refits on use.',
     )
+
+    def _check_class_settings(self) -> None:
+        """For :math:`K > 2` classes, a ``ValueError`` naming ``method`` unless it is
+        ``"tempered"``, ``refit_hyperparameters`` unless it is off, or a module of another batch
+        shape than ``()`` or ``(K,)``."""
+        if self.num_classes == 2:
+            return
+        K = self.num_classes
+        if self.method != "tempered":
+            refuse_for_classes(
+                K,
+                "method",
+                self.method,
+                "pass method='tempered': the iterated posterior couples the classes in the next "
+                "step's prior, which the multiclass Laplace engine takes independent per class "
+                "(and 'scaled_kernel' approximates that chain)",
+            )
+        if self.refit_hyperparameters:
+            refuse_for_classes(K, "refit_hyperparameters", True, "pass refit_hyperparameters=False")
+        check_class_modules(self.covar_module, self.mean_module, K)
 
     def _prior_modules(self) -> torch.nn.ModuleList:
         """The kernel, the mean and the likelihood (where it is a module): what a fit depends on."""
@@ -268,7 +348,9 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         ``None`` where they belong to no fit of the saved state (unfitted, or fitted before a
         hyperparameter or setting changed, or fitted with refits, whose step modules are not
         saved)."""
-        current = self._fit_is_current() and not self.refit_hyperparameters
+        current = (
+            self._fit_is_current() and not self.refit_hyperparameters and self.num_classes == 2
+        )
         return {"fit_settings": self._settings() if current else None}
 
     def set_extra_state(self, state: dict) -> None:
@@ -297,6 +379,9 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         """Raise :class:`~gpsd.InsufficientMemoryError` before a fit on inputs ``x`` and targets
         ``y`` that would not fit in the device's free memory (:data:`_WORKING_MATRICES`)."""
         kept = self.num_steps if self.store_all_steps else 1
+        if self.num_classes > 2:
+            check_class_memory(task, x, y.shape[:-1], self.num_classes, kept + 1, dense=True)
+            return
         advice = "train on fewer points, or fit in float32 for half the bytes"
         if kept > 1:
             advice = f"pass store_all_steps=False to keep one step's posterior, {advice}"
@@ -517,7 +602,12 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             self.newton_iterations = {}
             self.refit_history = {}
             self._step_modules = {}
-            if self.method == "iterated":
+            self._class_posteriors = {}
+            if self.num_classes > 2:
+                self._check_class_settings()
+                posterior = self._fit_class_step(self.num_steps)
+                report.update(1, newton_iterations=posterior.iterations)
+            elif self.method == "iterated":
                 self._fit_iterated(report)
             else:
                 self._fit_approximation(self.num_steps, report.forward("refit"))
@@ -526,6 +616,34 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
                     report.update(1, newton_iterations=self.newton_iterations[step])
         self._adopt_fit()
         return self
+
+    def _fit_class_step(self, step: int) -> MulticlassLaplacePosterior:
+        """For :math:`K > 2` classes: the tempered posterior of step ``step``, kept (without
+        ``store_all_steps``, with step ``T``'s alone)."""
+        posterior = tempered_posterior(
+            self.train_inputs,
+            self.train_targets,
+            self.covar_module,
+            self.mean_module,
+            self.num_classes,
+            float(step),
+            max_iter=self.max_iter,
+        )
+        self.newton_iterations[step] = posterior.iterations
+        if not self.store_all_steps:
+            last = self._class_posteriors.get(self.num_steps)
+            self._class_posteriors = {} if last is None else {self.num_steps: last}
+        self._class_posteriors[step] = posterior
+        return posterior
+
+    def _class_posterior(self, step: int) -> tuple[MulticlassLaplacePosterior, FittedModules]:
+        if not self._fit_is_current():
+            self.fit()
+        posterior = self._class_posteriors.get(step)
+        if posterior is None:
+            with torch.no_grad():
+                posterior = self._fit_class_step(step)
+        return posterior, FittedModules(self.covar_module, self.mean_module)
 
     def _fitted_steps(self) -> int:
         if not self._fit_is_current():
@@ -561,7 +679,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     def latent_modes(self, step: int | None = None) -> Tensor:
         r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
         inputs (fitted first where needed): ``(*batch, T, n)``, row ``t - 1`` for step ``t``, or
-        ``(*batch, n)`` for ``step=t``. Steps that the model does not keep are computed as a
+        ``(*batch, n)`` for ``step=t``; for :math:`K > 2` classes ``(*batch, T, n, K)``. Steps that the model does not keep are computed as a
         prediction of them would be (the approximations), or refused as it would be
         (``"iterated"`` without ``store_all_steps``).
 
@@ -571,6 +689,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     def _mode_at(self, step: int) -> Tensor:
         """The mode of step ``step`` (computed where it is not kept)."""
+        if self.num_classes > 2:
+            return self._class_posterior(step)[0].mode
         self._state(step)
         slot = self._slot(step)
         if slot is not None and bool(self.computed_steps[step - 1]):
@@ -581,11 +701,15 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     def step_targets(self, step: int | None = None) -> Tensor:
         """The targets each fitted step is fitted to: the labels at every step (the steps
         differ in their prior or likelihood, not in their targets), laid out as
-        :meth:`latent_modes`: ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``.
+        :meth:`latent_modes`: ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``; for
+        :math:`K > 2` classes their one-hot rows, ``(*batch, T, n, K)``.
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
         steps = self._steps(step)
+        if self.num_classes > 2:
+            one_hot = self.terms.targets(self.train_targets, self.num_classes)
+            return self._rows_of_steps([one_hot] * len(steps), step)
         batch = torch.broadcast_shapes(
             self.train_targets.shape[:-1], self._latent_modes.shape[1:-1]
         )
