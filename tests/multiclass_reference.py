@@ -134,24 +134,21 @@ def predictive(Ks, m, F, W, cross, test_var, test_mean):
     return mean, covariance
 
 
-def monte_carlo(mean, covariance, response, num_samples, draw_dtype=None, batch=None):
-    """The average of ``response`` over ``num_samples`` draws ``mean + Sigma^1/2 z``, the draws
-    ``z`` of shape ``(S, M, K)`` from a generator seeded with 0 in ``draw_dtype``; with
-    ``batch = (B, b)``, problem ``b`` of draws ``(S, B, M, K)``."""
+def monte_carlo(mean, covariance, response, num_samples, draw_dtype=None):
+    """The average of ``response`` over ``num_samples`` draws ``mean + Sigma^1/2 z`` at each point,
+    the same draws ``z`` ``(S, K)`` at every point, from a generator seeded with 0 in
+    ``draw_dtype``."""
     generator = torch.Generator().manual_seed(0)
-    lead = (batch[0],) if batch else ()
     z = torch.randn(
-        (num_samples, *lead, *mean.shape), generator=generator, dtype=draw_dtype or mean.dtype
+        (num_samples, mean.shape[-1]), generator=generator, dtype=draw_dtype or mean.dtype
     ).to(mean.dtype)
-    if batch:
-        z = z[:, batch[1]]
     values, vectors = torch.linalg.eigh(covariance)
     root = vectors @ torch.diag_embed(values.clamp_min(0).sqrt()) @ vectors.transpose(-1, -2)
-    samples = mean + torch.einsum("ikl,sil->sik", root, z)
+    samples = mean + torch.einsum("ikl,sl->sik", root, z)
     return response(samples.reshape(-1, mean.shape[-1])).reshape(samples.shape).mean(0)
 
 
-def data_centric_chain(Ks, m, labels, noise, num_samples, draw_dtype=None, batch=None):
+def data_centric_chain(Ks, m, labels, noise, num_samples, draw_dtype=None):
     """The data-centric chain: modes ``(T, n, K)``, targets ``(T, n, K)`` and each step's
     ``(F, W, Ks + gamma I)``; ``Ks`` ``(K, n, n)``, ``m`` ``(n, K)``."""
     K, n, _ = Ks.shape
@@ -166,5 +163,5 @@ def data_centric_chain(Ks, m, labels, noise, num_samples, draw_dtype=None, batch
         targets.append(Y)
         fits.append((F, W, Kt))
         mean, cov = predictive(Kt, m, F, W, Ks, torch.diagonal(Ks, dim1=-2, dim2=-1), m)
-        Y = monte_carlo(mean, cov, softmax, num_samples, draw_dtype, batch)
+        Y = monte_carlo(mean, cov, softmax, num_samples, draw_dtype)
     return torch.stack(modes), torch.stack(targets), fits

@@ -278,8 +278,9 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
         ``(*batch, M, 2)``. For :math:`K > 2` classes, column :math:`c` is class :math:`c`'s
         probability :math:`\mathbb{E}_q[\operatorname{softmax}(\mathbf f_*)_c]`, ``(*batch, T,
         M, K)``, the Monte Carlo average over :attr:`num_samples` draws from the latent
-        predictive (a generator seeded with 0: the same at every call; standard error at most
-        :math:`0.5/\sqrt S` per entry).
+        predictive, the same draws at every call and for every point (a generator seeded with
+        0), so that a point's probabilities do not depend on the other points predicted with it;
+        standard error at most :math:`0.5/\sqrt S` per entry.
 
         :param method: ``"quadrature"`` (accurate at any latent variance) or ``"probit"``
             (closed form: MacKay's approximation for a logistic response); for :math:`K > 2`

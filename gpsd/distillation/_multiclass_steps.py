@@ -6,9 +6,9 @@ Every step is a :class:`~gpsd.laplace.MulticlassLaplacePosterior` of :math:`K` l
 independent a priori. Each class's prior is :math:`\mathcal{GP}(m_c, k_c)`: the kernel (and the
 prior mean) is shared by the :math:`K` latent functions unless it has batch shape ``(K,)``, in
 which case entry :math:`c` is class :math:`c`'s. Class probabilities are Monte Carlo averages of
-the softmax over draws from the latent predictive, from a generator seeded with 0
-(:meth:`~gpsd.laplace.MulticlassLaplacePosterior.class_probabilities`), so that they are the
-same at every call.
+the softmax over draws from the latent predictive (:func:`monte_carlo_probabilities`): the same
+draws at every call and for every point, so that a point's probabilities depend neither on the
+call nor on the other points predicted with it.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from gpsd.laplace import (
     SoftmaxTerms,
     constant_parameters,
 )
+from gpsd.laplace._multiclass_factor import psd_sqrt
 from gpsd.prediction import Prediction
 
 __all__ = [
     "DEFAULT_NUM_SAMPLES",
-    "SoftmaxResponseTerms",
     "SoftmaxLabelTerms",
     "TemperedSoftmaxTerms",
     "check_class_memory",
@@ -46,12 +46,47 @@ __all__ = [
     "class_probabilities",
     "data_centric_chain",
     "infer_num_classes",
+    "monte_carlo_probabilities",
     "refuse_for_classes",
     "tempered_posterior",
 ]
 
 #: Monte Carlo draws of the class probabilities where the model is not told otherwise
 DEFAULT_NUM_SAMPLES = 4096
+#: draws held at once
+_SAMPLE_CHUNK = 256
+
+
+def monte_carlo_probabilities(mean: Tensor, covariance: Tensor, num_samples: int) -> Tensor:
+    r"""The class probabilities :math:`\mathbb{E}[\operatorname{softmax}(\mathbf f_*)]`,
+    :math:`\mathbf f_* \sim \mathcal N(\boldsymbol\mu_*, \boldsymbol\Sigma_*)` at each point,
+    by Monte Carlo, ``(*b, m, K)``:
+
+    .. math::
+
+        \frac1S \sum_{s=1}^S \operatorname{softmax}\bigl(\boldsymbol\mu_* +
+        \boldsymbol\Sigma_*^{1/2} \mathbf z_s\bigr),
+
+    with :math:`\boldsymbol\Sigma_*^{1/2}` the symmetric square root and the same :math:`S`
+    draws :math:`\mathbf z_s \sim \mathcal N(\mathbf 0, \mathbf I_K)` for every point, from a
+    generator seeded with 0 (common random numbers: the result is the same at every call, and a
+    point's probabilities do not depend on the other points or their order). The standard error
+    of each entry is at most :math:`0.5/\sqrt S`.
+
+    :param mean: :math:`\boldsymbol\mu_*`, ``(*b, m, K)``.
+    :param covariance: :math:`\boldsymbol\Sigma_*`, ``(*b, m, K, K)``.
+    :param num_samples: :math:`S`.
+    """
+    generator = torch.Generator(device=mean.device).manual_seed(0)
+    draws = torch.randn(
+        (num_samples, mean.shape[-1]), generator=generator, dtype=mean.dtype, device=mean.device
+    )
+    root = psd_sqrt(covariance)
+    total = torch.zeros_like(mean)
+    for chunk in draws.split(_SAMPLE_CHUNK):
+        samples = mean + torch.einsum("...kl,sl->s...k", root, chunk)  # shape: (S_c, *b, m, K)
+        total = total + torch.softmax(samples, dim=-1).sum(0)
+    return total / num_samples
 
 
 def infer_num_classes(train_y: object, num_classes: object) -> int:
@@ -113,16 +148,6 @@ class TemperedSoftmaxTerms(MulticlassLikelihoodTerms):
 
     def response(self, F: Tensor) -> Tensor:
         return self._softmax.response(F)
-
-
-class SoftmaxResponseTerms(ContinuousCategoricalTerms):
-    r"""The continuous categorical likelihood whose response is its parameter
-    :math:`\boldsymbol\lambda = \operatorname{softmax}(\mathbf f)`, the class probabilities,
-    rather than its mean :math:`\nabla A(\mathbf f)`: the :math:`K`-class counterpart of the
-    continuous-Bernoulli steps, which predict :math:`\sigma(f)` (Borup & Andersen's C-GPC)."""
-
-    def response(self, F: Tensor) -> Tensor:
-        return torch.softmax(F, dim=-1)
 
 
 def refuse_for_classes(num_classes: int, name: str, value: object, allowed: str) -> None:
@@ -237,12 +262,12 @@ def data_centric_chain(
     for step in range(1, noise.shape[-1] + 1):
         gamma = noise[..., step - 1]  # shape: (*s,)
         covariance = K if bool((gamma == 0).all()) else K + gamma[..., None, None, None] * eye
-        terms = SoftmaxTerms() if step == 1 else SoftmaxResponseTerms()
+        terms = SoftmaxTerms() if step == 1 else ContinuousCategoricalTerms()
         posterior = MulticlassLaplacePosterior(
             m, covariance, terms, targets, num_classes=num_classes, max_iter=max_iter
         )
         yield posterior
-        targets = posterior.class_probabilities(K, variance, m, num_samples=num_samples)
+        targets = monte_carlo_probabilities(*posterior.predictive(K, variance, m), num_samples)
 
 
 def tempered_posterior(
@@ -291,13 +316,14 @@ def class_probabilities(
     x: Tensor,
     num_samples: int,
 ) -> Tensor:
-    """The class probabilities of ``posterior`` at checked test inputs ``x``, ``(*b, m, K)``: the
-    Monte Carlo average of the response over ``num_samples`` draws (seed 0)."""
+    """The class probabilities of ``posterior`` at checked test inputs ``x``, ``(*b, m, K)``
+    (:func:`monte_carlo_probabilities` with ``num_samples`` draws)."""
     with torch.no_grad():
         cross, diag, prior_mean = _class_prior_at_test(
             covar_module, mean_module, x, owner.train_inputs, posterior.num_classes
         )
-        return posterior.class_probabilities(cross, diag, prior_mean, num_samples=num_samples)
+        mean, covariance = posterior.predictive(cross, diag, prior_mean)
+        return monte_carlo_probabilities(mean, covariance, num_samples)
 
 
 def class_log_loss(proba: Tensor, val_y: object) -> Tensor:

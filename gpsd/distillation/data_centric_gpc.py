@@ -126,8 +126,10 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     probabilities are :math:`\mathbb{E}_{q_t}[\operatorname{softmax}(\mathbf f_*)]` (the
     continuous categorical's parameter, not its mean :math:`\nabla A`). Each
     step is a :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its expectations are Monte Carlo
-    averages over ``num_samples`` draws from the latent predictive, from a generator seeded with
-    0, so the targets and the predictions are the same at every fit. :meth:`predict_proba` has a
+    averages over ``num_samples`` draws from the latent predictive, the same draws for every
+    point and at every call (a generator seeded with 0), so the targets and the predictions are
+    the same at every fit, and a point's probabilities do not depend on the points predicted
+    with it. :meth:`predict_proba` has a
     trailing class axis of size :math:`K`, :meth:`step_targets` (one-hot labels at step 1) and
     :meth:`latent_modes` are ``(*batch, T, n, K)``. ``soft_target_likelihood`` stays
     ``"continuous_bernoulli"`` (read as the continuous categorical), ``threshold_targets``

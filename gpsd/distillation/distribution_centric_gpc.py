@@ -117,8 +117,8 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     the next prior couples the classes, :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` with
     :math:`\mathbf W` dense over the classes at each point, and the engine takes priors
     independent per class; ``"scaled_kernel"`` approximates the iterated chain the same way.
-    Class probabilities are Monte Carlo averages over ``num_samples`` draws (a generator seeded
-    with 0); :meth:`predict_proba` has a trailing class axis of size :math:`K`,
+    Class probabilities are Monte Carlo averages over ``num_samples`` draws, the same for every
+    point and at every call (a generator seeded with 0); :meth:`predict_proba` has a trailing class axis of size :math:`K`,
     :meth:`latent_modes` and :meth:`step_targets` (one-hot labels) are ``(*batch, T, n, K)``.
     ``refit_hyperparameters`` is refused. The steps' posteriors are not part of ``state_dict``:
     a loaded state refits on first use. At :math:`K = 2` the binary model above is fitted.

@@ -114,7 +114,7 @@ def test_a_batch_of_labels_and_schedules_matches_the_dense_chain_of_each():
     modes = model.latent_modes()
     assert modes.shape == (2, 2, n, K)
     for b, y in enumerate((labels, other)):
-        expected, targets, _ = data_centric_chain(Ks, m, y, noise[b].tolist(), S, batch=(2, b))
+        expected, targets, _ = data_centric_chain(Ks, m, y, noise[b].tolist(), S)
         torch.testing.assert_close(modes[b], expected, rtol=0, atol=1e-8)
         torch.testing.assert_close(model.step_targets()[b], targets, rtol=0, atol=1e-8)
 
@@ -271,3 +271,12 @@ def test_bad_labels_and_settings_raise_clear_errors():
     tempered.method = "iterated"
     with pytest.raises(ValueError, match="method='iterated' is for two classes"):
         tempered.predict_proba(test_x)
+
+
+def test_a_points_probabilities_do_not_depend_on_the_other_points_predicted():
+    x, labels, test_x = _data(15, 3, seed=6, m=9)
+    model = DataCentricGPC(x, labels, _modules(3, False)[0], num_steps=2, num_samples=S)
+    proba = model.predict_proba(test_x)
+    order = torch.tensor([4, 0, 8, 2])
+    torch.testing.assert_close(model.predict_proba(test_x[order]), proba[:, order])
+    torch.testing.assert_close(model.predict_proba(test_x[:1], step=2), proba[1, :1])
