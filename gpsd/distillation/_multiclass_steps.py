@@ -69,18 +69,19 @@ def monte_carlo_probabilities(mean: Tensor, covariance: Tensor, num_samples: int
 
     with :math:`\boldsymbol\Sigma_*^{1/2}` the symmetric square root and the same :math:`S`
     draws :math:`\mathbf z_s \sim \mathcal N(\mathbf 0, \mathbf I_K)` for every point, from a
-    generator seeded with 0 (common random numbers: the result is the same at every call, and a
-    point's probabilities do not depend on the other points or their order). The standard error
+    CPU generator seeded with 0 (common random numbers: the result is the same at every call and
+    on every device, and a point's probabilities do not depend on the other points or their
+    order). The standard error
     of each entry is at most :math:`0.5/\sqrt S`.
 
     :param mean: :math:`\boldsymbol\mu_*`, ``(*b, m, K)``.
     :param covariance: :math:`\boldsymbol\Sigma_*`, ``(*b, m, K, K)``.
     :param num_samples: :math:`S`.
     """
-    generator = torch.Generator(device=mean.device).manual_seed(0)
-    draws = torch.randn(
-        (num_samples, mean.shape[-1]), generator=generator, dtype=mean.dtype, device=mean.device
-    )
+    # drawn on the CPU: the same draws on every device
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.randn((num_samples, mean.shape[-1]), generator=generator, dtype=mean.dtype)
+    draws = draws.to(mean.device)
     root = psd_sqrt(covariance)
     total = torch.zeros_like(mean)
     for chunk in draws.split(_SAMPLE_CHUNK):

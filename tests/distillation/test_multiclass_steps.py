@@ -5,6 +5,7 @@ draws), and their K-class conventions and errors."""
 import gpytorch
 import pytest
 import torch
+from conftest import requires_cuda
 from multiclass_reference import (
     SOFTMAX,
     data_centric_chain,
@@ -280,3 +281,20 @@ def test_a_points_probabilities_do_not_depend_on_the_other_points_predicted():
     order = torch.tensor([4, 0, 8, 2])
     torch.testing.assert_close(model.predict_proba(test_x[order]), proba[:, order])
     torch.testing.assert_close(model.predict_proba(test_x[:1], step=2), proba[1, :1])
+
+
+@requires_cuda
+def test_on_cuda_both_distillers_predict_as_on_the_cpu():
+    x, labels, test_x = _data(15, 3, seed=8)
+    for build in (
+        lambda x, y, k: DataCentricGPC(x, y, k, num_steps=2, noise=0.1, num_samples=S),
+        lambda x, y, k: DistributionCentricGPC(
+            x, y, k, num_steps=2, method="tempered", num_samples=S
+        ),
+    ):
+        cpu = build(x, labels, _modules(3, False)[0])
+        cuda = build(x.cuda(), labels.cuda(), _modules(3, False)[0].cuda())
+        torch.testing.assert_close(
+            cuda.predict_proba(test_x.cuda()).cpu(), cpu.predict_proba(test_x), rtol=0, atol=1e-9
+        )
+        torch.testing.assert_close(cuda.latent_modes().cpu(), cpu.latent_modes(), rtol=0, atol=1e-9)
