@@ -102,7 +102,8 @@ def infer_num_classes(train_y: object, num_classes: object) -> int:
             )
         return check_int(num_classes, "num_classes", minimum=2)
     y = as_float_tensor(train_y, "train_y")
-    if not bool(((y >= 2) & (y == y.round())).any()):
+    finite = torch.isfinite(y)
+    if not bool(finite.all()) or not bool(((y >= 2) & (y == y.round())).any()):
         return 2
     K = int(y.max().floor()) + 1
     SoftmaxLabelTerms(K).check_targets(y, "train_y")
@@ -119,8 +120,17 @@ class SoftmaxLabelTerms(SoftmaxTerms):
 
     def check_targets(self, y: Tensor, name: str = "train_y") -> None:
         """A ``ValueError`` naming ``name`` unless ``y`` holds integer labels in
-        ``0 ... K - 1``."""
-        self.targets(y, self.num_classes, name)
+        ``0 ... K - 1`` (checked without forming the one-hot rows)."""
+        self.targets(y[..., :0], self.num_classes, name)  # the shape and K
+        if not bool(torch.isfinite(y).all()):
+            raise ValueError(f"{name} must be finite, but it holds NaN or infinite values")
+        K = self.num_classes
+        bad = (y != y.round()) | (y < 0) | (y > K - 1)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{name} must hold integer class labels in 0 ... {K - 1} (num_classes={K}), "
+                f"got values such as {y[bad].flatten()[:3].tolist()}"
+            )
 
 
 class TemperedSoftmaxTerms(MulticlassLikelihoodTerms):

@@ -159,6 +159,25 @@ def test_tempered_steps_match_a_written_out_tempered_newton(K, per_class):
     torch.testing.assert_close(model.step_targets(2), Y)
 
 
+def test_a_batch_of_labels_gives_the_tempered_steps_of_each():
+    x, labels, test_x = _data(15, 3, seed=8)
+    batch = torch.stack([labels, torch.roll(labels, 2)])
+    model = DistributionCentricGPC(
+        x, batch, _modules(3, False)[0], num_steps=2, method="tempered", num_samples=S
+    )
+    proba = model.predict_proba(test_x)
+    assert proba.shape == (2, 2, len(test_x), 3)
+    assert model.step_targets().shape == (2, 2, 15, 3)
+    for b in range(2):
+        single = DistributionCentricGPC(
+            x, batch[b], _modules(3, False)[0], num_steps=2, method="tempered", num_samples=S
+        )
+        torch.testing.assert_close(proba[b], single.predict_proba(test_x), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            model.latent_modes()[b], single.latent_modes(), rtol=0, atol=1e-12
+        )
+
+
 def test_tempered_steps_kept_or_recomputed_agree():
     x, labels, test_x = _data(15, 3, seed=1)
     kept = DistributionCentricGPC(
@@ -245,6 +264,12 @@ def test_bad_labels_and_settings_raise_clear_errors():
         DataCentricGPC(x, fractional, kernel)
     with pytest.raises(ValueError, match=r"integer class labels in 0 \.\.\. 2"):
         DataCentricGPC(x, torch.where(labels == 0, 3, labels), kernel, num_classes=3)
+    infinite = labels.double()
+    infinite[0] = float("inf")
+    with pytest.raises(ValueError, match="train_y must be finite"):
+        DataCentricGPC(x, infinite, kernel)
+    with pytest.raises(ValueError, match="train_y must be finite"):
+        DataCentricGPC(x, infinite, kernel, num_classes=3)
     with pytest.raises(ValueError, match="num_classes must be an integer >= 2, got 1"):
         DataCentricGPC(x, labels * 0, kernel, num_classes=1)
     with pytest.raises(ValueError, match="integer class labels"):
