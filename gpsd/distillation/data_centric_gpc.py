@@ -124,14 +124,13 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     A(\mathbf f_i)`, :math:`A` its log-normaliser, under :math:`\mathbf K_c + \gamma_t
     \mathbf I`. As the binary steps predict :math:`\sigma(f)`, every step's class
     probabilities are :math:`\mathbb{E}_{q_t}[\operatorname{softmax}(\mathbf f_*)]` (the
-    continuous categorical's parameter, not its mean :math:`\nabla A`). Each
-    step is a :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its expectations are Monte Carlo
-    averages over ``num_samples`` draws from the latent predictive, the same draws for every
-    point and at every call (a generator seeded with 0), so the targets and the predictions are
-    the same at every fit, and a point's probabilities do not depend on the points predicted
-    with it. :meth:`predict_proba` has a
-    trailing class axis of size :math:`K`, :meth:`step_targets` (one-hot labels at step 1) and
-    :meth:`latent_modes` are ``(*batch, T, n, K)``. ``soft_target_likelihood`` stays
+    continuous categorical's parameter, not its mean :math:`\nabla A`). Each step is a
+    :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its expectations are Monte Carlo averages
+    over ``num_samples`` draws from the latent predictive, the same draws for every point and at
+    every call (a CPU generator seeded with 0), so the targets and the predictions are the same
+    at every fit, and a point's probabilities do not depend on the points predicted with it.
+    :meth:`predict_proba` has a trailing class axis of size :math:`K`, :meth:`step_targets`
+    (one-hot labels at step 1) and :meth:`latent_modes` are ``(*batch, T, n, K)``. ``soft_target_likelihood`` stays
     ``"continuous_bernoulli"`` (read as the continuous categorical), ``threshold_targets``
     ``False``, ``target_method`` ``"quadrature"`` (read as the Monte Carlo average) and
     ``refit_hyperparameters`` ``False``; other values are refused. Each Newton run starts from
@@ -298,8 +297,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             (
                 "soft_target_likelihood",
                 "continuous_bernoulli",
-                "steps t >= 2 fit the "
-                "continuous categorical: pass soft_target_likelihood='continuous_bernoulli'",
+                "steps t >= 2 fit the continuous categorical: pass "
+                "soft_target_likelihood='continuous_bernoulli'",
             ),
             ("threshold_targets", False, "pass threshold_targets=False"),
             (
