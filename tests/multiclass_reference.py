@@ -134,21 +134,19 @@ def predictive(Ks, m, F, W, cross, test_var, test_mean):
     return mean, covariance
 
 
-def monte_carlo(mean, covariance, response, num_samples, draw_dtype=None):
+def monte_carlo(mean, covariance, response, num_samples):
     """The average of ``response`` over ``num_samples`` draws ``mean + Sigma^1/2 z`` at each point,
-    the same draws ``z`` ``(S, K)`` at every point, from a generator seeded with 0 in
-    ``draw_dtype``."""
+    the same draws ``z`` ``(S, K)`` at every point, from a generator seeded with 0 in float64."""
     generator = torch.Generator().manual_seed(0)
-    z = torch.randn(
-        (num_samples, mean.shape[-1]), generator=generator, dtype=draw_dtype or mean.dtype
-    ).to(mean.dtype)
+    z = torch.randn((num_samples, mean.shape[-1]), generator=generator, dtype=torch.float64)
+    z = z.to(mean.dtype)
     values, vectors = torch.linalg.eigh(covariance)
     root = vectors @ torch.diag_embed(values.clamp_min(0).sqrt()) @ vectors.transpose(-1, -2)
     samples = mean + torch.einsum("ikl,sl->sik", root, z)
     return response(samples.reshape(-1, mean.shape[-1])).reshape(samples.shape).mean(0)
 
 
-def data_centric_chain(Ks, m, labels, noise, num_samples, draw_dtype=None):
+def data_centric_chain(Ks, m, labels, noise, num_samples):
     """The data-centric chain: modes ``(T, n, K)``, targets ``(T, n, K)`` and each step's
     ``(F, W, Ks + gamma I)``; ``Ks`` ``(K, n, n)``, ``m`` ``(n, K)``."""
     K, n, _ = Ks.shape
@@ -163,5 +161,5 @@ def data_centric_chain(Ks, m, labels, noise, num_samples, draw_dtype=None):
         targets.append(Y)
         fits.append((F, W, Kt))
         mean, cov = predictive(Kt, m, F, W, Ks, torch.diagonal(Ks, dim1=-2, dim2=-1), m)
-        Y = monte_carlo(mean, cov, softmax, num_samples, draw_dtype)
+        Y = monte_carlo(mean, cov, softmax, num_samples)
     return torch.stack(modes), torch.stack(targets), fits

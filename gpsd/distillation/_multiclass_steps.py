@@ -69,19 +69,19 @@ def monte_carlo_probabilities(mean: Tensor, covariance: Tensor, num_samples: int
 
     with :math:`\boldsymbol\Sigma_*^{1/2}` the symmetric square root and the same :math:`S`
     draws :math:`\mathbf z_s \sim \mathcal N(\mathbf 0, \mathbf I_K)` for every point, from a
-    CPU generator seeded with 0 (common random numbers: the result is the same at every call and
-    on every device, and a point's probabilities do not depend on the other points or their
-    order). The standard error
+    CPU generator seeded with 0 in float64 (common random numbers: the result is the same at
+    every call, on every device and, to rounding, in every dtype, and a point's probabilities do
+    not depend on the other points or their order). The standard error
     of each entry is at most :math:`0.5/\sqrt S`.
 
     :param mean: :math:`\boldsymbol\mu_*`, ``(*b, m, K)``.
     :param covariance: :math:`\boldsymbol\Sigma_*`, ``(*b, m, K, K)``.
     :param num_samples: :math:`S`.
     """
-    # drawn on the CPU: the same draws on every device
+    # drawn on the CPU in float64: the same draws on every device and in every dtype
     generator = torch.Generator().manual_seed(0)
-    draws = torch.randn((num_samples, mean.shape[-1]), generator=generator, dtype=mean.dtype)
-    draws = draws.to(mean.device)
+    draws = torch.randn((num_samples, mean.shape[-1]), generator=generator, dtype=torch.float64)
+    draws = draws.to(dtype=mean.dtype, device=mean.device)
     root = psd_sqrt(covariance)
     total = torch.zeros_like(mean)
     for chunk in draws.split(_SAMPLE_CHUNK):
