@@ -240,12 +240,7 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
         x = check_test_inputs(test_x, self.train_inputs)
         steps = self._steps(step)
         if self.num_classes > 2:
-            rows = []
-            for t in steps:
-                posterior, modules = self._class_posterior(t)
-                rows.append(
-                    class_latent(self, posterior, modules.covar_module, modules.mean_module, x)
-                )
+            rows = [class_latent(self, *self._class_posterior(t), x) for t in steps]
             if step is not None:
                 return rows[0]
             return Prediction(
@@ -290,27 +285,12 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
             raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")
         if self.num_classes > 2:
             if method != "quadrature":
-                refuse_for_classes(
-                    self.num_classes,
-                    "method",
-                    method,
-                    "the class probabilities are a Monte "
-                    "Carlo average: leave method at 'quadrature'",
-                )
+                allowed = "the class probabilities are a Monte Carlo average: leave method at "
+                refuse_for_classes(self.num_classes, "method", method, allowed + "'quadrature'")
             x = check_test_inputs(test_x, self.train_inputs)
-            rows = []
-            for t in self._steps(step):
-                posterior, modules = self._class_posterior(t)
-                rows.append(
-                    class_probabilities(
-                        self,
-                        posterior,
-                        modules.covar_module,
-                        modules.mean_module,
-                        x,
-                        self.num_samples,
-                    )
-                )
+            rows = [
+                class_probabilities(self, *self._class_posterior(t), x) for t in self._steps(step)
+            ]
             return self._rows_of_steps(rows, step)
         latent = self._latent(test_x, step)
         positive = self._positive_probability(latent.mean, latent.variance, method)

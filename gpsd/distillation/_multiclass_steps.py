@@ -102,8 +102,7 @@ def infer_num_classes(train_y: object, num_classes: object) -> int:
             )
         return check_int(num_classes, "num_classes", minimum=2)
     y = as_float_tensor(train_y, "train_y")
-    finite = torch.isfinite(y)
-    if not bool(finite.all()) or not bool(((y >= 2) & (y == y.round())).any()):
+    if not bool(torch.isfinite(y).all()) or not bool(((y >= 2) & (y == y.round())).any()):
         return 2
     K = int(y.max().floor()) + 1
     SoftmaxLabelTerms(K).check_targets(y, "train_y")
@@ -121,7 +120,6 @@ class SoftmaxLabelTerms(SoftmaxTerms):
     def check_targets(self, y: Tensor, name: str = "train_y") -> None:
         """A ``ValueError`` naming ``name`` unless ``y`` holds integer labels in
         ``0 ... K - 1`` (checked without forming the one-hot rows)."""
-        self.targets(y[..., :0], self.num_classes, name)  # the shape and K
         if not bool(torch.isfinite(y).all()):
             raise ValueError(f"{name} must be finite, but it holds NaN or infinite values")
         K = self.num_classes
@@ -301,18 +299,19 @@ def tempered_posterior(
 
 
 def class_latent(
-    owner: torch.nn.Module,
-    posterior: MulticlassLaplacePosterior,
-    covar_module: Kernel,
-    mean_module: Mean,
-    x: Tensor,
+    owner: torch.nn.Module, posterior: MulticlassLaplacePosterior, modules: object, x: Tensor
 ) -> Prediction:
-    r"""The latent predictive of ``posterior`` at checked test inputs ``x``: the mean
+    r"""The latent predictive of ``posterior``, whose kernel and prior mean are ``modules``'
+    ``covar_module`` and ``mean_module``, at checked test inputs ``x``: the mean
     ``(*b, m, K)``, the variances ``(*b, m, K)`` and the covariance between the classes at each
     point ``(*b, m, K, K)`` (R&W Algorithm 3.4). ``owner``'s parameters are constants to it."""
     with constant_parameters(owner):
         cross, diag, prior_mean = _class_prior_at_test(
-            covar_module, mean_module, x, owner.train_inputs, posterior.num_classes
+            modules.covar_module,
+            modules.mean_module,
+            x,
+            owner.train_inputs,
+            posterior.num_classes,
         )
     mean, covariance = posterior.predictive(cross, diag, prior_mean)
     variance = torch.diagonal(covariance, dim1=-2, dim2=-1)
@@ -320,21 +319,21 @@ def class_latent(
 
 
 def class_probabilities(
-    owner: torch.nn.Module,
-    posterior: MulticlassLaplacePosterior,
-    covar_module: Kernel,
-    mean_module: Mean,
-    x: Tensor,
-    num_samples: int,
+    owner: torch.nn.Module, posterior: MulticlassLaplacePosterior, modules: object, x: Tensor
 ) -> Tensor:
-    """The class probabilities of ``posterior`` at checked test inputs ``x``, ``(*b, m, K)``
-    (:func:`monte_carlo_probabilities` with ``num_samples`` draws)."""
+    """The class probabilities of ``posterior`` (with ``modules`` as for :func:`class_latent`)
+    at checked test inputs ``x``, ``(*b, m, K)``: :func:`monte_carlo_probabilities` with
+    ``owner.num_samples`` draws."""
     with torch.no_grad():
         cross, diag, prior_mean = _class_prior_at_test(
-            covar_module, mean_module, x, owner.train_inputs, posterior.num_classes
+            modules.covar_module,
+            modules.mean_module,
+            x,
+            owner.train_inputs,
+            posterior.num_classes,
         )
         mean, covariance = posterior.predictive(cross, diag, prior_mean)
-        return monte_carlo_probabilities(mean, covariance, num_samples)
+        return monte_carlo_probabilities(mean, covariance, owner.num_samples)
 
 
 def class_log_loss(proba: Tensor, val_y: object) -> Tensor:
