@@ -16,6 +16,7 @@ from multiclass_reference import (
     tempered,
 )
 
+import gpsd
 from gpsd.distillation.data_centric_gpc import DataCentricGPC
 from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
 
@@ -338,3 +339,16 @@ def test_a_loaded_state_and_a_new_dtype_refit_the_data_centric_chain():
     single = model.float().predict_proba(test_x.float())
     assert single.dtype == torch.float32
     torch.testing.assert_close(single.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_a_chain_beyond_the_free_memory_is_refused_before_fitting(use_setting):
+    x, labels, _ = _data(15, 3, seed=9)
+    # the 3 class covariances, and per step kept 3 more and a dense factor of 3 x 3 blocks
+    needed = (3 + 2 * (3 + 9)) * 15 * 15 * 8
+    tempered = DistributionCentricGPC(x, labels, _modules(3, False)[0], method="tempered")
+    use_setting(gpsd.settings.memory_limit(cpu=needed - 1))
+    model = DataCentricGPC(x, labels, _modules(3, False)[0], num_steps=2, num_samples=S)
+    with pytest.raises(gpsd.InsufficientMemoryError, match=f"fit needs about {needed} bytes"):
+        model.fit()
+    with pytest.raises(gpsd.InsufficientMemoryError, match="fewer steps"):
+        tempered.predict_proba(x)
