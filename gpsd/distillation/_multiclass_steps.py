@@ -135,7 +135,7 @@ class TemperedSoftmaxTerms(MulticlassLikelihoodTerms):
     r"""The softmax likelihood raised to the power :math:`t`, :math:`t \log p(y_i \mid
     \mathbf f_i)`, with its gradient and Hessian scaled alike; the response is the softmax.
 
-    Its Hessian blocks are no longer those of the softmax, so the engine factors them densely
+    Its Hessian blocks are not those of the softmax, so the engine factors them densely
     (:math:`O(K^3 n^3)`).
     """
 
