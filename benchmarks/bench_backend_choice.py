@@ -64,7 +64,7 @@ def engine_name(model: DataCentricGPR) -> str:
     """The backend a model fitted under ``torch.no_grad()`` used (``auto`` may choose otherwise
     where a gradient is needed, so the engine is looked up in the same grad mode)."""
     with torch.no_grad():
-        engine = model._state()["engine"]
+        engine = model._current_fit().engine
     if isinstance(engine, ShiftedCholesky):
         return "cholesky"
     if isinstance(engine, ShiftedCG):

@@ -59,7 +59,7 @@ def scores(x, y, noise, backend: str) -> dict:
         fitted = time.perf_counter()
         gcv, error = model.gcv(), model.gcv_standard_error()
         step = model.best_step("gcv")
-    engine = model._state()["engine"]
+    engine = model._current_fit().engine
     return {
         "gcv": gcv,
         "error": error,

@@ -154,12 +154,12 @@ def _products(result: Run) -> str:
 
 
 def _rank(model) -> int:
-    engine = model._state()["engine"]
+    engine = model._current_fit().engine
     return int(engine.ritz_values.shape[-1]) if hasattr(engine, "ritz_values") else 0
 
 
 def _series_order(model) -> str:
-    engine = model._state()["engine"]
+    engine = model._current_fit().engine
     return str(engine.series_order) if getattr(engine, "is_truncated", False) else "—"
 
 

@@ -9,7 +9,7 @@ or in one process:
     python examples/distributed_regression.py
 
 Every rank builds the same data and model and calls the same methods: each evaluates its block
-of kernel rows, the Lanczos iterations run on every rank, and every rank ends with the same
+of kernel rows and keeps its rows of the Lanczos basis, and every rank ends with the same
 predictions, those of one process. Rank 0 prints the time of the fit and of the predictions
 (means and variances of every step at the test points), the test RMSE of a few steps, the step
 GCV picks, and, with ``--check``, the largest difference from the same model fitted in this

@@ -20,6 +20,7 @@ from gpsd import (
     settings,
 )
 from gpsd.distillation import (
+    CombinedGPC,
     CombinedGPR,
     DataCentricGPC,
     DataCentricGPR,
@@ -57,6 +58,7 @@ __all__ = [
     "ARDGPRegressor",
     "BackendError",
     "ChunkedKernel",
+    "CombinedGPC",
     "CombinedGPR",
     "DistributedError",
     "ContinuousBernoulliLikelihood",

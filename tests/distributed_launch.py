@@ -1,7 +1,7 @@
 """Start ``tests/distributed_worker.py`` once per rank and collect what every rank saved.
 
 Shared by the multi-process tests (tests/linalg/test_distributed_kernel_operator.py,
-tests/linalg/test_shared_rows.py,
+tests/linalg/test_shared_rows.py, tests/linalg/test_row_split.py,
 tests/kernel_distillation/test_kernel_distillation_process_group.py): subprocesses on the
 loopback interface, joined through a file store in a temporary folder.
 """

@@ -1,4 +1,5 @@
-"""One rank of the multi-process runs of tests/linalg/test_distributed_kernel_operator.py and
+"""One rank of the multi-process runs of tests/linalg/test_distributed_kernel_operator.py,
+tests/linalg/test_row_split.py and
 tests/kernel_distillation/test_kernel_distillation_process_group.py (started by
 tests/distributed_launch.py).
 
@@ -49,9 +50,15 @@ def _combined(x, y, kernel, *, noise, **kwargs) -> gpsd.CombinedGPR:
     return gpsd.CombinedGPR(x, y, kernel, noise=[noise, noise], **kwargs)
 
 
+def _two_schedules(x, y, kernel, *, noise, **kwargs) -> gpsd.DataCentricGPR:
+    """The data-centric chain with a batch of two schedules: ``noise`` and twice it."""
+    return gpsd.DataCentricGPR(x, y, kernel, noise=[noise, [2 * g for g in noise]], **kwargs)
+
+
 #: (name, class or factory, backend) of the models every scenario compares
 MODELS = [
     ("data_lanczos", gpsd.DataCentricGPR, "lanczos"),
+    ("data_lanczos_schedules", _two_schedules, "lanczos"),
     ("data_cg", gpsd.DataCentricGPR, "cg"),
     ("data_auto", gpsd.DataCentricGPR, "auto"),
     ("distribution_lanczos", gpsd.DistributionCentricGPR, "lanczos"),
@@ -77,10 +84,17 @@ def reference(n: int, process_group=None) -> dict:
                 "mean": prediction.mean,
                 "variance": prediction.variance,
                 "predict_mean": model.predict_mean(test_x),
-                "engine": type(model._state()["engine"]).__name__,
-                "split": model._state()["engine"].columns_are_local,
+                "engine": type(model._current_fit().engine).__name__,
+                "split": model._current_fit().engine.columns_are_local,
+                **_layout(model._current_fit().engine),
             }
-            if name in ("data_lanczos", "data_cg", "combined_lanczos", "combined_cg"):
+            if name in (
+                "data_lanczos",
+                "data_lanczos_schedules",
+                "data_cg",
+                "combined_lanczos",
+                "combined_cg",
+            ):
                 # CG's from the same probes on every rank
                 out[name]["gcv"] = model.gcv()
                 out[name]["gcv_standard_error"] = model.gcv_standard_error()
@@ -88,6 +102,76 @@ def reference(n: int, process_group=None) -> dict:
                 out[name]["step_targets"] = model.step_targets()
                 covariance = model.predict(test_x[:7], full_cov=True).covariance
                 out[name]["covariance"] = covariance
+    return out
+
+
+def _layout(engine) -> dict:
+    """Which rows of the training inputs the engine's vectors hold on this rank."""
+    rows = engine.local_rows
+    vectors = engine.ritz_vectors
+    return {
+        "local_rows": None if rows is None else (rows.start, rows.stop),
+        "ritz_rows": None if vectors is None else vectors.shape[-2],
+        "eigenvector_rows": getattr(engine, "eigenvectors", vectors).shape[-2],
+    }
+
+
+#: Lanczos spectra compared directly: an uneven N on 2 and 3 ranks, a rank that leaves a
+#: complement (series, power iterations), and a whole basis of a tiny N whose ranks hold fewer
+#: rows than a block has columns
+SPECTRUM_N = 301
+TINY_N = 10
+
+
+def spectrum_reference(process_group=None) -> dict:
+    """A truncated Lanczos spectrum of :func:`problem`'s kernel and every form of it, and the
+    whole spectrum of a tiny problem, through the group's rows (``None``: this process alone).
+    Arguments with N rows are drawn whole and cut to this rank's rows; results with N rows are
+    gathered."""
+    out = {}
+    for name, n, settings in (
+        ("truncated", SPECTRUM_N, {"rank": 48, "block_size": 8, "residual_tol": 1e-6}),
+        ("whole", TINY_N, {"rank": TINY_N, "block_size": 8}),
+    ):
+        x, _, _, kernel = problem(n)
+        if process_group is None:
+            op = gpsd.linalg.ChunkedKernelOperator(x, covar_module=kernel, chunk_size=64)
+        else:
+            op = gpsd.linalg.DistributedKernelOperator(
+                x, covar_module=kernel, process_group=process_group, chunk_size=64
+            )
+        spectrum = gpsd.linalg.KernelSpectrum.from_lanczos(
+            op, generator=torch.Generator().manual_seed(3), **settings
+        )
+        rows = spectrum.local_rows or slice(0, n)
+        gen = torch.Generator().manual_seed(4)
+        rhs = torch.randn(n, 2, generator=gen, dtype=DT)
+        left = torch.randn(n, 3, generator=gen, dtype=DT)
+        filt = gpsd.linalg.SpectralFilter.data_centric_weights(torch.tensor(NOISE, dtype=DT))
+        coords = spectrum.project(rhs[rows])
+        trace, trace_error = spectrum.trace_estimate(filt, 8, torch.Generator().manual_seed(5))
+        out[name] = {
+            "eigenvalues": spectrum.eigenvalues,
+            "num_resolved": spectrum.num_resolved,
+            "residual_norm": torch.tensor(spectrum.residual_norm),
+            "complement_norm": torch.tensor(spectrum.complement_norm),  # power iterations
+            "error_estimate": torch.tensor(spectrum.error_estimate(min(NOISE))),
+            # V^T B up to the sign of each eigenvector (QR on rows or whole picks the sign)
+            "coefficients": coords.coefficients.abs(),
+            "apply": spectrum.all_rows(spectrum.apply(filt, coords)),
+            "cross": spectrum.cross(filt, left[rows], coords),
+            "quad_diag": spectrum.quad_diag(filt, left[rows]),
+            "trace": spectrum.trace(filt),
+            "trace_estimate": trace,
+            "trace_error": trace_error,
+            "eigenvector_rows": spectrum.eigenvectors.shape[-2],
+            "ritz_rows": spectrum.ritz_vectors.shape[-2],
+            "basis_size": spectrum.size,
+        }
+        if process_group is not None:  # all N rows where each rank must pass its own
+            out[name]["full_rows"] = _caught(
+                lambda spectrum=spectrum, rhs=rhs: spectrum.project(rhs)
+            )
     return out
 
 
@@ -291,14 +375,44 @@ def scenario_main(rank: int, world: int) -> dict:
         model = gpsd.DataCentricGPR(x, y, kernel, noise=NOISE, process_group=dist.group.WORLD)
         out["disagreeing_auto"] = {
             "mean": model.predict(test_x).mean,
-            "engine": type(model._state()["engine"]).__name__,
+            "engine": type(model._current_fit().engine).__name__,
         }
     model = gpsd.DataCentricGPR(
         x, y, kernel, noise=NOISE, backend="lanczos", process_group=dist.group.WORLD
     )
     other_test = test_x + (1e-3 if rank == 0 else 0.0)
     out["different_test_x"] = _caught(lambda: model.predict(other_test))
+    out["spectrum"] = spectrum_reference(dist.group.WORLD)
+    out["plain_spectrum"] = spectrum_reference()
     out["mll"] = scenario_mll(rank, world)  # in the same processes: no second start
+    return out
+
+
+def scenario_row_split(rank: int, world: int) -> dict:
+    """The sums and the TSQR of :class:`gpsd.linalg._row_split.SplitRows` on this rank's rows
+    of matrices drawn whole: ``(N, c)`` of 7 x 3 (ranks with fewer rows than columns on 3
+    ranks) and 40 x 5; results with N rows gathered."""
+    from gpsd.linalg._row_split import SplitRows
+
+    out = {}
+    for n, c in ((7, 3), (40, 5)):
+        x, _, _, kernel = problem(n)
+        op = gpsd.linalg.DistributedKernelOperator(
+            x, covar_module=kernel, process_group=dist.group.WORLD, chunk_size=4
+        )
+        rows = SplitRows(op, DT)
+        gen = torch.Generator().manual_seed(6)
+        z = torch.randn(2, n, c, generator=gen, dtype=DT)  # a batch of two
+        w = torch.randn(2, n, 2, generator=gen, dtype=DT)
+        q, r = rows.qr(rows.take(z))
+        out[(n, c)] = {
+            "q": rows.gather(q),
+            "r": r,
+            "gram": rows.gram(rows.take(z), rows.take(w)),
+            "norm": rows.norm(rows.take(z)),
+            "product": rows.gather(rows.matmul(rows.take(z))),
+            "mine": rows.take(z).shape[-2],
+        }
     return out
 
 
@@ -486,6 +600,8 @@ def main() -> None:
             result = scenario_rows(rank, world)
         elif scenario == "keops":
             result = scenario_keops(rank, world)
+        elif scenario == "row_split":
+            result = scenario_row_split(rank, world)
         else:
             result = scenario_fail(rank, world, scenario.removeprefix("fail_"), out_file)
     except Exception:

@@ -17,6 +17,7 @@ from torch import nn
 import gpsd
 from gpsd import (
     ARDGPRegressor,
+    CombinedGPC,
     CombinedGPR,
     DataCentricGPC,
     DataCentricGPR,
@@ -106,6 +107,10 @@ FACTORIES = {
         lambda x, y, lab: DistributionCentricGPR(x, y, _kernel(), noise=[0.1, 0.2, 0.3]),
     ),
     LaplaceGPClassifier: ("classifier", lambda x, y, lab: LaplaceGPClassifier(x, lab, _kernel())),
+    CombinedGPC: (
+        "distiller-classifier",
+        lambda x, y, lab: CombinedGPC(x, lab, _kernel(), noise=[[0.0, 0.1, 0.0]]),
+    ),
     DataCentricGPC: (
         "distiller-classifier",
         lambda x, y, lab: DataCentricGPC(x, lab, _kernel(), num_steps=T),
@@ -446,6 +451,7 @@ PROGRESS_METHODS = [
     "DistributionCentricGPR.optimize_hyperparameters",
     "CombinedGPR.optimize_hyperparameters",
     "LaplaceGPClassifier.optimize_hyperparameters",
+    "CombinedGPC.fit",
     "DataCentricGPC.fit",
     "DistributionCentricGPC.fit",
     "KernelDistillation.fit",

@@ -20,26 +20,30 @@ class ModuleState:
         self.values: list[Tensor] = [t.detach().clone() for t in module.state_dict().values()]
 
     def matches(self, module: nn.Module) -> bool:
-        """Whether ``module``'s state still has these values (shapes, dtypes and devices too).
+        """Whether ``module``'s state still has these values (shapes, dtypes and devices too)."""
+        return same_values(self.values, list(module.state_dict().values()))
 
-        Values on a GPU are compared there and the answer read once per device (the GPU waits
-        once, not once per tensor: the chunked kernel operator asks at every product); values on
-        the CPU one by one.
-        """
-        current = list(module.state_dict().values())
-        if len(current) != len(self.values) or not all(
-            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-            for a, b in zip(self.values, current, strict=True)
-        ):
-            return False
-        differs: dict[torch.device, list[Tensor]] = {}
-        for a, b in zip(self.values, current, strict=True):
-            if a.device.type == "cpu":  # no device to wait for: the cheaper comparison
-                if not torch.equal(a, b):
-                    return False
-            elif a.numel():
-                differs.setdefault(a.device, []).append(torch.ne(a, b).any())
-        return not any(bool(torch.stack(flags).any()) for flags in differs.values())
+
+def same_values(saved: list[Tensor], current: list[Tensor]) -> bool:
+    """Whether the tensors ``current`` have the values, shapes, dtypes and devices of ``saved``.
+
+    Values on a GPU are compared there and the answer read once per device (the GPU waits once,
+    not once per tensor: the chunked kernel operator asks at every product); values on the CPU
+    one by one.
+    """
+    if len(current) != len(saved) or not all(
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+        for a, b in zip(saved, current, strict=True)
+    ):
+        return False
+    differs: dict[torch.device, list[Tensor]] = {}
+    for a, b in zip(saved, current, strict=True):
+        if a.device.type == "cpu":  # no device to wait for: the cheaper comparison
+            if not torch.equal(a, b):
+                return False
+        elif a.numel():
+            differs.setdefault(a.device, []).append(torch.ne(a, b).any())
+    return not any(bool(torch.stack(flags).any()) for flags in differs.values())
 
 
 def write_count(tensor: Tensor) -> int | None:

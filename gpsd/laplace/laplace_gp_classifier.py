@@ -2,6 +2,8 @@ r"""Binary GP classification by the Laplace approximation, for any GPyTorch kern
 
 from __future__ import annotations
 
+import dataclasses
+
 import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
@@ -9,9 +11,8 @@ from gpytorch.kernels import Kernel
 from gpytorch.means import Mean, ZeroMean
 from torch import Tensor
 
-from gpsd._internal.fit_cache import FitCache
+from gpsd._internal.fitted import FitDependencies, Fitted
 from gpsd._internal.memory_check import check_dense_matrices_fit
-from gpsd._internal.module_state import adopt_buffer_shapes
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.validation import (
     check_gp_modules,
@@ -41,7 +42,18 @@ __all__ = ["LaplaceGPClassifier"]
 _NEWTON_MATRICES = 4
 
 
-class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LaplaceFit:
+    """A :class:`LaplaceGPClassifier`'s fit.
+
+    :param posterior: The :class:`~gpsd.laplace.LaplacePosterior` at the fitted hyperparameters,
+        its prior without autograd history; its mode is ``posterior.mode``.
+    """
+
+    posterior: LaplacePosterior
+
+
+class LaplaceGPClassifier(Fitted, ClassificationTrainingData, gpytorch.Module):
     r"""A GP classifier (or soft-target model) with the Laplace approximation of the posterior.
 
     Prior :math:`f \sim \mathcal{GP}(m, k)`, observations :math:`y_i \mid f_i \sim p(y \mid f_i)`
@@ -67,9 +79,8 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
     found by Newton's method in the stable B-form, warm started from the last mode. :meth:`log_marginal_likelihood` is differentiable in the kernel and
     mean hyperparameters (total derivative, including the dependence of the mode), so they train in
     an ordinary torch loop. The model fits lazily: :meth:`fit` need not be called, the first
-    prediction fits, and predictions refit the mode when any parameter or buffer, the
-    ``temperature``, ``max_iter`` or a :mod:`gpsd.settings` value has changed since the last
-    fit, so they always belong to the current hyperparameters.
+    prediction fits, and predictions refit the mode when the fit is stale (:meth:`fit` lists
+    when), so they always belong to the current hyperparameters.
 
     Predictions follow scikit-learn's classifiers: :meth:`predict_proba` gives both classes'
     probabilities ``(*batch, M, 2)``, :meth:`predict` the labels ``(*batch, M)``,
@@ -148,19 +159,11 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
         )
         self.register_buffer("latent_mode", torch.zeros_like(train_y))
         self.register_buffer("mode_available", torch.tensor(False, device=train_x.device))
-        #: the fitted :class:`~gpsd.laplace.LaplacePosterior`, valid while the state it was fitted
-        #: at (parameters, buffers, ``temperature``, ``max_iter``, :mod:`gpsd.settings`) holds
-        self._fit_cache = FitCache()
         #: the losses of the last :meth:`optimize_hyperparameters`, one per iteration
         self.history: list[float] = []
 
     # ----------------------------------------------------------------------------------------
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        adopt_buffer_shapes(
-            self, state_dict, prefix, ("latent_mode", "train_inputs", "train_targets")
-        )
-        self._fit_cache.clear()  # the loaded mode is a warm start for the next fit
-        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    _resizable_buffers = ("latent_mode", "train_inputs", "train_targets")
 
     def prior_train(self) -> tuple[Tensor, Tensor]:
         r"""Prior mean ``(*batch, n)`` and covariance :math:`\mathbf K + \gamma\mathbf I`
@@ -169,27 +172,25 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
             self.covar_module, self.mean_module, self.train_inputs, self.train_targets, self.noise
         )
 
-    def _fit_config(self) -> tuple:
-        """What the mode depends on besides the parameters and buffers."""
-        return (self.temperature, self.max_iter)
+    def _fit_dependencies(self) -> FitDependencies:
+        return FitDependencies(
+            (self.covar_module, self.mean_module, getattr(self, "likelihood", None)),
+            (self.train_inputs, self.train_targets, self.noise),
+            (self.temperature, self.max_iter),
+        )
 
     @property
     def mode(self) -> LaplaceMode:
         """The :class:`~gpsd.laplace.LaplaceMode` at the current hyperparameters (fitted on first
-        use, refitted when any parameter, buffer, ``temperature``, ``max_iter`` or
-        :mod:`gpsd.settings` value changed since the last fit)."""
+        use, refitted when the fit is stale: see :meth:`fit`)."""
         return self._fitted_posterior().mode
 
     def _fitted_posterior(self) -> LaplacePosterior:
         """The :class:`~gpsd.laplace.LaplacePosterior` of the last fit (its prior without autograd
-        history), refitted where the state it was fitted at changed."""
-        posterior = self._fit_cache.get(self, self._fit_config(), self._find_posterior)
-        self._fit_cache.grad_matters = False  # the mode is found without autograd
-        return posterior
+        history), refitted where the fit is stale."""
+        return self._current_fit().posterior
 
-    def _find_posterior(
-        self, init_f: Tensor | None = None, warm_start: bool = True
-    ) -> LaplacePosterior:
+    def _compute_fit(self, init_f: Tensor | None = None, warm_start: bool = True) -> _LaplaceFit:
         """Newton at the current hyperparameters; the mode is written to :attr:`latent_mode`."""
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
@@ -226,22 +227,28 @@ class LaplaceGPClassifier(ClassificationTrainingData, gpytorch.Module):
             else:
                 self.latent_mode.copy_(f)
             self.mode_available.fill_(True)
-        return posterior
+        return _LaplaceFit(posterior)
 
     def fit(self, *, init_f: Tensor | None = None, warm_start: bool = True) -> LaplaceGPClassifier:
-        """Find the Laplace mode at the current hyperparameters (warm start from the last mode).
+        """Find the Laplace mode at the current hyperparameters now (warm start from the last
+        mode); returns ``self``.
 
-        Predictions call it themselves where the hyperparameters changed; call it to choose the
-        starting point.
+        The model also fits lazily, on first use, and refits when the fit is stale: when a
+        parameter or buffer of ``covar_module``, ``mean_module`` or the likelihood, the training
+        data or ``noise`` has another value, shape, dtype or device (an optimiser step, a write
+        through ``.data``, ``load_state_dict``, ``.to()``), when a setting of the model
+        (``temperature``, ``max_iter``) or a :mod:`gpsd.settings` value that can change a result
+        has changed, and after a backward pass through the fit's graph (the mode is found
+        without autograd, so a gradient needed later does not refit). Nothing else refits:
+        a fit made under grad mode serves predictions under ``torch.no_grad()`` as it is, and
+        copies and pickles of the model refit on first use. A loaded :attr:`latent_mode` is
+        the warm start of the next fit. Call ``fit()`` to choose the starting point.
 
         :param init_f: An explicit starting point ``(*batch, n)`` (e.g. another model's mode).
         :param warm_start: Start from the last mode if there is one.
         :return: ``self``.
         """
-        self._fit_cache.clear()
-        posterior = self._find_posterior(init_f, warm_start)
-        self._fit_cache.store(self, self._fit_config(), posterior)
-        self._fit_cache.grad_matters = False
+        self._refit(init_f=init_f, warm_start=warm_start)
         return self
 
     def posterior(self) -> LaplacePosterior:

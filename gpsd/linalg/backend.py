@@ -218,8 +218,10 @@ def make_engine(
     With a ``process_group`` (a ``torch.distributed.ProcessGroup``; ``None``: one process), the
     matrix-free backends multiply through a :class:`~gpsd.linalg.DistributedKernelOperator`,
     each rank evaluating its block of kernel rows, and every rank of the group must call this
-    function with the same arguments: the Krylov iterations then run the same on every rank
-    and return the same engine. ``backend="auto"`` then goes matrix-free whatever N (Lanczos,
+    function with the same arguments. Lanczos then keeps each rank's rows of its Krylov basis
+    and eigenvectors (:attr:`~gpsd.linalg.SpectralEngine.local_rows`), with every sum over the
+    rows all-reduced in rank order, so all ranks hold the same eigenvalues; deflated CG gathers
+    the Ritz vectors and runs its iterations the same on every rank. ``backend="auto"`` then goes matrix-free whatever N (Lanczos,
     and deflated CG where it does not reach ``rtol``), so that the group shares the work and
     every rank returns the single-process answer of that backend; ``"dense"`` and
     ``"cholesky"``, which would form the whole matrix on every rank and ignore the group, raise

@@ -50,19 +50,23 @@ class DistributedKernelOperator(LinearOperator):
     (a :class:`~gpsd.linalg.ChunkedKernelOperator` of those rows, keeping the rows that fit in
     ``cache_bytes``), or, for a GPyTorch KeOps kernel (``gpytorch.kernels.keops``), by one KeOps
     reduction over those rows that holds no kernel entry, and an ``all_gather`` giving every
-    rank the whole product. The operator is meant for iterations that run identically on every
-    rank (replicated): every rank calls
+    rank the whole product. As a ``LinearOperator`` it serves iterations that run identically
+    on every rank (replicated): every rank calls
     each product with the same :math:`\mathbf B` (``(*b, N, r)``), in the same order, and gets
-    the same :math:`\mathbf K\mathbf B`, so that block Lanczos
-    (:meth:`~gpsd.linalg.KernelSpectrum.from_lanczos`) and deflated CG
-    (:class:`~gpsd.linalg.ShiftedCG`) run on it unchanged and every rank ends with the answer
+    the same :math:`\mathbf K\mathbf B`, so that deflated CG
+    (:class:`~gpsd.linalg.ShiftedCG`) runs on it unchanged and every rank ends with the answer
     of one process (up to the rounding of the row products, which do not depend on the split).
+    Block Lanczos (:meth:`~gpsd.linalg.KernelSpectrum.from_lanczos`) splits its vectors by
+    the same rows instead: each rank keeps its rows of the Krylov basis, gathers a block's rows
+    from the ranks and multiplies its kernel rows by it (:meth:`row_block_matmul`), and adds
+    its inner products over the ranks.
 
     **Memory per rank**: the inputs :math:`\mathbf X` whole (:math:`N \times d`), the kept rows
     of its own block (at most ``cache_bytes``, of the :math:`N^2/P` entries of the block) or one
     chunk of ``chunk_size`` rows (none for a KeOps kernel), and what the caller's iteration
-    holds, replicated: a block Lanczos basis and its products, :math:`2 N q` entries for
-    :math:`q` columns.
+    holds: block Lanczos its rows of the basis and of its products, :math:`2 N q / P` entries
+    for :math:`q` columns (about :math:`8 N q / P` at a Rayleigh–Ritz step), and the gathered
+    block (:math:`N r`, twice); deflated CG its vectors whole.
 
     **Communication per product** with :math:`r` columns: each rank sends its block,
     :math:`(\lceil N/P \rceil + 2) r` entries (padded to the largest block; two more rows carry
@@ -113,7 +117,8 @@ class DistributedKernelOperator(LinearOperator):
         operator = DistributedKernelOperator(
             x, covar_module=kernel, process_group=torch.distributed.group.WORLD
         )
-        spectrum = KernelSpectrum.from_lanczos(operator, rank=64)  # the same on every rank
+        # the same eigenvalues on every rank, each rank its rows of the eigenvectors
+        spectrum = KernelSpectrum.from_lanczos(operator, rank=64)
     """
 
     def __init__(
@@ -200,6 +205,17 @@ class DistributedKernelOperator(LinearOperator):
     def kept_bytes(self) -> int:
         """Memory the kept kernel rows of this rank fill now, in bytes."""
         return self.local.kept_bytes
+
+    def row_block_matmul(self, rhs: Tensor) -> Tensor:
+        r"""This rank's rows of the product, :math:`k(\mathbf X_{I_p}, \mathbf X)\,\mathbf B`
+        for the whole :math:`\mathbf B` (``(*b, N, r)``): ``(*b, n_p, r)``. Not collective: an
+        iteration whose vectors are split by rows gathers :math:`\mathbf B` first and keeps the
+        rows returned (as :meth:`~gpsd.linalg.KernelSpectrum.from_lanczos` does)."""
+        n = self.x.shape[-2]
+        if rhs.shape[-2] != n:
+            raise ValueError(f"rhs must have {n} rows, got shape {tuple(rhs.shape)}")
+        with torch.no_grad():
+            return self.local._matmul(rhs)  # shape: (*b, n_p, r)
 
     def _matmul(self, rhs: Tensor) -> Tensor:
         n = self.x.shape[-2]

@@ -15,6 +15,7 @@ from torch import Tensor
 from gpsd._internal.progress_reporter import ProgressReporter, check_progress
 from gpsd._internal.user_warning import warn
 from gpsd._internal.validation import check_finite, check_int
+from gpsd.linalg._row_split import AllRows, row_layout
 from gpsd.linalg._tridiagonal import tridiagonal_eigh
 from gpsd.linalg.spectral_engine import SpectralEngine, hutchinson, is_matrix_free
 from gpsd.linalg.spectral_filter import SpectralFilter
@@ -29,7 +30,8 @@ class SpectralCoordinates:
 
     ``coefficients`` are :math:`\\mathbf V^\\top \\mathbf B` (shape ``(*b, k, r)``); ``krylov``,
     present only for a truncated spectrum, holds :math:`\\mathbf K_\\perp^j \\mathbf P_\\perp
-    \\mathbf B` for ``j = 0..J`` (shape ``(*b, J + 1, N, r)``).
+    \\mathbf B` for ``j = 0..J`` (shape ``(*b, J + 1, N, r)``; this rank's rows of them where
+    the spectrum splits its rows across a process group, :attr:`KernelSpectrum.local_rows`).
     """
 
     coefficients: Tensor
@@ -102,6 +104,9 @@ class KernelSpectrum(SpectralEngine):
         non-zero columns of ``eigenvectors``, found by one pass over them).
     :param differentiable: whether ``eigenvalues`` and ``eigenvectors`` may carry an autograd
         graph (``False`` for :meth:`from_tridiagonal`).
+    :param rows: where the rows of ``eigenvectors`` live (default: all of them here); a
+        :meth:`from_lanczos` spectrum of a :class:`~gpsd.linalg.DistributedKernelOperator`
+        holds this rank's rows only (see :attr:`local_rows`).
     """
 
     def __init__(
@@ -116,7 +121,9 @@ class KernelSpectrum(SpectralEngine):
         kernel_trace: Tensor | None = None,
         resolved: Tensor | None = None,
         differentiable: bool = True,
+        rows: AllRows | None = None,
     ) -> None:
+        self._rows = AllRows(matmul) if rows is None else rows
         self.eigenvalues = eigenvalues
         self.eigenvectors = eigenvectors
         self.is_truncated = matmul is not None
@@ -124,7 +131,7 @@ class KernelSpectrum(SpectralEngine):
         #: Whether ``matmul`` multiplies through a matrix-free operator (set by
         #: :meth:`from_lanczos`; see :attr:`SpectralEngine.matrix_free`).
         self.matrix_free = False
-        self._matmul = matmul
+        self._matmul = self._rows.matmul
         self.series_order = series_order
         self.max_series_order = series_order
         self._complement_norm = complement_norm
@@ -134,7 +141,7 @@ class KernelSpectrum(SpectralEngine):
         self._power_start: Tensor | None = None
         self.residual_norm = residual_norm
         self.kernel_trace = kernel_trace
-        self.size = eigenvectors.shape[-2]
+        self.size = eigenvectors.shape[-2] if rows is None else rows.size
         #: All Ritz values ``(*b, q)`` and vectors ``(*b, N, q)`` of :meth:`from_lanczos`, the
         #: unresolved ones included (``None`` for other spectra).
         self.ritz_values: Tensor | None = None
@@ -170,9 +177,40 @@ class KernelSpectrum(SpectralEngine):
         return "lanczos" if self.is_truncated else "dense"
 
     @property
+    def local_rows(self) -> slice | None:
+        """The rows of the eigenvectors and of the Ritz vectors this rank holds, where a
+        :meth:`from_lanczos` spectrum of a :class:`~gpsd.linalg.DistributedKernelOperator`
+        splits them across its ranks (``None``: every row, here). With a split, the ``N``-row
+        arguments of :meth:`project`, :meth:`apply`, :meth:`cross` and :meth:`quad_diag` are
+        this rank's rows, :meth:`apply` returns this rank's rows, and the forms over the rows
+        (coordinates, :meth:`cross`, :meth:`quad_diag`, :meth:`trace_estimate`) are summed over
+        the ranks in rank order: every rank holds the same values. Every rank calls every method
+        with its rows of the same arguments, in the same order."""
+        return self._rows.local_rows
+
+    def _check_rows(self, x: Tensor, name: str) -> None:
+        """A ``ValueError`` unless ``x`` (``(*, n, c)``) holds this rank's rows, where the
+        spectrum splits them across ranks."""
+        rows = self.local_rows
+        if rows is not None and x.shape[-2] != rows.stop - rows.start:
+            raise ValueError(
+                f"{name} must hold this rank's {rows.stop - rows.start} rows ({rows.start} to "
+                f"{rows.stop}, local_rows) of the N = {self.size} rows of the spectrum split "
+                f"across the process group, got shape {tuple(x.shape)}"
+            )
+
+    def all_rows(self, mine: Tensor) -> Tensor:
+        """All ``N`` rows of ``mine`` (``(*, n_p, c)``: this rank's rows, :attr:`local_rows`),
+        gathered from every rank (collective); ``mine`` itself without a split."""
+        return self._rows.gather(mine)
+
+    @property
     def columns_are_local(self) -> bool:
-        """Whether forms with test columns are projections on the eigenvectors alone: a full
-        spectrum, or a truncated one with no complement series that multiplies by K."""
+        """Whether forms with test columns are projections on eigenvectors every rank holds
+        whole: a full spectrum, or a truncated one with every row here (no :attr:`local_rows`)
+        and no complement series that multiplies by K."""
+        if self.local_rows is not None:
+            return False
         return not self.is_truncated or (self.series_order + 1) // 2 == 0
 
     @property
@@ -272,6 +310,15 @@ class KernelSpectrum(SpectralEngine):
             only ``matmul`` is used), or a callable ``X -> K X`` together with ``size``,
             ``batch_shape``, ``dtype`` and ``device`` (the device of the blocks it is given;
             default: the CPU, so pass ``device=`` for a callable that multiplies on a GPU).
+            A :class:`~gpsd.linalg.DistributedKernelOperator` of two or more ranks splits the
+            basis by its rows: each rank keeps its rows of the basis, of its products and of the
+            Ritz vectors (:math:`\lceil N/P \rceil` rows at most), a product gathers the
+            block's rows from the ranks, and the inner products (Gram–Schmidt coefficients,
+            the TSQR of a block, the Rayleigh–Ritz projection, the residual norms) are partial
+            sums added over the ranks in rank order, so that every rank holds the same Ritz
+            values (see :attr:`local_rows`). Random blocks are drawn whole on every rank and cut
+            to its rows: the spectrum is that of one process up to rounding and the signs of
+            the eigenvectors.
         :param rank: size of the Krylov basis (rounded up to whole blocks); with ``stop_when``,
             the most it may grow to.
         :param block_size: columns per block (default ``rank // 8`` between 4 and 64).
@@ -343,15 +390,17 @@ class KernelSpectrum(SpectralEngine):
         reporter = ProgressReporter("KernelSpectrum.from_lanczos", num_blocks, progress, callback)
         reporting = callback is not None or (progress is not False and progress is not None)
 
+        rows = row_layout(kernel, matmul, dtype)
+
         def ritz(draw: bool = True) -> KernelSpectrum:
             spectrum = cls._rayleigh_ritz(
-                krylov, matmul, residual_tol, series_order, complement_tol, kernel_trace, draw
+                krylov, residual_tol, series_order, complement_tol, kernel_trace, draw
             )
             spectrum.matrix_free = matrix_free
             return spectrum
 
         with torch.no_grad(), reporter:
-            krylov = _BlockKrylov(matmul, size, batch_shape, block_size, dtype, device, generator)
+            krylov = _BlockKrylov(rows, size, batch_shape, block_size, dtype, device, generator)
             while krylov.num_blocks < num_blocks and krylov.extend():
                 spectrum = ritz() if krylov.num_blocks in checkpoints else None
                 if reporting:
@@ -371,7 +420,6 @@ class KernelSpectrum(SpectralEngine):
     def _rayleigh_ritz(
         cls,
         krylov: _BlockKrylov,
-        matmul: Callable[[Tensor], Tensor],
         residual_tol: float,
         series_order: int,
         complement_tol: float,
@@ -380,15 +428,20 @@ class KernelSpectrum(SpectralEngine):
     ) -> KernelSpectrum:
         """The spectrum of the Ritz pairs in the Krylov basis so far (``draw_power_start``:
         draw the start of its power iterations from the basis' generator now)."""
-        basis, kbasis = krylov.basis()
-        projected = basis.mT @ kbasis
+        rows = krylov.rows
+        basis, kbasis = krylov.basis()  # this rank's rows where they are split
+        projected = rows.gram(basis, kbasis)
         projected = 0.5 * (projected + projected.mT)
         theta, rotation = torch.linalg.eigh(projected)
         theta, rotation = theta.flip(-1), rotation.flip(-1)
+        # each copy of the basis is freed once used: the peak holds Q and KQ (of the
+        # iteration), their copies here, then the Ritz vectors and their residuals
         vecs = basis @ rotation  # shape: (*b, N, qb)
-        kvecs = kbasis @ rotation
-        residual_vectors = kvecs - vecs * theta.unsqueeze(-2)  # shape: (*b, N, qb)
-        residuals = torch.linalg.vector_norm(residual_vectors, dim=-2)
+        del basis
+        residual_vectors = kbasis @ rotation  # shape: (*b, N, qb)
+        del kbasis
+        residual_vectors.sub_(vecs * theta.unsqueeze(-2))  # K V - V diag(theta)
+        residuals = rows.norm(residual_vectors)
         # residuals at the rounding level of the working dtype count as resolved
         floor = (
             16.0 * torch.finfo(theta.dtype).eps * float(theta.abs().max()) if theta.numel() else 0.0
@@ -397,16 +450,17 @@ class KernelSpectrum(SpectralEngine):
         evals = torch.where(resolved, theta, torch.zeros_like(theta))
         evecs = vecs * resolved.unsqueeze(-2)
         unresolved_theta = torch.where(resolved, torch.zeros_like(theta), theta)
-        res_norm = _spectral_norm(residual_vectors, resolved)
+        res_norm = _spectral_norm(residual_vectors, resolved, rows)
         spectrum = cls(
             evals,
             evecs,
-            matmul=matmul,
+            matmul=rows.matmul,
             series_order=series_order,
             complement_norm=None,
             residual_norm=res_norm,
             kernel_trace=kernel_trace,
             resolved=resolved,
+            rows=None if rows.local_rows is None else rows,
         )
         # Every Ritz pair, resolved or not: a deflation preconditioner needs no accuracy.
         spectrum.ritz_values, spectrum.ritz_vectors = theta, vecs
@@ -415,7 +469,7 @@ class KernelSpectrum(SpectralEngine):
         # float32 chains would split off pairs at 6e-4 and come out 1.4 off, estimated at 1e-3).
         spectrum.ritz_resolved = residuals <= residual_tol
         lower = float(unresolved_theta.abs().max())
-        upper = _trace_bound(kernel_trace, evals, basis.dtype)
+        upper = _trace_bound(kernel_trace, evals, theta.dtype)
         spectrum.complement_lower_bound = lower
         spectrum.complement_upper_bound = max(upper, lower)
         if upper <= complement_tol:
@@ -428,7 +482,7 @@ class KernelSpectrum(SpectralEngine):
     def _project_out(self, x: Tensor) -> Tensor:
         """:math:`\\mathbf P_\\perp \\mathbf x` for ``x`` of shape ``(*b, N, r)``."""
         v = self.eigenvectors
-        return x - v @ (v.mT @ x)
+        return x - v @ self._rows.gram(v, x)
 
     def _complement_matmul(self, x: Tensor) -> Tensor:
         """:math:`\\mathbf K_\\perp \\mathbf x` for ``x`` already in the complement."""
@@ -439,15 +493,18 @@ class KernelSpectrum(SpectralEngine):
         start = self._power_start
         if start is None:
             v = self.eigenvectors
-            start = torch.randn((*v.shape[:-1], 1), dtype=v.dtype, device=v.device)
+            if self.local_rows is None:
+                start = torch.randn((*v.shape[:-1], 1), dtype=v.dtype, device=v.device)
+            else:  # each rank's rows of a vector: norms are summed over the ranks
+                start = torch.randn((*v.shape[:-1], 1), dtype=v.dtype).to(v.device)
         with torch.no_grad():
             x = self._project_out(start)
             estimate = 0.0
             for _ in range(iterations):
-                norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min(1e-300)
+                norm = self._rows.norm(x).unsqueeze(-2).clamp_min(1e-300)
                 x = x / norm
                 y = self._complement_matmul(x)
-                estimate = float(torch.linalg.vector_norm(y, dim=-2).max())
+                estimate = float(self._rows.norm(y).max())
                 x = y
         self._power_start = None
         return estimate
@@ -458,7 +515,8 @@ class KernelSpectrum(SpectralEngine):
         For a truncated spectrum this runs ``num_powers`` (default :math:`J`) products with
         :math:`\\mathbf K` to build the complement's Krylov vectors.
         """
-        coefficients = self.eigenvectors.mT @ rhs.to(self.eigenvectors)
+        self._check_rows(rhs, "rhs")
+        coefficients = self._rows.gram(self.eigenvectors, rhs.to(self.eigenvectors))
         if not self.is_truncated:
             return SpectralCoordinates(coefficients, None)
         num_powers = self.series_order if num_powers is None else num_powers
@@ -486,14 +544,16 @@ class KernelSpectrum(SpectralEngine):
         r""":math:`\mathbf C^\top f_t(\mathbf K)\mathbf B` for ``left`` :math:`\mathbf C` of shape
         ``(*b, N, M)``; returns ``(*, F, M, r)``."""
         coords = rhs if isinstance(rhs, SpectralCoordinates) else self.project(rhs)
+        self._check_rows(left, "left")
         filt = self._in_dtype(filt)
         left = left.to(self.eigenvectors)
-        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
+        z = self._rows.gram(self.eigenvectors, left)  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         scaled = values.unsqueeze(-1) * coords.coefficients.unsqueeze(-3)  # shape: (*, F, k, r)
         out = stacked_matmul(z.mT, scaled)
         if coords.krylov is not None:
-            out = out + self._combine(filt, left.mT.unsqueeze(-3) @ coords.krylov)
+            forms = self._rows.gram(left.unsqueeze(-3), coords.krylov)  # shape: (*b, J+1, M, r)
+            out = out + self._combine(filt, forms)
         return out
 
     def quad_diag(
@@ -507,9 +567,10 @@ class KernelSpectrum(SpectralEngine):
         """
         if num_powers is None:
             num_powers = (self.series_order + 1) // 2
+        self._check_rows(left, "left")
         filt = self._in_dtype(filt)
         left = left.to(self.eigenvectors)
-        z = self.eigenvectors.mT @ left  # shape: (*b, k, M)
+        z = self._rows.gram(self.eigenvectors, left)  # shape: (*b, k, M)
         values = filt.values(self.eigenvalues)  # shape: (*sb, F, k)
         out = values @ z.square()
         if self.is_truncated:
@@ -520,7 +581,7 @@ class KernelSpectrum(SpectralEngine):
             for j in range(2 * num_powers + 1):
                 a = j // 2
                 moments.append((w[a] * w[j - a]).sum(-2))
-            moments = torch.stack(moments, dim=-2)  # shape: (*b, 2p+1, M)
+            moments = self._rows.total(torch.stack(moments, dim=-2))  # shape: (*b, 2p+1, M)
             series = filt.series(2 * num_powers)  # shape: (*s, F, 2p+1)
             out = out + series @ moments
         return out
@@ -581,12 +642,12 @@ class KernelSpectrum(SpectralEngine):
         num_powers = (order + 1) // 2
 
         def samples(probes: Tensor) -> Tensor:  # probes (N, c) -> (*, F, c)
-            w = [self._project_out(probes)]
+            w = [self._project_out(self._rows.take(probes))]
             for _ in range(num_powers):
                 w.append(self._complement_matmul(w[-1]))
             # shape: (*b, J - 1, c): w_a . w_b with a + b = j, for j = 2..J
             moments = [(w[j // 2] * w[j - j // 2]).sum(-2) for j in range(2, order + 1)]
-            return series @ torch.stack(moments, dim=-2)
+            return series @ self._rows.total(torch.stack(moments, dim=-2))
 
         vectors = num_powers + 2
         v = self.eigenvectors
@@ -819,7 +880,7 @@ def _trace_bound(kernel_trace: Tensor | None, evals: Tensor, dtype: torch.dtype)
     return float((bound + margin).max())
 
 
-def _spectral_norm(residual_vectors: Tensor, resolved: Tensor) -> float:
+def _spectral_norm(residual_vectors: Tensor, resolved: Tensor, rows: AllRows) -> float:
     r""":math:`\max_b \lVert \mathbf K \mathbf V - \mathbf V \mathbf D \rVert_2` over the
     resolved columns (``resolved``, ``(*b, q)``) of ``residual_vectors`` (``(*b, N, q)``).
 
@@ -827,17 +888,20 @@ def _spectral_norm(residual_vectors: Tensor, resolved: Tensor) -> float:
     the largest column norm: the residuals of neighbouring Ritz pairs add up in one direction
     (in a measured case the largest column is 7.3e-10 where the norm is 8.7e-10, and a filter
     errs by 1.19 times the estimate made from the column). Its Gram matrix is ``(*b, p, p)`` for the ``p``
-    columns resolved in some batch entry.
+    columns resolved in some batch entry, summed over the ranks where ``rows`` splits the rows.
     """
     flat = resolved.reshape(-1, resolved.shape[-1])
     some = flat.any(0)  # shape: (q,)
     if not bool(some.any()):
         return 0.0
-    kept = residual_vectors[..., some] * resolved[..., some].unsqueeze(-2)  # shape: (*b, N, p)
-    gram = kept.mT @ kept  # shape: (*b, p, p)
+    kept = residual_vectors[..., some]  # shape: (*b, N, p)
+    # the columns not resolved in a batch entry are left out of its Gram matrix by a mask on
+    # it (multiplying by 1 or 0 is exact: as the Gram matrix of the masked columns)
+    mask = resolved[..., some].to(kept.dtype)  # shape: (*b, p)
+    gram = rows.gram(kept, kept) * (mask.unsqueeze(-1) * mask.unsqueeze(-2))  # shape: (*b, p, p)
     largest = torch.linalg.eigvalsh(0.5 * (gram + gram.mT))[..., -1]  # shape: (*b,)
     # the column norms are a lower bound that rounding in the Gram matrix must not undercut
-    columns = torch.linalg.vector_norm(kept, dim=-2).amax(-1)
+    columns = (rows.norm(kept) * mask).amax(-1)
     return float(torch.maximum(largest.clamp_min(0.0).sqrt(), columns).max())
 
 
@@ -853,11 +917,17 @@ def _checkpoints(num_blocks: int) -> set[int]:
 class _BlockKrylov:
     """Orthonormal basis ``Q`` of ``[K G, K^2 G, ...]`` and ``K Q``, with full
     reorthogonalisation, extended one block at a time (by random directions where the Krylov
-    space has become invariant)."""
+    space has become invariant).
+
+    ``rows`` says which rows of ``Q`` and ``K Q`` this process holds (all of them, or this
+    rank's rows of a :class:`~gpsd.linalg.DistributedKernelOperator`) and sums over rows
+    accordingly. Random vectors are drawn whole (``N`` rows, the same on every rank) and cut
+    to those rows, so that a split draws what one process draws.
+    """
 
     def __init__(
         self,
-        matmul: Callable[[Tensor], Tensor],
+        rows: AllRows,
         size: int,
         batch_shape: torch.Size,
         block_size: int,
@@ -865,15 +935,23 @@ class _BlockKrylov:
         device: torch.device | None,
         generator: torch.Generator | None,
     ) -> None:
-        start = torch.randn((*batch_shape, size, block_size), generator=generator, dtype=dtype)
-        start = start.to(device) if device is not None else start
-        self.matmul = matmul
+        self.rows = rows
         self.generator = generator
         self.size = size
+        self.batch_shape = batch_shape
         self.block_size = block_size
-        self.blocks: list[Tensor] = []
+        self.device = device
+        self.blocks: list[Tensor] = []  # shape of each: (*b, n_p, c), n_p = N without a split
         self.kblocks: list[Tensor] = []
-        self._next = matmul(start)
+        self._next = rows.matmul(self._draw(block_size, dtype))
+
+    def _draw(self, columns: int, dtype: torch.dtype) -> Tensor:
+        """Standard normal ``(*b, N, columns)`` from the generator, this process's rows of it."""
+        x = torch.randn(
+            (*self.batch_shape, self.size, columns), generator=self.generator, dtype=dtype
+        )
+        x = self.rows.take(x)
+        return x.to(self.device) if self.device is not None else x
 
     @property
     def num_blocks(self) -> int:
@@ -896,16 +974,13 @@ class _BlockKrylov:
             return False
         q_new = self._orthonormal_block(self._next[..., :width])
         self.blocks.append(q_new)
-        self._next = self.matmul(q_new)
+        self._next = self.rows.matmul(q_new)
         self.kblocks.append(self._next)
         return True
 
     def _project_out(self, z: Tensor) -> Tensor:
         """``z`` (``(*b, N, c)``) less its part in the basis so far: classical Gram-Schmidt, twice."""
-        for _ in range(2):
-            for q in self.blocks:
-                z = z - q @ (q.mT @ z)
-        return z
+        return self.rows.project_out(self.blocks, z)
 
     def _orthonormal_block(self, z: Tensor) -> Tensor:
         """Orthonormal columns ``(*b, N, c)`` orthogonal to the basis, spanning the new part of
@@ -917,22 +992,21 @@ class _BlockKrylov:
         length to a second projection) are replaced by random ones: Rayleigh-Ritz needs an
         orthonormal basis and its exact products, not a Krylov space.
         """
-        q_new = torch.linalg.qr(self._project_out(z))[0]
+        q_new = self.rows.qr(self._project_out(z))[0]
         for attempt in range(4):
-            q_new, r = torch.linalg.qr(self._project_out(q_new))
+            q_new, r = self.rows.qr(self._project_out(q_new))
             lost = r.diagonal(dim1=-2, dim2=-1).abs() < 0.5  # shape: (*b, c)
             if attempt == 3 or not bool(lost.any()):
                 break
-            fresh = torch.randn(q_new.shape, generator=self.generator, dtype=q_new.dtype)
+            fresh = self._draw(q_new.shape[-1], q_new.dtype)
             q_new = torch.where(lost.unsqueeze(-2), fresh.to(q_new.device), q_new)
         return q_new
 
     def random_vector(self) -> Tensor:
-        """A standard normal ``(*b, N, 1)`` from the same generator, on the basis' device."""
-        shape = (*self._next.shape[:-1], 1)
-        x = torch.randn(shape, generator=self.generator, dtype=self._next.dtype)
-        return x.to(self._next.device)
+        """A standard normal ``(*b, N, 1)`` from the same generator, on the basis' device (this
+        process's rows of it)."""
+        return self._draw(1, self._next.dtype).to(self._next.device)
 
     def basis(self) -> tuple[Tensor, Tensor]:
-        """``Q`` and ``K Q``, shape ``(*b, N, num_columns)`` each."""
+        """``Q`` and ``K Q``, shape ``(*b, N, num_columns)`` each (this process's rows)."""
         return torch.cat(self.blocks, dim=-1), torch.cat(self.kblocks, dim=-1)

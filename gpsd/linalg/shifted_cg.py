@@ -145,7 +145,10 @@ class ShiftedCG(ShiftedSolveEngine):
         tol: float = 1e-8,
         max_iter: int = 1000,
     ) -> ShiftedCG:
-        """Deflate every Ritz pair of a :meth:`KernelSpectrum.from_lanczos` spectrum of ``kernel``."""
+        """Deflate every Ritz pair of a :meth:`KernelSpectrum.from_lanczos` spectrum of ``kernel``
+        (a spectrum whose Ritz vectors are split by rows across a process group,
+        :attr:`KernelSpectrum.local_rows`, hands over all their rows, gathered: the iterations
+        of CG run alike on every rank)."""
         if spectrum.ritz_vectors is None:
             raise ValueError(
                 "spectrum must come from KernelSpectrum.from_lanczos (it has Ritz pairs)"
@@ -153,7 +156,7 @@ class ShiftedCG(ShiftedSolveEngine):
         return cls(
             kernel,
             spectrum.ritz_values,
-            spectrum.ritz_vectors,
+            spectrum.all_rows(spectrum.ritz_vectors),
             resolved=spectrum.ritz_resolved,  # within residual_tol, not the rounding floor
             tol=tol,
             max_iter=max_iter,

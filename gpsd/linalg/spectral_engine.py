@@ -44,6 +44,12 @@ class SpectralEngine(abc.ABC):
     #: forms are projections on eigenvectors every rank holds), so that the ranks of a process
     #: group can share test points out without multiplying together.
     columns_are_local: bool = False
+    #: The rows of the ``N``-row vectors this rank holds where the engine splits them across
+    #: the ranks of a process group (a Lanczos :class:`~gpsd.linalg.KernelSpectrum` of a
+    #: :class:`~gpsd.linalg.DistributedKernelOperator`): its ``N``-row arguments and the rows
+    #: :meth:`apply` returns are then this rank's rows, and its forms are summed over the
+    #: ranks. ``None``: every row, on every rank.
+    local_rows: slice | None = None
     #: Whether the engine multiplies by :math:`\mathbf K` through an operator that never holds
     #: it whole (a :class:`~gpsd.linalg.ChunkedKernelOperator` or a KeOps kernel), as the
     #: ``"lanczos"`` and ``"cg"`` backends do. Such an engine builds no autograd graph, and

@@ -62,7 +62,7 @@ def test_a_warning_from_deep_in_a_prediction_names_the_users_predict():
     model = DataCentricGPR(x, torch.sin(6 * x.squeeze(-1)), rbf_kernel(), noise=[0.1])
     test_x = torch.rand(7, 1, generator=gen, dtype=torch.float64)
     with torch.no_grad():
-        engine = model.fit()._state()["engine"]
+        engine = model.fit()._current_fit().engine
         reduction = engine.quad_diag
         engine.quad_diag = lambda *args: 2 * reduction(*args) + 1.0  # negative variances
         found = _caught(lambda: model.predict(test_x), NumericalWarning)

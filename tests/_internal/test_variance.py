@@ -79,7 +79,8 @@ def test_distribution_centric_classifier_reports_a_negative_variance():
         latent = model.predict_latent(test_x)
         _, var = latent.mean, latent.variance
     assert bool((var > 0).all())
-    model.covariance_corrections.mul_(100.0)  # a corrupted state: the reduction too large
+    for posterior in model._current_fit().steps.values():  # a corrupted fit: too large a reduction
+        posterior.correction.mul_(100.0)
     with pytest.warns(NumericalWarning, match="negative"):
         latent = model.predict_latent(test_x)
         _, var = latent.mean, latent.variance
@@ -117,7 +118,7 @@ def test_regression_distiller_reports_a_negative_variance():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         assert bool((model.predict(test_x).variance > 0).all())
-        engine = model._state()["engine"]
+        engine = model._current_fit().engine
         reduction = engine.quad_diag
         engine.quad_diag = lambda *args: 2 * reduction(*args) + 1.0  # a corrupted factorisation
     with torch.no_grad(), pytest.warns(NumericalWarning, match="negative"):

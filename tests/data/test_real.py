@@ -22,8 +22,12 @@ SHAPES = {
     "pima": (532, 7),
     "spam": (4601, 6),
     "digits": (1797, 64),
+    "iris": (150, 4),
+    "wine": (178, 13),
     "flights": (327346, 6),
 }
+
+CLASSES = {"digits": 10, "iris": 3, "wine": 3}
 
 
 @pytest.mark.parametrize("name", sorted(DATASETS))
@@ -33,6 +37,8 @@ def test_raw_shapes_and_labels(name):
     assert y.shape == (x.shape[0],)
     if DATASETS[name] == "binary":
         assert set(y.tolist()) == {0, 1}
+    if DATASETS[name] == "multiclass":
+        assert set(y.tolist()) == set(range(CLASSES[name]))
 
 
 def test_standardisation_uses_train_split_only():

@@ -1,12 +1,17 @@
 """DataCentricGPC against a naive chain of independent Laplace classifiers and scikit-learn, and
 the estimator convention (lazy fit, every step along a step dimension, best_step, callbacks)."""
 
+import contextlib
+import copy
+import functools
 import math
+import pickle
 
 import gpytorch
 import numpy as np
 import pytest
 import torch
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import rbf_kernel
 from scipy import integrate
 from sklearn.gaussian_process import GaussianProcessClassifier
@@ -544,3 +549,58 @@ def test_a_callback_stopping_a_refit_ends_the_fit_after_that_step(toy_for_refits
     model.fit(callback=stop_at_third)
     assert [r.iteration for r in records] == [1, 2, 3]
     assert len(model.refit_history) == 1 and len(model.refit_history[0]) == 3
+
+
+# ------------------------------------------------------------------ the fit lifecycle
+
+
+@pytest.mark.parametrize(
+    "trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data", "noise assignment"]
+)
+def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_calls):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=3).fit()
+    fits = count_calls(DataCentricGPC, "_compute_fit")
+    model.predict_proba(test_x)
+    model.step_targets()
+    with torch.no_grad():  # the fit was made under grad mode
+        model.latent_modes()
+        model.predict(test_x, step=2)
+    assert fits == [0]
+    setting = contextlib.nullcontext()
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(DataCentricGPC, x, y, _kernel(1.0, 0.5), num_steps=3)
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
+    elif trigger == "model setting":
+        model.target_method = "probit"
+    elif trigger == "set_train_data":
+        model.set_train_data(targets=1 - y)
+    else:
+        model.noise = 0.1
+    with setting:
+        model.predict_proba(test_x)
+    assert fits == [1]
+
+
+def test_a_state_dict_round_trip_and_copies_predict_identically(toy, count_calls):
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=3, noise=[0.0, 0.1, 0.2]).fit()
+    want = model.predict_latent(test_x)
+    loaded = DataCentricGPC(x, y, _kernel(1.0, 0.5), num_steps=3)
+    loaded.predict_latent(test_x)  # fitted at its own state: the load makes it stale
+    loaded.load_state_dict(model.state_dict())
+    fits = count_calls(DataCentricGPC, "_compute_fit")
+    for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        predictions_equal(other.predict_latent(test_x), want)
+        torch.testing.assert_close(other.step_targets(), model.step_targets(), rtol=0, atol=1e-12)
+    assert fits == [3]
+
+
+def test_a_loaded_state_of_the_same_hyperparameters_keeps_the_fit_and_its_step_targets(toy):
+    # the fitted buffers of an unfitted state are zeros: the fit, not the buffers, answers
+    x, y, test_x = toy
+    model = DataCentricGPC(x, y, _kernel(), num_steps=3).fit()
+    want = model.step_targets()
+    model.load_state_dict(DataCentricGPC(x, y, _kernel(), num_steps=3).state_dict())
+    torch.testing.assert_close(model.step_targets(), want, rtol=0, atol=0)
+    assert float(want[1].abs().sum()) > 0

@@ -248,7 +248,7 @@ def test_lanczos_error_estimate_bounds_the_error_with_an_active_complement():
             lanczos = DataCentricGPR(
                 x, y, kernel, noise=gammas, backend="lanczos", rank=rank, rtol=1.0
             )
-            spectrum = lanczos._state()["engine"]
+            spectrum = lanczos._current_fit().engine
             assert spectrum.complement_norm > 1e-8  # the complement is really used
             got = lanczos.predict(test_x)
             err = max(
@@ -257,7 +257,7 @@ def test_lanczos_error_estimate_bounds_the_error_with_an_active_complement():
             assert err < 2 * lanczos.error_estimate
             # and the complement correction matters: the plain truncation is much worse
             truncated = spectrum.eigenvectors @ (
-                spectrum.eigenvectors.mT @ lanczos._state()["centred"]
+                spectrum.eigenvectors.mT @ lanczos._current_fit().centred
             )
             assert float((truncated.squeeze(-1) - y).abs().max()) > 10 * err
 
@@ -515,7 +515,7 @@ def test_a_truncated_lanczos_spectrum_scores_as_the_dense_one():
         dense = DataCentricGPR(x, y, _kernel(), noise=gammas, alpha=0.2, backend="dense").gcv()
         model = DataCentricGPR(x, y, _kernel(), noise=gammas, alpha=0.2, backend="lanczos", rank=64)
         got = model.gcv()
-    assert model._state()["engine"].is_truncated
+    assert model._current_fit().engine.is_truncated
     torch.testing.assert_close(got, dense, rtol=1e-6, atol=0)
 
 
@@ -704,7 +704,7 @@ def test_cg_long_chain_matches_dense_on_a_hard_spectrum():
     with torch.no_grad(), forced_backend_warning(True):
         got, ref = cg.predict_mean(test_x), dense.predict_mean(test_x)
         got_targets, ref_targets = cg.step_targets(), dense.step_targets()
-        engine = cg._state()["engine"]
+        engine = cg._current_fit().engine
     assert relative_error(got, ref) < 1e-8
     assert relative_error(got_targets, ref_targets) < 1e-8
     assert 0 < engine.krylov_error_estimate <= 1e-10  # the one-run Krylov path served the chain
@@ -786,7 +786,7 @@ def test_matrix_free_backends_keep_kernel_rows_between_products(backend):
     dense = DataCentricGPR(x, y, rbf_kernel(outputscale=1.0, lengthscale=0.3), noise=gammas)
     with torch.no_grad():
         kept, fresh, ref = (m.predict(test_x) for m in (*models, dense))
-        engine = models[0]._state()["engine"]
+        engine = models[0]._current_fit().engine
     if backend == "cg":
         assert engine.kernel.kept_bytes == 300 * 300 * 8
     products = len(evaluations[1])  # without kept rows: one evaluation per product
@@ -1067,9 +1067,9 @@ def test_switching_the_grad_mode_keeps_a_matrix_free_engine():
     model = DataCentricGPR(x, y, _scaled_rbf(0.3), noise=[0.01, 0.02], backend="cg", rtol=1e-6)
     with torch.no_grad():
         first = model.predict_mean(x[:5])
-    engine = model._state()["engine"]
+    engine = model._current_fit().engine
     second = model.predict_mean(x[:5])  # gradients enabled now
-    assert model._state()["engine"] is engine
+    assert model._current_fit().engine is engine
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     with pytest.raises(gpsd.BackendError, match="'dense' or 'cholesky'"):
         second.sum().backward()  # CG builds no graph
@@ -1077,8 +1077,8 @@ def test_switching_the_grad_mode_keeps_a_matrix_free_engine():
     dense = DataCentricGPR(x, y, _scaled_rbf(0.3), noise=[0.01, 0.02], backend="dense")
     with torch.no_grad():
         dense.predict_mean(x[:5])
-        engine = dense._state()["engine"]
-    assert dense.predict_mean(x[:5]).requires_grad and dense._state()["engine"] is not engine
+        engine = dense._current_fit().engine
+    assert dense.predict_mean(x[:5]).requires_grad and dense._current_fit().engine is not engine
 
 
 def test_the_low_precision_warning_comes_before_the_factorisation(monkeypatch):
@@ -1163,7 +1163,7 @@ def test_cg_splits_off_only_pairs_within_the_residual_tolerance():
         )
         with pytest.warns(NumericalWarning):  # the float32 warning
             got = model.predict_mean(test_x.float())
-    engine = model._state()["engine"]
+    engine = model._current_fit().engine
     error = (got.double() - dense).abs().amax(-1) / dense.abs().amax(-1)
     assert float(error.max()) < 0.05
     assert int(engine.resolved.sum()) == 0  # none within residual_tol in float32 here
@@ -1178,7 +1178,7 @@ def test_fit_reports_the_growth_of_a_lanczos_basis_and_a_callback_stops_it(use_s
         assert model.fit(callback=records.append) is model
     assert len(records) >= 2 and [r.iteration for r in records] == list(range(1, len(records) + 1))
     ranks = [r.info["rank"] for r in records]
-    assert ranks == sorted(ranks) and ranks[-1] == model._state()["engine"].ritz_values.shape[-1]
+    assert ranks == sorted(ranks) and ranks[-1] == model._current_fit().engine.ritz_values.shape[-1]
     # beyond the dense size, auto goes on by deflated CG from the basis the callback stopped
     use_setting(gpsd.settings.dense_max_n(100))
     stopped = []
@@ -1187,7 +1187,7 @@ def test_fit_reports_the_growth_of_a_lanczos_basis_and_a_callback_stops_it(use_s
         early.fit(callback=lambda r: stopped.append(r) or True)
         got = early.predict(test_x)
         ref = DataCentricGPR(x, y, kernel, noise=[1e-3, 1e-2], backend="dense").predict(test_x)
-    assert len(stopped) == 1 and isinstance(early._state()["engine"], ShiftedCG)
+    assert len(stopped) == 1 and isinstance(early._current_fit().engine, ShiftedCG)
     assert relative_error(got.mean, ref.mean) < 1e-7
 
 
@@ -1223,7 +1223,7 @@ def test_gcv_on_cg_is_within_a_few_standard_errors_of_the_explicit_smoother():
         model = DataCentricGPR(x, y, kernel, noise=gammas, alpha=0.1, backend="cg")
         got, error = model.gcv(), model.gcv_standard_error()
         expected = _explicit_gcv(kernel(x).to_dense(), y, gammas.tolist(), 0.1)
-    assert isinstance(model._state()["engine"], gpsd.linalg.ShiftedCG)
+    assert isinstance(model._current_fit().engine, gpsd.linalg.ShiftedCG)
     assert bool((error > 0).all()) and float((error / got).max()) < 0.05
     assert bool(((got - expected).abs() <= 5 * error).all()), (got, expected, error)
 

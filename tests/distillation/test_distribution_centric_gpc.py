@@ -2,10 +2,16 @@
 scikit-learn for step 1, and the estimator convention (every step along a step dimension,
 best_step, callbacks)."""
 
+import contextlib
+import copy
+import functools
+import pickle
+
 import gpytorch
 import numpy as np
 import pytest
 import torch
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import rbf_kernel
 from scipy import optimize
 from sklearn.gaussian_process import GaussianProcessClassifier
@@ -277,22 +283,26 @@ def test_distribution_centric_gpc_follows_hyperparameters(toy_for_refits, method
     torch.testing.assert_close((got.mean, got.variance), (want.mean, want.variance))
 
 
-def test_distribution_centric_gpc_keeps_a_loaded_fit_and_a_fit_moved_to_float32(toy_for_refits):
+def test_distribution_centric_gpc_refits_a_loaded_state_and_a_dtype_change_alone(
+    toy_for_refits,
+):
     x, y, test_x = toy_for_refits
     model = DistributionCentricGPC(x, y, rbf_kernel(3.0, 1.0), num_steps=3, method="iterated").fit()
     loaded = DistributionCentricGPC(x, y, rbf_kernel(1.0, 3.0), num_steps=3, method="iterated")
     loaded.load_state_dict(model.state_dict())
-    torch.testing.assert_close(loaded.predict_proba(test_x), model.predict_proba(test_x))
-    assert loaded.newton_iterations == {}  # the loaded steps were used, not refitted
-    # a change before .to() is still a change: the converted model refits
-    loaded.covar_module.outputscale = 8.0
+    torch.testing.assert_close(
+        loaded.predict_proba(test_x), model.predict_proba(test_x), rtol=0, atol=1e-12
+    )
+    assert sorted(loaded.newton_iterations) == [1, 2, 3]  # refitted on first use
+    # a conversion is a change: the converted model refits
+    loaded.newton_iterations = {}
     loaded.float()
     loaded.predict_proba(test_x.float())
     assert sorted(loaded.newton_iterations) == [1, 2, 3]
-    # a conversion alone is no change: the converted steps are used as they are
+    # a .to() that changes nothing keeps the fit
     loaded.newton_iterations = {}
-    loaded.double()
-    loaded.predict_proba(test_x)
+    loaded.float()
+    loaded.predict_proba(test_x.float())
     assert loaded.newton_iterations == {}
 
 
@@ -502,3 +512,47 @@ def test_refits_report_their_adam_iterations_in_named_phases(toy_for_refits, met
         expected += [(name, i) for i in range(1, refit + 1)] + [(None, k)]
     assert [(r.phase, r.iteration) for r in records] == expected
     assert {r.task for r in records} == {"DistributionCentricGPC.fit"}
+
+
+# ------------------------------------------------------------------ the fit lifecycle
+
+
+@pytest.mark.parametrize("trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data"])
+def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_calls):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method="tempered").fit()
+    model.predict_proba(test_x, step=2)  # an approximation's step, computed once on request
+    fits = count_calls(DistributionCentricGPC, "_compute_fit")
+    steps = count_calls(DistributionCentricGPC, "_fit_approximation")
+    model.predict_proba(test_x, step=2)
+    model.latent_modes()
+    with torch.no_grad():  # the fit was made under grad mode
+        model.predict(test_x)
+    assert fits == [0] and steps == [1]  # step 1 alone was not computed yet
+    setting = contextlib.nullcontext()
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(
+            DistributionCentricGPC, x, y, _kernel(1.0, 0.5), num_steps=3, method="tempered"
+        )
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
+    elif trigger == "model setting":
+        model.max_iter = 50
+    else:
+        model.set_train_data(targets=1 - y)
+    with setting:
+        model.predict_proba(test_x, step=3)
+    assert fits == [1]
+
+
+@pytest.mark.parametrize("method", ["iterated", "scaled_kernel"])
+def test_a_state_dict_round_trip_and_copies_predict_identically(toy, method, count_calls):
+    x, y, test_x = toy
+    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method).fit()
+    want = model.predict_latent(test_x)
+    loaded = DistributionCentricGPC(x, y, _kernel(1.0, 0.5), num_steps=3, method=method)
+    loaded.predict_latent(test_x, step=3)  # fitted at its own state: the load makes it stale
+    loaded.load_state_dict(model.state_dict())
+    fits = count_calls(DistributionCentricGPC, "_compute_fit")
+    for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        predictions_equal(other.predict_latent(test_x), want)
+    assert fits == [3]

@@ -1,11 +1,15 @@
 """Behaviour both regression distillers share: the convention (fit, Prediction, steps from 1, best_step, include_noise), the errors, the cached factorisation, devices, dtypes, batches and students."""
 
+import contextlib
 import copy
+import functools
+import pickle
 import warnings
 
 import gpytorch
 import pytest
 import torch
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import PlainGP, dense_data_centric_means, rbf_kernel, relative_error
 from gpytorch.utils.warnings import NumericalWarning
 
@@ -735,7 +739,7 @@ def test_keops_lanczos_and_cg_agree_with_dense_at_n_2000():
     with torch.no_grad():
         got = cg.predict(test_x)
         # the one-run Krylov chain on KeOps products, against the step-by-step chain
-        engine, centred = cg._state()["engine"], cg._state()["centred"]
+        engine, centred = cg._current_fit().engine, cg._current_fit().centred
         weights = SpectralFilter.data_centric_weights(gammas)
         one_run = engine.krylov_apply(weights, centred)
         step_by_step = ShiftedSolveEngine.apply(engine, weights, centred)
@@ -756,7 +760,7 @@ def test_keops_lanczos_and_cg_agree_with_dense_at_n_2000():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", NumericalWarning)
         cg.predict(test_x.float())
-        engine = cg._state()["engine"]
+        engine = cg._current_fit().engine
     assert engine.kernel.dtype == torch.float64
     assert 0 < engine.max_relative_residual < 1e-9
 
@@ -1037,7 +1041,7 @@ def test_changing_alpha_or_backend_after_a_prediction_takes_effect():
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
         model.backend = "cg"
         cg = model.predict(test_x).mean
-    assert type(model._state()["engine"]).__name__ == "ShiftedCG"
+    assert type(model._current_fit().engine).__name__ == "ShiftedCG"
     torch.testing.assert_close(cg, ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="alpha must lie in"):
         model.alpha = 1.0
@@ -1291,7 +1295,7 @@ def test_training_raises_the_likelihood_scales_the_schedule_and_refits():
     x, y, kernel = _training_problem()
     model = DataCentricGPR(x, y, kernel, noise=[0.2, 0.2, 0.1], backend="cholesky").fit()
     before = model.log_marginal_likelihood().item()
-    old_engine = model._state()["engine"]
+    old_engine = model._current_fit().engine
     model.optimize_hyperparameters(max_iter=40, lr=0.1)
     assert model.log_marginal_likelihood().item() > before + 1.0
     assert len(model.history) == 40 and model.history[-1] < model.history[0]
@@ -1302,7 +1306,7 @@ def test_training_raises_the_likelihood_scales_the_schedule_and_refits():
     test_x = x[:5] + 0.01
     fresh = DataCentricGPR(x, y, kernel, noise=model.noise.clone(), backend="cholesky")
     torch.testing.assert_close(model.predict(test_x).mean, fresh.predict(test_x).mean)
-    assert model._state()["engine"] is not old_engine
+    assert model._current_fit().engine is not old_engine
 
 
 def test_learn_noise_false_leaves_the_schedule_and_callback_stops_training():
@@ -1392,3 +1396,95 @@ def test_a_batch_of_schedules_has_one_teacher_likelihood_per_schedule_on_every_b
         with _exact_cg():
             got = model.log_marginal_likelihood()
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-8)
+
+
+# ------------------------------------------------------------------ the fit lifecycle
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    "trigger",
+    [*COMMON_TRIGGERS, "parameter step", "model setting", "set_train_data", "noise assignment"],
+)
+def test_each_refit_trigger_refits_and_the_refit_predicts_as_a_fresh_model(
+    cls, trigger, count_calls
+):
+    x, y, test_x = _problem()
+    model = cls(x, y, rbf_kernel(), noise=NOISE, backend="dense").fit()
+    fits = count_calls(cls, "_compute_fit")
+    setting = contextlib.nullcontext()
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(
+            cls, x, y, rbf_kernel(lengthscale=0.7), noise=NOISE, backend="dense"
+        )
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
+    elif trigger == "parameter step":
+        optimizer = torch.optim.SGD(model.covar_module.parameters(), lr=0.1)
+        model.predict_mean(test_x).sum().backward()
+        optimizer.step()
+    elif trigger == "model setting":
+        model.backend = "cholesky"
+    elif trigger == "set_train_data":
+        model.set_train_data(targets=y + 1)
+    else:
+        model.noise = [0.2, 0.2, 0.1]
+    with setting:
+        got = model.predict(test_x)
+        assert fits == [1]
+        fresh = copy.deepcopy(model)  # the same state, fitted afresh
+        predictions_equal(got, fresh.predict(test_x))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_gpsd_setting_that_changes_results_refits_and_predictions_do_not(cls, count_calls):
+    x, y, test_x = _problem()
+    model = cls(x, y, rbf_kernel(), noise=NOISE, backend="dense").fit()
+    fits = count_calls(cls, "_compute_fit")
+    factorisations = count_calls(gpsd.linalg, "make_engine")
+    with torch.no_grad():
+        model.predict(test_x)
+        model.predict_mean(test_x)
+        model.step_targets()
+        model.gcv()
+        with gpsd.settings.test_chunk_size(4):  # memory alone: the fit stays
+            model.predict(test_x)
+    assert fits == [0] and factorisations == [0]
+    with gpsd.settings.dense_max_n(cpu=5):
+        model.predict(test_x)
+    assert fits == [1] and factorisations == [1]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("backend", ["dense", "lanczos"])
+def test_a_state_dict_round_trip_predicts_identically(cls, backend):
+    x, y, test_x = _problem()
+    model = cls(x, y, rbf_kernel(), noise=NOISE, backend=backend, rank=30).fit()
+    loaded = cls(x, y, rbf_kernel(lengthscale=3.0), noise=[1.0, 1.0, 1.0], backend=backend, rank=30)
+    loaded.predict(test_x)  # fitted at its own state first: the load makes that fit stale
+    loaded.load_state_dict(model.state_dict())
+    predictions_equal(loaded.predict(test_x), model.predict(test_x))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_copies_and_pickles_refit_on_first_use_and_predict_identically(cls, count_calls):
+    x, y, test_x = _problem()
+    model = cls(x, y, rbf_kernel(), noise=NOISE, backend="dense").fit()
+    want = model.predict(test_x)
+    factorisations = count_calls(gpsd.linalg, "make_engine")
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        predictions_equal(other.predict(test_x), want)
+    assert factorisations == [2]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_backward_pass_through_the_fit_refits_and_the_next_gradient_is_whole(cls, count_calls):
+    x, y, test_x = _problem()
+    model = cls(x, y, rbf_kernel(), noise=NOISE, backend="dense").fit()
+    fits = count_calls(cls, "_compute_fit")
+    factorisations = count_calls(gpsd.linalg, "make_engine")
+    model.predict_mean(test_x).sum().backward()  # frees the fit's graph; no parameter changes
+    first = model.covar_module.base_kernel.raw_lengthscale.grad.clone()
+    model.covar_module.zero_grad()
+    model.predict_mean(test_x).sum().backward()
+    assert fits == [1] and factorisations == [1]
+    torch.testing.assert_close(model.covar_module.base_kernel.raw_lengthscale.grad, first)

@@ -2,14 +2,18 @@
 quadrature and finite differences; its refits, state, hyperparameter training, gradients
 through the mode, and the estimator convention (fit, predict_proba, predict, predict_latent)."""
 
+import contextlib
 import copy
+import functools
 import math
+import pickle
 
 import gpytorch
 import numpy as np
 import pytest
 import torch
 from conftest import requires_cuda
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
 from gpr_reference import rbf_kernel
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 from scipy import integrate, optimize
@@ -831,3 +835,49 @@ def test_posterior_is_the_fitted_one_and_carries_a_graph_only_where_gradients_ar
     with torch.no_grad():
         K = model.covar_module(model.train_inputs).to_dense()
     torch.testing.assert_close(differentiable.prior_covariance.detach(), K, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------ the fit lifecycle
+
+
+@pytest.mark.parametrize(
+    "trigger", [*COMMON_TRIGGERS, "parameter step", "model setting", "noise assignment", "labels"]
+)
+def test_each_refit_trigger_refits_and_nothing_else_does(toy, trigger, count_calls):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    fits = count_calls(LaplaceGPClassifier, "_compute_fit")
+    model.predict_proba(test_x)
+    model.predict_latent(test_x)
+    with torch.no_grad():
+        model.predict(test_x)
+    assert fits == [0]  # predictions read the fit
+    setting = contextlib.nullcontext()
+    if trigger in COMMON_TRIGGERS:
+        rival = functools.partial(LaplaceGPClassifier, x, y, _kernel(0.5, 0.5))
+        test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
+    elif trigger == "parameter step":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        (-model.log_marginal_likelihood().sum()).backward()
+        optimizer.step()
+    elif trigger == "model setting":
+        model.temperature = 2.0
+    elif trigger == "noise assignment":
+        model.noise = torch.tensor(0.3, dtype=x.dtype)
+    else:
+        model.train_targets[0] = 1 - model.train_targets[0]
+    with setting:
+        model.predict_proba(test_x)
+    assert fits == [1]
+
+
+def test_a_state_dict_round_trip_and_copies_predict_identically(toy, count_calls):
+    x, y, test_x = toy
+    model = LaplaceGPClassifier(x, y, _kernel()).fit()
+    want = model.predict_latent(test_x)
+    loaded = LaplaceGPClassifier(x, y, _kernel(0.5, 0.5))
+    loaded.load_state_dict(model.state_dict())
+    fits = count_calls(LaplaceGPClassifier, "_compute_fit")
+    for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        predictions_equal(other.predict_latent(test_x), want)  # refitted from the saved mode
+    assert fits == [3]

@@ -433,7 +433,7 @@ def test_auto_beyond_dense_size_switches_to_deflated_cg_and_stays_exact(small_de
     dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
     with torch.no_grad():
         got, ref = auto.predict(test_x), dense.predict(test_x)
-        assert isinstance(auto._state()["engine"], ShiftedCG)
+        assert isinstance(auto._current_fit().engine, ShiftedCG)
         got_targets, ref_targets = auto.step_targets(), dense.step_targets()
     assert relative_error(got.mean, ref.mean) < 1e-7
     assert relative_error(got.variance, ref.variance) < 1e-7
@@ -446,7 +446,7 @@ def test_auto_beyond_dense_size_keeps_lanczos_for_a_smooth_kernel(small_dense_li
     auto = DataCentricGPR(x, y, kernel, noise=torch.full((30,), 0.1, dtype=DTYPE))
     with torch.no_grad():
         auto.predict(test_x)
-        engine = auto._state()["engine"]
+        engine = auto._current_fit().engine
     assert isinstance(engine, KernelSpectrum) and engine.is_truncated
 
 
@@ -524,7 +524,7 @@ def test_auto_gives_up_a_hopeless_lanczos_attempt_at_half_its_budget(monkeypatch
     dense = DataCentricGPR(x, y, kernel, noise=gammas, backend="dense")
     with torch.no_grad():
         got, ref = auto.predict(test_x), dense.predict(test_x)
-        engine = auto._state()["engine"]
+        engine = auto._current_fit().engine
     assert isinstance(engine, KernelSpectrum) and not engine.is_truncated  # fell back to eigh
     assert len(runs) == 1
     budget, columns = runs[0]
@@ -564,7 +564,7 @@ def test_auto_tries_lanczos_only_where_the_spectrum_may_allow_it(
     with torch.no_grad():
         auto = DataCentricGPR(x, y, kernel, noise=gammas)
         got = auto.predict(test_x)
-        engine = auto._state()["engine"]
+        engine = auto._current_fit().engine
     assert bool(runs) is tries_lanczos
     assert engine.is_truncated is tries_lanczos
     ref = DataCentricGPR(x, y, kernel, noise=gammas, backend="cholesky")  # shifted solves
@@ -645,7 +645,7 @@ def test_auto_goes_matrix_free_when_the_dense_matrix_would_not_fit(use_setting):
     auto = DataCentricGPR(x, y, kernel, noise=gammas, rtol=1e-10)
     with torch.no_grad():
         got = auto.predict(test_x)
-        assert isinstance(auto._state()["engine"], ShiftedCG)
+        assert isinstance(auto._current_fit().engine, ShiftedCG)
     assert relative_error(got.mean, ref.mean) < 1e-7
     assert relative_error(got.variance, ref.variance) < 1e-7
 
@@ -711,7 +711,7 @@ def test_auto_plans_a_factor_of_the_schedules_against_the_kernel_batch(monkeypat
     kernel = rbf_kernel(outputscale=1.0, lengthscale=1.0, batch_shape=torch.Size([2]))
     gamma = torch.tensor([0.1, 0.2, 0.3], dtype=DTYPE).reshape(3, 1, 1).expand(3, 1, 2)
     model = DataCentricGPR(x, y, kernel, noise=gamma, backend="cholesky")
-    engine = model._state()["engine"]
+    engine = model._current_fit().engine
     with torch.no_grad():
         DataCentricGPR(x, y, kernel, noise=gamma).predict(test_x)
         factor = engine.factor(gamma[..., 0].contiguous())

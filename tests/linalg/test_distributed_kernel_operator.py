@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_launch import launch
-from distributed_worker import problem
+from distributed_worker import NOISE, SPECTRUM_N, TINY_N, problem
 
 import gpsd
 
@@ -28,6 +28,7 @@ DT = torch.float64
 SHORT_TIMEOUT = 3.0  # distributed_worker.SHORT_TIMEOUT
 MODELS = [
     "data_lanczos",
+    "data_lanczos_schedules",
     "data_cg",
     "data_auto",
     "distribution_lanczos",
@@ -85,13 +86,79 @@ def test_regressors_on_every_rank_equal_one_process(main_run, model):
             assert torch.equal(got[key], results[0]["models"][model][key]), key
 
 
-def test_lanczos_predictions_split_the_test_points_and_cg_runs_them_on_every_rank(main_run):
+def test_lanczos_keeps_its_rows_of_the_basis_and_cg_gathers_the_ritz_vectors(main_run):
+    world, results = main_run
+    n = 300 if world == 2 else 301
+    for result in results:
+        models, rows = result["models"], result["rows"]
+        lanczos = ("data_lanczos", "data_lanczos_schedules", "data_auto", "distribution_lanczos")
+        for name in (*lanczos, "combined_lanczos"):
+            got = models[name]
+            assert got["engine"] == "KernelSpectrum", name  # auto: matrix-free, through the group
+            assert got["local_rows"] == rows and not got["split"], name
+            assert got["eigenvector_rows"] == got["ritz_rows"] == rows[1] - rows[0], name
+        cg = models["data_cg"]
+        assert cg["engine"] == "ShiftedCG" and cg["local_rows"] is None and cg["ritz_rows"] == n
+
+
+def test_each_rank_keeps_its_rows_of_the_krylov_basis_only_for_uneven_n(main_run):
+    world, results = main_run
+    sizes = [SPECTRUM_N // world + (r < SPECTRUM_N % world) for r in range(world)]
+    assert SPECTRUM_N % world != 0 and max(sizes) == -(-SPECTRUM_N // world)
+    for result, size in zip(results, sizes, strict=True):
+        got = result["spectrum"]["truncated"]
+        assert got["eigenvector_rows"] == got["ritz_rows"] == size
+        assert got["basis_size"] == SPECTRUM_N
+        plain = result["plain_spectrum"]["truncated"]
+        assert plain["eigenvector_rows"] == plain["ritz_rows"] == SPECTRUM_N
+
+
+@pytest.mark.parametrize("case", ["truncated", "whole"])
+def test_a_lanczos_spectrum_split_by_rows_equals_one_process(main_run, case):
+    """Eigenvalues, the bounds, coordinates, filters, forms and traces (with the power
+    iterations and the probes' series) of a spectrum whose basis each rank holds its rows of:
+    those of one process to 1e-8, the same bits on every rank."""
     _, results = main_run
-    models = results[0]["models"]
-    assert models["data_lanczos"]["engine"] == "KernelSpectrum"
-    assert models["data_lanczos"]["split"]
-    assert models["data_auto"]["engine"] == "KernelSpectrum"  # matrix-free, through the group
-    assert models["data_cg"]["engine"] == "ShiftedCG" and not models["data_cg"]["split"]
+    plain = results[0]["plain_spectrum"][case]
+    assert plain["num_resolved"] < plain["eigenvalues"].shape[-1] or case == "whole"
+    for result in results:
+        got = result["spectrum"][case]
+        for key, value in plain.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got[key], value, rtol=1e-8, atol=1e-10, msg=key)
+                assert torch.equal(got[key], results[0]["spectrum"][case][key]), key
+
+
+def test_a_split_spectrum_given_all_rows_names_the_rows_it_holds(main_run):
+    world, results = main_run
+    for result in results:
+        caught = result["spectrum"]["truncated"]["full_rows"]
+        assert caught["type"] == "ValueError", caught
+        assert "rhs must hold this rank's" in caught["message"]
+        assert f"N = {SPECTRUM_N}" in caught["message"]
+
+
+def test_a_whole_basis_split_by_rows_has_the_dense_eigenvalues_and_filters(main_run):
+    """N = 10 on 2 and 3 ranks, blocks of 8 columns: ranks holding fewer rows than a block
+    has columns. The eigenvalues are those of the dense matrix, the filter its dense form."""
+    _, results = main_run
+    x, _, _, kernel = problem(TINY_N)
+    scale = float(kernel.outputscale.detach())
+    lengthscale = float(kernel.base_kernel.lengthscale.detach())
+    dense = scale * torch.exp(-torch.cdist(x, x).square() / (2 * lengthscale**2))
+    evals, evecs = torch.linalg.eigh(dense)
+    gen = torch.Generator().manual_seed(4)  # the worker's right-hand side
+    rhs = torch.randn(TINY_N, 2, generator=gen, dtype=DT)
+    gammas = torch.tensor(NOISE, dtype=DT)
+    # the data-centric weights G_t(d) = d^(t-1) / prod_{s <= t} (d + gamma_s), written out
+    values = torch.stack(
+        [evals ** (t - 1) / torch.prod(evals[None] + gammas[:t, None], 0) for t in (1, 2, 3)]
+    )
+    expected = torch.stack([evecs @ (v[:, None] * (evecs.mT @ rhs)) for v in values])
+    for result in results:
+        got = result["spectrum"]["whole"]
+        torch.testing.assert_close(got["eigenvalues"], evals.flip(-1), rtol=0, atol=1e-12)
+        torch.testing.assert_close(got["apply"], expected, rtol=1e-8, atol=1e-10)
 
 
 def test_gcv_and_covariances_through_the_group_equal_one_process(main_run):

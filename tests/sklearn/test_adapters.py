@@ -106,7 +106,7 @@ def test_regressor_scores_steps_when_auto_falls_back_to_cg():
     y = np.sin(X).sum(1)
     with gpsd.settings.dense_max_n(cpu=50), gpsd.settings.max_lanczos_rank(8):
         estimator = gpsd.sklearn.SelfDistilledGPRegressor(backend="auto").fit(X, y)
-        assert isinstance(estimator.model_._state()["engine"], gpsd.linalg.ShiftedCG)
+        assert isinstance(estimator.model_._current_fit().engine, gpsd.linalg.ShiftedCG)
     assert estimator.gcv_.shape == estimator.gcv_standard_error_.shape == (5,)
     assert np.isfinite(estimator.gcv_).all() and (estimator.gcv_standard_error_ > 0).all()
     assert estimator.step_ == int(np.argmin(estimator.gcv_)) + 1
