@@ -27,8 +27,8 @@ from gpsd._internal.variance import nonnegative_variance
 from gpsd.laplace import (
     ContinuousCategoricalTerms,
     MulticlassLaplacePosterior,
-    MulticlassLikelihoodTerms,
     SoftmaxTerms,
+    TemperedSoftmaxTerms,
     constant_parameters,
 )
 from gpsd.laplace._multiclass_factor import psd_sqrt
@@ -37,7 +37,6 @@ from gpsd.prediction import Prediction
 __all__ = [
     "DEFAULT_NUM_SAMPLES",
     "SoftmaxLabelTerms",
-    "TemperedSoftmaxTerms",
     "check_class_memory",
     "check_class_modules",
     "class_latent",
@@ -129,34 +128,6 @@ class SoftmaxLabelTerms(SoftmaxTerms):
                 f"{name} must hold integer class labels in 0 ... {K - 1} (num_classes={K}), "
                 f"got values such as {y[bad].flatten()[:3].tolist()}"
             )
-
-
-class TemperedSoftmaxTerms(MulticlassLikelihoodTerms):
-    r"""The softmax likelihood raised to the power :math:`t`, :math:`t \log p(y_i \mid
-    \mathbf f_i)`, with its gradient and Hessian scaled alike; the response is the softmax.
-
-    Its Hessian blocks are not those of the softmax, so the engine factors them densely
-    (:math:`O(K^3 n^3)`).
-    """
-
-    name = "tempered softmax"
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
-        self._softmax = SoftmaxTerms()
-
-    def targets(self, y: Tensor, num_classes: int | None = None, name: str = "train_y") -> Tensor:
-        return self._softmax.targets(y, num_classes, name)
-
-    def log_prob(self, Y: Tensor, F: Tensor) -> Tensor:
-        return self.temperature * self._softmax.log_prob(Y, F)
-
-    def derivatives(self, Y: Tensor, F: Tensor) -> tuple[Tensor, Tensor]:
-        gradient, hessian = self._softmax.derivatives(Y, F)
-        return self.temperature * gradient, self.temperature * hessian
-
-    def response(self, F: Tensor) -> Tensor:
-        return self._softmax.response(F)
 
 
 def refuse_for_classes(num_classes: int, name: str, value: object, allowed: str) -> None:

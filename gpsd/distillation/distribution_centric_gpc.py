@@ -146,7 +146,8 @@ class DistributionCentricGPC(
         \mathcal N(\mathbf f \mid \mathbf m, \operatorname{blockdiag}_c \mathbf K_c),
 
     whose prior stays block-diagonal over the classes (a
-    :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its tempered Hessian blocks
+    :class:`~gpsd.laplace.MulticlassLaplacePosterior` of
+    :class:`~gpsd.laplace.TemperedSoftmaxTerms`; its tempered Hessian blocks
     :math:`t(\operatorname{diag}\boldsymbol\pi_i - \boldsymbol\pi_i\boldsymbol\pi_i^\top)` are
     factored densely, :math:`O(K^3 n^3)` per Newton iteration). ``"iterated"`` and
     ``"scaled_kernel"`` are refused: the posterior covariance that ``"iterated"`` carries into the
