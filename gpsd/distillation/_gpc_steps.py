@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gpsd._internal.module_state import checked_setting
+from gpsd._internal.module_state import checked_setting, fixed_setting
 from gpsd._internal.validation import (
     as_float_tensor,
     check_int,
@@ -19,12 +19,19 @@ from gpsd._internal.validation import (
     check_test_inputs,
     check_vector,
 )
+from gpsd.distillation._multiclass_steps import (
+    class_latent,
+    class_log_loss,
+    class_probabilities,
+    refuse_for_classes,
+)
 from gpsd.distillation._step_distiller import StepDistiller
 from gpsd.laplace import (
     BernoulliLogitTerms,
     LaplaceGPClassifier,
     LaplaceLikelihoodTerms,
     LaplacePosterior,
+    MulticlassLaplacePosterior,
     binary_class_probabilities,
 )
 from gpsd.prediction import Prediction
@@ -148,10 +155,11 @@ def refit_step_modules(
 
 
 class StepwiseClassifier(StepDistiller, abc.ABC):
-    """Predictions of a binary GP classifier distilled over steps ``1..T``.
+    """Predictions of a GP classifier distilled over steps ``1..T``.
 
     The owner implements :meth:`_fitted_steps` (how many steps, from step 1, the fit holds),
-    :meth:`_latent_at_step` and :meth:`_positive_probability`.
+    :meth:`_latent_at_step` and :meth:`_positive_probability` (two classes), and, where it takes
+    :math:`K > 2` classes (``_num_classes``), :meth:`_class_posterior`.
     """
 
     _criteria = {"validation": ("validation_log_loss", True)}
@@ -175,6 +183,17 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
         "Adam's learning rate of each step's refit; a new value refits on use.",
     )
 
+    _num_classes = 2
+    num_classes = fixed_setting(
+        "num_classes", ":math:`K`, the number of classes (fixed at construction)."
+    )
+    num_samples = checked_setting(
+        "num_samples",
+        lambda v: check_int(v, "num_samples"),
+        "Monte Carlo draws of the class probabilities for :math:`K > 2` classes; a new value "
+        "refits on use where the targets are class probabilities.",
+    )
+
     @abc.abstractmethod
     def _fitted_steps(self) -> int:
         """How many steps, from step 1, the fit holds."""
@@ -186,6 +205,10 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
     @abc.abstractmethod
     def _positive_probability(self, mean: Tensor, variance: Tensor, method: str) -> Tensor:
         r""":math:`\mathbb{E}[r(f)]`, :math:`f \sim \mathcal N(\mu, s^2)`, by ``method``."""
+
+    def _class_posterior(self, step: int) -> tuple[MulticlassLaplacePosterior, FittedModules]:
+        """For :math:`K > 2` classes: the Laplace posterior and the modules of step ``step``."""
+        raise NotImplementedError(f"{type(self).__name__} is a binary classifier")
 
     def _steps(self, step: int | None) -> list[int]:
         """The steps a prediction covers: ``[step]``, or every fitted step for ``None``."""
@@ -206,13 +229,25 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
         return [step]
 
     def _rows_of_steps(self, rows: list[Tensor], step: int | None) -> Tensor:
-        """``rows`` (one ``(*batch, N)`` tensor per step of :meth:`_steps`) on the step axis,
-        ``(*batch, k, N)``, or the one row for ``step=t``, ``(*batch, N)``: copies."""
-        return rows[0].clone() if step is not None else torch.stack(rows, dim=-2)
+        """``rows`` (one ``(*batch, N)`` tensor per step of :meth:`_steps`, ``(*batch, N, K)`` for
+        :math:`K > 2` classes) on the step axis, ``(*batch, k, N[, K])``, or the one row for
+        ``step=t``: copies."""
+        if step is not None:
+            return rows[0].clone()
+        return torch.stack(rows, dim=-3 if self.num_classes > 2 else -2)
 
     def _latent(self, test_x: Tensor, step: int | None) -> Prediction:
         x = check_test_inputs(test_x, self.train_inputs)
         steps = self._steps(step)
+        if self.num_classes > 2:
+            rows = [class_latent(self, *self._class_posterior(t), x) for t in steps]
+            if step is not None:
+                return rows[0]
+            return Prediction(
+                torch.stack([r.mean for r in rows], dim=-3),
+                torch.stack([r.variance for r in rows], dim=-3),
+                torch.stack([r.covariance for r in rows], dim=-4),
+            )
         moments = [self._latent_at_step(x, t) for t in steps]
         if step is not None:
             return Prediction(*moments[0])
@@ -222,8 +257,11 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
     def predict_latent(self, test_x: Tensor, *, step: int | None = None) -> Prediction:
         """The latent predictive mean and variance at ``test_x``: of every step,
         ``(*batch, T, M)`` with row ``t - 1`` for step ``t``, or of step ``step`` alone,
-        ``(*batch, M)``. Differentiable in ``test_x``; the hyperparameters are constants to them
-        (the steps are fitted without autograd)."""
+        ``(*batch, M)``. For :math:`K > 2` classes, the mean and the variances of the :math:`K`
+        latent functions, ``(*batch, T, M, K)``, and the covariance between them at each point,
+        ``covariance`` of shape ``(*batch, T, M, K, K)`` (``step=t`` drops the step axis).
+        Differentiable in ``test_x``; the hyperparameters are constants to them (the steps are
+        fitted without autograd)."""
         return self._latent(test_x, step)
 
     def predict_proba(
@@ -232,21 +270,39 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
         r"""The class probabilities at ``test_x``, column 1 :math:`\mathbb{E}_q[r(f_*)]` (:math:`r`
         the likelihood's response) and column 0 its complement: of every step,
         ``(*batch, T, M, 2)`` with row ``t - 1`` for step ``t``, or of step ``step`` alone,
-        ``(*batch, M, 2)``.
+        ``(*batch, M, 2)``. For :math:`K > 2` classes, column :math:`c` is class :math:`c`'s
+        probability :math:`\mathbb{E}_q[\operatorname{softmax}(\mathbf f_*)_c]`, ``(*batch, T,
+        M, K)``, the Monte Carlo average over :attr:`num_samples` draws from the latent
+        predictive, the same draws at every call and for every point (a generator seeded with
+        0), so that a point's probabilities do not depend on the other points predicted with it;
+        standard error at most :math:`0.5/\sqrt S` per entry.
 
         :param method: ``"quadrature"`` (accurate at any latent variance) or ``"probit"``
-            (closed form: MacKay's approximation for a logistic response).
+            (closed form: MacKay's approximation for a logistic response); for :math:`K > 2`
+            classes, ``"quadrature"`` alone (the Monte Carlo average).
         """
         if method not in ("quadrature", "probit"):
             raise ValueError(f"method must be 'quadrature' or 'probit', got {method!r}")
+        if self.num_classes > 2:
+            if method != "quadrature":
+                allowed = "the class probabilities are a Monte Carlo average: leave method at "
+                refuse_for_classes(self.num_classes, "method", method, allowed + "'quadrature'")
+            x = check_test_inputs(test_x, self.train_inputs)
+            rows = [
+                class_probabilities(self, *self._class_posterior(t), x) for t in self._steps(step)
+            ]
+            return self._rows_of_steps(rows, step)
         latent = self._latent(test_x, step)
         positive = self._positive_probability(latent.mean, latent.variance, method)
         return binary_class_probabilities(positive)
 
     def predict(self, test_x: Tensor, *, step: int | None = None) -> Tensor:
         """The predicted labels (``torch.long``, 1 where column 1 of :meth:`predict_proba` is
-        above 1/2): of every step, ``(*batch, T, M)``, or of step ``step``, ``(*batch, M)``."""
+        above 1/2; for :math:`K > 2` classes the column of the largest probability): of every
+        step, ``(*batch, T, M)``, or of step ``step``, ``(*batch, M)``."""
         with torch.no_grad():
+            if self.num_classes > 2:
+                return self.predict_proba(test_x, step=step).argmax(-1)
             return (self.predict_proba(test_x, step=step)[..., 1] > 0.5).long()
 
     def validation_log_loss(self, val_x: Tensor, val_y: Tensor) -> Tensor:
@@ -259,13 +315,17 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
 
         with :math:`p_{t,i}` column 1 of :meth:`predict_proba` at step :math:`t` (probabilities
         clamped to the smallest positive normal number before the logarithm).
+        For :math:`K > 2` classes, :math:`\ell_t = -\frac1M \sum_i \log p_{t,i,y_i}` with the
+        class probabilities :math:`p_{t,i,c}` of :meth:`predict_proba`.
 
         :param val_x: Validation inputs ``(M, d)`` or ``(M,)``.
         :param val_y: Validation targets ``(*batch, M)`` in :math:`[0, 1]` (labels or soft
-            targets).
+            targets); for :math:`K > 2` classes, labels in ``0 ... K - 1``.
         """
         with torch.no_grad():
-            proba = self.predict_proba(val_x)  # shape: (*batch, T, M, 2)
+            proba = self.predict_proba(val_x)  # shape: (*batch, T, M, C)
+            if self.num_classes > 2:
+                return class_log_loss(proba, val_y)
             y = as_float_tensor(val_y, "val_y", dtype=proba.dtype)
             check_same_device(proba, y, "val_y", "val_x")
             check_vector(y, "val_y", n=proba.shape[-2])

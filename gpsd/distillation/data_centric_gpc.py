@@ -28,6 +28,15 @@ from gpsd.distillation._gpc_steps import (
     check_trainable,
     refit_step_modules,
 )
+from gpsd.distillation._multiclass_steps import (
+    DEFAULT_NUM_SAMPLES,
+    SoftmaxLabelTerms,
+    check_class_memory,
+    check_class_modules,
+    data_centric_chain,
+    infer_num_classes,
+    refuse_for_classes,
+)
 from gpsd.distillation._step_distiller import NoiseRule
 from gpsd.laplace import (
     BernoulliLogitTerms,
@@ -35,6 +44,7 @@ from gpsd.laplace import (
     ContinuousBernoulliTerms,
     LaplaceMode,
     LaplacePosterior,
+    MulticlassLaplacePosterior,
     checked_classification_data,
     constant_parameters,
     laplace_latent_predictive,
@@ -64,6 +74,21 @@ class _DataCentricFit:
     """
 
     modes: tuple[LaplaceMode, ...]
+    targets: tuple[Tensor, ...]
+    modules: tuple[FittedModules, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DataCentricClassFit:
+    """A :class:`DataCentricGPC`'s fit for :math:`K > 2` classes, one entry per fitted step, as
+    :class:`_DataCentricFit`.
+
+    :param posteriors: The multiclass Laplace posterior of each step.
+    :param targets: The targets each step is fitted to, ``(*batch, n, K)`` (step 1: one-hot).
+    :param modules: The kernel and prior mean of each step.
+    """
+
+    posteriors: tuple[MulticlassLaplacePosterior, ...]
     targets: tuple[Tensor, ...]
     modules: tuple[FittedModules, ...]
 
@@ -111,6 +136,38 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
     Laplace fits and marginal-likelihood gradients per step; ``covar_module`` and
     ``mean_module`` are left as they are (they are the starting point).
 
+    **K classes.** Labels in :math:`0, \dots, K - 1` with :math:`K > 2` (``num_classes``, or one
+    more than the largest label) give :math:`K` latent functions :math:`\mathbf f_c`,
+    independent a priori, :math:`\mathbf f_c \sim \mathcal{GP}(m_c, k_c)`: ``covar_module``
+    (and ``mean_module``) is shared by the :math:`K` latent functions unless it has batch shape
+    ``(K,)``, whose entry :math:`c` is class :math:`c`'s. Step 1 fits the softmax likelihood to
+    the labels (Rasmussen & Williams §3.5) under the prior covariance
+    :math:`\mathbf K_c + \gamma_1 \mathbf I`; step :math:`t \ge 2` fits the previous step's
+    class probabilities at the training inputs, rows on the simplex,
+
+    .. math::
+
+        \mathbf y_{t,i} = \mathbb{E}_{q_{t-1}}[\operatorname{softmax}(\mathbf f_i)],
+
+    with the continuous categorical likelihood (the :math:`K`-class continuous Bernoulli),
+    :math:`\log p(\mathbf y_{t,i} \mid \mathbf f_i) = \mathbf f_i^\top \mathbf y_{t,i} -
+    A(\mathbf f_i)`, :math:`A` its log-normaliser, under :math:`\mathbf K_c + \gamma_t \mathbf I`.
+    As the binary steps predict :math:`\sigma(f)`, every step's class probabilities are
+    :math:`\mathbb{E}_{q_t}[\operatorname{softmax}(\mathbf f_*)]` (the continuous categorical's
+    parameter, not its mean :math:`\nabla A`). Each step is a
+    :class:`~gpsd.laplace.MulticlassLaplacePosterior`; its expectations are Monte Carlo averages
+    over ``num_samples`` draws from the latent predictive, the same draws for every point and at
+    every call (a CPU generator seeded with 0), so the targets and the predictions are the same at
+    every fit, and a point's probabilities do not depend on the points predicted with it.
+    :meth:`predict_proba` has a trailing class axis of size :math:`K`, :meth:`step_targets` (one-hot
+    labels at step 1) and :meth:`latent_modes` are ``(*batch, T, n, K)``. ``soft_target_likelihood``
+    stays ``"continuous_bernoulli"`` (read as the continuous categorical), ``threshold_targets``
+    ``False``, ``target_method`` ``"quadrature"`` (read as the Monte Carlo average) and
+    ``refit_hyperparameters`` ``False``; other values are refused. Each Newton run starts from the
+    prior mean (``warm_start`` and ``use_stored_modes`` apply to two classes). The continuous
+    categorical's factorisation is dense over the classes, :math:`O(K^3 n^3)` per Newton iteration.
+    At :math:`K = 2` the binary model above is fitted (one latent function).
+
     The model fits lazily: :meth:`fit` need not be called (the first prediction fits), and
     predictions refit every step (warm-started from the stored modes) when the fit is stale
     (:meth:`fit` lists when), so they always belong to the current hyperparameters. Predictions hold every step along a
@@ -122,7 +179,7 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
     the kernel and the mean.
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``, float32 or float64.
-    :param train_y: Binary labels ``(*batch, n)`` in {0, 1}.
+    :param train_y: Labels ``(*batch, n)``: binary, in {0, 1}, or in ``0 ... K - 1``.
     :param covar_module: The kernel :math:`k`, any GPyTorch kernel: every step's, or the starting
         point of every step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
@@ -147,7 +204,10 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         every step (see above); ``False`` keeps them as given for every step.
     :param refit_max_iter: Adam iterations of each step's refit.
     :param refit_lr: Adam's learning rate of each step's refit.
-
+    :param num_classes: :math:`K \ge 2` (default: one more than the largest label, and 2 for
+        labels in {0, 1}); give it where a class has no training label.
+    :param num_samples: Monte Carlo draws of the class probabilities for :math:`K > 2` classes
+        (the soft targets and :meth:`predict_proba`).
 
     Example:
 
@@ -155,6 +215,8 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         >>> probs = model.predict_proba(test_x)  # shape: (5, M, 2)
         >>> t = model.best_step(val_x=val_x, val_y=val_y)
         >>> labels = model.predict(test_x, step=t)  # shape: (M,)
+        >>> model = DataCentricGPC(x, labels_0_to_3, ScaleKernel(RBFKernel()), num_steps=3)
+        >>> model.predict_proba(test_x).shape  # (3, M, 4)
     """
 
     def __init__(
@@ -174,6 +236,8 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         refit_hyperparameters: bool = False,
         refit_max_iter: int = 50,
         refit_lr: float = 0.05,
+        num_classes: int | None = None,
+        num_samples: int = DEFAULT_NUM_SAMPLES,
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
@@ -182,6 +246,8 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         self.soft_target_likelihood = soft_target_likelihood
         self.threshold_targets = threshold_targets
         self.target_method = target_method
+        self._num_classes = infer_num_classes(train_y, num_classes)
+        self.num_samples = num_samples
         train_x, train_y = checked_classification_data(train_x, train_y, self._target_terms)
         self.covar_module = covar_module
         self.mean_module = mean_module if mean_module is not None else ZeroMean()
@@ -193,8 +259,11 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         self.register_buffer("train_targets", train_y)
         self._init_steps(num_steps, noise, train_x)
         self._check_noise_batch()
-        # per step, (T, *batch, n): step_targets() and latent_modes() lay them out
-        shape = (self.num_steps, *train_y.shape)
+        self._check_class_settings()
+        # per step, (T, *batch, n) (for K > 2 classes, (T, *batch, n, K)): step_targets() and
+        # latent_modes() lay them out
+        classes = (self.num_classes,) if self.num_classes > 2 else ()
+        shape = (self.num_steps, *train_y.shape, *classes)
         self.register_buffer("_step_targets", train_x.new_zeros(shape))
         self.register_buffer("_latent_modes", train_x.new_zeros(shape))
         self.register_buffer("is_fitted", torch.tensor(False, device=train_x.device))
@@ -206,8 +275,11 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         self.refit_history: list[list[float]] = []
 
     @property
-    def _target_terms(self) -> BernoulliLogitTerms:
-        """The training targets are 0/1 labels (the first step's Bernoulli likelihood)."""
+    def _target_terms(self) -> BernoulliLogitTerms | SoftmaxLabelTerms:
+        """The training targets are the first step's labels: 0/1 (Bernoulli), or in
+        ``0 ... K - 1`` (softmax)."""
+        if self.num_classes > 2:
+            return SoftmaxLabelTerms(self.num_classes)
         return BernoulliLogitTerms()
 
     _noise_rule = NoiseRule(positive=False, steps_of_one_value=2)
@@ -215,11 +287,11 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
     def _check_noise_batch(self) -> None:
         """A ``ValueError`` unless the batch of the schedules broadcasts with the labels' and the
         kernel's, and is empty where the steps refit their hyperparameters."""
+        # for K > 2 classes the kernel's batch is its classes (_check_class_settings)
+        kernel_batch = self.covar_module.batch_shape if self.num_classes == 2 else ()
         try:
             torch.broadcast_shapes(
-                self.noise.shape[:-1],
-                self.train_targets.shape[:-1],
-                self.covar_module.batch_shape,
+                self.noise.shape[:-1], self.train_targets.shape[:-1], kernel_batch
             )
         except RuntimeError:
             raise ValueError(
@@ -239,6 +311,32 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
                 f"noise of shape {tuple(self.noise.shape)}; build one model per schedule to "
                 "refit each, or pass refit_hyperparameters=False"
             )
+
+    def _check_class_settings(self) -> None:
+        """For :math:`K > 2` classes, a ``ValueError`` naming the setting that the :math:`K`-class
+        steps do not have, or the module of another batch shape than ``()`` or ``(K,)``."""
+        if self.num_classes == 2:
+            return
+        K = self.num_classes
+        check_class_modules(self.covar_module, self.mean_module, K)
+        fixed = (
+            (
+                "soft_target_likelihood",
+                "continuous_bernoulli",
+                "steps t >= 2 fit the continuous categorical: pass "
+                "soft_target_likelihood='continuous_bernoulli'",
+            ),
+            ("threshold_targets", False, "pass threshold_targets=False"),
+            (
+                "target_method",
+                "quadrature",
+                "the targets are Monte Carlo averages: pass target_method='quadrature'",
+            ),
+            ("refit_hyperparameters", False, "pass refit_hyperparameters=False"),
+        )
+        for name, value, allowed in fixed:
+            if getattr(self, name) != value:
+                refuse_for_classes(K, name, getattr(self, name), allowed)
 
     soft_target_likelihood = choice_setting(
         "soft_target_likelihood",
@@ -277,6 +375,8 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
             self.refit_max_iter,
             self.refit_lr,
             self.warm_start,
+            self.num_classes,
+            self.num_samples if self.num_classes > 2 else None,  # the K-class targets' draws
         )
         return FitDependencies(
             (self.covar_module, self.mean_module),
@@ -306,10 +406,12 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         use_stored_modes: bool = True,
         progress: object = False,
         callback: Callback | None = None,
-    ) -> _DataCentricFit:
+    ) -> _DataCentricFit | _DataCentricClassFit:
         """Fit steps 1..T (fewer where ``callback`` stops), by default warm-started from the
-        stored modes."""
+        stored modes (for :math:`K > 2` classes, from the prior mean)."""
         self._check_noise_batch()  # labels of another batch (set_train_data), or refits set
+        if self.num_classes > 2:
+            return self._compute_class_fit(progress, callback)
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES + self.num_steps,
@@ -404,6 +506,58 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
             self.is_fitted.fill_(True)
         return _DataCentricFit(tuple(modes), tuple(fitted_targets), tuple(fitted_modules))
 
+    def _compute_class_fit(
+        self, progress: object, callback: Callback | None
+    ) -> _DataCentricClassFit:
+        """:meth:`_compute_fit` for :math:`K > 2` classes: the chain of multiclass Laplace
+        fits."""
+        self._check_class_settings()
+        batch = torch.broadcast_shapes(self.noise.shape[:-1], self.train_targets.shape[:-1])
+        check_class_memory(
+            f"{type(self).__name__}.fit",
+            self.train_inputs,
+            batch,
+            self.num_classes,
+            self.num_steps,
+            dense=self.num_steps > 1,
+        )
+        shared = FittedModules(self.covar_module, self.mean_module)
+        posteriors: list[MulticlassLaplacePosterior] = []
+        fitted_targets: list[Tensor] = []
+        self.newton_iterations = []
+        self.refit_history = []
+        with torch.no_grad():
+            chain = data_centric_chain(
+                self.train_inputs,
+                self.train_targets,
+                self.covar_module,
+                self.mean_module,
+                self.noise,
+                self.num_classes,
+                max_iter=self.max_iter,
+                num_samples=self.num_samples,
+            )
+            task = f"{type(self).__name__}.fit"
+            with ProgressReporter(task, self.num_steps, progress, callback) as report:
+                for step, posterior in enumerate(chain, start=1):
+                    posteriors.append(posterior)
+                    fitted_targets.append(posterior.train_targets)
+                    self.newton_iterations.append(posterior.iterations)
+                    self.refit_history.append([])
+                    targets, mode = posterior.train_targets, posterior.mode
+                    if self._step_targets[step - 1].shape != targets.shape:
+                        self._step_targets = targets.new_zeros(self.num_steps, *targets.shape)
+                        self._latent_modes = torch.zeros_like(self._step_targets)
+                    self._step_targets[step - 1] = targets
+                    self._latent_modes[step - 1] = mode
+                    loss = -float(posterior.log_marginal_likelihood().sum())
+                    info = {"newton_iterations": posterior.iterations}
+                    if report.update(step, loss=loss, **info) or step == self.num_steps:
+                        break
+            self.is_fitted.fill_(True)
+        modules = (shared,) * len(posteriors)
+        return _DataCentricClassFit(tuple(posteriors), tuple(fitted_targets), modules)
+
     def fit(
         self,
         *,
@@ -413,17 +567,17 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
     ) -> DataCentricGPC:
         """Fit the ``num_steps`` steps at the current kernel hyperparameters; returns ``self``.
 
-        The model also fits lazily, on first use (warm-started from the stored modes), and
-        refits when the fit is stale: when a parameter or buffer of ``covar_module`` or
-        ``mean_module``, the training data or ``noise`` has another value, shape, dtype or
-        device (an optimiser step, a write through ``.data``, an assignment, ``load_state_dict``,
-        ``.to()``), when a setting of the model (``soft_target_likelihood``,
-        ``threshold_targets``, ``target_method``, ``warm_start``, ``max_iter``,
-        ``refit_hyperparameters``, ``refit_max_iter``, ``refit_lr``) or a :mod:`gpsd.settings`
-        value that can change a result has changed, and after a backward pass through the fit's
-        graph (the steps are fitted without autograd, so a gradient needed later does not
-        refit). Nothing else refits: a fit made under grad mode serves predictions under
-        ``torch.no_grad()`` as it is, and copies and pickles of the model refit on first use.
+        The model also fits lazily, on first use (warm-started from the stored modes), and refits
+        when the fit is stale: when a parameter or buffer of ``covar_module`` or ``mean_module``,
+        the training data or ``noise`` has another value, shape, dtype or device (an optimiser step,
+        a write through ``.data``, an assignment, ``load_state_dict``, ``.to()``), when a setting of
+        the model (``soft_target_likelihood``, ``threshold_targets``, ``target_method``,
+        ``warm_start``, ``max_iter``, ``refit_hyperparameters``, ``refit_max_iter``, ``refit_lr``,
+        ``num_samples`` for :math:`K > 2` classes) or a :mod:`gpsd.settings` value that can change a
+        result has changed, and after a backward pass through the fit's graph (the steps are fitted
+        without autograd, so a gradient needed later does not refit). Nothing else refits: a fit
+        made under grad mode serves predictions under ``torch.no_grad()`` as it is, and copies and
+        pickles of the model refit on first use.
 
         Each step is one iteration for ``progress`` and ``callback`` (the record's ``loss`` is the
         step's negative Laplace log marginal likelihood, summed over the batch); a callback that
@@ -456,12 +610,13 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         return tuple(modules.mean_module for modules in self._current_fit().modules)
 
     def _fitted_steps(self) -> int:
-        return len(self._current_fit().modes)
+        return len(self._current_fit().modules)
 
     def step_targets(self, step: int | None = None) -> Tensor:
         r"""The targets each fitted step is fitted to (fitted first where needed):
         ``(*batch, T, n)``, row ``t - 1`` holding :math:`\mathbf y_t` (row 0 the labels), or
-        :math:`\mathbf y_t` alone for ``step=t``, ``(*batch, n)``. After a fit that a callback
+        :math:`\mathbf y_t` alone for ``step=t``, ``(*batch, n)``; for :math:`K > 2` classes
+        ``(*batch, T, n, K)``, row 0 the one-hot labels. After a fit that a callback
         stopped at step ``k``, the ``k`` fitted steps.
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
@@ -472,12 +627,21 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
     def latent_modes(self, step: int | None = None) -> Tensor:
         r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
         inputs (fitted first where needed), laid out as :meth:`step_targets`:
-        ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``.
+        ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``; for :math:`K > 2` classes
+        ``(*batch, T, n, K)``.
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
-        modes = self._current_fit().modes
-        return self._rows_of_steps([modes[t - 1].f for t in self._steps(step)], step)
+        fit = self._current_fit()
+        if self.num_classes > 2:
+            rows = [fit.posteriors[t - 1].mode for t in self._steps(step)]
+        else:
+            rows = [fit.modes[t - 1].f for t in self._steps(step)]
+        return self._rows_of_steps(rows, step)
+
+    def _class_posterior(self, step: int) -> tuple[MulticlassLaplacePosterior, FittedModules]:
+        fit = self._current_fit()
+        return fit.posteriors[step - 1], fit.modules[step - 1]
 
     def _latent_at_step(self, x: Tensor, step: int) -> tuple[Tensor, Tensor]:
         fit = self._current_fit()

@@ -28,9 +28,19 @@ from gpsd.distillation._gpc_steps import (
     check_trainable,
     refit_step_modules,
 )
+from gpsd.distillation._multiclass_steps import (
+    DEFAULT_NUM_SAMPLES,
+    SoftmaxLabelTerms,
+    check_class_memory,
+    check_class_modules,
+    infer_num_classes,
+    refuse_for_classes,
+    tempered_posterior,
+)
 from gpsd.laplace import (
     ClassificationTrainingData,
     LaplacePosterior,
+    MulticlassLaplacePosterior,
     checked_classification_data,
     closed_form_probability,
     constant_parameters,
@@ -79,10 +89,13 @@ class _DistributionCentricFit:
         other step computed alone.
     :param modules: The kernel and prior mean of each step computed with
         ``refit_hyperparameters`` (empty without).
+    :param class_steps: For :math:`K > 2` classes (where :attr:`steps` is empty), the tempered
+        posterior of each step computed, kept as :attr:`steps` keeps the approximations'.
     """
 
     steps: dict[int, _StepPosterior] = dataclasses.field(default_factory=dict)
     modules: dict[int, FittedModules] = dataclasses.field(default_factory=dict)
+    class_steps: dict[int, MulticlassLaplacePosterior] = dataclasses.field(default_factory=dict)
 
 
 class DistributionCentricGPC(
@@ -117,6 +130,35 @@ class DistributionCentricGPC(
       Constant cost in :math:`t`.
 
     Step 1 of every method is the ordinary Laplace GPC.
+
+    **K classes.** Labels in :math:`0, \dots, K - 1` with :math:`K > 2` (``num_classes``, or one
+    more than the largest label) give :math:`K` latent functions, independent a priori,
+    :math:`\mathbf f_c \sim \mathcal{GP}(m_c, k_c)` (``covar_module`` and ``mean_module``
+    shared by the classes unless they have batch shape ``(K,)``, entry :math:`c` class
+    :math:`c`'s), and the softmax likelihood (``likelihood`` stays ``"bernoulli_logit"``, read
+    as its :math:`K`-class counterpart, or is ``"softmax"``). Only ``"tempered"`` is available:
+    step :math:`t` is the Laplace approximation of the softmax likelihood raised to the power
+    :math:`t` under the original prior,
+
+    .. math::
+
+        q_t(\mathbf f) \propto \prod_i p(y_i \mid \mathbf f_i)^t \,
+        \mathcal N(\mathbf f \mid \mathbf m, \operatorname{blockdiag}_c \mathbf K_c),
+
+    whose prior stays block-diagonal over the classes (a
+    :class:`~gpsd.laplace.MulticlassLaplacePosterior` of
+    :class:`~gpsd.laplace.TemperedSoftmaxTerms`; its tempered Hessian blocks
+    :math:`t(\operatorname{diag}\boldsymbol\pi_i - \boldsymbol\pi_i\boldsymbol\pi_i^\top)` are
+    factored densely, :math:`O(K^3 n^3)` per Newton iteration). ``"iterated"`` and
+    ``"scaled_kernel"`` are refused: the posterior covariance that ``"iterated"`` carries into the
+    next prior couples the classes, :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` with :math:`\mathbf W`
+    dense over the classes at each point, and the engine takes priors independent per class;
+    ``"scaled_kernel"`` approximates the iterated chain the same way. Class probabilities are Monte
+    Carlo averages over ``num_samples`` draws, the same for every point and at every call (a
+    generator seeded with 0); :meth:`predict_proba` has a trailing class axis of size :math:`K`,
+    :meth:`latent_modes` and :meth:`step_targets` (one-hot labels) are ``(*batch, T, n, K)``.
+    ``refit_hyperparameters`` is refused. The steps' posteriors are not part of ``state_dict``: a
+    loaded state refits on first use. At :math:`K = 2` the binary model above is fitted.
 
     By default every step shares the kernel and prior mean as given. With
     ``refit_hyperparameters=True``, step :math:`t` gets its own copies of them, whose
@@ -157,7 +199,8 @@ class DistributionCentricGPC(
     8e-5 off; fit in float64 where that matters.
 
     :param train_x: Training inputs ``(n, d)`` or ``(n,)``, float32 or float64.
-    :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones).
+    :param train_y: Labels ``(*batch, n)`` for the likelihood (0/1 for the Bernoulli ones), or in
+        ``0 ... K - 1`` for :math:`K > 2` classes.
     :param covar_module: The kernel :math:`k`: every step's, or the starting point of every
         step's refit with ``refit_hyperparameters``.
     :param mean_module: Prior mean (default zero).
@@ -172,6 +215,9 @@ class DistributionCentricGPC(
         every step (see above); ``False`` keeps them as given for every step.
     :param refit_max_iter: Adam iterations of each step's refit.
     :param refit_lr: Adam's learning rate of each step's refit.
+    :param num_classes: :math:`K \ge 2` (default: one more than the largest label, and 2 for
+        labels in {0, 1}); give it where a class has no training label.
+    :param num_samples: Monte Carlo draws of the class probabilities for :math:`K > 2` classes.
 
     Example:
 
@@ -195,15 +241,26 @@ class DistributionCentricGPC(
         refit_hyperparameters: bool = False,
         refit_max_iter: int = 50,
         refit_lr: float = 0.05,
+        num_classes: int | None = None,
+        num_samples: int = DEFAULT_NUM_SAMPLES,
     ) -> None:
         super().__init__()
         check_gp_modules(covar_module, mean_module)
         num_steps = check_int(num_steps, "num_steps")
         refit = check_refit_options(refit_hyperparameters, refit_max_iter, refit_lr)
         self.refit_hyperparameters, self.refit_max_iter, self.refit_lr = refit
-        self.terms = resolve_likelihood_terms(likelihood)
+        self._num_classes = infer_num_classes(train_y, num_classes)
+        self.num_samples = num_samples
+        if self.num_classes > 2:
+            if not (isinstance(likelihood, str) and likelihood in ("bernoulli_logit", "softmax")):
+                refuse_for_classes(
+                    self.num_classes, "likelihood", likelihood, "pass 'softmax' (or the default)"
+                )
+            self.terms = SoftmaxLabelTerms(self.num_classes)
+        else:
+            self.terms = resolve_likelihood_terms(likelihood)
         train_x, train_y = checked_classification_data(train_x, train_y, self.terms)
-        module = likelihood_module(likelihood, self.terms)
+        module = likelihood_module(likelihood, self.terms) if self.num_classes == 2 else None
         if module is not None:
             self.likelihood = module  # its parameters train with the kernel's; a change refits
         self.covar_module = covar_module
@@ -213,9 +270,11 @@ class DistributionCentricGPC(
         self._init_steps(num_steps)
         self.method = method
         self.max_iter = check_int(max_iter, "max_iter")
+        self._check_class_settings()
         n = train_x.shape[-2]
         self._store_all_steps = bool(store_all_steps)
-        T = num_steps if self.store_all_steps else 1
+        # the posteriors of K > 2 classes are kept in the fit alone, not in the buffers
+        T = 0 if self.num_classes > 2 else num_steps if self.store_all_steps else 1
         # the buffers below hold T posteriors of N x N: refused before they are allocated
         self._check_memory(type(self).__name__, train_x, train_y)
         self.register_buffer("train_inputs", train_x)
@@ -242,14 +301,34 @@ class DistributionCentricGPC(
         '``"iterated"``, ``"tempered"`` or ``"scaled_kernel"``; a new one refits on use.',
     )
 
+    def _check_class_settings(self) -> None:
+        """For :math:`K > 2` classes, a ``ValueError`` naming ``method`` unless it is
+        ``"tempered"``, ``refit_hyperparameters`` unless it is off, or a module of another batch
+        shape than ``()`` or ``(K,)``."""
+        if self.num_classes == 2:
+            return
+        K = self.num_classes
+        if self.method != "tempered":
+            refuse_for_classes(
+                K,
+                "method",
+                self.method,
+                "pass method='tempered': the iterated posterior couples the classes in the next "
+                "step's prior, which the multiclass Laplace engine takes independent per class "
+                "(and 'scaled_kernel' approximates that chain)",
+            )
+        if self.refit_hyperparameters:
+            refuse_for_classes(K, "refit_hyperparameters", True, "pass refit_hyperparameters=False")
+        check_class_modules(self.covar_module, self.mean_module, K)
+
     def _fit_dependencies(self) -> FitDependencies:
         """The kernel, the mean, the likelihood (where it is a module), the training data and
-        ``method``, ``max_iter``, ``store_all_steps`` and the refit settings."""
+        ``method``, ``max_iter``, ``store_all_steps``, the refit settings and ``num_classes``."""
         refit = (self.refit_hyperparameters, self.refit_max_iter, self.refit_lr)
         return FitDependencies(
             (self.covar_module, self.mean_module, getattr(self, "likelihood", None)),
             (self.train_inputs, self.train_targets),
-            (self.method, self.max_iter, self.store_all_steps, refit),
+            (self.method, self.max_iter, self.store_all_steps, refit, self.num_classes),
         )
 
     _resizable_buffers = (
@@ -268,6 +347,9 @@ class DistributionCentricGPC(
         """Raise :class:`~gpsd.InsufficientMemoryError` before a fit on inputs ``x`` and targets
         ``y`` that would not fit in the device's free memory (:data:`_WORKING_MATRICES`)."""
         kept = self.num_steps if self.store_all_steps else 1
+        if self.num_classes > 2:
+            check_class_memory(task, x, y.shape[:-1], self.num_classes, kept + 1, dense=True)
+            return
         advice = "train on fewer points, or fit in float32 for half the bytes"
         if kept > 1:
             advice = f"pass store_all_steps=False to keep one step's posterior, {advice}"
@@ -514,7 +596,11 @@ class DistributionCentricGPC(
             self.computed_steps.fill_(False)
             self.newton_iterations = {}
             self.refit_history = {}
-            if self.method == "iterated":
+            if self.num_classes > 2:
+                self._check_class_settings()
+                posterior = self._fit_class_step(fit, self.num_steps)
+                report.update(1, newton_iterations=posterior.iterations)
+            elif self.method == "iterated":
                 self._fit_iterated(fit, report)
             else:
                 self._fit_approximation(fit, self.num_steps, report.forward("refit"))
@@ -522,6 +608,35 @@ class DistributionCentricGPC(
                 if not report.stopped:
                     report.update(1, newton_iterations=self.newton_iterations[step])
         return fit
+
+    def _fit_class_step(
+        self, fit: _DistributionCentricFit, step: int
+    ) -> MulticlassLaplacePosterior:
+        """For :math:`K > 2` classes: the tempered posterior of step ``step``, kept in ``fit``
+        (without ``store_all_steps``, with step ``T``'s alone)."""
+        posterior = tempered_posterior(
+            self.train_inputs,
+            self.train_targets,
+            self.covar_module,
+            self.mean_module,
+            self.num_classes,
+            float(step),
+            max_iter=self.max_iter,
+        )
+        self.newton_iterations[step] = posterior.iterations
+        if not self.store_all_steps:
+            for other in [t for t in fit.class_steps if t != self.num_steps]:
+                del fit.class_steps[other]
+        fit.class_steps[step] = posterior
+        return posterior
+
+    def _class_posterior(self, step: int) -> tuple[MulticlassLaplacePosterior, FittedModules]:
+        fit = self._current_fit()
+        posterior = fit.class_steps.get(step)
+        if posterior is None:
+            with torch.no_grad():
+                posterior = self._fit_class_step(fit, step)
+        return posterior, FittedModules(self.covar_module, self.mean_module)
 
     def _fitted_steps(self) -> int:
         fit = self._current_fit()
@@ -549,23 +664,30 @@ class DistributionCentricGPC(
     def latent_modes(self, step: int | None = None) -> Tensor:
         r"""The Laplace modes :math:`\hat{\mathbf f}_t` of the fitted steps at the training
         inputs (fitted first where needed): ``(*batch, T, n)``, row ``t - 1`` for step ``t``, or
-        ``(*batch, n)`` for ``step=t``. Steps that the model does not keep are computed as a
-        prediction of them would be (the approximations), or refused as it would be
-        (``"iterated"`` without ``store_all_steps``).
+        ``(*batch, n)`` for ``step=t``; for :math:`K > 2` classes ``(*batch, T, n, K)``. Steps
+        that the model does not keep are computed as a prediction of them would be (the
+        approximations), or refused as it would be (``"iterated"`` without ``store_all_steps``).
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
-        modes = [self._state(t)[1].mode for t in self._steps(step)]
+        if self.num_classes > 2:
+            modes = [self._class_posterior(t)[0].mode for t in self._steps(step)]
+        else:
+            modes = [self._state(t)[1].mode for t in self._steps(step)]
         return self._rows_of_steps(modes, step)
 
     def step_targets(self, step: int | None = None) -> Tensor:
         """The targets each fitted step is fitted to: the labels at every step (the steps
         differ in their prior or likelihood, not in their targets), laid out as
-        :meth:`latent_modes`: ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``.
+        :meth:`latent_modes`: ``(*batch, T, n)``, or ``(*batch, n)`` for ``step=t``; for
+        :math:`K > 2` classes their one-hot rows, ``(*batch, T, n, K)``.
 
         :param step: a step ``t`` in ``1..T`` (default: every fitted step).
         """
         steps = self._steps(step)
+        if self.num_classes > 2:
+            one_hot = self.terms.targets(self.train_targets, self.num_classes)
+            return self._rows_of_steps([one_hot] * len(steps), step)
         mode = self._state(steps[0])[1].mode
         batch = torch.broadcast_shapes(self.train_targets.shape[:-1], mode.shape[:-1])
         labels = self.train_targets.expand(*batch, self.train_targets.shape[-1])

@@ -26,6 +26,7 @@ from gpsd.laplace.predictive import (
 from gpsd.laplace.prior import constant_parameters, prior_at_test, prior_at_training
 from gpsd.laplace.resolve import likelihood_module, resolve_likelihood_terms
 from gpsd.laplace.softmax_terms import SoftmaxTerms
+from gpsd.laplace.tempered_softmax_terms import TemperedSoftmaxTerms
 from gpsd.laplace.training_data import ClassificationTrainingData, checked_classification_data
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "MulticlassLaplacePosterior",
     "MulticlassLikelihoodTerms",
     "SoftmaxTerms",
+    "TemperedSoftmaxTerms",
     "binary_class_probabilities",
     "checked_classification_data",
     "closed_form_probability",

@@ -1,4 +1,4 @@
-r"""A scikit-learn binary classifier over :class:`~gpsd.DataCentricGPC`."""
+r"""A scikit-learn classifier over :class:`~gpsd.DataCentricGPC`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sklearn.utils.multiclass import check_classification_targets, type_of_targe
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from gpsd.distillation import DataCentricGPC
-from gpsd.laplace import LaplaceGPClassifier
+from gpsd.laplace import LaplaceGPClassifier, MulticlassLaplacePosterior
 from gpsd.sklearn._common import (
     check_count,
     check_positive,
@@ -27,16 +27,22 @@ __all__ = ["SelfDistilledGPClassifier"]
 
 class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
     r"""Data-centric self-distillation of a Laplace GP classifier (Borup & Andersen, §4.1) as a
-    scikit-learn binary classifier.
+    scikit-learn classifier of :math:`K \ge 2` classes.
 
-    :meth:`fit` maps the two labels of ``y`` to 0 and 1 (:attr:`classes_`, sorted, the second
-    the positive class), builds the kernel :math:`s\,k_\ell` and, with
-    ``optimize_hyperparameters``, fits :math:`\ell` and :math:`s` by the Laplace approximation of
-    the marginal likelihood of the Bernoulli-logistic GPC
-    (:meth:`~gpsd.LaplaceGPClassifier.optimize_hyperparameters`). It then fits
+    :meth:`fit` maps the :math:`K` labels of ``y`` to :math:`0, \dots, K - 1` (:attr:`classes_`,
+    sorted; for two classes the second is the positive class), builds the kernel
+    :math:`s\,k_\ell` and, with ``optimize_hyperparameters``, fits :math:`\ell` and :math:`s` by
+    the Laplace approximation of the marginal likelihood of the GPC of the labels: the
+    Bernoulli-logistic one for two classes
+    (:meth:`~gpsd.LaplaceGPClassifier.optimize_hyperparameters`), the softmax one of :math:`K`
+    latent functions sharing the kernel for more
+    (:meth:`~gpsd.laplace.MulticlassLaplacePosterior.log_marginal_likelihood`, per point,
+    maximised by ``max_iter`` Adam iterations at learning rate ``lr``). It then fits
     :class:`~gpsd.DataCentricGPC` with ``num_steps`` steps (step 1 is the ordinary GPC; later steps
-    fit the previous step's soft predictions with the continuous Bernoulli likelihood) and
-    predicts with step ``step`` (default: the last).
+    fit the previous step's soft predictions with the continuous Bernoulli likelihood, or for
+    :math:`K > 2` classes the continuous categorical) and predicts with step ``step`` (default:
+    the last). For :math:`K > 2` classes the class probabilities are Monte Carlo averages over
+    ``num_samples`` draws from a generator seeded with 0 (the same at every call).
 
     :param kernel: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
     :param lengthscale: :math:`\ell`, the start of the optimisation or the fixed value.
@@ -51,9 +57,11 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
     :param max_iter: Adam iterations of that fit.
     :param lr: Adam's learning rate.
     :param dtype: ``"float64"`` or ``"float32"``.
+    :param num_samples: Monte Carlo draws of the class probabilities for :math:`K > 2` classes.
 
-    :ivar model_: the fitted :class:`~gpsd.DataCentricGPC` (labels 0 and 1).
-    :ivar classes_: the two labels, ``(2,)``; ``classes_[1]`` is the positive class.
+    :ivar model_: the fitted :class:`~gpsd.DataCentricGPC` (labels :math:`0, \dots, K - 1`).
+    :ivar classes_: the :math:`K` labels, sorted, ``(K,)``; for two, ``classes_[1]`` is the
+        positive class.
     :ivar step_: the step that predicts, counted from 1.
     :ivar n_iter_: the Adam iterations run on the hyperparameters.
     :ivar n_features_in_: the number of input features.
@@ -72,6 +80,7 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
         max_iter: int = 20,
         lr: float = 0.1,
         dtype: str = "float64",
+        num_samples: int = 4096,
     ) -> None:
         self.kernel = kernel
         self.lengthscale = lengthscale
@@ -84,19 +93,13 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
         self.max_iter = max_iter
         self.lr = lr
         self.dtype = dtype
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        # binary only: DataCentricGPC fits one latent function (Bernoulli likelihood), and
-        # scikit-learn's checks then expect multiclass targets to be refused, as fit does
-        tags.classifier_tags.multi_class = False
-        return tags
+        self.num_samples = num_samples
 
     def fit(self, X, y) -> SelfDistilledGPClassifier:
         """Fit the hyperparameters (optionally) and every distillation step.
 
         :param X: training inputs, array-like ``(N, d)``.
-        :param y: training labels, array-like ``(N,)``, two distinct values.
+        :param y: training labels, array-like ``(N,)``, at least two distinct values.
         :return: ``self``.
         """
         num_steps = check_count(self.num_steps, "num_steps")
@@ -107,6 +110,7 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
         ):
             raise ValueError(f"step must be None or an int in 1..{num_steps}, got {self.step!r}")
         max_iter = check_count(self.max_iter, "max_iter", minimum=0)
+        num_samples = check_count(self.num_samples, "num_samples")
         lr = check_positive(self.lr, "lr")
         dtype = torch_dtype(self.dtype)
         X, y = validate_data(self, X, y, dtype=numpy_dtype(self.dtype))
@@ -117,16 +121,20 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError(
                 f"y holds one class only ({self.classes_[0]!r}); the classifier needs two"
             )
-        if target_type != "binary":
+        if target_type not in ("binary", "multiclass"):
             raise ValueError(
-                f"Only binary classification is supported. The type of the target is {target_type}."
+                "Only binary and multiclass classification are supported. The type of the "
+                f"target is {target_type}."
             )
+        num_classes = len(self.classes_)
         train_x, train_y = to_tensor(X, self.dtype), to_tensor(labels, self.dtype)
         covar_module = make_kernel(self.kernel, self.lengthscale, self.outputscale, dtype)
-        if self.optimize_hyperparameters and max_iter > 0:
+        if self.optimize_hyperparameters and max_iter > 0 and num_classes == 2:
             LaplaceGPClassifier(train_x, train_y, covar_module).optimize_hyperparameters(
                 max_iter=max_iter, lr=lr
             )
+        elif self.optimize_hyperparameters and max_iter > 0:
+            _maximise_softmax_evidence(train_x, train_y, covar_module, num_classes, max_iter, lr)
         for parameter in covar_module.parameters():
             parameter.requires_grad_(False)
         noise = self.noise
@@ -144,6 +152,8 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
             num_steps=num_steps,
             noise=noise,
             soft_target_likelihood=self.soft_target_likelihood,
+            num_classes=num_classes,
+            num_samples=num_samples,
         )
         with torch.no_grad():
             model.fit()
@@ -153,7 +163,7 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
         return self
 
     def predict_proba(self, X) -> np.ndarray:
-        """Class probabilities of step :attr:`step_` at ``X``, ``(M, 2)``, columns in the order
+        """Class probabilities of step :attr:`step_` at ``X``, ``(M, K)``, columns in the order
         of :attr:`classes_`."""
         check_is_fitted(self, "model_")
         X = validate_data(self, X, reset=False, dtype=numpy_dtype(self.dtype))
@@ -165,3 +175,26 @@ class SelfDistilledGPClassifier(ClassifierMixin, BaseEstimator):
         """The label of the larger probability at ``X``, ``(M,)``, from :attr:`classes_`."""
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]
+
+
+def _maximise_softmax_evidence(
+    train_x: torch.Tensor,
+    labels: torch.Tensor,
+    covar_module: torch.nn.Module,
+    num_classes: int,
+    max_iter: int,
+    lr: float,
+) -> None:
+    """``max_iter`` Adam iterations at learning rate ``lr`` on ``covar_module``'s parameters,
+    maximising the Laplace log marginal likelihood per point of the softmax GPC of ``labels``
+    whose :math:`K` latent functions share the kernel (zero prior mean)."""
+    optimizer = torch.optim.Adam(covar_module.parameters(), lr=lr)
+    for _ in range(max_iter):
+        optimizer.zero_grad()
+        covariance = covar_module(train_x).to_dense()
+        posterior = MulticlassLaplacePosterior(
+            0.0, covariance, "softmax", labels, num_classes=num_classes
+        )
+        loss = -posterior.log_marginal_likelihood() / labels.shape[-1]
+        loss.backward()
+        optimizer.step()

@@ -554,12 +554,30 @@ def test_a_callback_stopping_a_refit_ends_the_fit_after_that_step(toy_for_refits
 # ------------------------------------------------------------------ the fit lifecycle
 
 
+def _labels_of_classes(x, y, num_classes):
+    """``y`` for two classes; for three, labels in 0, 1, 2 from the rank of ``x`` shifted by
+    ``y`` (every class present)."""
+    if num_classes == 2:
+        return y
+    rank = torch.argsort(torch.argsort(x))
+    return ((rank * 3 // len(x) + y.long()) % 3).to(y.dtype)
+
+
+#: Monte Carlo draws of the three-class models of the lifecycle tests
+_LIFECYCLE_SAMPLES = 256
+
+
+@pytest.mark.parametrize("num_classes", [2, 3])
 @pytest.mark.parametrize(
     "trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data", "noise assignment"]
 )
-def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_calls):
+def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, num_classes, count_calls):
     x, y, test_x = toy
-    model = DataCentricGPC(x, y, _kernel(), num_steps=3).fit()
+    labels = _labels_of_classes(x, y, num_classes)
+    build = functools.partial(
+        DataCentricGPC, x, labels, num_steps=3, num_samples=_LIFECYCLE_SAMPLES
+    )
+    model = build(_kernel()).fit()
     fits = count_calls(DataCentricGPC, "_compute_fit")
     model.predict_proba(test_x)
     model.step_targets()
@@ -569,12 +587,14 @@ def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_ca
     assert fits == [0]
     setting = contextlib.nullcontext()
     if trigger in COMMON_TRIGGERS:
-        rival = functools.partial(DataCentricGPC, x, y, _kernel(1.0, 0.5), num_steps=3)
+        rival = functools.partial(build, _kernel(1.0, 0.5))
         test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
-    elif trigger == "model setting":
+    elif trigger == "model setting" and num_classes == 2:
         model.target_method = "probit"
+    elif trigger == "model setting":  # the draws of the soft targets
+        model.num_samples = 2 * _LIFECYCLE_SAMPLES
     elif trigger == "set_train_data":
-        model.set_train_data(targets=1 - y)
+        model.set_train_data(targets=(labels + 1) % num_classes)
     else:
         model.noise = 0.1
     with setting:
@@ -582,16 +602,35 @@ def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_ca
     assert fits == [1]
 
 
-def test_a_state_dict_round_trip_and_copies_predict_identically(toy, count_calls):
+def test_the_draws_of_a_binary_model_are_no_refit_trigger(toy, count_calls):
     x, y, test_x = toy
-    model = DataCentricGPC(x, y, _kernel(), num_steps=3, noise=[0.0, 0.1, 0.2]).fit()
+    model = DataCentricGPC(x, y, _kernel(), num_steps=2).fit()
+    fits = count_calls(DataCentricGPC, "_compute_fit")
+    model.num_samples = 2 * model.num_samples  # the binary steps take no draws
+    model.predict_proba(test_x)
+    assert fits == [0]
+
+
+@pytest.mark.parametrize("num_classes", [2, 3])
+def test_a_state_dict_round_trip_and_copies_predict_identically(toy, num_classes, count_calls):
+    x, y, test_x = toy
+    build = functools.partial(
+        DataCentricGPC,
+        x,
+        _labels_of_classes(x, y, num_classes),
+        num_steps=3,
+        num_samples=_LIFECYCLE_SAMPLES,
+    )
+    model = build(_kernel(), noise=[0.0, 0.1, 0.2]).fit()
     want = model.predict_latent(test_x)
-    loaded = DataCentricGPC(x, y, _kernel(1.0, 0.5), num_steps=3)
+    want_proba = model.predict_proba(test_x)
+    loaded = build(_kernel(1.0, 0.5))
     loaded.predict_latent(test_x)  # fitted at its own state: the load makes it stale
     loaded.load_state_dict(model.state_dict())
     fits = count_calls(DataCentricGPC, "_compute_fit")
     for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         predictions_equal(other.predict_latent(test_x), want)
+        torch.testing.assert_close(other.predict_proba(test_x), want_proba, rtol=0, atol=1e-12)
         torch.testing.assert_close(other.step_targets(), model.step_targets(), rtol=0, atol=1e-12)
     assert fits == [3]
 

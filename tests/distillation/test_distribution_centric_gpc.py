@@ -517,13 +517,28 @@ def test_refits_report_their_adam_iterations_in_named_phases(toy_for_refits, met
 # ------------------------------------------------------------------ the fit lifecycle
 
 
+def _labels_of_classes(x, y, num_classes):
+    """``y`` for two classes; for three, labels in 0, 1, 2 from the rank of ``x`` shifted by
+    ``y`` (every class present)."""
+    if num_classes == 2:
+        return y
+    rank = torch.argsort(torch.argsort(x))
+    return ((rank * 3 // len(x) + y.long()) % 3).to(y.dtype)
+
+
+@pytest.mark.parametrize("num_classes", [2, 3])
 @pytest.mark.parametrize("trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data"])
-def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_calls):
+def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, num_classes, count_calls):
     x, y, test_x = toy
-    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method="tempered").fit()
+    labels = _labels_of_classes(x, y, num_classes)
+    build = functools.partial(
+        DistributionCentricGPC, x, labels, num_steps=3, method="tempered", num_samples=256
+    )
+    model = build(_kernel()).fit()
     model.predict_proba(test_x, step=2)  # an approximation's step, computed once on request
     fits = count_calls(DistributionCentricGPC, "_compute_fit")
-    steps = count_calls(DistributionCentricGPC, "_fit_approximation")
+    one_step = "_fit_class_step" if num_classes > 2 else "_fit_approximation"
+    steps = count_calls(DistributionCentricGPC, one_step)
     model.predict_proba(test_x, step=2)
     model.latent_modes()
     with torch.no_grad():  # the fit was made under grad mode
@@ -531,28 +546,40 @@ def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_ca
     assert fits == [0] and steps == [1]  # step 1 alone was not computed yet
     setting = contextlib.nullcontext()
     if trigger in COMMON_TRIGGERS:
-        rival = functools.partial(
-            DistributionCentricGPC, x, y, _kernel(1.0, 0.5), num_steps=3, method="tempered"
-        )
+        rival = functools.partial(build, _kernel(1.0, 0.5))
         test_x, setting = apply_common_trigger(trigger, model, rival, test_x)
     elif trigger == "model setting":
         model.max_iter = 50
     else:
-        model.set_train_data(targets=1 - y)
+        model.set_train_data(targets=(labels + 1) % num_classes)
     with setting:
         model.predict_proba(test_x, step=3)
     assert fits == [1]
 
 
-@pytest.mark.parametrize("method", ["iterated", "scaled_kernel"])
-def test_a_state_dict_round_trip_and_copies_predict_identically(toy, method, count_calls):
+@pytest.mark.parametrize(
+    ("method", "num_classes"), [("iterated", 2), ("scaled_kernel", 2), ("tempered", 3)]
+)
+def test_a_state_dict_round_trip_and_copies_predict_identically(
+    toy, method, num_classes, count_calls
+):
     x, y, test_x = toy
-    model = DistributionCentricGPC(x, y, _kernel(), num_steps=3, method=method).fit()
+    build = functools.partial(
+        DistributionCentricGPC,
+        x,
+        _labels_of_classes(x, y, num_classes),
+        num_steps=3,
+        method=method,
+        num_samples=256,
+    )
+    model = build(_kernel()).fit()
     want = model.predict_latent(test_x)
-    loaded = DistributionCentricGPC(x, y, _kernel(1.0, 0.5), num_steps=3, method=method)
+    want_proba = model.predict_proba(test_x)
+    loaded = build(_kernel(1.0, 0.5))
     loaded.predict_latent(test_x, step=3)  # fitted at its own state: the load makes it stale
     loaded.load_state_dict(model.state_dict())
     fits = count_calls(DistributionCentricGPC, "_compute_fit")
     for other in (loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         predictions_equal(other.predict_latent(test_x), want)
+        torch.testing.assert_close(other.predict_proba(test_x), want_proba, rtol=0, atol=1e-12)
     assert fits == [3]

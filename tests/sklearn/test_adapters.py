@@ -19,6 +19,7 @@ from sklearn.model_selection import GridSearchCV  # noqa: E402
 import gpsd  # noqa: E402
 import gpsd.sklearn  # noqa: E402
 from gpsd import DataCentricGPC, DataCentricGPR, DistributionCentricGPR, KernelDistillation  # noqa: E402
+from gpsd.laplace import MulticlassLaplacePosterior  # noqa: E402
 from gpsd.sklearn import (  # noqa: E402
     DeepProbabilisticKernelRegressor,
     KernelDistilledRegressor,
@@ -319,12 +320,74 @@ def test_classifier_predicts_as_the_native_distiller():
     np.testing.assert_array_equal(estimator.predict(test_x), expected.argmax(axis=1))
 
 
-def test_classifier_refuses_multiclass_targets():
+def iris_subset(n=36, m=12, seed=0):
+    """Standardised iris inputs of n training and m test rows, the classes named so that their
+    sorted order differs from iris's target order."""
+    from sklearn.datasets import load_iris
+
+    data = load_iris()
+    rows = np.random.RandomState(seed).permutation(len(data.target))[: n + m]
+    x = data.data[rows]
+    x = (x - x[:n].mean(0)) / x[:n].std(0)
+    names = np.array(["virginica", "setosa", "versicolor"])[data.target[rows]]
+    return x[:n], names[:n], x[n:]
+
+
+def test_classifier_predicts_three_classes_as_the_native_distiller():
+    x, names, test_x = iris_subset()
+    estimator = SelfDistilledGPClassifier(
+        num_steps=2,
+        noise=[0.0, 0.1],
+        lengthscale=1.5,
+        num_samples=512,
+        optimize_hyperparameters=False,
+    ).fit(x, names)
+    np.testing.assert_array_equal(estimator.classes_, ["setosa", "versicolor", "virginica"])
+    labels = np.searchsorted(estimator.classes_, names)
+    native = DataCentricGPC(
+        torch.from_numpy(x),
+        torch.from_numpy(labels),
+        kernel(1.5, 1.0),
+        num_steps=2,
+        noise=torch.tensor([0.0, 0.1], dtype=torch.float64),
+        num_samples=512,
+    )
+    with torch.no_grad():
+        expected = native.predict_proba(torch.from_numpy(test_x), step=2).numpy()
+    proba = estimator.predict_proba(test_x)
+    assert proba.shape == (len(test_x), 3)
+    np.testing.assert_allclose(proba, expected, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-12)
+    np.testing.assert_array_equal(
+        estimator.predict(test_x), estimator.classes_[expected.argmax(axis=1)]
+    )
+    assert estimator.score(x, names) > 0.8
+
+
+def test_classifier_fits_the_kernel_of_three_classes_by_the_softmax_evidence():
+    x, names, _ = iris_subset(n=30, m=0)
+    estimator = SelfDistilledGPClassifier(max_iter=15, lr=0.1).fit(x, names)
+    labels = torch.from_numpy(np.searchsorted(estimator.classes_, names)).double()
+    train_x = torch.from_numpy(x)
+
+    def evidence(covar_module):
+        with torch.no_grad():
+            covariance = covar_module(train_x).to_dense()
+        return float(
+            MulticlassLaplacePosterior(
+                0.0, covariance, "softmax", labels, num_classes=3
+            ).log_marginal_likelihood()
+        )
+
+    fitted = estimator.model_.covar_module
+    assert fitted.base_kernel.lengthscale.item() != pytest.approx(1.0)
+    assert evidence(fitted) > evidence(kernel(1.0, 1.0)) + 1.0
+
+
+def test_classifier_refuses_continuous_targets():
     x, y, _ = classification_data()
-    y = y.copy()
-    y[:5] = 2
-    with pytest.raises(ValueError, match="Only binary classification"):
-        SelfDistilledGPClassifier().fit(x, y)
+    with pytest.raises(ValueError, match="Unknown label type"):
+        SelfDistilledGPClassifier().fit(x, y + 0.25)
 
 
 def test_kernel_distilled_regressor_predicts_as_its_student():
