@@ -210,6 +210,24 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
         """For :math:`K > 2` classes: the Laplace posterior and the modules of step ``step``."""
         raise NotImplementedError(f"{type(self).__name__} is a binary classifier")
 
+    def _schedule_batch(self, kernel_batch: torch.Size | tuple | None = None) -> torch.Size:
+        """The batch of the steps: the schedules' (``noise`` ``(*s, T)``), the labels' and
+        ``kernel_batch`` (default: the kernel's batch shape) broadcast, or a ``ValueError``
+        naming the three shapes."""
+        if kernel_batch is None:
+            kernel_batch = self.covar_module.batch_shape
+        try:
+            return torch.broadcast_shapes(
+                self.noise.shape[:-1], self.train_targets.shape[:-1], kernel_batch
+            )
+        except RuntimeError:
+            raise ValueError(
+                f"the batch of schedules (noise of shape {tuple(self.noise.shape)}) must "
+                f"broadcast with the batch of the labels (train_y of shape "
+                f"{tuple(self.train_targets.shape)}) and of covar_module (batch shape "
+                f"{tuple(self.covar_module.batch_shape)})"
+            ) from None
+
     def _steps(self, step: int | None) -> list[int]:
         """The steps a prediction covers: ``[step]``, or every fitted step for ``None``."""
         step = self._check_step(step)

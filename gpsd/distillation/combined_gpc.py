@@ -287,26 +287,10 @@ class CombinedGPC(
         "How the soft targets :math:`\\mathbb{E}_q[\\sigma(f)]` are computed; a new one refits on use.",
     )
 
-    def _batch_shape(self) -> torch.Size:
-        """The batch of the steps: the schedules', the labels' and the kernel's."""
-        try:
-            return torch.broadcast_shapes(
-                self.noise.shape[:-1],
-                self.train_targets.shape[:-1],
-                self.covar_module.batch_shape,
-            )
-        except RuntimeError:
-            raise ValueError(
-                f"the batch of schedules (noise of shape {tuple(self.noise.shape)}) must "
-                f"broadcast with the batch of the labels (train_y of shape "
-                f"{tuple(self.train_targets.shape)}) and of covar_module (batch shape "
-                f"{tuple(self.covar_module.batch_shape)})"
-            ) from None
-
     def _check_noise_batch(self) -> None:
         """A ``ValueError`` unless the batch of the schedules broadcasts with the labels' and the
         kernel's, and the noise is 0 for ``"tempered"``."""
-        self._batch_shape()
+        self._schedule_batch()
         if self.method == "tempered" and bool((self.noise != 0).any()):
             raise ValueError(
                 "method='tempered' takes noise 0 at every step (one Laplace fit of the chain's "
@@ -362,7 +346,7 @@ class CombinedGPC(
         """Fit the steps in flat order (fewer where ``callback`` stops); returns the posterior
         ``(c, Q)`` of each."""
         self._check_noise_batch()  # labels of another batch (set_train_data), or a new method
-        batch = self._batch_shape()
+        batch = self._schedule_batch()
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES[self.method] + _MATRICES_PER_STEP * self.num_steps,

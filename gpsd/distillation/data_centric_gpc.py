@@ -288,18 +288,7 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         """A ``ValueError`` unless the batch of the schedules broadcasts with the labels' and the
         kernel's, and is empty where the steps refit their hyperparameters."""
         # for K > 2 classes the kernel's batch is its classes (_check_class_settings)
-        kernel_batch = self.covar_module.batch_shape if self.num_classes == 2 else ()
-        try:
-            torch.broadcast_shapes(
-                self.noise.shape[:-1], self.train_targets.shape[:-1], kernel_batch
-            )
-        except RuntimeError:
-            raise ValueError(
-                f"the batch of schedules (noise of shape {tuple(self.noise.shape)}) must "
-                f"broadcast with the batch of the labels (train_y of shape "
-                f"{tuple(self.train_targets.shape)}) and of covar_module (batch shape "
-                f"{tuple(self.covar_module.batch_shape)})"
-            ) from None
+        self._schedule_batch(self.covar_module.batch_shape if self.num_classes == 2 else ())
         self._check_one_schedule_to_refit()
 
     def _check_one_schedule_to_refit(self) -> None:
@@ -416,11 +405,7 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES + self.num_steps,
             self.train_inputs,
-            torch.broadcast_shapes(
-                self.noise.shape[:-1],
-                self.train_targets.shape[:-1],
-                self.covar_module.batch_shape,
-            ),
+            self._schedule_batch(),
             "the kernel matrix, Newton's factorisation and the Cholesky factor each step keeps",
             "fit fewer num_steps, train on fewer points, or in float32 for half the bytes",
         )
