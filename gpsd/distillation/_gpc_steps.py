@@ -31,7 +31,6 @@ from gpsd.laplace import (
     LaplaceGPClassifier,
     LaplaceLikelihoodTerms,
     LaplacePosterior,
-    MulticlassLaplacePosterior,
     binary_class_probabilities,
 )
 from gpsd.prediction import Prediction
@@ -159,7 +158,9 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
 
     The owner implements :meth:`_fitted_steps` (how many steps, from step 1, the fit holds),
     :meth:`_latent_at_step` and :meth:`_positive_probability` (two classes), and, where it takes
-    :math:`K > 2` classes (``_num_classes``), :meth:`_class_posterior`.
+    :math:`K > 2` classes (``_num_classes``), ``_class_posterior(step)``: the step's
+    :class:`~gpsd.laplace.MulticlassLaplacePosterior` and modules, reached only for
+    :math:`K > 2`.
     """
 
     _criteria = {"validation": ("validation_log_loss", True)}
@@ -205,10 +206,6 @@ class StepwiseClassifier(StepDistiller, abc.ABC):
     @abc.abstractmethod
     def _positive_probability(self, mean: Tensor, variance: Tensor, method: str) -> Tensor:
         r""":math:`\mathbb{E}[r(f)]`, :math:`f \sim \mathcal N(\mu, s^2)`, by ``method``."""
-
-    def _class_posterior(self, step: int) -> tuple[MulticlassLaplacePosterior, FittedModules]:
-        """For :math:`K > 2` classes: the Laplace posterior and the modules of step ``step``."""
-        raise NotImplementedError(f"{type(self).__name__} is a binary classifier")
 
     def _schedule_batch(self, kernel_batch: torch.Size | tuple | None = None) -> torch.Size:
         """The batch of the steps: the schedules' (``noise`` ``(*s, T)``), the labels' and

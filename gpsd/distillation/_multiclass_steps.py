@@ -6,8 +6,8 @@ Every step is a :class:`~gpsd.laplace.MulticlassLaplacePosterior` of :math:`K` l
 independent a priori. Each class's prior is :math:`\mathcal{GP}(m_c, k_c)`: the kernel (and the
 prior mean) is shared by the :math:`K` latent functions unless it has batch shape ``(K,)``, in
 which case entry :math:`c` is class :math:`c`'s. Class probabilities are Monte Carlo averages of
-the softmax over draws from the latent predictive (:func:`monte_carlo_probabilities`): the same
-draws at every call and for every point, so that a point's probabilities depend neither on the
+the softmax over draws from the latent predictive (:func:`~gpsd.laplace.multiclass_expectation`):
+the same draws at every call and for every point, so that a point's probabilities depend neither on the
 call nor on the other points predicted with it.
 """
 
@@ -30,8 +30,8 @@ from gpsd.laplace import (
     SoftmaxTerms,
     TemperedSoftmaxTerms,
     constant_parameters,
+    multiclass_expectation,
 )
-from gpsd.laplace._multiclass_factor import psd_sqrt
 from gpsd.prediction import Prediction
 
 __all__ = [
@@ -45,48 +45,16 @@ __all__ = [
     "class_probabilities",
     "data_centric_chain",
     "infer_num_classes",
-    "monte_carlo_probabilities",
     "refuse_for_classes",
     "tempered_posterior",
 ]
 
 #: Monte Carlo draws of the class probabilities where the model is not told otherwise
 DEFAULT_NUM_SAMPLES = 4096
-#: draws held at once
-_SAMPLE_CHUNK = 256
 
 
-def monte_carlo_probabilities(mean: Tensor, covariance: Tensor, num_samples: int) -> Tensor:
-    r"""The class probabilities :math:`\mathbb{E}[\operatorname{softmax}(\mathbf f_*)]`,
-    :math:`\mathbf f_* \sim \mathcal N(\boldsymbol\mu_*, \boldsymbol\Sigma_*)` at each point,
-    by Monte Carlo, ``(*b, m, K)``:
-
-    .. math::
-
-        \frac1S \sum_{s=1}^S \operatorname{softmax}\bigl(\boldsymbol\mu_* +
-        \boldsymbol\Sigma_*^{1/2} \mathbf z_s\bigr),
-
-    with :math:`\boldsymbol\Sigma_*^{1/2}` the symmetric square root and the same :math:`S`
-    draws :math:`\mathbf z_s \sim \mathcal N(\mathbf 0, \mathbf I_K)` for every point, from a
-    CPU generator seeded with 0 in float64 (common random numbers: the result is the same at
-    every call, on every device and, to rounding, in every dtype, and a point's probabilities do
-    not depend on the other points or their order). The standard error
-    of each entry is at most :math:`0.5/\sqrt S`.
-
-    :param mean: :math:`\boldsymbol\mu_*`, ``(*b, m, K)``.
-    :param covariance: :math:`\boldsymbol\Sigma_*`, ``(*b, m, K, K)``.
-    :param num_samples: :math:`S`.
-    """
-    # drawn on the CPU in float64: the same draws on every device and in every dtype
-    generator = torch.Generator().manual_seed(0)
-    draws = torch.randn((num_samples, mean.shape[-1]), generator=generator, dtype=torch.float64)
-    draws = draws.to(dtype=mean.dtype, device=mean.device)
-    root = psd_sqrt(covariance)
-    total = torch.zeros_like(mean)
-    for chunk in draws.split(_SAMPLE_CHUNK):
-        samples = mean + torch.einsum("...kl,sl->s...k", root, chunk)  # shape: (S_c, *b, m, K)
-        total = total + torch.softmax(samples, dim=-1).sum(0)
-    return total / num_samples
+def _softmax(latents: Tensor) -> Tensor:
+    return torch.softmax(latents, dim=-1)
 
 
 def infer_num_classes(train_y: object, num_classes: object) -> int:
@@ -247,7 +215,8 @@ def data_centric_chain(
             m, covariance, terms, targets, num_classes=num_classes, max_iter=max_iter
         )
         yield posterior
-        targets = monte_carlo_probabilities(*posterior.predictive(K, variance, m), num_samples)
+        mean, covariance = posterior.predictive(K, variance, m)
+        targets = multiclass_expectation(_softmax, mean, covariance, num_samples)
 
 
 def tempered_posterior(
@@ -293,7 +262,7 @@ def class_probabilities(
     owner: torch.nn.Module, posterior: MulticlassLaplacePosterior, modules: object, x: Tensor
 ) -> Tensor:
     """The class probabilities of ``posterior`` (with ``modules`` as for :func:`class_latent`)
-    at checked test inputs ``x``, ``(*b, m, K)``: :func:`monte_carlo_probabilities` with
+    at checked test inputs ``x``, ``(*b, m, K)``: :func:`~gpsd.laplace.multiclass_expectation` of the softmax with
     ``owner.num_samples`` draws."""
     with torch.no_grad():
         cross, diag, prior_mean = _class_prior_at_test(
@@ -304,7 +273,7 @@ def class_probabilities(
             posterior.num_classes,
         )
         mean, covariance = posterior.predictive(cross, diag, prior_mean)
-        return monte_carlo_probabilities(mean, covariance, owner.num_samples)
+        return multiclass_expectation(_softmax, mean, covariance, owner.num_samples)
 
 
 def class_log_loss(proba: Tensor, val_y: object) -> Tensor:

@@ -20,6 +20,7 @@ from gpsd.laplace.predictive import (
     expected_response,
     gauss_hermite_expectation,
     laplace_latent_predictive,
+    multiclass_expectation,
     probit_approximation,
     symmetric_response_expectation,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "laplace_latent_predictive",
     "laplace_log_marginal_likelihood",
     "likelihood_module",
+    "multiclass_expectation",
     "prior_at_test",
     "prior_at_training",
     "probit_approximation",

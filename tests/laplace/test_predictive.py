@@ -5,6 +5,7 @@ exact probit formula, closed forms), with gradients and through the classifiers'
 
 from __future__ import annotations
 
+import functools
 import math
 
 import gpytorch
@@ -314,3 +315,32 @@ def test_variances_are_not_branched_on_under_vmap():
     # MacKay's formula, written out
     expected = torch.sigmoid(means / torch.sqrt(1 + math.pi * variances / 8))
     torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-15)
+
+
+def test_multiclass_expectation_of_a_lognormal_matches_its_closed_form():
+    # E[exp(f_1)] = exp(mu_1 + Sigma_11 / 2) for f ~ N(mu, Sigma)
+    from gpsd.laplace import multiclass_expectation
+
+    mean = torch.tensor([[0.3, -0.2, 0.1], [-0.5, 0.4, 0.0]], dtype=torch.float64)
+    a = torch.tensor([[1.0, 0.3, 0.0], [0.3, 0.8, 0.2], [0.0, 0.2, 0.5]], dtype=torch.float64)
+    covariance = torch.stack([a @ a.T, 0.5 * a @ a.T])
+    got = multiclass_expectation(torch.exp, mean, covariance, num_samples=200_000)
+    want = torch.exp(mean + torch.diagonal(covariance, dim1=-2, dim2=-1) / 2)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+
+
+def test_multiclass_expectation_of_a_point_does_not_depend_on_the_others():
+    from gpsd.laplace import multiclass_expectation
+
+    gen = torch.Generator().manual_seed(3)
+    mean = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    root = torch.randn(5, 4, 4, generator=gen, dtype=torch.float64)
+    covariance = root @ root.mT
+    softmax = functools.partial(torch.softmax, dim=-1)
+    every = multiclass_expectation(softmax, mean, covariance, num_samples=512)
+    order = torch.tensor([3, 0, 4])
+    some = multiclass_expectation(softmax, mean[order], covariance[order], num_samples=512)
+    torch.testing.assert_close(some, every[order], rtol=0, atol=1e-14)
+    torch.testing.assert_close(every.sum(-1), torch.ones(5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="generator"):
+        multiclass_expectation(softmax, mean, covariance, generator=0)
