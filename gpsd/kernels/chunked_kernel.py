@@ -69,8 +69,9 @@ class ChunkedKernel(Kernel):
     :param base_kernel: any GPyTorch kernel but a KeOps one (which is matrix-free already).
     :param chunk_size: kernel rows evaluated at once.
     :param cache_bytes: memory in bytes the kernel rows of one training covariance may keep
-        between the products of one marginal likelihood (``0``, the default: none; at most
-        the size of :math:`\mathbf K` helps, as the rows change with every optimiser step).
+        between the products of one marginal likelihood, freed by its backward pass (``0``,
+        the default: none; at most the size of :math:`\mathbf K` helps, as the rows change
+        with every optimiser step).
     :param process_group: a ``torch.distributed.ProcessGroup`` whose ranks share the rows of
         the training covariance (``None``: this process alone). Every rank then runs the same
         loop on the same data, with the same random probe vectors (seed every rank alike).

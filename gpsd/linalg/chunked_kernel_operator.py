@@ -84,7 +84,10 @@ class ChunkedKernelOperator(LinearOperator):
     block's largest set to zero, since x86 processors multiply subnormal numbers slowly; that
     changes no product beyond rounding. The kept rows belong to the inputs and kernel state of
     the product that evaluated them: a change to either (an optimiser step, new hyperparameter
-    values, inputs written in place) drops them.
+    values, inputs written in place) drops them. A backward pass through the operator (the
+    derivative of a marginal likelihood's bilinear forms, its last use of the rows) frees them:
+    in a training loop the graph of one iteration's loss lives on until the next loss replaces
+    it, and its rows would otherwise sit beside the next iteration's.
 
     Keeping rows pays where there are many products; a run of a few (block Lanczos on a smooth
     kernel stops after three) is better off without the memory. ``keep_after`` products are
@@ -251,7 +254,7 @@ class ChunkedKernelOperator(LinearOperator):
         (``left_vecs`` ``(*b, n, D)`` holding the :math:`\mathbf u_i`, ``right_vecs``
         ``(*b, N, D)`` the :math:`\mathbf v_i`) with respect to each tensor of the
         representation, chunk of rows by chunk of rows (``None`` for those that require no
-        gradient)."""
+        gradient). The kept rows are freed after it."""
         args = [
             a.detach().requires_grad_(a.requires_grad and a.is_floating_point())
             for a in self.representation()
@@ -259,6 +262,16 @@ class ChunkedKernelOperator(LinearOperator):
         wanted = [a for a in args if a.requires_grad]
         if not wanted:
             return (None,) * len(args)
+        try:
+            return self._derivative(left_vecs, right_vecs, args, wanted)
+        finally:
+            self._rows.release()
+
+    def _derivative(
+        self, left_vecs: Tensor, right_vecs: Tensor, args: list[Tensor], wanted: list[Tensor]
+    ) -> tuple[Tensor | None, ...]:
+        """:meth:`_bilinear_derivative` with respect to ``args``, the detached representation
+        (``wanted``: those of them that require a gradient)."""
         x, *hyperparameters = args
         operator = self.representation_tree()(*args)
         if not x.requires_grad:
@@ -522,6 +535,11 @@ class _KeptRows:
             self._kernel_state = ModuleState(kernel)
         self.products += 1
         return self.products if self.blocks or not self._full else 0
+
+    def release(self) -> None:
+        """Free the kept rows; later products with the same inputs and kernel state may keep
+        rows again."""
+        self.blocks, self.nbytes, self._full = {}, 0, False
 
     def add(self, start: int, block: Tensor, budget: int) -> bool:
         """Keep ``block`` if it fits in ``budget``; returns whether later chunks may be kept."""

@@ -641,6 +641,30 @@ def test_no_kernel_sized_tensor_is_kept_for_the_backward_pass(kernel):
     assert all(p.grad is not None for p in covar.parameters()) and noise.grad is not None
 
 
+@pytest.mark.parametrize("kernel", ["rbf", "matern"], ids=["closed form", "autograd chunks"])
+def test_the_backward_pass_frees_the_kept_rows(kernel):
+    """A training loop keeps a loss's graph until the next loss replaces it: its operator's
+    rows are freed by the backward pass, which uses them, and its gradient is the one without
+    kept rows."""
+    n = 80
+    x, y, covar = gradient_problem(n=n, kernel=kernel)
+    noise = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
+    grads = {}
+    for cache_bytes in (0, n * n * 8):
+        op = ChunkedKernelOperator(x, covar_module=covar, chunk_size=16, cache_bytes=cache_bytes)
+        with exact_preconditioner(n):
+            loss = -operator_log_likelihood(op, y, noise)
+        assert op.kept_bytes == (n * n * 8 if cache_bytes else 0)
+        params = [*covar.parameters(), noise]
+        grads[cache_bytes] = torch.autograd.grad(loss, params)
+        assert op.kept_bytes == 0
+        with torch.no_grad():  # the rows are evaluated again, and kept again
+            op @ y.unsqueeze(-1)
+        assert op.kept_bytes == (n * n * 8 if cache_bytes else 0)
+    for kept, evaluated in zip(grads[n * n * 8], grads[0], strict=True):
+        torch.testing.assert_close(kept, evaluated, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("kernel", ["rbf", "matern"])
 def test_float32_bilinear_derivative_agrees_with_float64_autograd(kernel):
     x, _, covar = gradient_problem(kernel=kernel)
