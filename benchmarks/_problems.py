@@ -1,4 +1,4 @@
-"""The synthetic regression problem shared by the large-N benchmarks."""
+"""The problems and models shared by the benchmarks."""
 
 from __future__ import annotations
 
@@ -41,3 +41,16 @@ def dpkl_network(d_in: int, latent: int = 2) -> nn.Module:
         nn.ReLU(),
         nn.Linear(50, latent),
     )
+
+
+class ZeroMeanExactGP(gpytorch.models.ExactGP):
+    """GPyTorch's ``ExactGP`` with a zero mean and the given kernel: the model the training
+    benchmarks give GPyTorch's own loop."""
+
+    def __init__(self, x, y, likelihood, kernel):
+        super().__init__(x, y, likelihood)
+        self.mean_module = gpytorch.means.ZeroMean()
+        self.covar_module = kernel
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))

@@ -32,20 +32,11 @@ import time
 
 import gpytorch
 import torch
+from _problems import ZeroMeanExactGP
 from _timing import Report, cpu_name, peak_gib, reset_peak
 
 import gpsd
 from gpsd.data import load_dataset
-
-
-class _ExactGP(gpytorch.models.ExactGP):
-    def __init__(self, x, y, likelihood, kernel):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = kernel
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def run_side(args: argparse.Namespace) -> dict:
@@ -63,7 +54,7 @@ def run_side(args: argparse.Namespace) -> dict:
         cache = int(args.cache_gib * 2**30)
         kernel = gpsd.ChunkedKernel(base, chunk_size=args.chunk_size, cache_bytes=cache)
     likelihood = gpytorch.likelihoods.GaussianLikelihood()
-    model = _ExactGP(x, y, likelihood, kernel).double()
+    model = ZeroMeanExactGP(x, y, likelihood, kernel).double()
     likelihood.noise = 0.1
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -30,20 +30,11 @@ import time
 
 import gpytorch
 import torch
+from _problems import ZeroMeanExactGP
 from _timing import Report, cpu_name, peak_gib, reset_peak
 
 import gpsd
 from gpsd.data import load_dataset
-
-
-class _ExactGP(gpytorch.models.ExactGP):
-    def __init__(self, x, y, likelihood, kernel):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = kernel
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -56,7 +47,7 @@ def run_one(args: argparse.Namespace) -> dict:
     kernel = gpsd.ChunkedKernel(base, chunk_size=args.chunk, cache_bytes=int(args.one * 2**30))
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(torch.float64)
     likelihood.noise = 0.1
-    model = _ExactGP(x, y, likelihood, kernel)
+    model = ZeroMeanExactGP(x, y, likelihood, kernel)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model.train()

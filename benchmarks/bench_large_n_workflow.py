@@ -57,6 +57,7 @@ import time
 
 import gpytorch
 import torch
+from _problems import ZeroMeanExactGP
 from _timing import Report, cpu_name, peak_gib, reset_peak, start_peak_rss, sync
 from tqdm import tqdm
 
@@ -154,7 +155,7 @@ def run_gpsd(args: argparse.Namespace) -> dict:
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
         likelihood.noise = args.noise
         chunked = gpsd.ChunkedKernel(kernel, chunk_size=args.chunk, cache_bytes=cache or 0)
-        teacher = _ExactGP(x, y, likelihood, chunked)
+        teacher = ZeroMeanExactGP(x, y, likelihood, chunked)
     else:
         noise = torch.full((args.steps,), args.noise, dtype=x.dtype, device=device)
         model = DataCentricGPR(
@@ -207,16 +208,6 @@ def run_gpsd(args: argparse.Namespace) -> dict:
     return out
 
 
-class _ExactGP(gpytorch.models.ExactGP):
-    def __init__(self, x, y, likelihood, kernel):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = kernel
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
 def run_gpytorch(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     data = _data(args, device)
@@ -224,7 +215,7 @@ def run_gpytorch(args: argparse.Namespace) -> dict:
     kernel = _kernel(x.shape[-1], x.dtype, device)
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
     likelihood.noise = args.noise
-    model = _ExactGP(x, y, likelihood, kernel)
+    model = ZeroMeanExactGP(x, y, likelihood, kernel)
     out: dict = {"side": "gpytorch", "phases": {}, "cpu": {}}
     reset_peak(device)
     sync(device)
