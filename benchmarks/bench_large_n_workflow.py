@@ -3,8 +3,9 @@ hyperparameters, fit every step, choose the step by GCV, predict; with GPyTorch'
 beside it.
 
 gpsd's side, on ``--n`` training flights (:func:`gpsd.data.load_dataset` ``"flights"``, six
-standardised inputs, air time as target; ``--n 0`` for all 307,346; ``--data synthetic`` for
-six standard-normal inputs of which a smooth target uses four) and ``--m`` test points:
+standardised inputs, air time as target; ``--n 0`` for all 327,346 but the test rows;
+``--data synthetic`` for six standard-normal inputs of which a smooth target uses four) and
+``--m`` test points:
 
 1. **learn**: :meth:`DataCentricGPR.optimize_hyperparameters` (Adam, ``--iters`` iterations,
    learning rate ``--lr``) of an ARD RBF kernel and the teacher's noise, matrix-free on
@@ -75,7 +76,7 @@ def _kernel(d: int, dtype: torch.dtype, device: torch.device) -> gpytorch.kernel
 
 
 def _data(args: argparse.Namespace, device: torch.device) -> DataSplit:
-    """The flights (``--n 0``: all 307,346 training rows) or the synthetic problem."""
+    """The flights (``--n 0``: every row but the ``--m`` test rows) or the synthetic problem."""
     dtype = getattr(torch, args.dtype)
     if args.data == "synthetic":
         return _synthetic(args.n, args.m, args.seed, dtype, device)
@@ -266,6 +267,10 @@ def _preconditioner_rank(args: argparse.Namespace) -> int:
     return args.preconditioner_size
 
 
+#: The flights with an air time (:func:`gpsd.data.load_dataset`).
+_FLIGHTS = 327_346
+
+
 #: The probe seeds of run ``r`` of ``--probe-runs`` start at ``r * _RUN_SEEDS``.
 _RUN_SEEDS = 1000
 
@@ -313,7 +318,10 @@ def _report_probe_runs(report: Report, repeats: dict, args: argparse.Namespace) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--n", type=int, default=20_000, help="training points (flights: 0 for all 307,346)"
+        "--n",
+        type=int,
+        default=20_000,
+        help="training points (flights: 0 for every row but the test rows)",
     )
     parser.add_argument("--data", default="flights", choices=["flights", "synthetic"])
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"])
@@ -394,7 +402,7 @@ def main() -> None:
     report = Report(args.out)
     unit = " (min)" if args.data == "flights" else ""
     report.add(
-        f"# The large-N workflow on {args.data}: N = {args.n or 307_346:,} training, "
+        f"# The large-N workflow on {args.data}: N = {args.n or _FLIGHTS - args.m:,} training, "
         f"M = {args.m:,} test",
         "",
         f"{cpu_name() if args.device == 'cpu' else args.device}, "
