@@ -499,13 +499,20 @@ def mll_reference(n: int, process_group=None) -> dict:
         torch.randn(n, 3, generator=gen, dtype=DT),
     )
     if process_group is None:
-        op = gpsd.linalg.ChunkedKernelOperator(x, covar_module=kernel, chunk_size=16)
-        grads = op._bilinear_derivative(left, right)[1:]
+        op = gpsd.linalg.ChunkedKernelOperator(
+            x, covar_module=kernel, chunk_size=16, cache_bytes=10**7
+        )
+        rows = op
     else:
         op = gpsd.linalg.DistributedKernelOperator(
-            x, covar_module=kernel, process_group=process_group, chunk_size=16
+            x, covar_module=kernel, process_group=process_group, chunk_size=16, cache_bytes=10**7
         )
-        grads = op._bilinear_derivative(left, right)[2:]
+        rows = op.local
+    with torch.no_grad():
+        op @ right  # keeps this rank's rows
+    out["kept_before_backward"] = rows.kept_bytes
+    grads = op._bilinear_derivative(left, right)[1 if process_group is None else 2 :]
+    out["kept_after_backward"] = rows.kept_bytes
     out["form_grads"] = [g.detach() for g in grads]
     mean = gpytorch.means.ConstantMean().to(DT)
     noise = torch.tensor(0.05, dtype=DT, requires_grad=True)

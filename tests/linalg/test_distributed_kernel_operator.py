@@ -320,3 +320,13 @@ def test_gradients_and_training_through_the_group_equal_one_process(main_run, wh
     assert [r["rank"] for r in results] == list(range(world))
     for result in results:
         _close(result["group"][what], results[0]["single"][what])
+
+
+def test_the_backward_pass_frees_each_ranks_kept_rows(main_run):
+    """Each rank keeps the rows of its block for the products of one marginal likelihood and
+    frees them in the bilinear derivative, as one process does."""
+    world, results = main_run
+    for result in [r["mll"] for r in results]:
+        for side in ("group", "single") if "single" in result else ("group",):
+            assert result[side]["kept_before_backward"] > 0
+            assert result[side]["kept_after_backward"] == 0
