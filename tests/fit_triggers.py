@@ -37,3 +37,23 @@ def predictions_equal(got, want):
     """Assert that two latent predictions are equal to 1e-12."""
     torch.testing.assert_close(got.mean, want.mean, rtol=0, atol=1e-12)
     torch.testing.assert_close(got.variance, want.variance, rtol=0, atol=1e-12)
+
+
+def labels_of_classes(x, y, num_classes):
+    """``y`` for two classes; for three, labels in 0, 1, 2 from the rank of ``x`` shifted by
+    ``y`` (every class present)."""
+    if num_classes == 2:
+        return y
+    rank = torch.argsort(torch.argsort(x))
+    return ((rank * 3 // len(x) + y.long()) % 3).to(y.dtype)
+
+
+def predict_every_way(model, test_x):
+    """Every prediction of a stepwise classifier: its probabilities and step targets, and, under
+    ``no_grad`` (where a fit made under grad mode must serve too), its latent modes and step 2's
+    latent prediction."""
+    model.predict_proba(test_x)
+    model.step_targets()
+    with torch.no_grad():
+        model.latent_modes()
+        model.predict(test_x, step=2)

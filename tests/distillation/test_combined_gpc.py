@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 import torch
-from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predict_every_way, predictions_equal
 from gpr_reference import rbf_kernel
 
 import gpsd
@@ -141,6 +141,16 @@ def test_every_step_equals_a_naive_chain_of_dense_laplace_fits(toy, method, nois
         torch.testing.assert_close(latent.variance[t - 1], var, rtol=0, atol=1e-10)
 
 
+def _same_predictions(model, reference, test_x):
+    """The latent predictions and class probabilities of two classifiers agree to 1e-10."""
+    ours, theirs = model.predict_latent(test_x), reference.predict_latent(test_x)
+    torch.testing.assert_close(ours.mean, theirs.mean, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ours.variance, theirs.variance, rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        model.predict_proba(test_x), reference.predict_proba(test_x), rtol=0, atol=1e-10
+    )
+
+
 def test_one_outer_step_is_data_centric_distillation(toy):
     x, y, test_x = toy
     schedule = torch.tensor([0.0, 0.2, 0.05], dtype=torch.float64)
@@ -148,12 +158,7 @@ def test_one_outer_step_is_data_centric_distillation(toy):
     reference = gpsd.DataCentricGPC(x, y, _kernel(), noise=schedule)
     torch.testing.assert_close(model.step_targets(), reference.step_targets(), rtol=0, atol=1e-10)
     torch.testing.assert_close(model.latent_modes(), reference.latent_modes(), rtol=0, atol=1e-10)
-    ours, theirs = model.predict_latent(test_x), reference.predict_latent(test_x)
-    torch.testing.assert_close(ours.mean, theirs.mean, rtol=0, atol=1e-10)
-    torch.testing.assert_close(ours.variance, theirs.variance, rtol=0, atol=1e-10)
-    torch.testing.assert_close(
-        model.predict_proba(test_x), reference.predict_proba(test_x), rtol=0, atol=1e-10
-    )
+    _same_predictions(model, reference, test_x)
 
 
 @pytest.mark.parametrize("method", ["iterated", "tempered"])
@@ -162,12 +167,7 @@ def test_one_inner_step_is_distribution_centric_distillation(toy, method):
     model = gpsd.CombinedGPC(x, y, _kernel(), outer_steps=4, inner_steps=1, method=method)
     reference = gpsd.DistributionCentricGPC(x, y, _kernel(), num_steps=4, method=method)
     torch.testing.assert_close(model.latent_modes(), reference.latent_modes(), rtol=0, atol=1e-10)
-    ours, theirs = model.predict_latent(test_x), reference.predict_latent(test_x)
-    torch.testing.assert_close(ours.mean, theirs.mean, rtol=0, atol=1e-10)
-    torch.testing.assert_close(ours.variance, theirs.variance, rtol=0, atol=1e-10)
-    torch.testing.assert_close(
-        model.predict_proba(test_x), reference.predict_proba(test_x), rtol=0, atol=1e-10
-    )
+    _same_predictions(model, reference, test_x)
     torch.testing.assert_close(model.step_targets(), y.expand(4, N))
 
 
@@ -401,11 +401,7 @@ def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, count_ca
     build = functools.partial(gpsd.CombinedGPC, x, y, inner_steps=2, outer_steps=2, noise=0.1)
     model = build(_kernel()).fit()
     fits = count_calls(gpsd.CombinedGPC, "_compute_fit")
-    model.predict_proba(test_x)
-    model.step_targets()
-    with torch.no_grad():  # the fit was made under grad mode
-        model.latent_modes()
-        model.predict(test_x, step=2)
+    predict_every_way(model, test_x)
     assert fits == [0]
     setting = contextlib.nullcontext()
     if trigger in COMMON_TRIGGERS:

@@ -11,7 +11,13 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
-from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
+from fit_triggers import (
+    COMMON_TRIGGERS,
+    apply_common_trigger,
+    labels_of_classes,
+    predict_every_way,
+    predictions_equal,
+)
 from gpr_reference import rbf_kernel
 from scipy import integrate
 from sklearn.gaussian_process import GaussianProcessClassifier
@@ -554,15 +560,6 @@ def test_a_callback_stopping_a_refit_ends_the_fit_after_that_step(toy_for_refits
 # ------------------------------------------------------------------ the fit lifecycle
 
 
-def _labels_of_classes(x, y, num_classes):
-    """``y`` for two classes; for three, labels in 0, 1, 2 from the rank of ``x`` shifted by
-    ``y`` (every class present)."""
-    if num_classes == 2:
-        return y
-    rank = torch.argsort(torch.argsort(x))
-    return ((rank * 3 // len(x) + y.long()) % 3).to(y.dtype)
-
-
 #: Monte Carlo draws of the three-class models of the lifecycle tests
 _LIFECYCLE_SAMPLES = 256
 
@@ -573,17 +570,13 @@ _LIFECYCLE_SAMPLES = 256
 )
 def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, num_classes, count_calls):
     x, y, test_x = toy
-    labels = _labels_of_classes(x, y, num_classes)
+    labels = labels_of_classes(x, y, num_classes)
     build = functools.partial(
         DataCentricGPC, x, labels, num_steps=3, num_samples=_LIFECYCLE_SAMPLES
     )
     model = build(_kernel()).fit()
     fits = count_calls(DataCentricGPC, "_compute_fit")
-    model.predict_proba(test_x)
-    model.step_targets()
-    with torch.no_grad():  # the fit was made under grad mode
-        model.latent_modes()
-        model.predict(test_x, step=2)
+    predict_every_way(model, test_x)
     assert fits == [0]
     setting = contextlib.nullcontext()
     if trigger in COMMON_TRIGGERS:
@@ -617,7 +610,7 @@ def test_a_state_dict_round_trip_and_copies_predict_identically(toy, num_classes
     build = functools.partial(
         DataCentricGPC,
         x,
-        _labels_of_classes(x, y, num_classes),
+        labels_of_classes(x, y, num_classes),
         num_steps=3,
         num_samples=_LIFECYCLE_SAMPLES,
     )

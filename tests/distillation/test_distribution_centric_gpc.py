@@ -11,7 +11,7 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
-from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, predictions_equal
+from fit_triggers import COMMON_TRIGGERS, apply_common_trigger, labels_of_classes, predictions_equal
 from gpr_reference import rbf_kernel
 from scipy import optimize
 from sklearn.gaussian_process import GaussianProcessClassifier
@@ -517,20 +517,11 @@ def test_refits_report_their_adam_iterations_in_named_phases(toy_for_refits, met
 # ------------------------------------------------------------------ the fit lifecycle
 
 
-def _labels_of_classes(x, y, num_classes):
-    """``y`` for two classes; for three, labels in 0, 1, 2 from the rank of ``x`` shifted by
-    ``y`` (every class present)."""
-    if num_classes == 2:
-        return y
-    rank = torch.argsort(torch.argsort(x))
-    return ((rank * 3 // len(x) + y.long()) % 3).to(y.dtype)
-
-
 @pytest.mark.parametrize("num_classes", [2, 3])
 @pytest.mark.parametrize("trigger", [*COMMON_TRIGGERS, "model setting", "set_train_data"])
 def test_each_refit_trigger_refits_and_predictions_do_not(toy, trigger, num_classes, count_calls):
     x, y, test_x = toy
-    labels = _labels_of_classes(x, y, num_classes)
+    labels = labels_of_classes(x, y, num_classes)
     build = functools.partial(
         DistributionCentricGPC, x, labels, num_steps=3, method="tempered", num_samples=256
     )
@@ -567,7 +558,7 @@ def test_a_state_dict_round_trip_and_copies_predict_identically(
     build = functools.partial(
         DistributionCentricGPC,
         x,
-        _labels_of_classes(x, y, num_classes),
+        labels_of_classes(x, y, num_classes),
         num_steps=3,
         method=method,
         num_samples=256,
