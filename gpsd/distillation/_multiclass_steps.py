@@ -188,6 +188,8 @@ def data_centric_chain(
     *,
     max_iter: int,
     num_samples: int,
+    warm_start: bool = False,
+    stored_modes: Tensor | None = None,
 ) -> Iterator[MulticlassLaplacePosterior]:
     r"""The Laplace posteriors of the data-centric steps :math:`t = 1, 2, \dots`, one per
     iteration (the caller stops where it likes).
@@ -201,20 +203,35 @@ def data_centric_chain(
     :param train_x: Training inputs ``(*b, n, d)``.
     :param labels: Labels ``(*b, n)`` in ``0 ... K - 1``.
     :param noise: The schedules :math:`\gamma` ``(*s, T)``.
+    :param warm_start: Start each step's Newton run from the previous step's mode.
+    :param stored_modes: Modes of an earlier fit ``(T, *batch, n, K)``, row ``t - 1`` the start
+        of step :math:`t` (before ``warm_start``).
     """
     m, K = class_prior_at_training(covar_module, mean_module, train_x, num_classes)
     n = K.shape[-1]
     eye = torch.eye(n, dtype=K.dtype, device=K.device)
     variance = torch.diagonal(K, dim1=-2, dim2=-1)  # shape: (*b, K|1, n)
     targets = labels
+    previous = None
     for step in range(1, noise.shape[-1] + 1):
         gamma = noise[..., step - 1]  # shape: (*s,)
         covariance = K if bool((gamma == 0).all()) else K + gamma[..., None, None, None] * eye
         terms = SoftmaxTerms() if step == 1 else ContinuousCategoricalTerms()
+        stored = None if stored_modes is None else stored_modes[step - 1]
+        # the previous step's a: its prior covariance differs from this one's by a multiple of I
+        warm = previous.alpha if warm_start and previous is not None and stored is None else None
         posterior = MulticlassLaplacePosterior(
-            m, covariance, terms, targets, num_classes=num_classes, max_iter=max_iter
+            m,
+            covariance,
+            terms,
+            targets,
+            num_classes=num_classes,
+            init_f=stored,
+            init_alpha=warm,
+            max_iter=max_iter,
         )
         yield posterior
+        previous = posterior
         mean, covariance = posterior.predictive(K, variance, m)
         targets = multiclass_expectation(_softmax, mean, covariance, num_samples)
 
@@ -228,13 +245,16 @@ def tempered_posterior(
     temperature: float,
     *,
     max_iter: int,
+    init_alpha: Tensor | None = None,
 ) -> MulticlassLaplacePosterior:
     r"""The Laplace posterior of the softmax likelihood raised to ``temperature`` :math:`t` under
-    the class priors :math:`\mathcal{GP}(m_c, k_c)` (the softmax itself at :math:`t = 1`)."""
+    the class priors :math:`\mathcal{GP}(m_c, k_c)` (the softmax itself at :math:`t = 1`),
+    Newton's method started from :math:`\mathbf f = \mathbf m + \mathbf K` ``init_alpha``
+    (default: the prior mean)."""
     m, K = class_prior_at_training(covar_module, mean_module, train_x, num_classes)
     terms = SoftmaxTerms() if temperature == 1.0 else TemperedSoftmaxTerms(temperature)
     return MulticlassLaplacePosterior(
-        m, K, terms, labels, num_classes=num_classes, max_iter=max_iter
+        m, K, terms, labels, num_classes=num_classes, init_alpha=init_alpha, max_iter=max_iter
     )
 
 

@@ -163,8 +163,8 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
     labels at step 1) and :meth:`latent_modes` are ``(*batch, T, n, K)``. ``soft_target_likelihood``
     stays ``"continuous_bernoulli"`` (read as the continuous categorical), ``threshold_targets``
     ``False``, ``target_method`` ``"quadrature"`` (read as the Monte Carlo average) and
-    ``refit_hyperparameters`` ``False``; other values are refused. Each Newton run starts from the
-    prior mean (``warm_start`` and ``use_stored_modes`` apply to two classes). The continuous
+    ``refit_hyperparameters`` ``False``; other values are refused. ``warm_start`` and
+    ``use_stored_modes`` start the Newton runs as for two classes. The continuous
     categorical's factorisation is dense over the classes, :math:`O(K^3 n^3)` per Newton iteration.
     At :math:`K = 2` the binary model above is fitted (one latent function).
 
@@ -397,10 +397,11 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         callback: Callback | None = None,
     ) -> _DataCentricFit | _DataCentricClassFit:
         """Fit steps 1..T (fewer where ``callback`` stops), by default warm-started from the
-        stored modes (for :math:`K > 2` classes, from the prior mean)."""
+        stored modes."""
         self._check_noise_batch()  # labels of another batch (set_train_data), or refits set
+        use_stored_modes = use_stored_modes and bool(self.is_fitted)
         if self.num_classes > 2:
-            return self._compute_class_fit(progress, callback)
+            return self._compute_class_fit(use_stored_modes, progress, callback)
         check_dense_matrices_fit(
             f"{type(self).__name__}.fit",
             _WORKING_MATRICES + self.num_steps,
@@ -409,7 +410,6 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
             "the kernel matrix, Newton's factorisation and the Cholesky factor each step keeps",
             "fit fewer num_steps, train on fewer points, or in float32 for half the bytes",
         )
-        use_stored_modes = use_stored_modes and bool(self.is_fitted)
         refit = self.refit_hyperparameters
         if refit:
             check_trainable(self.covar_module, self.mean_module)
@@ -492,12 +492,16 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
         return _DataCentricFit(tuple(modes), tuple(fitted_targets), tuple(fitted_modules))
 
     def _compute_class_fit(
-        self, progress: object, callback: Callback | None
+        self, use_stored_modes: bool, progress: object, callback: Callback | None
     ) -> _DataCentricClassFit:
         """:meth:`_compute_fit` for :math:`K > 2` classes: the chain of multiclass Laplace
         fits."""
         self._check_class_settings()
         batch = torch.broadcast_shapes(self.noise.shape[:-1], self.train_targets.shape[:-1])
+        shape = (self.num_steps, *batch, self.train_targets.shape[-1], self.num_classes)
+        stored = self._latent_modes if use_stored_modes else None
+        if stored is not None and stored.shape != shape:
+            stored = None
         check_class_memory(
             f"{type(self).__name__}.fit",
             self.train_inputs,
@@ -521,6 +525,8 @@ class DataCentricGPC(Fitted, StepwiseClassifier, ClassificationTrainingData, gpy
                 self.num_classes,
                 max_iter=self.max_iter,
                 num_samples=self.num_samples,
+                warm_start=self.warm_start,
+                stored_modes=stored,
             )
             task = f"{type(self).__name__}.fit"
             with ProgressReporter(task, self.num_steps, progress, callback) as report:

@@ -613,7 +613,10 @@ class DistributionCentricGPC(
         self, fit: _DistributionCentricFit, step: int
     ) -> MulticlassLaplacePosterior:
         """For :math:`K > 2` classes: the tempered posterior of step ``step``, kept in ``fit``
-        (without ``store_all_steps``, with step ``T``'s alone)."""
+        (without ``store_all_steps``, with step ``T``'s alone); Newton's method starts from the
+        mode of the nearest step fitted."""
+        fitted = list(fit.class_steps)
+        nearest = min(fitted, key=lambda t: abs(t - step)) if fitted else None
         posterior = tempered_posterior(
             self.train_inputs,
             self.train_targets,
@@ -622,6 +625,7 @@ class DistributionCentricGPC(
             self.num_classes,
             float(step),
             max_iter=self.max_iter,
+            init_alpha=None if nearest is None else fit.class_steps[nearest].alpha,
         )
         self.newton_iterations[step] = posterior.iterations
         if not self.store_all_steps:

@@ -149,6 +149,13 @@ class MulticlassLaplacePosterior:
         ``"continuous_categorical"``, soft targets ``(*b, n, K)`` on the simplex.
     :param num_classes: :math:`K`; needed for labels with a shared covariance, else read from
         ``prior_covariance`` or ``train_y`` (and checked against them where given).
+    :param init_f: A start for Newton's method (a previous mode, say), broadcasting to
+        ``(*b, n, K)``; default :math:`\mathbf m`. Newton's method takes one full step from it
+        first, which needs no solve with :math:`\mathbf K` (but one factorisation).
+    :param init_alpha: A start given as :math:`\mathbf a`, broadcasting to ``(*b, n, K)``:
+        :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a` (another posterior's
+        :attr:`alpha`, whose prior covariance differs from this one's by a multiple of
+        :math:`\mathbf I`, say); no step is taken first. Not with ``init_f``.
     :param max_iter: Newton iterations allowed.
     :param objective_tol: Convergence tolerance (finite, :math:`\ge 0`) on the change of
         :math:`\Psi` relative to :math:`1 + |\Psi|` (default :math:`10^{-13}` in float64,
@@ -191,6 +198,8 @@ class MulticlassLaplacePosterior:
         train_y: Tensor,
         *,
         num_classes: int | None = None,
+        init_f: Tensor | None = None,
+        init_alpha: Tensor | None = None,
         max_iter: int = 100,
         objective_tol: float | None = None,
         f_tol: float | None = None,
@@ -233,6 +242,18 @@ class MulticlassLaplacePosterior:
                 f"the batch shapes of prior_covariance {tuple(K.shape[:-3])}, train_y "
                 f"{tuple(Y.shape[:-2])} and prior_mean must broadcast"
             ) from err
+        if init_f is not None and init_alpha is not None:
+            raise ValueError("pass either init_f or init_alpha, not both")
+        start = init_f if init_alpha is None else init_alpha
+        name = "init_f" if init_alpha is None else "init_alpha"
+        if start is not None:
+            start = check_finite(as_float_tensor(start, name, dtype=K.dtype, device=K.device), name)
+            try:
+                torch.broadcast_shapes(start.shape, (*batch, n, C))
+            except RuntimeError as err:
+                raise ValueError(
+                    f"{name} {tuple(start.shape)} must broadcast to (*b, n, K) = {(*batch, n, C)}"
+                ) from err
         default_obj_tol, default_f_tol = _default_tolerances(K.dtype)
         self.objective_tol = (
             default_obj_tol
@@ -250,7 +271,7 @@ class MulticlassLaplacePosterior:
         self.train_targets = Y.expand(*batch, n, C)
         self._batch = batch
         self._check_memory()
-        self._find_mode()
+        self._find_mode(start, given_alpha=init_alpha is not None)
 
     def _check_memory(self) -> None:
         """Raise :class:`~gpsd.InsufficientMemoryError` before allocating where the matrices of
@@ -324,14 +345,26 @@ class MulticlassLaplacePosterior:
         b = apply_blocks(W, F - m) + gradient
         return b - factor.apply(apply_K(K, b).unsqueeze(-1)).squeeze(-1), W
 
-    def _find_mode(self) -> None:
+    def _find_mode(self, start: Tensor | None, given_alpha: bool) -> None:
+        r"""Newton's method from ``start``: :math:`\mathbf a` where ``given_alpha``, else
+        :math:`\mathbf f` (one full step from it first), else the prior mean."""
         with torch.no_grad():
             K = self._expanded_covariance(self.prior_covariance.detach())
             Y = self.train_targets
             m = self.prior_mean.detach().expand_as(Y)
-            a = torch.zeros_like(Y)
-            F = m.clone()
+            if start is None:
+                a = torch.zeros_like(Y)
+                F = m.clone()
+            else:
+                start = start.detach().expand_as(Y)
+                # from f, one full Newton step: a needs no solve with K
+                a = start.clone() if given_alpha else self._newton_target(K, start, m)[0]
+                F = m + apply_K(K, a)
             psi = self._objective(a, F, m)
+            if not torch.isfinite(psi).all():
+                raise LaplaceConvergenceError(
+                    "the multiclass Laplace objective is not finite at the start point"
+                )
             eps = torch.finfo(K.dtype).eps
             converged = False
             iterations = 0

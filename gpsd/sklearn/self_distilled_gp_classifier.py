@@ -185,16 +185,20 @@ def _maximise_softmax_evidence(
     max_iter: int,
     lr: float,
 ) -> None:
-    """``max_iter`` Adam iterations at learning rate ``lr`` on ``covar_module``'s parameters,
+    r"""``max_iter`` Adam iterations at learning rate ``lr`` on ``covar_module``'s parameters,
     maximising the Laplace log marginal likelihood per point of the softmax GPC of ``labels``
-    whose :math:`K` latent functions share the kernel (zero prior mean)."""
+    whose :math:`K` latent functions share the kernel (zero prior mean); each iteration's Newton
+    run starts from the previous iteration's :math:`\mathbf a` (:math:`\mathbf f = \mathbf K
+    \mathbf a`)."""
     optimizer = torch.optim.Adam(covar_module.parameters(), lr=lr)
+    alpha = None
     for _ in range(max_iter):
         optimizer.zero_grad()
         covariance = covar_module(train_x).to_dense()
         posterior = MulticlassLaplacePosterior(
-            0.0, covariance, "softmax", labels, num_classes=num_classes
+            0.0, covariance, "softmax", labels, num_classes=num_classes, init_alpha=alpha
         )
+        alpha = posterior.alpha
         loss = -posterior.log_marginal_likelihood() / labels.shape[-1]
         loss.backward()
         optimizer.step()

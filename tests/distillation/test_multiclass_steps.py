@@ -19,6 +19,7 @@ from multiclass_reference import (
 import gpsd
 from gpsd.distillation.data_centric_gpc import DataCentricGPC
 from gpsd.distillation.distribution_centric_gpc import DistributionCentricGPC
+from gpsd.laplace import MulticlassLaplacePosterior, SoftmaxTerms, TemperedSoftmaxTerms
 
 S = 256  # Monte Carlo draws: one chunk of the engine's
 
@@ -103,6 +104,29 @@ def test_data_centric_chain_matches_the_dense_chain(K, per_class):
     torch.testing.assert_close(model.predict_proba(test_x, step=2), proba[1], rtol=0, atol=0)
     torch.testing.assert_close(proba.sum(-1), torch.ones(3, len(test_x), dtype=torch.float64))
     assert torch.equal(model.predict(test_x), proba.argmax(-1))
+
+
+def test_warm_starts_reach_the_dense_chains_modes_in_fewer_newton_iterations():
+    K, n = 3, 24
+    x, labels, test_x = _data(n, K, seed=3)
+    noise = [0.0, 0.05, 0.1, 0.2]
+    _, _, params = _modules(K, per_class=False)
+    models = {
+        warm: DataCentricGPC(
+            x, labels, _modules(K, False)[0], noise=noise, num_samples=S, warm_start=warm
+        ).fit()
+        for warm in (False, True)
+    }
+    Ks, m, *_ = _dense_prior(params, x, test_x)
+    modes, _, _ = data_centric_chain(Ks, m, labels, noise, S)
+    for model in models.values():
+        torch.testing.assert_close(model.latent_modes(), modes, rtol=0, atol=1e-8)
+    cold, warm = models[False].newton_iterations, models[True].newton_iterations
+    assert warm[0] == cold[0]  # step 1 starts from the prior mean either way
+    assert sum(warm[1:]) < sum(cold[1:])
+    models[True].fit(use_stored_modes=True)  # every step starts at its own mode
+    assert max(models[True].newton_iterations) == 1
+    torch.testing.assert_close(models[True].latent_modes(), modes, rtol=0, atol=1e-8)
 
 
 def test_a_batch_of_labels_and_schedules_matches_the_dense_chain_of_each():
@@ -193,10 +217,28 @@ def test_tempered_steps_kept_or_recomputed_agree():
         num_samples=S,
         store_all_steps=False,
     )
+    # a recomputed step starts Newton from another step's mode: the same mode to rounding
     torch.testing.assert_close(
-        recomputed.predict_proba(test_x), kept.predict_proba(test_x), rtol=0, atol=0
+        recomputed.predict_proba(test_x), kept.predict_proba(test_x), rtol=0, atol=1e-12
     )
-    torch.testing.assert_close(recomputed.latent_modes(), kept.latent_modes(), rtol=0, atol=0)
+    torch.testing.assert_close(recomputed.latent_modes(), kept.latent_modes(), rtol=0, atol=1e-12)
+
+
+def test_tempered_steps_start_from_a_fitted_steps_mode_in_fewer_newton_iterations():
+    K, n, T = 3, 20, 5
+    x, labels, test_x = _data(n, K, seed=12)
+    kernel, _, params = _modules(K, per_class=False)
+    model = DistributionCentricGPC(x, labels, kernel, num_steps=T, method="tempered", num_samples=S)
+    model.predict_proba(test_x)  # step T at the fit, then steps 1..T-1 from the nearest
+    Ks, m, *_ = _dense_prior(params, x, test_x)
+    Y = torch.nn.functional.one_hot(labels, K).double()
+    cold = 0
+    for t in range(1, T):
+        F, _ = laplace_mode(Ks, m, Y, tempered(SOFTMAX, t))
+        torch.testing.assert_close(model.latent_modes(t), F, rtol=0, atol=1e-8)
+        terms = SoftmaxTerms() if t == 1 else TemperedSoftmaxTerms(float(t))
+        cold += MulticlassLaplacePosterior(0.0, Ks, terms, labels, num_classes=K).iterations
+    assert sum(model.newton_iterations[t] for t in range(1, T)) < cold
 
 
 def test_a_loaded_state_refits_the_tempered_steps():

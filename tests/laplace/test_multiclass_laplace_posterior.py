@@ -518,6 +518,59 @@ def test_algorithm_3_3_and_the_dense_factor_agree_for_the_softmax():
         torch.testing.assert_close(fast.detach(), dense.detach(), rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize("likelihood", ["softmax", "continuous_categorical"])
+def test_a_start_near_the_mode_reaches_the_mode_of_numpy_in_fewer_iterations(likelihood):
+    x = _inputs(20, seed=30)
+    K = _class_covariances(x, [0.6, 1.0, 1.5]) + 0.05 * torch.eye(20, dtype=DT)
+    y = _labels(20, 3, seed=31) if likelihood == "softmax" else _soft_targets(20, 3, seed=31)
+    cold = MulticlassLaplacePosterior(0.0, K, likelihood, y, num_classes=3)
+    # the mode of a nearby problem (another noise) as the start
+    nearby = MulticlassLaplacePosterior(
+        0.0, K + 0.1 * torch.eye(20, dtype=DT), likelihood, y, num_classes=3
+    )
+    for start in ({"init_f": nearby.mode}, {"init_alpha": nearby.alpha}):
+        warm = MulticlassLaplacePosterior(0.0, K, likelihood, y, num_classes=3, **start)
+        if likelihood == "softmax":
+            reference, _ = _numpy_algorithm_3_3(K.numpy(), y.numpy(), 3)
+            np.testing.assert_allclose(warm.mode.numpy(), reference, rtol=0, atol=1e-10)
+        torch.testing.assert_close(warm.mode, cold.mode, rtol=0, atol=1e-10)
+        torch.testing.assert_close(
+            warm.log_marginal_likelihood(), cold.log_marginal_likelihood(), rtol=0, atol=1e-11
+        )
+        assert warm.iterations < cold.iterations
+
+
+def test_a_start_at_the_modes_alpha_converges_in_one_iteration():
+    x = _inputs(15, seed=38)
+    K = _class_covariances(x, [0.7, 1.0, 1.6])
+    labels = _labels(15, 3, seed=39)
+    cold = MulticlassLaplacePosterior(0.0, K, "softmax", labels)
+    again = MulticlassLaplacePosterior(0.0, K, "softmax", labels, init_alpha=cold.alpha)
+    assert again.iterations == 1
+    torch.testing.assert_close(again.mode, cold.mode, rtol=0, atol=1e-12)
+
+
+def test_a_start_far_from_the_mode_still_reaches_it():
+    x = _inputs(12, seed=32)
+    K = _class_covariances(x, [0.8, 1.2, 2.0])
+    labels = _labels(12, 3, seed=33)
+    far = 8.0 * torch.randn(12, 3, generator=torch.Generator().manual_seed(34), dtype=DT)
+    warm = MulticlassLaplacePosterior(0.0, K, "softmax", labels, init_f=far)
+    reference, _ = _numpy_algorithm_3_3(K.numpy(), labels.numpy(), 3)
+    np.testing.assert_allclose(warm.mode.numpy(), reference, rtol=0, atol=1e-10)
+
+
+def test_a_start_broadcasts_over_a_batch_of_targets():
+    x = _inputs(10, seed=35)
+    K = _rbf(x, x, 1.0) + 0.05 * torch.eye(10, dtype=DT)
+    targets = torch.stack([_soft_targets(10, 3, seed=s) for s in (36, 37)])  # (2, 10, 3)
+    start = torch.linspace(-1.0, 1.0, 3, dtype=DT)  # (3,): one value per class
+    batch = MulticlassLaplacePosterior(0.0, K, "continuous_categorical", targets, init_f=start)
+    for b in range(2):
+        alone = MulticlassLaplacePosterior(0.0, K, "continuous_categorical", targets[b])
+        torch.testing.assert_close(batch.mode[b], alone.mode, rtol=0, atol=1e-10)
+
+
 def test_too_few_iterations_raise_naming_max_iter():
     x = _inputs(10, seed=22)
     with pytest.raises(LaplaceConvergenceError, match="max_iter=1"):
@@ -561,6 +614,23 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="prior_mean must be finite"):
         MulticlassLaplacePosterior(
             float("nan"), K, "softmax", torch.tensor([0, 1, 2, 0, 1]), num_classes=3
+        )
+    labels = torch.tensor([0, 1, 2, 0, 1])
+    with pytest.raises(ValueError, match=r"init_f \(4, 3\) must broadcast to \(\*b, n, K\)"):
+        MulticlassLaplacePosterior(
+            0.0, K, "softmax", labels, num_classes=3, init_f=torch.zeros(4, 3)
+        )
+    with pytest.raises(ValueError, match="pass either init_f or init_alpha, not both"):
+        MulticlassLaplacePosterior(
+            0.0, K, "softmax", labels, num_classes=3, init_f=0.0, init_alpha=0.0
+        )
+    with pytest.raises(ValueError, match=r"init_alpha \(5, 2\) must broadcast"):
+        MulticlassLaplacePosterior(
+            0.0, K, "softmax", labels, num_classes=3, init_alpha=torch.zeros(5, 2)
+        )
+    with pytest.raises(ValueError, match="init_f must be finite"):
+        MulticlassLaplacePosterior(
+            0.0, K, "softmax", labels, num_classes=3, init_f=torch.full((5, 3), float("inf"))
         )
     with pytest.raises(ValueError, match="likelihood must be one of"):
         MulticlassLaplacePosterior(0.0, K, "probit", torch.tensor([0, 1, 2, 0, 1]), num_classes=3)

@@ -383,6 +383,21 @@ def test_classifier_fits_the_kernel_of_three_classes_by_the_softmax_evidence():
     assert fitted.base_kernel.lengthscale.item() != pytest.approx(1.0)
     assert evidence(fitted) > evidence(kernel(1.0, 1.0)) + 1.0
 
+    # the same Adam iterations written out, every Newton run from the prior mean
+    reference = kernel(1.0, 1.0)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.1)
+    for _ in range(15):
+        optimizer.zero_grad()
+        posterior = MulticlassLaplacePosterior(
+            0.0, reference(train_x).to_dense(), "softmax", labels, num_classes=3
+        )
+        (-posterior.log_marginal_likelihood() / len(labels)).backward()
+        optimizer.step()
+    for name in ("base_kernel.raw_lengthscale", "raw_outputscale"):
+        torch.testing.assert_close(
+            fitted.get_parameter(name), reference.get_parameter(name), rtol=0, atol=1e-8
+        )
+
 
 def test_classifier_refuses_continuous_targets():
     x, y, _ = classification_data()
