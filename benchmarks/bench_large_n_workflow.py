@@ -31,7 +31,8 @@ Each side runs in a process of its own, so that its peak resident memory (``VmHW
 the allocator's peak) is its own. Both final hyperparameters are then scored by the same exact
 float64 Cholesky marginal likelihood (``--exact-mll``), which is what "the MLL reached"
 compares. ``--probe-runs R`` learns R times on each side, run ``r`` with the probes of seeds
-``1000 r + i``: the spread of the MLL that each side's stochastic estimator reaches.
+``1000 r + i``: the spread of the MLL that each side's stochastic estimator reaches;
+``--cg-tolerance`` and ``--trace-samples`` tighten that estimator on both sides.
 
 Usage (from the repository root)::
 
@@ -48,6 +49,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -134,7 +136,7 @@ def _train_exact_gp(model, likelihood, x, y, args) -> list[float]:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     model.train()
     losses = []
-    with gpytorch.settings.max_preconditioner_size(_preconditioner_rank(args)):
+    with _learning_settings(args):
         for i in tqdm(range(args.iters), desc=f"{args.side} ExactGP", disable=args.quiet):
             torch.manual_seed(args.probe_seed + i)
             optimizer.zero_grad()
@@ -261,6 +263,18 @@ def exact_mll(args: argparse.Namespace, hyper: dict) -> float:
         return float(value - 0.5 * n * math.log(2 * math.pi)) / n
 
 
+def _learning_settings(args: argparse.Namespace) -> contextlib.ExitStack:
+    """GPyTorch's estimator settings while learning, the same on both sides: the
+    preconditioner's rank, and where given the CG tolerance and the number of probe vectors."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(gpytorch.settings.max_preconditioner_size(_preconditioner_rank(args)))
+    if args.cg_tolerance is not None:
+        stack.enter_context(gpytorch.settings.cg_tolerance(args.cg_tolerance))
+    if args.trace_samples is not None:
+        stack.enter_context(gpytorch.settings.num_trace_samples(args.trace_samples))
+    return stack
+
+
 def _preconditioner_rank(args: argparse.Namespace) -> int:
     if args.preconditioner_size is None:
         return gpytorch.settings.max_preconditioner_size.value()
@@ -375,6 +389,19 @@ def main() -> None:
         help="rank of GPyTorch's pivoted-Cholesky preconditioner while learning, on both sides "
         "(default: GPyTorch's, 15; 0: none, which makes the probe vectors of both sides equal)",
     )
+    parser.add_argument(
+        "--cg-tolerance",
+        type=float,
+        default=None,
+        help="GPyTorch's CG tolerance while learning, on both sides (default: GPyTorch's, 1)",
+    )
+    parser.add_argument(
+        "--trace-samples",
+        type=int,
+        default=None,
+        help="GPyTorch's probe vectors for SLQ while learning, on both sides (default: "
+        "GPyTorch's, 10)",
+    )
     parser.add_argument("--probe-seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
     parser.add_argument(
@@ -412,7 +439,10 @@ def main() -> None:
         f"{'GPyTorch' + chr(39) + 's loop over a gpsd.ChunkedKernel' if args.learn == 'exactgp' else 'DataCentricGPR.optimize_hyperparameters'}"
         f"{'' if args.cache_gib is None else f', kernel rows kept within {args.cache_gib:g} GiB'}"
         f", {args.chunk} rows a chunk, {args.test_chunk} test points a chunk; GPyTorch's "
-        f"preconditioner of rank {_preconditioner_rank(args)} while learning. "
+        f"preconditioner of rank {_preconditioner_rank(args)}"
+        f"{'' if args.cg_tolerance is None else f', CG tolerance {args.cg_tolerance:g}'}"
+        f"{'' if args.trace_samples is None else f', {args.trace_samples} probe vectors'}"
+        " while learning. "
         f"torch {torch.__version__}, "
         f"gpytorch {gpytorch.__version__}, gpsd {gpsd.__version__}, Python "
         f"{platform.python_version()}. Each side in its own process.",
