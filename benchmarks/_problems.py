@@ -43,13 +43,14 @@ def dpkl_network(d_in: int, latent: int = 2) -> nn.Module:
     )
 
 
-class ZeroMeanExactGP(gpytorch.models.ExactGP):
-    """GPyTorch's ``ExactGP`` with a zero mean and the given kernel: the model the training
-    benchmarks give GPyTorch's own loop."""
+class ExactRegressor(gpytorch.models.ExactGP):
+    """GPyTorch's ``ExactGP`` with the given kernel and a zero mean (``constant_mean``: a learnt
+    constant): the model the benchmarks give GPyTorch's own loop."""
 
-    def __init__(self, x, y, likelihood, kernel):
+    def __init__(self, x, y, likelihood, kernel, constant_mean: bool = False):
         super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ZeroMean()
+        means = gpytorch.means
+        self.mean_module = means.ConstantMean() if constant_mean else means.ZeroMean()
         self.covar_module = kernel
 
     def forward(self, x):

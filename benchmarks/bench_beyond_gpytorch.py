@@ -32,7 +32,7 @@ import time
 
 import gpytorch
 import torch
-from _problems import ZeroMeanExactGP
+from _problems import ExactRegressor
 from _timing import Report, cpu_name, peak_gib, reset_peak
 
 import gpsd
@@ -54,7 +54,7 @@ def run_side(args: argparse.Namespace) -> dict:
         cache = int(args.cache_gib * 2**30)
         kernel = gpsd.ChunkedKernel(base, chunk_size=args.chunk_size, cache_bytes=cache)
     likelihood = gpytorch.likelihoods.GaussianLikelihood()
-    model = ZeroMeanExactGP(x, y, likelihood, kernel).double()
+    model = ExactRegressor(x, y, likelihood, kernel).double()
     likelihood.noise = 0.1
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)

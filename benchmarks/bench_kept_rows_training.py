@@ -30,7 +30,7 @@ import time
 
 import gpytorch
 import torch
-from _problems import ZeroMeanExactGP
+from _problems import ExactRegressor
 from _timing import Report, cpu_name, peak_gib, reset_peak
 
 import gpsd
@@ -47,7 +47,7 @@ def run_one(args: argparse.Namespace) -> dict:
     kernel = gpsd.ChunkedKernel(base, chunk_size=args.chunk, cache_bytes=int(args.one * 2**30))
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(torch.float64)
     likelihood.noise = 0.1
-    model = ZeroMeanExactGP(x, y, likelihood, kernel)
+    model = ExactRegressor(x, y, likelihood, kernel)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model.train()

@@ -27,6 +27,7 @@ import warnings
 
 import gpytorch
 import torch
+from _problems import ExactRegressor
 from _timing import cpu_name, cuda_missing, load_line, median_time
 
 from gpsd.data import load_dataset
@@ -44,16 +45,6 @@ SETTINGS = {
     # KISS-GP is skipped on deliveries: GPyTorch's 100 x 100 grid model grew past 18 GiB here.
     "deliveries": (1000, 30, None, 2, False, {"n_test": 1000}),
 }
-
-
-class ExactRegressor(gpytorch.models.ExactGP):
-    def __init__(self, x, y, likelihood, covar_module):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ConstantMean()
-        self.covar_module = covar_module
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def stage(msg: str) -> None:
@@ -121,10 +112,12 @@ def run_dataset(name, args, device, dtype, curve_bs):
         )
         kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d))
         lik = gpytorch.likelihoods.GaussianLikelihood()
-        hyper = ExactRegressor(x[sub], y[sub], lik, kernel).to(device, dtype)
+        hyper = ExactRegressor(x[sub], y[sub], lik, kernel, constant_mean=True).to(device, dtype)
         t0 = time.perf_counter()
         fit_hyperparameters(hyper, lik, x[sub], y[sub], args.train_iters)
-        teacher = ExactRegressor(x, y, lik, hyper.covar_module).to(device, dtype)
+        teacher = ExactRegressor(x, y, lik, hyper.covar_module, constant_mean=True).to(
+            device, dtype
+        )
         teacher.mean_module.load_state_dict(hyper.mean_module.state_dict())
         teacher.eval()
         info["teacher_train_s"] = time.perf_counter() - t0
@@ -159,7 +152,7 @@ def run_dataset(name, args, device, dtype, curve_bs):
     sgpr_kernel = gpytorch.kernels.InducingPointKernel(
         teacher.covar_module, inducing_points=u.clone(), likelihood=lik
     )
-    sgpr = ExactRegressor(x, y, lik, sgpr_kernel).to(device, dtype)
+    sgpr = ExactRegressor(x, y, lik, sgpr_kernel, constant_mean=True).to(device, dtype)
     sgpr.mean_module.load_state_dict(teacher.mean_module.state_dict())
     sgpr.eval()
     pm, pv = predict(sgpr, lik, tx)
@@ -185,7 +178,7 @@ def run_dataset(name, args, device, dtype, curve_bs):
             )
         )
         kiss_lik = gpytorch.likelihoods.GaussianLikelihood()
-        kiss = ExactRegressor(px, y, kiss_lik, kiss_kernel).to(device, dtype)
+        kiss = ExactRegressor(px, y, kiss_lik, kiss_kernel, constant_mean=True).to(device, dtype)
         t0 = time.perf_counter()
         with gpytorch.settings.max_cholesky_size(0):
             fit_hyperparameters(kiss, kiss_lik, px, y, args.kiss_iters)

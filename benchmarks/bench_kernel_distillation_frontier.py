@@ -32,8 +32,9 @@ import warnings
 
 import gpytorch
 import torch
+from _problems import ExactRegressor
 from _timing import Report, cpu_name, median_wall_cpu
-from bench_kernel_distillation_vs_sgpr import Regressor, gp_predict, smse, stage, train
+from bench_kernel_distillation_vs_sgpr import gp_predict, smse, stage, train
 
 from gpsd.data import load_dataset
 from gpsd.kernel_distillation import KernelDistillation, kmeans
@@ -87,7 +88,7 @@ def train_sgpr(x, y, m, iters, dtype):
     kernel = gpytorch.kernels.InducingPointKernel(
         base, inducing_points=kmeans(x, m, seed=0), likelihood=lik
     )
-    model = Regressor(x, y, lik, kernel).to(dtype)
+    model = ExactRegressor(x, y, lik, kernel, constant_mean=True).to(dtype)
     train(model, lik, x, y, iters, 0.05)
     return model
 
@@ -105,10 +106,10 @@ def run_dataset(name, args, dtype):
     sub = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: args.teacher_rows]
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d))
     lik = gpytorch.likelihoods.GaussianLikelihood()
-    hyper = Regressor(x[sub], y[sub], lik, kernel).to(dtype)
+    hyper = ExactRegressor(x[sub], y[sub], lik, kernel, constant_mean=True).to(dtype)
     with gpytorch.settings.max_cholesky_size(10**6):
         train(hyper, lik, x[sub], y[sub], args.teacher_iters, 0.1)
-    teacher = Regressor(x, y, lik, hyper.covar_module).to(dtype)
+    teacher = ExactRegressor(x, y, lik, hyper.covar_module, constant_mean=True).to(dtype)
     teacher.mean_module.load_state_dict(hyper.mean_module.state_dict())
     teacher.eval()
     exact_numbers = n * d + n + n * n
@@ -160,7 +161,7 @@ def run_dataset(name, args, dtype):
         sor_kernel = gpytorch.kernels.InducingPointKernel(
             copy.deepcopy(teacher.covar_module), inducing_points=u_km.clone(), likelihood=lik
         )
-        sor = Regressor(x, y, lik, sor_kernel).to(dtype)
+        sor = ExactRegressor(x, y, lik, sor_kernel, constant_mean=True).to(dtype)
         sor.mean_module.load_state_dict(teacher.mean_module.state_dict())
         sor.eval()
         points.append(

@@ -29,6 +29,7 @@ import warnings
 
 import gpytorch
 import torch
+from _problems import ExactRegressor
 from _timing import cpu_name, load_line, median_time
 
 from gpsd.data import load_dataset
@@ -43,16 +44,6 @@ SETTINGS = {
     "concrete": (200, 30, 100, 10, {"n_test": 206}),
     "deliveries": (300, 25, 40, 4, {"n_train": 5000, "n_test": 1000}),
 }
-
-
-class Regressor(gpytorch.models.ExactGP):
-    def __init__(self, x, y, likelihood, covar_module):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ConstantMean()
-        self.covar_module = covar_module
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def stage(msg: str) -> None:
@@ -139,10 +130,10 @@ def run_dataset(name, args, dtype):
     sub = torch.randperm(n, generator=gen)[: min(n, args.teacher_rows)]
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d))
     lik = gpytorch.likelihoods.GaussianLikelihood()
-    hyper = Regressor(x[sub], y[sub], lik, kernel).to(dtype)
+    hyper = ExactRegressor(x[sub], y[sub], lik, kernel, constant_mean=True).to(dtype)
     with gpytorch.settings.max_cholesky_size(10**6):
         train(hyper, lik, x[sub], y[sub], args.teacher_iters, 0.1)
-    teacher = Regressor(x, y, lik, hyper.covar_module).to(dtype)
+    teacher = ExactRegressor(x, y, lik, hyper.covar_module, constant_mean=True).to(dtype)
     teacher.mean_module.load_state_dict(hyper.mean_module.state_dict())
     teacher.eval()
     em, ev = gp_predict(teacher, tx)
@@ -154,7 +145,7 @@ def run_dataset(name, args, dtype):
     s_lik = gpytorch.likelihoods.GaussianLikelihood()
     s_base = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d))
     s_kernel = gpytorch.kernels.InducingPointKernel(s_base, inducing_points=u0, likelihood=s_lik)
-    sgpr = Regressor(x, y, s_lik, s_kernel).to(dtype)
+    sgpr = ExactRegressor(x, y, s_lik, s_kernel, constant_mean=True).to(dtype)
     train(sgpr, s_lik, x, y, args.sgpr_iters, 0.05)
     info["sgpr_train_s"] = time.perf_counter() - t0
     rows[f"SGPR trained (U + hyperparameters, {args.sgpr_iters} Adam steps)"] = gp_row(
@@ -175,7 +166,7 @@ def run_dataset(name, args, dtype):
     sor_kernel = gpytorch.kernels.InducingPointKernel(
         copy.deepcopy(teacher.covar_module), inducing_points=u_km.clone(), likelihood=lik
     )
-    sor = Regressor(x, y, lik, sor_kernel).to(dtype)
+    sor = ExactRegressor(x, y, lik, sor_kernel, constant_mean=True).to(dtype)
     sor.mean_module.load_state_dict(teacher.mean_module.state_dict())
     sor.eval()
     rows["SoR (K-means U, teacher's hyperparameters)"] = gp_row(
@@ -207,7 +198,7 @@ def run_dataset(name, args, dtype):
         f_kernel = gpytorch.kernels.InducingPointKernel(
             copy.deepcopy(teacher.covar_module), inducing_points=u0.clone(), likelihood=lik
         )
-        fixed = Regressor(x, y, lik, f_kernel).to(dtype)
+        fixed = ExactRegressor(x, y, lik, f_kernel, constant_mean=True).to(dtype)
         fixed.mean_module.load_state_dict(teacher.mean_module.state_dict())
         for p in fixed.parameters():
             p.requires_grad_(False)
@@ -230,7 +221,7 @@ def run_dataset(name, args, dtype):
     # the exact GP with the trained SGPR's hyperparameters, distilled at the SGPR's U
     t2_lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
     t2_lik.noise = s_lik.noise.detach()
-    teacher2 = Regressor(x, y, t2_lik, copy.deepcopy(s_base)).to(dtype)
+    teacher2 = ExactRegressor(x, y, t2_lik, copy.deepcopy(s_base), constant_mean=True).to(dtype)
     teacher2.mean_module.load_state_dict(sgpr.mean_module.state_dict())
     teacher2.eval()
     rows["exact GP with the SGPR's hyperparameters"] = gp_row(
@@ -257,7 +248,7 @@ def run_dataset(name, args, dtype):
             )
         )
         k_lik = gpytorch.likelihoods.GaussianLikelihood()
-        kiss = Regressor(x @ proj, y, k_lik, kiss_kernel).to(dtype)
+        kiss = ExactRegressor(x @ proj, y, k_lik, kiss_kernel, constant_mean=True).to(dtype)
         with gpytorch.settings.max_cholesky_size(0):
             train(kiss, k_lik, x @ proj, y, args.kiss_iters, 0.1)
             rows[f"KISS-GP (2-D PCA, {grid}x{grid} grid)"] = gp_row(

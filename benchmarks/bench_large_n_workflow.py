@@ -60,7 +60,7 @@ import time
 
 import gpytorch
 import torch
-from _problems import ZeroMeanExactGP
+from _problems import ExactRegressor
 from _timing import Report, cpu_name, peak_gib, reset_peak, start_peak_rss, sync
 from tqdm import tqdm
 
@@ -158,7 +158,7 @@ def run_gpsd(args: argparse.Namespace) -> dict:
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
         likelihood.noise = args.noise
         chunked = gpsd.ChunkedKernel(kernel, chunk_size=args.chunk, cache_bytes=cache or 0)
-        teacher = ZeroMeanExactGP(x, y, likelihood, chunked)
+        teacher = ExactRegressor(x, y, likelihood, chunked)
     else:
         noise = torch.full((args.steps,), args.noise, dtype=x.dtype, device=device)
         model = DataCentricGPR(
@@ -218,7 +218,7 @@ def run_gpytorch(args: argparse.Namespace) -> dict:
     kernel = _kernel(x.shape[-1], x.dtype, device)
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
     likelihood.noise = args.noise
-    model = ZeroMeanExactGP(x, y, likelihood, kernel)
+    model = ExactRegressor(x, y, likelihood, kernel)
     out: dict = {"side": "gpytorch", "phases": {}, "cpu": {}}
     reset_peak(device)
     sync(device)
