@@ -203,7 +203,7 @@ def data_centric_chain(
     :param train_x: Training inputs ``(*b, n, d)``.
     :param labels: Labels ``(*b, n)`` in ``0 ... K - 1``.
     :param noise: The schedules :math:`\gamma` ``(*s, T)``.
-    :param warm_start: Start each step's Newton run from the previous step's mode.
+    :param warm_start: Start each step's Newton run from the previous step's :math:`\mathbf a`.
     :param stored_modes: Modes of an earlier fit ``(T, *batch, n, K)``, row ``t - 1`` the start
         of step :math:`t` (before ``warm_start``).
     """
