@@ -46,6 +46,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name and memory, or :func:`cpu_name`: what a report's header names."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    return cpu_name()
+
+
 def cuda_missing(device: torch.device) -> bool:
     """True (after saying so) where ``device`` is CUDA but none is here: the caller skips."""
     if device.type == "cuda" and not torch.cuda.is_available():

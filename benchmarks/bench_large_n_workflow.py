@@ -4,13 +4,17 @@ beside it.
 
 gpsd's side, on ``--n`` training flights (:func:`gpsd.data.load_dataset` ``"flights"``, six
 standardised inputs, air time as target; ``--n 0`` for all 327,346 but the test rows;
-``--data synthetic`` for six standard-normal inputs of which a smooth target uses four) and
-``--m`` test points:
+``--data synthetic`` for six standard-normal inputs of which a smooth target uses four,
+``--data sines`` for the two-input problem of ``bench_million.py``) and ``--m`` test points,
+from unit lengthscales and outputscale or (``--pretrain P``) from hyperparameters learnt on a
+random P-point subset by the exact marginal likelihood, as Wang et al. (2019) start their
+million-point runs:
 
 1. **learn**: :meth:`DataCentricGPR.optimize_hyperparameters` (Adam, ``--iters`` iterations,
    learning rate ``--lr``) of an ARD RBF kernel and the teacher's noise, matrix-free on
-   ``--backend`` (``cg`` or ``lanczos``: preconditioned CG and stochastic Lanczos quadrature
-   through GPyTorch's ``MultivariateNormal.log_prob`` on a :class:`ChunkedKernelOperator`);
+   ``--backend`` (``cg``, ``lanczos`` or ``auto``: preconditioned CG and stochastic Lanczos
+   quadrature through GPyTorch's ``MultivariateNormal.log_prob`` on a
+   :class:`ChunkedKernelOperator`);
    with ``--learn exactgp``, GPyTorch's own loop over an ``ExactGP`` whose kernel is a
    :class:`gpsd.ChunkedKernel` (``--chunk`` rows at once, ``--cache-gib`` of rows kept), then
    :meth:`DataCentricGPR.from_teacher`;
@@ -40,10 +44,11 @@ Usage (from the repository root)::
         --iters 5 --backend lanczos --learn exactgp --cache-gib 3 --chunk 1024 \\
         --test-chunk 512 --gpytorch --exact-mll --probe-runs 3 \\
         --out benchmarks/results/large_n_workflow_cpu_n20000.md
-    # on a GPU: all of flights, and a million synthetic points
-    python benchmarks/bench_large_n_workflow.py --device cuda --dtype float32 --n 0 --gpytorch
+    # on a GPU: all of flights, and a million points (stages 8 and 9 of gpu_suite.sh)
+    python benchmarks/bench_large_n_workflow.py --device cuda --dtype float32 --n 0 \\
+        --backend auto --pretrain 10000 --iters 3 --gpytorch
     python benchmarks/bench_large_n_workflow.py --device cuda --dtype float32 \\
-        --data synthetic --n 1000000
+        --data sines --n 1000000 --backend lanczos --pretrain 10000 --iters 1 --gpytorch
 """
 
 from __future__ import annotations
@@ -60,8 +65,14 @@ import time
 
 import gpytorch
 import torch
-from _problems import ExactRegressor
-from _timing import Report, cpu_name, peak_gib, reset_peak, start_peak_rss, sync
+from _engine import engine_name, krylov_rank, series_order
+from _problems import (
+    ExactRegressor,
+    ard_rbf_kernel,
+    pretrained_ard_rbf,
+    uniform_square_problem,
+)
+from _timing import Report, device_name, peak_gib, reset_peak, start_peak_rss, sync
 from tqdm import tqdm
 
 import gpsd
@@ -69,19 +80,39 @@ from gpsd import DataCentricGPR
 from gpsd.data import DataSplit, load_dataset
 
 
-def _kernel(d: int, dtype: torch.dtype, device: torch.device) -> gpytorch.kernels.Kernel:
-    """ARD RBF with unit lengthscales and outputscale (standardised inputs and targets)."""
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d))
-    kernel.base_kernel.lengthscale = 1.0
-    kernel.outputscale = 1.0
-    return kernel.to(device=device, dtype=dtype)
+def _start(args: argparse.Namespace) -> dict | None:
+    """The pretrained hyperparameters the sides start from (``--pretrain``), else ``None``."""
+    return json.loads(args.start) if args.start else None
+
+
+def _initial_noise(args: argparse.Namespace) -> float:
+    start = _start(args)
+    return start["noise"] if start else args.noise
+
+
+def run_pretrain(args: argparse.Namespace) -> dict:
+    """The sides' start of ``--pretrain`` (:func:`pretrained_ard_rbf`)."""
+    data = _data(args, torch.device(args.device))
+    start = pretrained_ard_rbf(
+        data.train_x,
+        data.train_y,
+        args.pretrain,
+        args.pretrain_iters,
+        lr=args.lr,
+        noise=args.noise,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+    return {"side": "pretrain", **start}
 
 
 def _data(args: argparse.Namespace, device: torch.device) -> DataSplit:
-    """The flights (``--n 0``: every row but the ``--m`` test rows) or the synthetic problem."""
+    """The flights (``--n 0``: every row but the ``--m`` test rows) or a synthetic problem."""
     dtype = getattr(torch, args.dtype)
     if args.data == "synthetic":
         return _synthetic(args.n, args.m, args.seed, dtype, device)
+    if args.data == "sines":
+        return _sines(args.n, args.m, args.seed, dtype, device)
     n = args.n or None
     return load_dataset(
         "flights", n_train=n, n_test=args.m, seed=args.seed, dtype=dtype, device=device
@@ -103,6 +134,18 @@ def _synthetic(n: int, m: int, seed: int, dtype: torch.dtype, device: torch.devi
     return DataSplit(
         "synthetic", "regression", x[:n], y[:n], x[n:], y[n:], zeros, ones, y_mean, y_std
     )
+
+
+def _sines(n: int, m: int, seed: int, dtype: torch.dtype, device: torch.device) -> DataSplit:
+    """:func:`uniform_square_problem`'s ``n + m`` points (two inputs uniform on [0, 10]^2, targets
+    sin(x1) + sin(x2) + N(0, 0.3^2)), the last ``m`` held out; targets standardised with the
+    training moments, inputs as drawn."""
+    x, y, _ = uniform_square_problem(n + m, 0, torch.device("cpu"), torch.float64, seed)
+    y_mean, y_std = float(y[:n].mean()), float(y[:n].std())
+    y = (y - y_mean) / y_std
+    x, y = x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+    zeros, ones = x.new_zeros(2), x.new_ones(2)
+    return DataSplit("sines", "regression", x[:n], y[:n], x[n:], y[n:], zeros, ones, y_mean, y_std)
 
 
 def _hyperparameters(kernel: gpytorch.kernels.Kernel, noise: float) -> dict:
@@ -152,15 +195,15 @@ def run_gpsd(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     data = _data(args, device)
     x, y = data.train_x, data.train_y
-    kernel = _kernel(x.shape[-1], x.dtype, device)
+    kernel = ard_rbf_kernel(x.shape[-1], x.dtype, device, _start(args))
     cache = None if args.cache_gib is None else int(args.cache_gib * 2**30)
     if args.learn == "exactgp":
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
-        likelihood.noise = args.noise
+        likelihood.noise = _initial_noise(args)
         chunked = gpsd.ChunkedKernel(kernel, chunk_size=args.chunk, cache_bytes=cache or 0)
         teacher = ExactRegressor(x, y, likelihood, chunked)
     else:
-        noise = torch.full((args.steps,), args.noise, dtype=x.dtype, device=device)
+        noise = torch.full((args.steps,), _initial_noise(args), dtype=x.dtype, device=device)
         model = DataCentricGPR(
             x, y, kernel, noise=noise, backend=args.backend, kernel_cache_bytes=cache
         )
@@ -198,11 +241,18 @@ def run_gpsd(args: argparse.Namespace) -> dict:
         out["phases"][phase] = time.perf_counter() - start
         out["cpu"][phase] = time.process_time() - start_cpu
         out["phase_peaks"][phase] = peak_gib(device)
+        print(
+            f"gpsd {phase}: {out['phases'][phase]:.1f} s, peak {out['phase_peaks'][phase]:.2f} GiB",
+            file=sys.stderr,
+            flush=True,
+        )
         overall = max(overall, phase_start_peak, out["phase_peaks"][phase])
     out["peak_gib"] = overall
     out["hyperparameters"] = _hyperparameters(kernel, float(model.noise[0]))
     if args.learn_only:
         return out
+    with torch.no_grad():
+        out["engine"] = [engine_name(model), krylov_rank(model), series_order(model)]
     out["rmse"] = [data.rmse(mean) for mean in pred.mean]
     out["nll"] = [
         _nll(mean, var, data.test_y, data.y_std)
@@ -215,9 +265,9 @@ def run_gpytorch(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     data = _data(args, device)
     x, y = data.train_x, data.train_y
-    kernel = _kernel(x.shape[-1], x.dtype, device)
+    kernel = ard_rbf_kernel(x.shape[-1], x.dtype, device, _start(args))
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device=device, dtype=x.dtype)
-    likelihood.noise = args.noise
+    likelihood.noise = _initial_noise(args)
     model = ExactRegressor(x, y, likelihood, kernel)
     out: dict = {"side": "gpytorch", "phases": {}, "cpu": {}}
     reset_peak(device)
@@ -249,9 +299,7 @@ def run_gpytorch(args: argparse.Namespace) -> dict:
 def exact_mll(args: argparse.Namespace, hyper: dict) -> float:
     """log p(y | θ) / N by a float64 Cholesky of the formed matrix (the common yardstick)."""
     data = _data(argparse.Namespace(**{**vars(args), "dtype": "float64"}), torch.device("cpu"))
-    kernel = _kernel(data.train_x.shape[-1], torch.float64, torch.device("cpu"))
-    kernel.base_kernel.lengthscale = torch.tensor(hyper["lengthscale"], dtype=torch.float64)
-    kernel.outputscale = hyper["outputscale"]
+    kernel = ard_rbf_kernel(data.train_x.shape[-1], torch.float64, torch.device("cpu"), hyper)
     with torch.no_grad():
         k = kernel(data.train_x).to_dense()
         k.diagonal().add_(hyper["noise"])
@@ -294,12 +342,21 @@ def _seconds(phases: dict, key: str) -> str:
 
 
 def _in_subprocess(side: str, argv: list[str]) -> dict:
+    """Run one side in a process of its own, its standard error passed on line by line as it
+    comes (each phase's time, so that a run cut short by a time limit still says how far it
+    got); its result is the last line of its standard output."""
     command = [sys.executable, os.path.abspath(__file__), "--side", side, *argv]
-    done = subprocess.run(command, capture_output=True, text=True)
-    sys.stderr.write(done.stderr[-2000:])
-    if done.returncode != 0:
-        return {"side": side, "failed": done.stderr.strip().splitlines()[-1:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    errors = []
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        for line in process.stderr:
+            sys.stderr.write(line)
+            errors.append(line)
+        output = process.stdout.read()
+    if process.returncode != 0:
+        return {"side": side, "failed": "".join(errors).strip().splitlines()[-1:]}
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def _report_probe_runs(report: Report, repeats: dict, args: argparse.Namespace) -> None:
@@ -337,14 +394,20 @@ def main() -> None:
         default=20_000,
         help="training points (flights: 0 for every row but the test rows)",
     )
-    parser.add_argument("--data", default="flights", choices=["flights", "synthetic"])
+    parser.add_argument("--data", default="flights", choices=["flights", "synthetic", "sines"])
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     parser.add_argument("--m", type=int, default=5_000, help="test points")
     parser.add_argument("--iters", type=int, default=10, help="Adam iterations")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--noise", type=float, default=0.1, help="initial noise (standardised)")
     parser.add_argument("--steps", type=int, default=10, help="data-centric steps")
-    parser.add_argument("--backend", default="cg", choices=["cg", "lanczos"])
+    parser.add_argument(
+        "--backend",
+        default="cg",
+        choices=["cg", "lanczos", "auto"],
+        help="gpsd's backend (auto: Lanczos up to gpsd.settings.max_lanczos_rank, then deflated "
+        "CG where it falls short of the accuracy)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpytorch", action="store_true", help="run GPyTorch's ExactGP too")
@@ -402,21 +465,41 @@ def main() -> None:
         help="GPyTorch's probe vectors for SLQ while learning, on both sides (default: "
         "GPyTorch's, 10)",
     )
+    parser.add_argument(
+        "--pretrain",
+        type=int,
+        default=0,
+        help="start both sides from hyperparameters learnt on a random subset of this many "
+        "training points by exact (Cholesky) Adam iterations, as Wang et al. (2019) do "
+        "(default 0: from lengthscales 1, outputscale 1 and --noise)",
+    )
+    parser.add_argument(
+        "--pretrain-iters", type=int, default=50, help="Adam iterations of --pretrain (lr --lr)"
+    )
+    parser.add_argument("--start", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe-seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
     parser.add_argument(
-        "--side", default=None, choices=["gpsd", "gpytorch"], help=argparse.SUPPRESS
+        "--side", default=None, choices=["gpsd", "gpytorch", "pretrain"], help=argparse.SUPPRESS
     )
     args, _ = parser.parse_known_args()
     torch.manual_seed(args.seed)
     if args.side is not None:
-        result = run_gpsd(args) if args.side == "gpsd" else run_gpytorch(args)
-        print(json.dumps(result))
+        sides = {"gpsd": run_gpsd, "gpytorch": run_gpytorch, "pretrain": run_pretrain}
+        print(json.dumps(sides[args.side](args)))
         return
     argv = [a for a in sys.argv[1:] if a not in ("--gpytorch", "--exact-mll")]
     if "--out" in argv:
         i = argv.index("--out")
         del argv[i : i + 2]
+    pretrained = None
+    if args.pretrain:
+        pretrained = _in_subprocess("pretrain", argv)
+        if "failed" in pretrained:
+            raise SystemExit(f"pretraining failed: {' '.join(pretrained['failed'])}")
+        start = {k: pretrained[k] for k in ("lengthscale", "outputscale", "noise")}
+        args.start = json.dumps(start)
+        argv = [*argv, "--start", args.start]
     results = [_in_subprocess("gpsd", argv)]
     if args.gpytorch:
         results.append(_in_subprocess("gpytorch", argv))
@@ -428,13 +511,23 @@ def main() -> None:
             repeats[side].append(_in_subprocess(side, [*argv, *seed]))
     report = Report(args.out)
     unit = " (min)" if args.data == "flights" else ""
+    d = 2 if args.data == "sines" else 6
+    if pretrained is None:
+        start = f"lengthscales 1, outputscale 1, noise {args.noise}"
+    else:
+        start = (
+            f"the hyperparameters learnt on a random {args.pretrain:,}-point subset by "
+            f"{args.pretrain_iters} Adam iterations on the exact (Cholesky, float64) marginal "
+            f"likelihood ({pretrained['seconds']:.1f} s; outputscale "
+            f"{pretrained['outputscale']:.3f}, noise {pretrained['noise']:.4f})"
+        )
     report.add(
         f"# The large-N workflow on {args.data}: N = {args.n or _FLIGHTS - args.m:,} training, "
         f"M = {args.m:,} test",
         "",
-        f"{cpu_name() if args.device == 'cpu' else args.device}, "
-        f"{torch.get_num_threads()} threads, {args.dtype}, ARD RBF on 6 inputs, Adam lr {args.lr}, "
-        f"{args.iters} iterations from lengthscales 1, outputscale 1, noise {args.noise}; "
+        f"{device_name(torch.device(args.device))}, "
+        f"{torch.get_num_threads()} threads, {args.dtype}, ARD RBF on {d} inputs, Adam lr {args.lr}, "
+        f"{args.iters} iteration{'s' * (args.iters != 1)} from {start}; "
         f"gpsd backend `{args.backend}`, {args.steps} steps, learning by "
         f"{'GPyTorch' + chr(39) + 's loop over a gpsd.ChunkedKernel' if args.learn == 'exactgp' else 'DataCentricGPR.optimize_hyperparameters'}"
         f"{'' if args.cache_gib is None else f', kernel rows kept within {args.cache_gib:g} GiB'}"
@@ -481,6 +574,11 @@ def main() -> None:
             report.add(f"| {r['side']} | {' | '.join(cells)} |")
     gp = next((r for r in results if r["side"] == "gpsd" and "failed" not in r), None)
     if gp is not None:
+        backend, rank, order = gp["engine"]
+        report.add(
+            "",
+            f"gpsd's engine: {backend}, {rank} Ritz pairs, complement series of order {order}.",
+        )
         report.add(
             "",
             f"gpsd's GCV chose step {gp['best_step']} (its score's standard error "

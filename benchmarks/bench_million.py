@@ -44,19 +44,13 @@ from dataclasses import dataclass
 
 import gpytorch
 import torch
+from _engine import krylov_rank, series_order
 from _problems import rbf_kernel, uniform_square_problem
-from _timing import Report, cpu_name, peak_gib, reset_peak, sync
+from _timing import Report, device_name, peak_gib, reset_peak, sync
 
 import gpsd
 from gpsd import DataCentricGPR
 from gpsd.linalg import ChunkedKernelOperator
-
-
-def _device_line(device: torch.device) -> str:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
-    return cpu_name()
 
 
 @dataclass
@@ -133,7 +127,7 @@ def run(n, m, steps, backend, args, device, dtype) -> Run:
         fitted = time.perf_counter()
         print(
             f"  {label}: fit {fitted - start:.1f} s, {len(timer.seconds)} products, "
-            f"rank {_rank(model)}, series order {_series_order(model)}",
+            f"rank {krylov_rank(model)}, series order {series_order(model)}",
             flush=True,
         )
         prediction = model.predict(test_x)
@@ -151,16 +145,6 @@ def _products(result: Run) -> str:
         return "— | — | —"
     median = statistics.median(result.product_seconds)
     return f"{len(result.product_seconds)} | {result.blocks} | {median:.2f}"
-
-
-def _rank(model) -> int:
-    engine = model._current_fit().engine
-    return int(engine.ritz_values.shape[-1]) if hasattr(engine, "ritz_values") else 0
-
-
-def _series_order(model) -> str:
-    engine = model._current_fit().engine
-    return str(engine.series_order) if getattr(engine, "is_truncated", False) else "—"
 
 
 def _step_one(result: Run, args) -> dict:
@@ -222,7 +206,7 @@ def main() -> None:
         f"# All {args.steps} data-centric steps at large N ({args.dtype} data, float64 "
         "factorisation)",
         "",
-        f"- device: {_device_line(device)}; torch {torch.__version__}, gpytorch "
+        f"- device: {device_name(device)}; torch {torch.__version__}, gpytorch "
         f"{gpytorch.__version__}, Python {platform.python_version()}",
         f"- command: `python benchmarks/bench_million.py --n {sizes} --m {args.m} --steps "
         f"{args.steps} --compare-n {args.compare_n} --device {args.device} --dtype {args.dtype}`",
@@ -246,7 +230,7 @@ def main() -> None:
             report.add(
                 f"| {args.compare_n:,} (float64 data) | {backend} | {result.fit_seconds:.1f} | "
                 f"{result.predict_seconds:.1f} | {result.peak_gib:.1f} | {_products(result)} | "
-                f"{_rank(model)} | {_series_order(model)} | {estimate} |"
+                f"{krylov_rank(model)} | {series_order(model)} | {estimate} |"
             )
             del result, model
         agreement = (
@@ -270,8 +254,8 @@ def main() -> None:
         )
         report.add(
             f"| {n:,} | lanczos | {result.fit_seconds:.1f} | {result.predict_seconds:.1f} | "
-            f"{result.peak_gib:.1f} | {_products(result)} | {_rank(result.model)} | "
-            f"{_series_order(result.model)} | {result.model.error_estimate:.1e} |",
+            f"{result.peak_gib:.1f} | {_products(result)} | {krylov_rank(result.model)} | "
+            f"{series_order(result.model)} | {result.model.error_estimate:.1e} |",
         )
         if not finite:
             report.add("", f"- N = {n:,}: some means or variances are not finite.", "")

