@@ -122,30 +122,31 @@ def _data(args: argparse.Namespace, device: torch.device) -> DataSplit:
 def _synthetic(n: int, m: int, seed: int, dtype: torch.dtype, device: torch.device) -> DataSplit:
     r"""``n + m`` standard-normal inputs in six dimensions, of which the target
     :math:`y = \sin(2 x_1) + \cos(x_2 x_3) + x_4 / 2 + \varepsilon`, :math:`\varepsilon \sim
-    \mathcal N(0, 0.1^2)`, uses four; targets standardised with the training moments."""
+    \mathcal N(0, 0.1^2)`, uses four; the last ``m`` held out."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n + m, 6, generator=gen, dtype=torch.float64)
     f = torch.sin(2 * x[:, 0]) + torch.cos(x[:, 1] * x[:, 2]) + x[:, 3] / 2
     y = f + 0.1 * torch.randn(n + m, generator=gen, dtype=torch.float64)
-    y_mean, y_std = float(y[:n].mean()), float(y[:n].std())
-    y = (y - y_mean) / y_std
-    x, y = x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
-    zeros, ones = x.new_zeros(6), x.new_ones(6)
-    return DataSplit(
-        "synthetic", "regression", x[:n], y[:n], x[n:], y[n:], zeros, ones, y_mean, y_std
-    )
+    return _split("synthetic", x, y, n, dtype, device)
 
 
 def _sines(n: int, m: int, seed: int, dtype: torch.dtype, device: torch.device) -> DataSplit:
     """:func:`uniform_square_problem`'s ``n + m`` points (two inputs uniform on [0, 10]^2, targets
-    sin(x1) + sin(x2) + N(0, 0.3^2)), the last ``m`` held out; targets standardised with the
-    training moments, inputs as drawn."""
+    sin(x1) + sin(x2) + N(0, 0.3^2)), the last ``m`` held out."""
     x, y, _ = uniform_square_problem(n + m, 0, torch.device("cpu"), torch.float64, seed)
+    return _split("sines", x, y, n, dtype, device)
+
+
+def _split(
+    name: str, x: torch.Tensor, y: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device
+) -> DataSplit:
+    """The first ``n`` rows for training, the rest for testing; targets standardised with the
+    training moments, inputs as drawn."""
     y_mean, y_std = float(y[:n].mean()), float(y[:n].std())
     y = (y - y_mean) / y_std
     x, y = x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
-    zeros, ones = x.new_zeros(2), x.new_ones(2)
-    return DataSplit("sines", "regression", x[:n], y[:n], x[n:], y[n:], zeros, ones, y_mean, y_std)
+    zeros, ones = x.new_zeros(x.shape[-1]), x.new_ones(x.shape[-1])
+    return DataSplit(name, "regression", x[:n], y[:n], x[n:], y[n:], zeros, ones, y_mean, y_std)
 
 
 def _hyperparameters(kernel: gpytorch.kernels.Kernel, noise: float) -> dict:

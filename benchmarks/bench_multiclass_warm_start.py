@@ -23,12 +23,10 @@ import argparse
 import functools
 import math
 import platform
-import statistics
-import time
 
 import gpytorch
 import torch
-from _timing import Report, cpu_name
+from _timing import Report, cpu_name, median_time
 
 import gpsd
 from gpsd import DataCentricGPC
@@ -45,16 +43,6 @@ def _model(x: torch.Tensor, labels: torch.Tensor, args: argparse.Namespace, warm
     noise = torch.full((args.steps,), args.noise, dtype=torch.float64)
     noise[0] = 0.0
     return DataCentricGPC(x, labels, kernel, noise=noise, warm_start=warm)
-
-
-def _timed(fit, repeats: int) -> float:
-    fit()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fit()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -91,7 +79,11 @@ def main() -> None:
         ]
         reference, base = None, None
         for start, model, stored in rows:
-            seconds = _timed(functools.partial(model.fit, use_stored_modes=stored), args.repeats)
+            seconds = median_time(
+                functools.partial(model.fit, use_stored_modes=stored),
+                args.repeats,
+                torch.device("cpu"),
+            )
             modes = model.latent_modes()
             if reference is None:
                 reference, base = modes, seconds
